@@ -1,0 +1,1 @@
+"""Backward-pass mechanics usable without a pipeline: split backward, priority, parallel branches."""

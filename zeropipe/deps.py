@@ -1,0 +1,253 @@
+"""THE dependency model: what each action needs to have finished first.
+
+Every rule about data flow between actions lives here and nowhere else; the
+validator, the send/receive lowering pass and the simulator all ask this
+module.  For stage ``s`` of ``S`` and microbatch ``i``::
+
+    F(s,i)      <- output of F(s-1,i)                      (s > 0)
+    R(s,i)      <- F(s,i), RELOAD(s,i) if offloaded
+    B|I(s,i)    <- F(s,i), R(s,i) if checkpointed, else RELOAD(s,i) if offloaded,
+                   input-gradient of B|I(s+1,i)             (s < S-1)
+    W(s,i)      <- I(s,i)
+    OFFLOAD(s,i)<- F(s,i);   RELOAD(s,i) <- OFFLOAD(s,i)
+    SEND_F(s,i) <- F(s,i);   SEND_B(s,i) <- B|I(s,i)
+
+A "checkpointed" (s,i) is one whose schedule contains R(s,i): its F keeps only
+its inputs.  An "offloaded" one contains OFFLOAD(s,i).  When producer and
+consumer sit on different ranks the edge is a *transfer*: in a compute-only
+schedule the consumer waits for the producer plus the wire time; in a lowered
+schedule (one with SEND/RECV actions) it waits for the producer's SEND, whose
+data lands only once the consumer's RECV has been posted::
+
+    rank a:  ... F(s-1,i) SEND_F(s-1,i) ...
+                                  \\ transfer
+    rank b:  ... RECV_F(s,i) ... F(s,i) ...
+
+Weight OFFLOAD/RELOAD (no microbatch) are not data edges but a residency rule:
+every compute action of stage ``s`` needs the most recent weight RELOAD of
+``s`` before it on its rank (if any), and must not run while ``s``'s weights
+are offloaded.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from zeropipe.errors import ScheduleError
+from zeropipe.ir import COMM_KINDS, COMPUTE_KINDS, Action, Kind, Schedule, format_grid
+
+__all__ = ["Dep", "Dependencies", "Graph"]
+
+
+@dataclass(frozen=True, slots=True)
+class Dep:
+    """``action`` must finish first.  ``transfer``: its data crosses ranks.
+
+    ``via`` is the consumer-side RECV of a lowered transfer: the data can only
+    land once that receive has been posted.
+    """
+
+    action: Action
+    transfer: bool = False
+    via: Action | None = None
+
+
+class Dependencies:
+    """The dependency rules, bound to one schedule's placement and choices."""
+
+    def __init__(self, schedule: Schedule) -> None:
+        self.schedule = schedule
+        self.placement = schedule.placement
+        self.num_stages = schedule.num_stages
+        self.lowered = schedule.is_lowered
+        kinds: dict[tuple[int, int], set[Kind]] = {}
+        for acts in schedule.actions:
+            for a in acts:
+                if a.microbatch is not None:
+                    kinds.setdefault((a.stage, a.microbatch), set()).add(a.kind)
+        self._kinds = kinds
+
+    # -- what a (stage, microbatch) chose --------------------------------------
+    def checkpointed(self, stage: int, mb: int) -> bool:
+        return Kind.R in self._kinds.get((stage, mb), ())
+
+    def offloaded(self, stage: int, mb: int) -> bool:
+        return Kind.OFFLOAD in self._kinds.get((stage, mb), ())
+
+    def split(self, stage: int, mb: int) -> bool:
+        """True when (stage, mb)'s backward is split into I and W."""
+        got = self._kinds.get((stage, mb), ())
+        return Kind.I in got or Kind.W in got
+
+    def backward(self, stage: int, mb: int) -> Action:
+        """The action producing (stage, mb)'s input gradient: I if split, else B."""
+        return Action(Kind.I if self.split(stage, mb) else Kind.B, stage, mb)
+
+    def crosses(self, src_stage: int, dst_stage: int) -> bool:
+        return self.placement[src_stage] != self.placement[dst_stage]
+
+    # -- the rules ---------------------------------------------------------------
+    def requires(self, action: Action) -> tuple[Dep, ...]:
+        """What must finish before ``action`` may start."""
+        kind, s, i = action.kind, action.stage, action.microbatch
+        if i is None:  # weight copies: residency, not data (see module doc)
+            return ()
+        if kind is Kind.F:
+            return self._input(Kind.F, s - 1, s, i) if s > 0 else ()
+        if kind is Kind.R:
+            return (Dep(Action(Kind.F, s, i)),) + (
+                (Dep(Action(Kind.RELOAD, s, i)),) if self.offloaded(s, i) else ()
+            )
+        if kind in (Kind.B, Kind.I):
+            deps = [Dep(Action(Kind.F, s, i))]
+            if self.checkpointed(s, i):
+                deps.append(Dep(Action(Kind.R, s, i)))
+            elif self.offloaded(s, i):
+                deps.append(Dep(Action(Kind.RELOAD, s, i)))
+            if s < self.num_stages - 1:
+                deps.extend(self._input(Kind.B, s + 1, s, i))
+            return tuple(deps)
+        if kind is Kind.W:
+            return (Dep(Action(Kind.I, s, i)),)
+        if kind is Kind.OFFLOAD:
+            return (Dep(Action(Kind.F, s, i)),)
+        if kind is Kind.RELOAD:
+            return (Dep(Action(Kind.OFFLOAD, s, i)),)
+        if kind is Kind.SEND_F:
+            return (Dep(Action(Kind.F, s, i)),)
+        if kind is Kind.SEND_B:
+            return (Dep(self.backward(s, i)),)
+        if kind in (Kind.RECV_F, Kind.RECV_B):
+            return ()
+        raise ScheduleError(f"no dependency rule for action kind {kind}", rule="unsupported")
+
+    def _input(self, direction: Kind, src: int, dst: int, i: int) -> tuple[Dep, ...]:
+        """Deps of stage ``dst`` on the activation (F) or gradient (B) from ``src``."""
+        producer = Action(Kind.F, src, i) if direction is Kind.F else self.backward(src, i)
+        if not self.crosses(src, dst):
+            return (Dep(producer),)  # same rank: handed over, nothing sent
+        if not self.lowered:
+            return (Dep(producer, transfer=True),)
+        send, recv = self.comm_pair(direction, src, dst, i)
+        return (Dep(recv), Dep(send, transfer=True, via=recv))
+
+    @staticmethod
+    def comm_pair(direction: Kind, src: int, dst: int, i: int) -> tuple[Action, Action]:
+        """SEND (on ``src``'s rank) and RECV (on ``dst``'s rank) of one boundary transfer."""
+        if direction is Kind.F:
+            return Action(Kind.SEND_F, src, i), Action(Kind.RECV_F, dst, i)
+        return Action(Kind.SEND_B, src, i), Action(Kind.RECV_B, dst, i)
+
+    def transfers(self) -> Iterator[tuple[Kind, int, int, int]]:
+        """Every boundary transfer the schedule needs: ``(direction, src, dst, mb)``."""
+        for s in range(self.num_stages - 1):
+            if not self.crosses(s, s + 1):
+                continue
+            for i in range(self.schedule.microbatches):
+                yield Kind.F, s, s + 1, i
+                yield Kind.B, s + 1, s, i
+
+    def expected_comm(self) -> Counter[Action]:
+        """The SEND/RECV actions a lowered version of this schedule must contain."""
+        want: Counter[Action] = Counter()
+        for direction, src, dst, i in self.transfers():
+            want.update(self.comm_pair(direction, src, dst, i))
+        return want
+
+    @staticmethod
+    def uses_weights(action: Action) -> bool:
+        """Whether ``action`` needs its stage's weights resident."""
+        return action.kind in COMPUTE_KINDS
+
+
+class Graph:
+    """The schedule as a DAG of ``(rank, step)`` nodes: program order plus dependencies.
+
+    ``preds[r][k]`` lists ``(rank, step, dep)`` for node ``(r, k)``: its
+    predecessor on the same rank (with ``dep=None``) and the nodes of its
+    dependencies.  ``order`` is a topological order; building the graph raises
+    ``ScheduleError(rule="missing")`` for a dependency absent from the schedule
+    and ``ScheduleError(rule="deadlock")`` for a cycle, i.e. ranks waiting on
+    each other.
+    """
+
+    def __init__(self, schedule: Schedule, deps: Dependencies | None = None) -> None:
+        self.schedule = schedule
+        self.deps = deps or Dependencies(schedule)
+        where: dict[Action, tuple[int, int]] = {}
+        for r, acts in enumerate(schedule.actions):
+            for k, a in enumerate(acts):
+                if a.microbatch is not None:
+                    where.setdefault(a, (r, k))
+        self.preds: list[list[list[tuple[int, int, Dep | None]]]] = []
+        for r, acts in enumerate(schedule.actions):
+            last_weight_reload: dict[int, int] = {}
+            rank_preds = []
+            for k, a in enumerate(acts):
+                node: list[tuple[int, int, Dep | None]] = [(r, k - 1, None)] if k else []
+                for dep in self.deps.requires(a):
+                    at = where.get(dep.action)
+                    if at is None:
+                        raise ScheduleError(
+                            f"{a} needs {dep.action}, which the schedule does not contain",
+                            rule="missing",
+                            actions=(str(a), str(dep.action)),
+                            grid=format_grid(schedule.actions, [(r, k)]),
+                        )
+                    node.append((at[0], at[1], dep))
+                if a.is_weight_copy and a.kind is Kind.RELOAD:
+                    last_weight_reload[a.stage] = k
+                elif self.deps.uses_weights(a) and a.stage in last_weight_reload:
+                    reload = Action(Kind.RELOAD, a.stage)
+                    node.append((r, last_weight_reload[a.stage], Dep(reload)))
+                rank_preds.append(node)
+            self.preds.append(rank_preds)
+        self.order = self._topological_order()
+
+    def _topological_order(self) -> list[tuple[int, int]]:
+        acts = self.schedule.actions
+        waiting = {
+            (r, k): len(p) for r, rank_preds in enumerate(self.preds) for k, p in enumerate(rank_preds)
+        }
+        succs: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        for r, rank_preds in enumerate(self.preds):
+            for k, preds in enumerate(rank_preds):
+                for pr, pk, _ in preds:
+                    succs.setdefault((pr, pk), []).append((r, k))
+        ready = [n for n, c in waiting.items() if c == 0]
+        order: list[tuple[int, int]] = []
+        while ready:
+            node = ready.pop()
+            order.append(node)
+            for nxt in succs.get(node, ()):
+                waiting[nxt] -= 1
+                if waiting[nxt] == 0:
+                    ready.append(nxt)
+        if len(order) < len(waiting):
+            done = set(order)
+            stuck = []
+            lines = []
+            for r, rank_acts in enumerate(acts):
+                head = next((k for k in range(len(rank_acts)) if (r, k) not in done), None)
+                if head is None:
+                    continue
+                stuck.append((r, head))
+                blockers = [
+                    str(acts[pr][pk]) + (f" (rank {pr})" if pr != r else "")
+                    for pr, pk, dep in self.preds[r][head]
+                    if dep is not None and (pr, pk) not in done
+                ]
+                lines.append(
+                    f"  rank {r} is stuck at step {head} ({rank_acts[head]}), waiting for "
+                    + (", ".join(blockers) or "an earlier step")
+                )
+            raise ScheduleError(
+                "the schedule deadlocks: every remaining rank waits for an action that can "
+                "only run after its own wait ends\n" + "\n".join(lines),
+                rule="deadlock",
+                actions=tuple(str(acts[r][k]) for r, k in stuck),
+                grid=format_grid(acts, stuck),
+            )
+        return order

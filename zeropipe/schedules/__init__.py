@@ -1,0 +1,1 @@
+"""Schedule generators: pure functions of (ranks, microbatches, chunks); no torch import."""

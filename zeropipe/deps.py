@@ -36,7 +36,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from zeropipe.errors import ScheduleError
-from zeropipe.ir import COMM_KINDS, COMPUTE_KINDS, Action, Kind, Schedule, format_grid
+from zeropipe.ir import COMPUTE_KINDS, Action, Kind, Schedule, format_grid
 
 __all__ = ["Dep", "Dependencies", "Graph"]
 
@@ -209,7 +209,9 @@ class Graph:
     def _topological_order(self) -> list[tuple[int, int]]:
         acts = self.schedule.actions
         waiting = {
-            (r, k): len(p) for r, rank_preds in enumerate(self.preds) for k, p in enumerate(rank_preds)
+            (r, k): len(p)
+            for r, rank_preds in enumerate(self.preds)
+            for k, p in enumerate(rank_preds)
         }
         succs: dict[tuple[int, int], list[tuple[int, int]]] = {}
         for r, rank_preds in enumerate(self.preds):

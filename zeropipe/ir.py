@@ -135,8 +135,8 @@ class Schedule:
     data; :func:`zeropipe.validate.validate` checks the rules.
     """
 
-    placement: tuple[int, ...]
-    actions: tuple[tuple[Action, ...], ...]
+    placement: Sequence[int]
+    actions: Sequence[Sequence[Action]]
     microbatches: int
     name: str = "custom"
     _index: dict[Action, tuple[int, int]] = field(
@@ -188,7 +188,9 @@ class Schedule:
             object.__setattr__(self, "_index", index)
         return self._index.get(action)
 
-    def replace_actions(self, actions: Sequence[Sequence[Action]], name: str | None = None) -> Schedule:
+    def replace_actions(
+        self, actions: Sequence[Sequence[Action]], name: str | None = None
+    ) -> Schedule:
         """The same placement and microbatches with other action lists."""
         return Schedule(
             self.placement,
@@ -199,7 +201,9 @@ class Schedule:
 
     def compute_only(self) -> Schedule:
         """This schedule without its SEND/RECV actions."""
-        return self.replace_actions([[a for a in acts if a.kind not in COMM_KINDS] for acts in self.actions])
+        return self.replace_actions(
+            [[a for a in acts if a.kind not in COMM_KINDS] for acts in self.actions]
+        )
 
     # -- text ------------------------------------------------------------------
     def to_text(self) -> str:
@@ -393,7 +397,10 @@ def format_grid(
     else:
         lo, hi = 0, min(length, 2 * window)
     cells = [
-        [(f">{acts[s]}<" if (r, s) in marks else str(acts[s])) if s < len(acts) else "." for s in range(lo, hi)]
+        [
+            (f">{acts[s]}<" if (r, s) in marks else str(acts[s])) if s < len(acts) else "."
+            for s in range(lo, hi)
+        ]
         for r, acts in enumerate(actions)
     ]
     width = max([len(c) for row in cells for c in row] + [len(str(hi))])

@@ -1,0 +1,267 @@
+"""Cost model: how long each action takes and what it does to memory.
+
+Times are in any unit (the simulator only adds them); memory is in any unit
+too, by default "one microbatch's activations of one full rank's layers", so
+a rank that holds ``v`` chunks has ``act = 1/v`` per stage.
+
+Memory deltas of stage ``s`` (``act`` = kept by a full forward, ``act_w`` =
+the part W still needs after I, ``ckpt`` = kept by a checkpointed forward)::
+
+    F  +act (or +ckpt when checkpointed)    R  +(act - ckpt)
+    B  -act      I  -(act - act_w)          W  -act_w
+    OFFLOAD(s,i) -what (s,i) holds then     RELOAD(s,i)  +the same
+    OFFLOAD(s)   -weights[s]                RELOAD(s)    +weights[s]
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from zeropipe.deps import Dependencies
+from zeropipe.errors import ScheduleError
+from zeropipe.ir import Action, Kind, Schedule
+
+__all__ = ["CostModel", "StageCost", "initial_memory", "memory_deltas", "peak_memory"]
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """Times and memory of one stage for one microbatch."""
+
+    F: float = 1.0
+    I: float = 1.0
+    W: float = 1.0
+    B: float | None = None  # None: I + W
+    R: float | None = None  # None: F
+    OFFLOAD: float = 0.0  # copy time of one microbatch's activations (copy stream)
+    RELOAD: float = 0.0
+    weight_copy: float = 0.0  # copy time of the stage's weights, each way
+    act: float = 1.0
+    act_w: float = 0.0
+    ckpt: float = 0.0
+    weights: float = 0.0
+    boundary_bytes: float = 0.0  # size of this stage's output activation (= its input grad)
+
+    def time(self, kind: Kind, weight_copy: bool = False) -> float:
+        if kind is Kind.F:
+            return self.F
+        if kind is Kind.I:
+            return self.I
+        if kind is Kind.W:
+            return self.W
+        if kind is Kind.B:
+            return self.I + self.W if self.B is None else self.B
+        if kind is Kind.R:
+            return self.F if self.R is None else self.R
+        if kind in (Kind.OFFLOAD, Kind.RELOAD):
+            return self.weight_copy if weight_copy else getattr(self, kind.value)
+        return 0.0  # sends and receives take no time on the rank itself
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Per-stage costs plus the wire: a transfer takes ``latency + bytes / bandwidth``."""
+
+    stages: tuple[StageCost, ...]
+    latency: float = 0.0
+    bandwidth: float = math.inf
+    unit: str = "microbatch"  # what memory numbers count: "microbatch" or "bytes"
+    meta: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @classmethod
+    def uniform(
+        cls,
+        num_stages: int,
+        *,
+        chunks: int = 1,
+        F: float = 1.0,
+        B: float | None = None,
+        I: float | None = None,
+        W: float | None = None,
+        R: float | None = None,
+        comm: float = 0.0,
+        act_w: float = 0.0,
+    ) -> CostModel:
+        """Every stage alike.  Times are per *rank's worth* of layers, divided by ``chunks``.
+
+        Given only ``B``, I and W split it evenly; given I and W, ``B = I + W``.
+        """
+        if chunks < 1:
+            raise ScheduleError(f"chunks must be >= 1, got {chunks}")
+        if I is None and W is None:
+            I = W = (B if B is not None else 2.0) / 2
+        elif I is None or W is None:
+            raise ScheduleError("give both I and W (or neither, and B is split evenly)")
+        stage = StageCost(
+            F=F / chunks,
+            I=I / chunks,
+            W=W / chunks,
+            B=None if B is None else B / chunks,
+            R=None if R is None else R / chunks,
+            act=1.0 / chunks,
+            act_w=act_w / chunks,
+        )
+        return cls(tuple(stage for _ in range(num_stages)), latency=comm)
+
+    @classmethod
+    def parse(cls, spec: str, num_stages: int, chunks: int = 1) -> CostModel:
+        """Read ``"F=1,B=2,I=1,W=1,comm=0"`` (any subset) into a uniform model."""
+        known = {"F", "B", "I", "W", "R", "comm", "act_w"}
+        values: dict[str, float] = {}
+        for part in filter(None, (p.strip() for p in spec.split(","))):
+            key, sep, val = part.partition("=")
+            if not sep or key.strip() not in known:
+                raise ScheduleError(
+                    f"cannot read cost {part!r}: expected KEY=NUMBER with KEY one of "
+                    f"{', '.join(sorted(known))}, e.g. 'F=1,I=1,W=1,comm=0'"
+                )
+            try:
+                values[key.strip()] = float(val)
+            except ValueError:
+                raise ScheduleError(f"cost {key.strip()} is not a number: {val!r}") from None
+        if "B" in values and "I" not in values and "W" not in values:
+            pass  # uniform() splits B evenly
+        elif "I" in values or "W" in values:
+            values.setdefault("I", 1.0)
+            values.setdefault("W", 1.0)
+        return cls.uniform(
+            num_stages,
+            chunks=chunks,
+            F=values.get("F", 1.0),
+            B=values.get("B"),
+            I=values.get("I"),
+            W=values.get("W"),
+            R=values.get("R"),
+            comm=values.get("comm", 0.0),
+            act_w=values.get("act_w", 0.0),
+        )
+
+    def for_stages(self, num_stages: int) -> CostModel:
+        if len(self.stages) != num_stages:
+            raise ScheduleError(
+                f"cost model has {len(self.stages)} stage(s) but the schedule has {num_stages}"
+            )
+        return self
+
+    def time(self, action: Action) -> float:
+        return self.stages[action.stage].time(action.kind, action.is_weight_copy)
+
+    def transfer_time(self, stage: int) -> float:
+        """Wire time of one boundary tensor leaving (or its gradient entering) ``stage``."""
+        return self.latency + self.stages[stage].boundary_bytes / self.bandwidth
+
+    def replace_stage(self, stage: int, **changes: float) -> CostModel:
+        stages = list(self.stages)
+        stages[stage] = replace(stages[stage], **changes)
+        return replace(self, stages=tuple(stages))
+
+    # -- JSON ------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": "zeropipe-costs",
+            "version": 1,
+            "latency": self.latency,
+            "bandwidth": None if math.isinf(self.bandwidth) else self.bandwidth,
+            "unit": self.unit,
+            "meta": self.meta,
+            "stages": [asdict(s) for s in self.stages],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> CostModel:
+        if data.get("format") != "zeropipe-costs":
+            raise ScheduleError(
+                "not a zeropipe cost model: field 'format' must be 'zeropipe-costs'"
+            )
+        bandwidth = data.get("bandwidth")
+        return cls(
+            stages=tuple(StageCost(**s) for s in data["stages"]),
+            latency=float(data.get("latency", 0.0)),
+            bandwidth=math.inf if bandwidth is None else float(bandwidth),
+            unit=str(data.get("unit", "microbatch")),
+            meta=dict(data.get("meta", {})),
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> CostModel:
+        return cls.from_dict(json.loads(text))
+
+
+def memory_deltas(
+    schedule: Schedule, costs: CostModel, deps: Dependencies | None = None
+) -> list[list[float]]:
+    """Per rank, the change in held memory caused by each action, in program order."""
+    deps = deps or Dependencies(schedule)
+    costs.for_stages(schedule.num_stages)
+    out: list[list[float]] = []
+    for acts in schedule.actions:
+        held: dict[tuple[int, int], float] = {}  # what each (s,i) holds on this rank now
+        deltas: list[float] = []
+        for a in acts:
+            c = costs.stages[a.stage]
+            kind, i = a.kind, a.microbatch
+            d = 0.0
+            if i is None:
+                d = -c.weights if kind is Kind.OFFLOAD else c.weights
+            elif kind is Kind.F:
+                d = c.ckpt if deps.checkpointed(a.stage, i) else c.act
+                held[(a.stage, i)] = d
+            elif kind is Kind.R:
+                d = c.act - c.ckpt
+            elif kind is Kind.B:
+                d = -c.act
+            elif kind is Kind.I:
+                d = -(c.act - c.act_w)
+            elif kind is Kind.W:
+                d = -c.act_w
+            elif kind is Kind.OFFLOAD:
+                d = -held.get((a.stage, i), 0.0)
+            elif kind is Kind.RELOAD:
+                d = held.get((a.stage, i), 0.0)
+            deltas.append(d)
+        out.append(deltas)
+    return out
+
+
+def initial_memory(schedule: Schedule, costs: CostModel) -> list[float]:
+    """Memory each rank holds before its first action: the weights that start resident.
+
+    A stage whose first weight action is a RELOAD starts offloaded.
+    """
+    out = []
+    for rank, acts in enumerate(schedule.actions):
+        first: dict[int, Kind] = {}
+        for a in acts:
+            if a.is_weight_copy:
+                first.setdefault(a.stage, a.kind)
+        out.append(
+            sum(
+                costs.stages[s].weights
+                for s in schedule.stages_of(rank)
+                if first.get(s) is not Kind.RELOAD
+            )
+        )
+    return out
+
+
+def peak_memory(
+    schedule: Schedule, costs: CostModel, deps: Dependencies | None = None
+) -> list[tuple[float, int]]:
+    """Per rank ``(peak, step)``: the highest memory held and the step that reached it."""
+    peaks = []
+    for start, deltas in zip(
+        initial_memory(schedule, costs), memory_deltas(schedule, costs, deps), strict=True
+    ):
+        level, best, at = start, start, -1
+        for step, d in enumerate(deltas):
+            level += d
+            if level > best + 1e-12:
+                best, at = level, step
+        peaks.append((best, at))
+    return peaks

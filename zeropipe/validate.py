@@ -1,0 +1,267 @@
+"""The validator: a schedule is accepted only if it can run and gives the right gradients.
+
+Checks, in order (the first broken rule raises ``ScheduleError`` naming the
+offending actions and showing the rank x step grid with them marked):
+
+1. shape: stages and microbatches in range, each action on the rank owning its stage;
+2. completeness: per (stage, microbatch) one F, one B or one I + one W, at most
+   one R, OFFLOAD/RELOAD in pairs; in a lowered schedule exactly the SEND/RECV
+   actions the dependency model asks for; weight OFFLOAD/RELOAD alternate;
+3. order: a dependency on the same rank comes earlier in that rank's list;
+   no compute of a stage while its weights are offloaded;
+4. deadlock: the (rank, step) graph of :mod:`zeropipe.deps` has no cycle;
+5. memory (optional): each rank's peak, from :mod:`zeropipe.costs`, fits a limit.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+from zeropipe.costs import CostModel, peak_memory
+from zeropipe.deps import Dependencies, Graph
+from zeropipe.errors import ScheduleError
+from zeropipe.ir import COMM_KINDS, Action, Kind, Schedule, format_grid
+
+__all__ = ["validate"]
+
+
+def validate(
+    schedule: Schedule,
+    *,
+    memory_limit: float | Sequence[float] | None = None,
+    costs: CostModel | None = None,
+) -> Graph:
+    """Check every rule; return the dependency graph (reused by the simulator).
+
+    ``memory_limit`` is one number for every rank or one per rank, in the unit
+    of ``costs`` (default: uniform costs, i.e. microbatches of one rank's layers).
+    """
+    deps = Dependencies(schedule)
+    _check_shape(schedule)
+    _check_complete(schedule, deps)
+    _check_order(schedule, deps)
+    graph = Graph(schedule, deps)
+    if memory_limit is not None:
+        chunks = max(len(schedule.stages_of(r)) for r in range(schedule.num_ranks))
+        costs = costs or CostModel.uniform(schedule.num_stages, chunks=chunks)
+        _check_memory(schedule, costs, deps, memory_limit)
+    return graph
+
+
+def _fail(
+    schedule: Schedule, message: str, rule: str, where: Sequence[tuple[int, int]]
+) -> ScheduleError:
+    acts = tuple(str(schedule.actions[r][k]) for r, k in where)
+    return ScheduleError(
+        message, rule=rule, actions=acts, grid=format_grid(schedule.actions, where)
+    )
+
+
+def _check_shape(schedule: Schedule) -> None:
+    m, stages = schedule.microbatches, schedule.num_stages
+    idle = [r for r in range(schedule.num_ranks) if not schedule.stages_of(r)]
+    if idle:
+        raise ScheduleError(
+            f"rank(s) {idle} own no stage in placement {list(schedule.placement)}; "
+            f"use fewer ranks or place a stage on each",
+            rule="placement",
+        )
+    for r, acts in enumerate(schedule.actions):
+        for k, a in enumerate(acts):
+            if a.stage >= stages:
+                raise _fail(
+                    schedule,
+                    f"{a} names stage {a.stage}, but the schedule has stages 0..{stages - 1}",
+                    "range",
+                    [(r, k)],
+                )
+            if a.microbatch is not None and a.microbatch >= m:
+                raise _fail(
+                    schedule,
+                    f"{a} names microbatch {a.microbatch}, but the schedule has microbatches 0..{m - 1}",
+                    "range",
+                    [(r, k)],
+                )
+            if schedule.placement[a.stage] != r:
+                raise _fail(
+                    schedule,
+                    f"{a} is on rank {r}, but stage {a.stage} is placed on rank "
+                    f"{schedule.placement[a.stage]}: move it there or change the placement",
+                    "placement",
+                    [(r, k)],
+                )
+
+
+def _check_complete(schedule: Schedule, deps: Dependencies) -> None:
+    where: dict[Action, list[tuple[int, int]]] = {}
+    for r, acts in enumerate(schedule.actions):
+        for k, a in enumerate(acts):
+            if a.microbatch is not None:
+                where.setdefault(a, []).append((r, k))
+    for a, places in where.items():
+        if len(places) > 1:
+            raise _fail(
+                schedule,
+                f"{a} appears {len(places)} times; it must appear once",
+                "duplicate",
+                places,
+            )
+
+    def first_of(stage: int, mb: int) -> list[tuple[int, int]]:
+        hits = [p[0] for a, p in where.items() if a.stage == stage and a.microbatch == mb]
+        return hits[:1]
+
+    for s in range(schedule.num_stages):
+        for i in range(schedule.microbatches):
+            have = {k for k in Kind if Action(k, s, i) in where}
+            if Kind.F not in have:
+                raise _fail(
+                    schedule,
+                    f"{Action(Kind.F, s, i)} is missing: stage {s} never runs "
+                    f"the forward of microbatch {i}",
+                    "missing",
+                    first_of(s, i),
+                )
+            if Kind.B in have and (Kind.I in have or Kind.W in have):
+                split = Action(Kind.I if Kind.I in have else Kind.W, s, i)
+                raise _fail(
+                    schedule,
+                    f"stage {s} microbatch {i} has both a full backward "
+                    f"{Action(Kind.B, s, i)} and a split one ({split}); keep one",
+                    "duplicate",
+                    where[Action(Kind.B, s, i)] + where[split],
+                )
+            if Kind.B not in have and Kind.I not in have and Kind.W not in have:
+                raise _fail(
+                    schedule,
+                    f"stage {s} microbatch {i} has no backward: add "
+                    f"{Action(Kind.B, s, i)} (or {Action(Kind.I, s, i)} and "
+                    f"{Action(Kind.W, s, i)})",
+                    "missing",
+                    first_of(s, i),
+                )
+            for needed, other in ((Kind.I, Kind.W), (Kind.W, Kind.I)):
+                if Kind.B not in have and needed not in have:
+                    raise _fail(
+                        schedule,
+                        f"{Action(needed, s, i)} is missing ({Action(other, s, i)} "
+                        f"is there without it)",
+                        "missing",
+                        where[Action(other, s, i)],
+                    )
+            if (Kind.OFFLOAD in have) != (Kind.RELOAD in have):
+                present, absent = (
+                    (Kind.OFFLOAD, Kind.RELOAD)
+                    if Kind.OFFLOAD in have
+                    else (Kind.RELOAD, Kind.OFFLOAD)
+                )
+                raise _fail(
+                    schedule,
+                    f"{Action(absent, s, i)} is missing: {Action(present, s, i)} "
+                    f"must come in an OFFLOAD/RELOAD pair",
+                    "missing",
+                    where[Action(present, s, i)],
+                )
+    if schedule.is_lowered:
+        want = deps.expected_comm()
+        have_comm = Counter(a for acts in schedule.actions for a in acts if a.kind in COMM_KINDS)
+        extra = [a for a in have_comm if a not in want]
+        if extra:
+            raise _fail(
+                schedule,
+                f"{extra[0]} sends or receives across a boundary that needs no "
+                f"transfer (same rank, or no such stage)",
+                "extra",
+                where[extra[0]],
+            )
+        missing = [a for a in want if a not in have_comm]
+        if missing:
+            raise _fail(
+                schedule,
+                f"{missing[0]} is missing: this lowered schedule must send and "
+                f"receive every cross-rank boundary tensor (run zeropipe.lower.lower on the "
+                f"compute-only schedule)",
+                "missing",
+                first_of(missing[0].stage, missing[0].microbatch or 0),
+            )
+    for r, acts in enumerate(schedule.actions):
+        state: dict[int, tuple[Kind, int]] = {}
+        for k, a in enumerate(acts):
+            if not a.is_weight_copy:
+                continue
+            prev = state.get(a.stage)
+            if prev is not None and prev[0] is a.kind:
+                raise _fail(
+                    schedule,
+                    f"weight {a.kind.value} of stage {a.stage} twice in a row; "
+                    f"weight OFFLOAD and RELOAD must alternate",
+                    "order",
+                    [(r, prev[1]), (r, k)],
+                )
+            state[a.stage] = (a.kind, k)
+
+
+def _check_order(schedule: Schedule, deps: Dependencies) -> None:
+    pos = {a: (r, k) for r, acts in enumerate(schedule.actions) for k, a in enumerate(acts)}
+    for r, acts in enumerate(schedule.actions):
+        offloaded: set[int] = {
+            s
+            for s in schedule.stages_of(r)
+            if next((a.kind for a in acts if a.is_weight_copy and a.stage == s), None)
+            is Kind.RELOAD
+        }
+        for k, a in enumerate(acts):
+            if a.is_weight_copy:
+                (offloaded.add if a.kind is Kind.OFFLOAD else offloaded.discard)(a.stage)
+                continue
+            if deps.uses_weights(a) and a.stage in offloaded:
+                raise _fail(
+                    schedule,
+                    f"{a} runs while stage {a.stage}'s weights are offloaded; "
+                    f"put {Action(Kind.RELOAD, a.stage)} before it",
+                    "order",
+                    [(r, k)],
+                )
+            for dep in deps.requires(a):
+                at = pos.get(dep.action)
+                if at is not None and at[0] == r and at[1] > k:
+                    raise _fail(
+                        schedule,
+                        f"{a} comes before {dep.action} on rank {r}, but needs it "
+                        f"first ({_why(a, dep.action)})",
+                        "order",
+                        [(r, k), at],
+                    )
+
+
+def _why(action: Action, dep: Action) -> str:
+    if action.kind is Kind.W and dep.kind is Kind.I:
+        return "W uses what I leaves behind"
+    if dep.kind is Kind.F:
+        return "a backward or recompute needs its forward"
+    if dep.kind in (Kind.RECV_F, Kind.RECV_B):
+        return "a receive must be posted before its data is used"
+    return f"{dep.kind.value} produces what {action.kind.value} consumes"
+
+
+def _check_memory(
+    schedule: Schedule, costs: CostModel, deps: Dependencies, limit: float | Sequence[float]
+) -> None:
+    limits = [float(limit)] * schedule.num_ranks if isinstance(limit, (int, float)) else list(limit)
+    if len(limits) != schedule.num_ranks:
+        raise ScheduleError(
+            f"memory_limit has {len(limits)} value(s) for {schedule.num_ranks} ranks"
+        )
+    for r, ((peak, step), cap) in enumerate(
+        zip(peak_memory(schedule, costs, deps), limits, strict=True)
+    ):
+        if peak > cap + 1e-9:
+            raise _fail(
+                schedule,
+                f"rank {r} holds {peak:g} {costs.unit}(s) of memory at step {step} "
+                f"({schedule.actions[r][step]}), over the limit of {cap:g}; recompute or "
+                f"offload (zeropipe.lower.fit_memory) or raise the limit",
+                "memory",
+                [(r, max(step, 0))],
+            )

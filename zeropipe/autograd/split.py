@@ -1,0 +1,380 @@
+"""Split backward: a stage's backward as two actions, I (input gradient) then W (weight gradients).
+
+Zero-bubble schedules send the gradient w.r.t. a stage's *input* upstream as
+early as possible (action I) and fill pipeline bubbles later with the weight
+gradients (action W).  The two together do exactly the work of one full
+backward B, and give the same ``.grad`` on every parameter.
+
+How it works.  :func:`prepare_split` turns every plain ``nn.Linear`` of a
+stage into a linear whose autograd node knows, *at backward time*, whether
+its :class:`WeightGradStash` is deferring.  During I the stash is deferring:
+each linear returns its input gradient (and bias gradient, a cheap sum) at
+once and pushes ``(weight, input, grad_output)`` into the stash instead of
+computing ``grad_output^T @ input``.  Autograd then frees the whole graph as
+usual, so what survives until W is only those pairs -- bounded by the inputs
+and output gradients of the linears, never the rest of the stage's
+activations.  Every other parameter (LayerNorm, Embedding, frozen or
+non-leaf weights, linears that were not prepared) gets its gradient during I
+through plain autograd, which keeps the result exact without special cases.
+W computes the deferred products and accumulates them into ``param.grad``::
+
+    F   with stash.recording(stage):           x --> Linear1 --> GELU --> Linear2 --> out
+            out = stage(x)                           saves x      saves h1   saves h2
+
+    I   stash.input_backward(out, g)          x.grad <-- Linear1 <-- GELU <-- Linear2 <-- g
+        (graph freed afterwards)                       |                     |
+                                                       v                     v
+        stash:  [(Linear2.weight, h2, g), (Linear1.weight, x, g1)]   <- all that survives
+
+    W   stash.weight_backward()               Linear.weight.grad += g^T @ input   (per entry)
+
+    B   torch.autograd.backward(out, g)       unchanged: a recorded graph whose stash is not
+                                              deferring computes every gradient at once
+
+Contract:
+
+- Deferral is decided by an explicit stash captured at forward time (bound by
+  ``stash.recording(module)``), never by module-level state.  One stash per
+  (stage, microbatch); it is reusable after W or :meth:`WeightGradStash.clear`.
+- I is ``torch.autograd.backward``: gradients land on leaves' ``.grad`` --
+  the stage input (a leaf that requires grad, as a pipeline stage receives it)
+  and every non-deferred parameter.  It returns nothing.
+- W adds into ``param.grad`` (created if ``None``) in the parameter's dtype.
+  Entries of the same parameter (a linear used twice, two linears sharing a
+  weight) are summed first and added once, as autograd does.  Tied weights
+  whose other use is not a linear (an ``nn.Embedding``) get that part during
+  I and the linear part during W.
+- Under ``torch.autocast`` the casts are recorded as ordinary autograd ops
+  outside the linear, so W computes in the autocast dtype and casts the
+  result to the parameter's dtype, exactly like the cast's backward.
+- W bypasses autograd for the deferred weights, so tensor hooks registered
+  on those parameters (``register_hook``, post-accumulate-grad hooks) do not
+  see the W part.  Tensors held by the stash must not be changed in place
+  between I and W (their version counters are no longer checked).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from zeropipe.errors import PipelineError
+
+__all__ = ["WeightGradStash", "prepare_split", "unprepare_split"]
+
+
+@dataclass(frozen=True)
+class _Deferred:
+    """One postponed weight-gradient product: ``param.grad += grad_output^T @ input``."""
+
+    param: Tensor
+    input: Tensor
+    grad_output: Tensor
+
+
+class WeightGradStash:
+    """The deferred weight-gradient work of one (stage, microbatch), held between I and W.
+
+    ``stage`` and ``microbatch`` only label error messages.  Lifecycle::
+
+        with stash.recording(stage_module):   # F: bind this stash to the stage's linears
+            out = stage_module(x)
+        stash.input_backward(out, grad_out)   # I: input grads now, weight work stashed
+        stash.weight_backward()               # W: weight grads into param.grad
+
+    after which the stash is empty and can record the next microbatch.
+    """
+
+    def __init__(self, *, stage: int | None = None, microbatch: int | None = None) -> None:
+        self.stage = stage
+        self.microbatch = microbatch
+        self._entries: list[_Deferred] = []
+        self._deferring = False
+        self._awaiting_weight = False  # I ran, W not yet
+        self._weight_done = False  # W ran since the last recording / I
+
+    # -- state -------------------------------------------------------------------------
+
+    @property
+    def deferring(self) -> bool:
+        """True only while :meth:`input_backward` runs; linears read it in their backward."""
+        return self._deferring
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes kept alive by the stash: distinct storages of its inputs and output grads.
+
+        A tensor shared by several entries (one input fed to two linears, one
+        gradient flowing into both) is counted once, because it is held once.
+        """
+        seen: dict[tuple[str, int], int] = {}
+        for entry in self._entries:
+            for t in (entry.input, entry.grad_output):
+                storage = t.untyped_storage()
+                seen[(str(t.device), storage.data_ptr())] = storage.nbytes()
+        return sum(seen.values())
+
+    def __len__(self) -> int:
+        """Number of deferred weight-gradient products (one per linear call)."""
+        return len(self._entries)
+
+    def __repr__(self) -> str:
+        return (
+            f"WeightGradStash(stage={self.stage}, microbatch={self.microbatch}, "
+            f"entries={len(self)}, nbytes={self.nbytes})"
+        )
+
+    def clear(self) -> None:
+        """Drop any deferred work and forget I/W progress (e.g. after a failed step)."""
+        self._entries.clear()
+        self._deferring = False
+        self._awaiting_weight = False
+        self._weight_done = False
+
+    # -- F -----------------------------------------------------------------------------
+
+    @contextmanager
+    def recording(self, module: nn.Module) -> Iterator[None]:
+        """Bind this stash to the prepared linears of ``module`` for the forwards run inside.
+
+        The binding is captured by each linear's autograd node, so the
+        context may close before I runs.  Raises :class:`PipelineError` if
+        ``module`` still has a plain ``nn.Linear`` (forgot :func:`prepare_split`)
+        or if this stash still holds deferred work from a previous microbatch.
+        """
+        unprepared = [name for name, m in module.named_modules() if type(m) is nn.Linear]
+        if unprepared:
+            raise PipelineError(
+                f"{self._where()}: module has nn.Linear layers that are not prepared for split "
+                f"backward ({', '.join(n or '<root>' for n in unprepared[:5])}); call "
+                "prepare_split(module) once before recording"
+            )
+        if self._awaiting_weight:
+            raise PipelineError(
+                f"{self._where()}: cannot record a new forward while W of the previous one is "
+                f"pending ({len(self)} deferred entries); run weight_backward() or clear() first"
+            )
+        self._weight_done = False
+        linears = [m for m in module.modules() if isinstance(m, _SplitLinear)]
+        previous = [m.__dict__.get(_STASH_ATTR) for m in linears]
+        for m in linears:
+            m.__dict__[_STASH_ATTR] = self
+        try:
+            yield
+        finally:
+            # Restore rather than clear, so nested recordings of sub-modules compose.
+            for m, prev in zip(linears, previous, strict=True):
+                if prev is None:
+                    m.__dict__.pop(_STASH_ATTR, None)
+                else:
+                    m.__dict__[_STASH_ATTR] = prev
+
+    # -- I -----------------------------------------------------------------------------
+
+    def input_backward(
+        self,
+        outputs: Tensor | Sequence[Tensor],
+        grad_outputs: Tensor | Sequence[Tensor | None] | None = None,
+    ) -> None:
+        """Action I: ``torch.autograd.backward(outputs, grad_outputs)`` with weight work deferred.
+
+        Input gradients and all non-deferred parameter gradients land on
+        ``.grad`` of their leaves; the graph is freed.  Raises
+        :class:`PipelineError` if I already ran and W has not.
+        """
+        if self._awaiting_weight:
+            raise PipelineError(
+                f"{self._where()}: I (input_backward) ran twice without W in between; "
+                "run weight_backward() or clear() first"
+            )
+        self._weight_done = False
+        self._deferring = True
+        try:
+            torch.autograd.backward(outputs, grad_outputs)
+        except BaseException:
+            # Half a backward leaves a half-filled stash: running W on it would be wrong.
+            self._entries.clear()
+            raise
+        finally:
+            self._deferring = False
+        self._awaiting_weight = True
+
+    def _defer(self, param: Tensor, input: Tensor, grad_output: Tensor) -> None:
+        self._entries.append(_Deferred(param, input, grad_output))
+
+    # -- W -----------------------------------------------------------------------------
+
+    def weight_backward(self) -> None:
+        """Action W: accumulate every deferred weight gradient into ``param.grad``.
+
+        Raises :class:`PipelineError` if I has not run, or W already ran for it.
+        """
+        if not self._awaiting_weight:
+            what = "W (weight_backward) ran twice" if self._weight_done else "W before I"
+            raise PipelineError(
+                f"{self._where()}: {what}; weight gradients exist only after input_backward() "
+                "and are consumed by the first weight_backward()"
+            )
+        # Whatever happens below, the entries are spent: a retry must not add them twice.
+        entries, self._entries = self._entries, []
+        self._awaiting_weight = False
+        self._weight_done = True
+        totals: dict[int, tuple[Tensor, Tensor]] = {}
+        with torch.no_grad():
+            # Consume in backward order, dropping each pair as soon as it is used so that
+            # memory falls during W instead of staying at its peak until the end.
+            entries.reverse()
+            while entries:
+                e = entries.pop()
+                param, g = e.param, _weight_grad(e.input, e.grad_output)
+                del e
+                key = id(param)
+                if key in totals:
+                    totals[key][1].add_(g)
+                else:
+                    totals[key] = (param, g)
+            for param, g in totals.values():
+                g = g.to(param.dtype)
+                if param.grad is None:
+                    param.grad = g
+                else:
+                    param.grad.add_(g)
+
+    def _where(self) -> str:
+        return f"split backward (stage {self.stage}, microbatch {self.microbatch})"
+
+
+def _weight_grad(input: Tensor, grad_output: Tensor) -> Tensor:
+    # Same product, in the same layout, as the native addmm backward, so results match bitwise
+    # in the common case; leading dims (batch, seq, ...) are folded into rows.
+    return grad_output.reshape(-1, grad_output.shape[-1]).t().mm(input.reshape(-1, input.shape[-1]))
+
+
+# -- the linear ----------------------------------------------------------------------------
+
+_STASH_ATTR = "_split_stash"
+
+
+class _LinearCall:
+    """What a linear's autograd node needs beyond tensors: the leaf weight and its stash."""
+
+    __slots__ = ("param", "stash")
+
+    def __init__(self, param: Tensor, stash: WeightGradStash) -> None:
+        self.param = param
+        self.stash = stash
+
+
+class _DeferrableLinearFn(torch.autograd.Function):
+    """``F.linear`` whose weight gradient goes to a stash while that stash is deferring."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, input: Tensor, weight: Tensor, bias: Tensor | None, call: _LinearCall
+    ) -> Tensor:
+        # Save only what some gradient needs, like autograd's own addmm.
+        ctx.save_for_backward(
+            input if ctx.needs_input_grad[1] else None,
+            weight if ctx.needs_input_grad[0] else None,
+        )
+        ctx.call = call
+        return F.linear(input, weight, bias)
+
+    @staticmethod
+    def backward(
+        ctx: Any, grad_output: Tensor
+    ) -> tuple[Tensor | None, Tensor | None, Tensor | None, None]:
+        input, weight = ctx.saved_tensors
+        need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
+        call: _LinearCall = ctx.call
+        grad_input = grad_weight = grad_bias = None
+        if need_input:
+            grad_input = grad_output.matmul(weight)
+        if need_bias:
+            grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(0)
+        if need_weight:
+            # Only a leaf can be written to directly in W; anything else (a parametrized
+            # weight) must send its gradient back through autograd now.
+            if call.stash.deferring and call.param.is_leaf and call.param.requires_grad:
+                call.stash._defer(call.param, input, grad_output)
+            else:
+                grad_weight = _weight_grad(input, grad_output)
+        return grad_input, grad_weight, grad_bias, None
+
+
+def _autocast_dtype(device_type: str, tensors: Sequence[Tensor | None]) -> torch.dtype | None:
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    if not any(t is not None and _autocast_eligible(t) for t in tensors):
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
+def _autocast_eligible(t: Tensor) -> bool:
+    # Autocast's own rule: floating point, but float64 is left alone.
+    return t.is_floating_point() and t.dtype != torch.float64
+
+
+def _recorded_linear(
+    input: Tensor, weight: Tensor, bias: Tensor | None, stash: WeightGradStash
+) -> Tensor:
+    call = _LinearCall(weight, stash)
+    device_type = input.device.type
+    dtype = _autocast_dtype(device_type, (input, weight, bias))
+    if dtype is None:
+        return _DeferrableLinearFn.apply(input, weight, bias, call)
+    # Cast outside the Function so that the casts' backward (to the parameter dtype) is plain
+    # autograd in B, and W can reproduce it with one .to(param.dtype).
+    args = [
+        t.to(dtype) if t is not None and _autocast_eligible(t) else t for t in (input, weight, bias)
+    ]
+    with torch.autocast(device_type, enabled=False):
+        return _DeferrableLinearFn.apply(args[0], args[1], args[2], call)
+
+
+class _SplitLinear(nn.Linear):
+    """An ``nn.Linear`` that routes through :class:`_DeferrableLinearFn` while a stash is bound.
+
+    Installed by class swap, so parameters, buffers, ``state_dict`` keys,
+    ``isinstance(m, nn.Linear)``, deepcopy and pickling are all unchanged.
+    """
+
+    def forward(self, input: Tensor) -> Tensor:
+        stash = self.__dict__.get(_STASH_ATTR)
+        if stash is None or not torch.is_grad_enabled():
+            return F.linear(input, self.weight, self.bias)
+        return _recorded_linear(input, self.weight, self.bias, stash)
+
+    def _get_name(self) -> str:
+        return "Linear"
+
+
+def prepare_split(module: nn.Module) -> nn.Module:
+    """Make every plain ``nn.Linear`` in ``module`` (itself included) deferrable; idempotent.
+
+    Only exact ``nn.Linear`` instances are converted: subclasses may override
+    ``forward`` (or, like attention's ``out_proj``, never call it), so they keep
+    computing their weight gradient in I, which is still exact.  Returns
+    ``module`` itself.  Without a bound stash a prepared linear runs plain
+    ``F.linear``, so the module behaves exactly as before.
+    """
+    for m in module.modules():
+        if type(m) is nn.Linear:
+            m.__class__ = _SplitLinear
+    return module
+
+
+def unprepare_split(module: nn.Module) -> nn.Module:
+    """Undo :func:`prepare_split`: prepared linears become plain ``nn.Linear`` again."""
+    for m in module.modules():
+        cls: type[nn.Module] = type(m)  # compared, not narrowed: the swap changes the type
+        if cls is _SplitLinear:
+            m.__dict__.pop(_STASH_ATTR, None)
+            m.__class__ = nn.Linear
+    return module

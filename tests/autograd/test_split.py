@@ -1,0 +1,407 @@
+"""Split backward (I then W) against plain autograd, parameter by parameter.
+
+Every comparison runs the same float64 model twice from identical weights
+and identical dropout seeds: once unprepared with ``Tensor.backward`` (the
+reference), once prepared with ``input_backward`` + ``weight_backward``.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import weakref
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from zeropipe.autograd.split import WeightGradStash, prepare_split, unprepare_split
+from zeropipe.errors import PipelineError
+
+TOL = 1e-12
+B, S, D, V = 2, 3, 8, 13
+
+
+class Block(nn.Module):
+    """Pre-norm MLP block with a residual: LayerNorm, Linear, GELU, Dropout, Linear."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.act = nn.GELU()
+        self.drop = nn.Dropout(0.25)
+        self.fc2 = nn.Linear(4 * d, d)
+
+    def forward(self, h: Tensor) -> Tensor:
+        return h + self.fc2(self.drop(self.act(self.fc1(self.ln(h)))))
+
+
+class Stage(nn.Module):
+    """A middle pipeline stage: float activations in, float activations out."""
+
+    def __init__(self, d: int = D, blocks: int = 2) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*(Block(d) for _ in range(blocks)))
+
+    def forward(self, h: Tensor) -> Tensor:
+        return self.blocks(h)
+
+
+class TiedLM(nn.Module):
+    """Token ids -> tied embedding -> blocks -> LayerNorm -> head (head.weight is emb.weight)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.blocks = nn.Sequential(Block(D), Block(D))
+        self.ln = nn.LayerNorm(D)
+        self.head = nn.Linear(D, V, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.head(self.ln(self.blocks(self.emb(ids))))
+
+
+def _pair(make: Callable[[], nn.Module]) -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    ref = make().double()
+    return ref, prepare_split(copy.deepcopy(ref))
+
+
+def _full(model: nn.Module, x: Tensor, g: Tensor, seed: int = 1) -> Tensor:
+    torch.manual_seed(seed)
+    out = model(x)
+    out.backward(g)
+    return out
+
+
+def _split(model: nn.Module, x: Tensor, g: Tensor, stash: WeightGradStash, seed: int = 1) -> Tensor:
+    torch.manual_seed(seed)
+    with stash.recording(model):
+        out = model(x)
+    stash.input_backward(out, g)
+    stash.weight_backward()
+    return out
+
+
+def _assert_same_grads(ref: nn.Module, got: nn.Module) -> None:
+    pairs = list(zip(ref.named_parameters(), got.parameters(), strict=True))
+    for (name, a), b in pairs:
+        assert (a.grad is None) == (b.grad is None), name
+        if a.grad is not None and b.grad is not None:
+            assert b.grad.dtype == a.dtype, name
+            diff = (a.grad - b.grad).abs().max().item()
+            assert diff <= TOL, f"{name}: max abs diff {diff}"
+
+
+def _stage_input() -> tuple[Tensor, Tensor]:
+    x = torch.randn(B, S, D, dtype=torch.float64)
+    return x.clone().requires_grad_(), x.clone().requires_grad_()
+
+
+def test_tied_language_model_split_equals_full_backward() -> None:
+    ref, got = _pair(TiedLM)
+    ids = torch.randint(0, V, (B, S))
+    g = torch.randn(B, S, V, dtype=torch.float64)
+    out_ref = _full(ref, ids, g)
+    stash = WeightGradStash(stage=0, microbatch=0)
+    torch.manual_seed(1)
+    with stash.recording(got):
+        out = got(ids)
+    stash.input_backward(out, g)
+    # Deferred: every prepared linear weight is untouched by I, the embedding part of the
+    # tied weight and the LayerNorm parameters are already there.
+    assert got.blocks[0].fc1.weight.grad is None
+    assert got.blocks[1].fc2.weight.grad is None
+    assert got.blocks[0].fc1.bias.grad is not None
+    assert got.emb.weight.grad is not None
+    emb_only = got.emb.weight.grad.clone()
+    stash.weight_backward()
+    assert not torch.equal(got.emb.weight.grad, emb_only)  # the head's share arrived in W
+    assert (out - out_ref).abs().max().item() == 0.0
+    _assert_same_grads(ref, got)
+
+
+def test_middle_stage_input_and_weight_grads_equal_full_backward() -> None:
+    ref, got = _pair(Stage)
+    x_ref, x = _stage_input()
+    g = torch.randn(B, S, D, dtype=torch.float64)
+    _full(ref, x_ref, g)
+    _split(got, x, g, WeightGradStash())
+    assert x.grad is not None and x_ref.grad is not None
+    assert (x.grad - x_ref.grad).abs().max().item() <= TOL
+    _assert_same_grads(ref, got)
+
+
+def test_recorded_graph_with_plain_backward_is_a_full_backward() -> None:
+    ref, got = _pair(Stage)
+    x_ref, x = _stage_input()
+    g = torch.randn(B, S, D, dtype=torch.float64)
+    _full(ref, x_ref, g)
+    stash = WeightGradStash()
+    torch.manual_seed(1)
+    with stash.recording(got):
+        out = got(x)
+    torch.autograd.backward(out, g)  # B: the stash is not deferring
+    assert len(stash) == 0
+    _assert_same_grads(ref, got)
+
+
+def test_microbatches_accumulate_like_full_backward() -> None:
+    ref, got = _pair(Stage)
+    stash = WeightGradStash(stage=1)
+    for mb in range(2):
+        x_ref, x = _stage_input()
+        g = torch.randn(B, S, D, dtype=torch.float64)
+        _full(ref, x_ref, g, seed=mb)
+        stash.microbatch = mb
+        _split(got, x, g, stash, seed=mb)
+    _assert_same_grads(ref, got)
+
+
+def test_nbytes_is_exactly_the_deferred_inputs_and_output_grads() -> None:
+    _, got = _pair(Stage)
+    _, x = _stage_input()
+    shapes: list[tuple[int, int]] = []
+    for m in got.modules():
+        if isinstance(m, nn.Linear):
+            m.register_forward_hook(
+                lambda mod, args, out: shapes.append((args[0].numel(), out.numel()))
+            )
+    stash = WeightGradStash()
+    with stash.recording(got):
+        out = got(x)
+    assert stash.nbytes == 0 and len(stash) == 0
+    stash.input_backward(out, torch.randn_like(out))
+    assert len(stash) == len(shapes) == 4
+    assert stash.nbytes == sum(8 * (n_in + n_out) for n_in, n_out in shapes)
+    stash.weight_backward()
+    assert stash.nbytes == 0 and len(stash) == 0
+
+
+class _Box:
+    """What a saved-tensors pack hook hands autograd: alive exactly while the graph holds it."""
+
+    def __init__(self, t: Tensor) -> None:
+        self.t = t
+
+
+def test_autograd_releases_every_saved_tensor_in_input_backward() -> None:
+    _, got = _pair(Stage)
+    _, x = _stage_input()
+    boxes: list[weakref.ref[_Box]] = []
+
+    def pack(t: Tensor) -> _Box:
+        box = _Box(t)
+        boxes.append(weakref.ref(box))
+        return box
+
+    stash = WeightGradStash()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda box: box.t), stash.recording(got):
+        out = got(x)
+    assert sum(r() is not None for r in boxes) == len(boxes) > 8
+    stash.input_backward(out, torch.randn_like(out))
+    assert sum(r() is not None for r in boxes) == 0
+
+
+def test_only_linear_inputs_survive_input_backward() -> None:
+    _, got = _pair(Stage)
+    _, x = _stage_input()
+    # Weak references to the tensors each kind of module receives.
+    seen: dict[type, list[weakref.ref[Tensor]]] = {nn.Linear: [], nn.GELU: [], nn.LayerNorm: []}
+    for m in got.modules():
+        for kind, refs in seen.items():
+            if isinstance(m, kind):
+                m.register_forward_pre_hook(
+                    lambda mod, args, refs=refs: refs.append(weakref.ref(args[0]))
+                )
+
+    def alive(kind: type) -> int:
+        return sum(r() is not None for r in seen[kind])
+
+    stash = WeightGradStash()
+    with stash.recording(got):
+        out = got(x)
+    assert (alive(nn.GELU), alive(nn.LayerNorm), alive(nn.Linear)) == (2, 2, 4)
+    stash.input_backward(out, torch.randn_like(out))
+    assert alive(nn.GELU) == 0  # saved by GELU only: freed with the graph
+    assert alive(nn.LayerNorm) == 1  # block 1's input freed; the stage input is held by the test
+    assert alive(nn.Linear) == 4  # what W needs, held by the stash
+    stash.weight_backward()
+    assert alive(nn.Linear) == 0
+
+
+def test_weight_backward_before_input_backward_raises() -> None:
+    _, got = _pair(Stage)
+    stash = WeightGradStash(stage=3, microbatch=7)
+    with pytest.raises(PipelineError, match="W before I") as info:
+        stash.weight_backward()
+    assert "stage 3, microbatch 7" in str(info.value)
+    with stash.recording(got):
+        out = got(_stage_input()[1])
+    with pytest.raises(PipelineError, match="W before I"):
+        stash.weight_backward()
+    stash.input_backward(out, torch.randn_like(out))
+    stash.weight_backward()
+    with pytest.raises(PipelineError, match="ran twice"):
+        stash.weight_backward()
+
+
+def test_out_of_order_use_raises_and_clear_resets() -> None:
+    _, got = _pair(Stage)
+    stash = WeightGradStash()
+    with stash.recording(got):
+        out = got(_stage_input()[1])
+    stash.input_backward(out, torch.randn_like(out))
+    with pytest.raises(PipelineError, match=r"I .*ran twice"):
+        stash.input_backward(out, torch.randn_like(out))
+    with (
+        pytest.raises(PipelineError, match="W of the previous one is pending"),
+        stash.recording(got),
+    ):
+        pass
+    assert len(stash) > 0
+    stash.clear()
+    assert len(stash) == 0 and stash.nbytes == 0
+    with pytest.raises(PipelineError, match="W before I"):
+        stash.weight_backward()
+    with stash.recording(got):  # reusable after clear
+        got(_stage_input()[1])
+
+
+def test_recording_an_unprepared_module_raises() -> None:
+    with pytest.raises(PipelineError, match="prepare_split"), WeightGradStash().recording(Stage()):
+        pass
+
+
+def test_frozen_linear_is_not_deferred_and_stays_exact() -> None:
+    ref, got = _pair(Stage)
+    for model in (ref, got):
+        model.blocks[0].fc1.weight.requires_grad_(False)
+    x_ref, x = _stage_input()
+    g = torch.randn(B, S, D, dtype=torch.float64)
+    _full(ref, x_ref, g)
+    stash = WeightGradStash()
+    torch.manual_seed(1)
+    with stash.recording(got):
+        out = got(x)
+    stash.input_backward(out, g)
+    assert len(stash) == 3
+    stash.weight_backward()
+    assert got.blocks[0].fc1.weight.grad is None
+    assert got.blocks[0].fc1.bias.grad is not None
+    assert x.grad is not None and x_ref.grad is not None
+    assert (x.grad - x_ref.grad).abs().max().item() <= TOL
+    _assert_same_grads(ref, got)
+
+
+class TwiceInSequence(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.lin(torch.tanh(self.lin(x)))
+
+
+class TwiceOnSameInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.lin(x) + self.lin(x)
+
+
+class TiedLinears(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(D, D)
+        self.b = nn.Linear(D, D)
+        self.b.weight = self.a.weight
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.b(torch.sigmoid(self.a(x)))
+
+
+@pytest.mark.parametrize("make", [TwiceInSequence, TwiceOnSameInput, TiedLinears])
+def test_weight_used_twice_accumulates(make: Callable[[], nn.Module]) -> None:
+    ref, got = _pair(make)
+    x_ref, x = _stage_input()
+    g = torch.randn(B, S, D, dtype=torch.float64)
+    _full(ref, x_ref, g)
+    stash = WeightGradStash()
+    with stash.recording(got):
+        out = got(x)
+    stash.input_backward(out, g)
+    assert len(stash) == 2
+    if make is TwiceOnSameInput:
+        # Both entries share the input and (through the sum) the output gradient.
+        assert stash.nbytes == x.nbytes + g.nbytes
+    stash.weight_backward()
+    assert x.grad is not None and x_ref.grad is not None
+    assert (x.grad - x_ref.grad).abs().max().item() <= TOL
+    _assert_same_grads(ref, got)
+
+
+def test_linear_on_input_without_grad_still_gets_weight_grad() -> None:
+    ref, got = _pair(lambda: nn.Sequential(nn.Linear(D, 2 * D), nn.ReLU(), nn.Linear(2 * D, 3)))
+    x = torch.randn(4, D, dtype=torch.float64)  # 2-D, requires no grad: a first stage
+    g = torch.randn(4, 3, dtype=torch.float64)
+    _full(ref, x, g)
+    stash = WeightGradStash()
+    _split(got, x, g, stash)
+    assert x.grad is None
+    _assert_same_grads(ref, got)
+
+
+def test_prepare_is_idempotent_reversible_and_keeps_state() -> None:
+    torch.manual_seed(0)
+    model = TiedLM()
+    keys = list(model.state_dict())
+    params = [id(p) for p in model.parameters()]
+    text = repr(model)
+    assert prepare_split(prepare_split(model)) is model
+    assert list(model.state_dict()) == keys
+    assert [id(p) for p in model.parameters()] == params
+    assert repr(model) == text
+    assert all(isinstance(m, nn.Linear) for m in (model.head, model.blocks[0].fc1))
+    clone = pickle.loads(pickle.dumps(model))
+    with WeightGradStash().recording(clone):  # still prepared after a round trip
+        pass
+    assert unprepare_split(model) is model
+    assert type(model.head) is nn.Linear and type(model.blocks[1].fc2) is nn.Linear
+    with pytest.raises(PipelineError), WeightGradStash().recording(model):
+        pass
+
+
+def test_autocast_keeps_param_dtype_and_matches_native() -> None:
+    torch.manual_seed(0)
+    ref = Stage()  # float32 parameters, bfloat16 compute
+    got = prepare_split(copy.deepcopy(ref))
+    x = torch.randn(B, S, D)
+    x_ref, x_got = x.clone().requires_grad_(), x.clone().requires_grad_()
+    g = torch.randn(B, S, D)
+    dtypes: list[torch.dtype] = []
+    got.blocks[0].fc1.register_forward_hook(lambda mod, args, out: dtypes.append(out.dtype))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.manual_seed(1)
+        out_ref = ref(x_ref)
+        torch.manual_seed(1)
+        stash = WeightGradStash()
+        with stash.recording(got):
+            out = got(x_got)
+    assert dtypes == [torch.bfloat16]
+    assert out.dtype == out_ref.dtype
+    out_ref.backward(g)
+    stash.input_backward(out, g)
+    assert len(stash) == 4
+    stash.weight_backward()
+    for (name, a), b in zip(ref.named_parameters(), got.parameters(), strict=True):
+        assert a.grad is not None and b.grad is not None
+        assert b.grad.dtype == torch.float32, name
+        torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0, msg=name)
+    assert x_got.grad is not None and x_ref.grad is not None
+    torch.testing.assert_close(x_got.grad, x_ref.grad, rtol=0, atol=0)

@@ -1,0 +1,241 @@
+"""The ``zeropipe`` command line: listing, simulating, files, and one-line errors."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from zeropipe import cli
+from zeropipe.costs import CostModel
+from zeropipe.schedules import GENERATORS, generate
+from zeropipe.simulate import simulate
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, object]:
+    code, out, err = run(capsys, "simulate", "--json", *argv)
+    assert (code, err) == (0, "")
+    assert len(out.strip().splitlines()) == 1  # one JSON object, nothing else
+    result: dict[str, object] = json.loads(out)
+    return result
+
+
+def test_schedules_lists_every_generator(capsys) -> None:
+    code, out, _ = run(capsys, "schedules")
+    assert code == 0
+    lines = out.splitlines()
+    assert len(lines) == len(GENERATORS)
+    names = [line.split()[0] for line in lines]
+    assert {"gpipe", "1f1b"} <= set(names)
+    line = lines[names.index("gpipe")]
+    assert "chunks: 1 per rank" in line and GENERATORS["gpipe"].description in line
+
+
+def test_simulate_json_matches_the_simulator(capsys) -> None:
+    got = run_json(
+        capsys,
+        *("--schedule", "1f1b", "--stages", "4", "--microbatches", "6", "--costs", "F=1,B=3"),
+    )
+    want = simulate(generate("1f1b", 4, 6), CostModel.parse("F=1,B=3", 4))
+    assert got["makespan"] == want.makespan == 3 * 4 + 6 * 4  # (p - 1)(F + B) + m(F + B)
+    assert got["bubble_rate"] == pytest.approx(want.bubble_rate)
+    assert got["steady_bubble_rate"] == pytest.approx(want.steady_bubble_rate)
+    assert got["peak_memory"] == [4.0, 3.0, 2.0, 1.0]
+    assert (got["schedule"], got["ranks"], got["stages"], got["microbatches"]) == ("1f1b", 4, 4, 6)
+    assert got["memory_unit"] == "microbatch"
+
+
+def test_simulate_defaults(capsys) -> None:
+    got = run_json(capsys)
+    assert got["schedule"] == ("zbv" if "zbv" in GENERATORS else "1f1b")
+    assert (got["ranks"], got["microbatches"]) == (4, 8)
+
+
+def test_simulate_prints_grid_summary_and_schedule_text(capsys) -> None:
+    argv = ("simulate", "--schedule", "gpipe", "--stages", "3", "--microbatches", "2")
+    code, out, err = run(capsys, *argv, "--width", "40", "--show")
+    assert (code, err) == (0, "")
+    assert out.startswith("# zeropipe schedule\nname: gpipe\n")
+    assert "rank 2: 2F0 2F1 2B0 2B1" in out
+    grid_rows = [line for line in out.splitlines() if line.startswith("rank ") and "|" not in line]
+    assert len(grid_rows) == 3 + 3  # three in the schedule text, three in the grid
+    assert "makespan 12  bubble rate 50.0%" in out
+    assert "peak memory per rank (unit: microbatch): 2, 2, 2" in out
+
+
+def test_simulate_lower_adds_sends_and_receives(capsys) -> None:
+    got = run_json(capsys, "--schedule", "1f1b", "--stages", "2", "--lower", "--show")
+    assert got["lowered"] is True
+    assert "0SEND_F0" in str(got["text"]) and "1RECV_F0" in str(got["text"])
+
+
+def test_simulate_text_file(tmp_path: Path, capsys) -> None:
+    schedule = generate("gpipe", 2, 3)
+    path = tmp_path / "mine.txt"
+    path.write_text(schedule.to_text())
+    got = run_json(capsys, "--schedule", str(path), "--costs", "F=2,B=1")
+    assert (got["schedule"], got["ranks"], got["microbatches"]) == ("gpipe", 2, 3)
+    assert got["makespan"] == simulate(schedule, CostModel.parse("F=2,B=1", 2)).makespan
+
+
+def test_simulate_torch_csv_file(tmp_path: Path, capsys) -> None:
+    schedule = generate("1f1b", 3, 4)
+    path = tmp_path / "torch_1f1b.csv"
+    path.write_text(schedule.to_torch_csv())
+    got = run_json(capsys, "--schedule", str(path))
+    assert (got["schedule"], got["ranks"], got["stages"], got["microbatches"]) == (
+        "torch_1f1b",
+        3,
+        3,
+        4,
+    )
+    assert got["makespan"] == simulate(schedule, CostModel.parse("", 3)).makespan
+
+
+def test_simulate_json_file(tmp_path: Path, capsys) -> None:
+    schedule = generate("1f1b", 2, 5)
+    path = tmp_path / "s.json"
+    path.write_text(schedule.to_json())
+    got = run_json(capsys, "--schedule", str(path), "--stages", "2")
+    assert got["makespan"] == simulate(schedule, CostModel.parse("", 2)).makespan
+
+
+def test_simulate_cost_file(tmp_path: Path, capsys) -> None:
+    costs = CostModel.parse("F=1,B=2", 2).replace_stage(1, F=5.0)
+    path = tmp_path / "costs.json"
+    path.write_text(costs.to_json())
+    got = run_json(capsys, "--schedule", "gpipe", "--stages", "2", "--costs", str(path))
+    assert got["makespan"] == simulate(generate("gpipe", 2, 8), costs).makespan
+
+
+def test_simulate_memory_limit_that_fits(capsys) -> None:
+    got = run_json(capsys, "--schedule", "1f1b", "--memory-limit", "4")
+    assert got["memory_limit"] == 4.0 and max(got["peak_memory"]) == 4.0  # type: ignore[arg-type]
+
+
+def test_simulate_writes_plot_and_trace(tmp_path: Path, capsys) -> None:
+    png, trace = tmp_path / "t.png", tmp_path / "t.json"
+    argv = ("--schedule", "1f1b", "--stages", "2", "--microbatches", "2")
+    got = run_json(capsys, *argv, "--plot", str(png), "--trace", str(trace))
+    assert got["files"] == {"plot": str(png), "trace": str(trace)}
+    assert png.read_bytes().startswith(PNG_MAGIC)
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert sum(e["ph"] == "X" for e in events) == 2 * 2 * 2
+
+
+@pytest.mark.parametrize(
+    ("argv", "names"),
+    [
+        (["simulate", "--schedule", "nope"], ["unknown schedule 'nope'", "gpipe"]),
+        (["simulate", "--schedule", "missing.json"], ["missing.json does not exist"]),
+        (["simulate", "--costs", "F=1,Q=2"], ["'Q=2'"]),
+        (["simulate", "--costs", "F=fast"], ["cost F is not a number"]),
+        (
+            ["simulate", "--schedule", "1f1b", "--memory-limit", "2"],
+            ["rank 0 holds 4", "limit of 2"],
+        ),
+        (["simulate", "--memory-limit", "-1"], ["--memory-limit", "must be > 0"]),
+        (["simulate", "--stages", "two"], ["--stages", "'two'"]),
+        (["simulate", "--schedule", "1f1b", "--chunks", "2"], ["1f1b uses 1 chunk"]),
+        (["simulate", "--bogus"], ["unrecognized arguments: --bogus"]),
+        (["frobnicate"], ["invalid choice: 'frobnicate'"]),
+        ([], ["choose a command"]),
+    ],
+)
+def test_user_errors_end_in_one_line_and_exit_2(capsys, argv: list[str], names: list[str]) -> None:
+    code, out, err = run(capsys, *argv)
+    assert code == 2
+    assert out == ""
+    first = err.splitlines()[0]
+    assert first.startswith("zeropipe: error: ")
+    for name in names:
+        assert name in first
+    assert sum(line.startswith("zeropipe: error:") for line in err.splitlines()) == 1
+    assert "Traceback" not in err
+
+
+def test_memory_error_shows_the_grid_after_the_line(capsys) -> None:
+    code, _, err = run(capsys, "simulate", "--schedule", "1f1b", "--memory-limit", "3")
+    lines = err.splitlines()
+    assert code == 2 and len(lines) > 2
+    assert lines[1].startswith("step") and ">0F3<" in err
+
+
+@pytest.mark.parametrize(
+    ("content", "suffix", "names"),
+    [
+        ("garbage\n", ".txt", ["bad.txt", "line 1"]),
+        ('{"format": ', ".json", ["cannot read schedule file", "bad.json"]),
+        ("[1, 2]", ".json", ["expected a JSON object"]),
+        ("0F0,0B0\n1F0,(1B0;1F1)\n", ".csv", ["no zeropipe equivalent"]),
+        ("0F0,0F1\n1F0,1B0\n", ".csv", ["has no backward: add 0B0"]),
+    ],
+)
+def test_bad_schedule_files(tmp_path: Path, capsys, content: str, suffix: str, names) -> None:
+    path = tmp_path / f"bad{suffix}"
+    path.write_text(content)
+    code, _, err = run(capsys, "simulate", "--schedule", str(path))
+    assert code == 2 and err.startswith("zeropipe: error: ")
+    for name in names:
+        assert name in err.splitlines()[0]
+    assert "Traceback" not in err
+
+
+def test_file_contradicting_a_flag(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "s.txt"
+    path.write_text(generate("gpipe", 2, 3).to_text())
+    code, _, err = run(capsys, "simulate", "--schedule", str(path), "--stages", "4")
+    assert code == 2
+    assert "has 2 rank(s) but --stages 4 was given" in err
+
+
+def test_unwritable_output_is_a_user_error(tmp_path: Path, capsys) -> None:
+    target = tmp_path / "no" / "such" / "dir" / "t.json"
+    code, _, err = run(capsys, "simulate", "--trace", str(target))
+    assert code == 2 and err.startswith("zeropipe: error: ") and str(target) in err
+
+
+def test_help_exits_zero(capsys) -> None:
+    code, out, _ = run(capsys, "simulate", "--help")
+    assert code == 0
+    assert "p*v stages" in out.replace("\n", " ").replace("  ", " ")
+
+
+def test_a_new_command_is_one_table_entry(monkeypatch, capsys) -> None:
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--n", type=int, default=1)
+
+    def run_hello(args: argparse.Namespace) -> int:
+        """Say hello."""
+        print("hello " * args.n)
+        return 3
+
+    monkeypatch.setitem(cli.COMMANDS, "hello", (add_arguments, run_hello))
+    assert run(capsys, "hello", "--n", "2") == (3, "hello hello \n", "")
+    _, out, _ = run(capsys, "--help")
+    assert "Say hello." in out
+
+
+def test_python_dash_m_zeropipe_simulate_with_defaults() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "zeropipe", "simulate", "--width", "50"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "makespan" in proc.stdout and "rank 3" in proc.stdout
+    assert proc.stderr == ""

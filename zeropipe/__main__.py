@@ -1,0 +1,8 @@
+"""``python -m zeropipe``: the same as the ``zeropipe`` command."""
+
+import sys
+
+from zeropipe.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -122,7 +122,8 @@ def test_simulate_cost_file(tmp_path: Path, capsys) -> None:
 
 def test_simulate_memory_limit_that_fits(capsys) -> None:
     got = run_json(capsys, "--schedule", "1f1b", "--memory-limit", "4")
-    assert got["memory_limit"] == 4.0 and max(got["peak_memory"]) == 4.0  # type: ignore[arg-type]
+    peaks = got["peak_memory"]
+    assert got["memory_limit"] == 4.0 and isinstance(peaks, list) and max(peaks) == 4.0
 
 
 def test_simulate_writes_plot_and_trace(tmp_path: Path, capsys) -> None:
@@ -239,3 +240,8 @@ def test_python_dash_m_zeropipe_simulate_with_defaults() -> None:
     assert proc.returncode == 0, proc.stderr
     assert "makespan" in proc.stdout and "rank 3" in proc.stdout
     assert proc.stderr == ""
+
+
+def test_matplotlib_is_imported_only_to_draw() -> None:
+    code = "import sys, zeropipe.cli; sys.exit('matplotlib' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], timeout=120, check=False).returncode == 0

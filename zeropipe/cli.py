@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from zeropipe import render
 from zeropipe.costs import CostModel
 from zeropipe.errors import ScheduleError, ZeropipeError
 from zeropipe.ir import Schedule
@@ -163,8 +164,6 @@ def _add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _run_simulate(args: argparse.Namespace) -> int:
     """Validate and simulate a schedule; print its timeline, or write a PNG / Chrome trace."""
-    from zeropipe import render  # matplotlib stays unimported unless --plot asks for it
-
     schedule = _load_schedule(args)
     if args.lower:
         schedule = lower(schedule)

@@ -18,7 +18,9 @@ def valid_schedules(draw: st.DrawFn, max_ranks: int = 4, max_mb: int = 5) -> Sch
     """
     ranks = draw(st.integers(1, max_ranks))
     stages = draw(st.integers(ranks, 2 * ranks))
-    placement = list(range(ranks)) + [draw(st.integers(0, ranks - 1)) for _ in range(stages - ranks)]
+    placement = list(range(ranks)) + [
+        draw(st.integers(0, ranks - 1)) for _ in range(stages - ranks)
+    ]
     placement = draw(st.permutations(placement))
     m = draw(st.integers(1, max_mb))
     todo: dict[tuple[int, int], list[Kind]] = {}

@@ -48,7 +48,10 @@ def test_text_and_json_round_trip(schedule: Schedule) -> None:
 @settings(max_examples=60, deadline=None)
 def test_torch_csv_round_trip(schedule: Schedule) -> None:
     plain = schedule.replace_actions(
-        [[a for a in acts if a.kind not in (Kind.R, Kind.OFFLOAD, Kind.RELOAD)] for acts in schedule.actions]
+        [
+            [a for a in acts if a.kind not in (Kind.R, Kind.OFFLOAD, Kind.RELOAD)]
+            for acts in schedule.actions
+        ]
     )
     for s in (plain, lower(plain)):
         back = Schedule.from_torch_csv(

@@ -17,7 +17,9 @@ from zeropipe.simulate import simulate
 
 
 def test_comm_delays_every_cross_rank_edge_and_same_rank_edges_are_free() -> None:
-    s = Schedule.from_text("microbatches: 1\nplacement: 0 1 1\nrank 0: 0F0 0B0\nrank 1: 1F0 2F0 2B0 1B0\n")
+    s = Schedule.from_text(
+        "microbatches: 1\nplacement: 0 1 1\nrank 0: 0F0 0B0\nrank 1: 1F0 2F0 2B0 1B0\n"
+    )
     t = simulate(s, CostModel.uniform(3, comm=0.5))
     ev = {str(e.action): e for evs in t.events for e in evs}
     assert ev["1F0"].start == pytest.approx(1.5)  # 0F0 ends at 1, + wire
@@ -45,7 +47,9 @@ def test_bandwidth_and_boundary_bytes() -> None:
 
 
 def test_copies_overlap_compute_but_consumers_wait_for_them() -> None:
-    s = Schedule.from_text("microbatches: 2\nplacement: 0\nrank 0: 0F0 0OFFLOAD0 0F1 0B1 0RELOAD0 0B0\n")
+    s = Schedule.from_text(
+        "microbatches: 2\nplacement: 0\nrank 0: 0F0 0OFFLOAD0 0F1 0B1 0RELOAD0 0B0\n"
+    )
     costs = CostModel((StageCost(OFFLOAD=0.5, RELOAD=3.0),))
     t = simulate(s, costs)
     ev = {str(e.action): e for evs in t.events for e in evs}
@@ -57,8 +61,7 @@ def test_copies_overlap_compute_but_consumers_wait_for_them() -> None:
 
 def test_memory_of_recompute_offload_and_split() -> None:
     s = Schedule.from_text(
-        "microbatches: 2\nplacement: 0\n"
-        "rank 0: 0F0 0F1 0OFFLOAD1 0R0 0I0 0RELOAD1 0B1 0W0\n"
+        "microbatches: 2\nplacement: 0\nrank 0: 0F0 0F1 0OFFLOAD1 0R0 0I0 0RELOAD1 0B1 0W0\n"
     )
     costs = CostModel((StageCost(act=1.0, ckpt=0.25, act_w=0.5),))
     peaks = peak_memory(s, costs)
@@ -88,9 +91,12 @@ def test_simulated_timelines_respect_every_dependency(schedule: Schedule) -> Non
             compute = [e for e in evs if e.lane == "compute"]
             for a, b in zip(compute, compute[1:], strict=False):
                 assert b.start >= a.end - 1e-12  # one compute at a time
-        assert t.makespan <= sum(
-            costs.time(a) for acts in s.actions for a in acts
-        ) + 0.3 * 4 * s.num_stages * s.microbatches + 1e-9
+        assert (
+            t.makespan
+            <= sum(costs.time(a) for acts in s.actions for a in acts)
+            + 0.3 * 4 * s.num_stages * s.microbatches
+            + 1e-9
+        )
         assert all(math.isfinite(v) for v in end.values())
 
 

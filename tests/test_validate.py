@@ -20,7 +20,9 @@ rank 1: 1F0 1B0 1F1 1I1 1W1
 
 
 def two_ranks(rank0: str, rank1: str, m: int = 2) -> Schedule:
-    return Schedule.from_text(f"microbatches: {m}\nplacement: 0 1\nrank 0: {rank0}\nrank 1: {rank1}\n")
+    return Schedule.from_text(
+        f"microbatches: {m}\nplacement: 0 1\nrank 0: {rank0}\nrank 1: {rank1}\n"
+    )
 
 
 def rejects(schedule: Schedule, rule: str, *culprits: str) -> ScheduleError:

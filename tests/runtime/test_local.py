@@ -1,0 +1,209 @@
+"""Local executor: every generator gives the non-pipelined gradients, and bad input fails clearly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tests.gradcheck import (
+    assert_same_gradients,
+    assert_same_loss,
+    batch_for,
+    mlp,
+    reference,
+    token_loss,
+    token_model,
+)
+from zeropipe.errors import PipelineError, ScheduleError
+from zeropipe.runtime.pipeline import Pipeline
+from zeropipe.schedules import GENERATORS, generate
+
+MODELS = {
+    "mlp": (lambda dtype: mlp(dtype=dtype), F.mse_loss),
+    "mlp-dropout": (lambda dtype: mlp(dropout=0.3, dtype=dtype), F.mse_loss),
+    "tokens-tied": (lambda dtype: token_model(dropout=0.2, dtype=dtype), token_loss),
+}
+
+
+def _supported(name: str, p: int, m: int) -> bool:
+    try:
+        generate(name, p, m)
+    except ScheduleError as err:
+        assert err.rule == "unsupported", str(err)
+        return False
+    return True
+
+
+@pytest.mark.parametrize("name", sorted(GENERATORS))
+@pytest.mark.parametrize("model_name", sorted(MODELS))
+def test_every_generator_matches_the_reference_float64(name: str, model_name: str) -> None:
+    build, loss_fn = MODELS[model_name]
+    ran = 0
+    for p in (1, 2, 4):
+        for m in sorted({1, p, 2 * p + 1}):
+            if not _supported(name, p, m):
+                continue
+            model = build(torch.float64)
+            x, y = batch_for(model, batch=2 * m + 1)
+            ref_loss, ref = reference(model, x, y, loss_fn, m, seed=3)
+            pipe = Pipeline(model, name, microbatches=m, loss_fn=loss_fn, ranks=p, seed=3)
+            loss = pipe.step(x, y)
+            assert_same_loss(loss, ref_loss)
+            assert_same_gradients(model.named_parameters(), ref)
+            ran += 1
+    assert ran >= 2, f"{name}: fewer than two (p, m) combinations were supported"
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zbv", "zb-h1"])
+def test_float32_allclose(name: str) -> None:
+    if name not in GENERATORS:
+        pytest.fail(f"generator {name} is not registered")
+    model = token_model(dtype=torch.float32)
+    x, y = batch_for(model, batch=8)
+    ref_loss, ref = reference(model, x, y, token_loss, 4)
+    loss = Pipeline(model, name, microbatches=4, loss_fn=token_loss, ranks=2).step(x, y)
+    assert_same_loss(loss, ref_loss)
+    assert_same_gradients(model.named_parameters(), ref)
+
+
+def test_same_seed_same_result_whatever_the_schedule_and_rank_count() -> None:
+    results = []
+    for name, ranks in [
+        ("gpipe", 1),
+        ("1f1b", 2),
+        ("1f1b", 4),
+        ("zbv", 2),
+        ("interleaved-1f1b", 2),
+        ("zb-h2", 4),
+    ]:
+        if name not in GENERATORS:
+            continue
+        model = mlp(dropout=0.5)
+        x, y = batch_for(model, batch=9)
+        loss = Pipeline(model, name, microbatches=4, loss_fn=F.mse_loss, ranks=ranks, seed=11).step(
+            x, y
+        )
+        results.append((name, ranks, loss, [p.grad.clone() for p in model.parameters()]))
+    assert len(results) >= 3
+    _, _, loss0, grads0 = results[0]
+    for name, ranks, loss, grads in results[1:]:
+        assert loss.item() == pytest.approx(loss0.item(), abs=1e-12), (name, ranks)
+        for g, g0 in zip(grads, grads0, strict=True):
+            assert (g - g0).abs().max().item() <= 1e-12, (name, ranks)
+    # and a different seed really changes the masks
+    model = mlp(dropout=0.5)
+    x, y = batch_for(model, batch=9)
+    other = Pipeline(model, "1f1b", microbatches=4, loss_fn=F.mse_loss, ranks=2, seed=12).step(x, y)
+    assert other.item() != pytest.approx(loss0.item(), abs=1e-9)
+
+
+def test_second_step_accumulates_like_two_backward_calls() -> None:
+    model = mlp()
+    x, y = batch_for(model, batch=8)
+    _, ref = reference(model, x, y, F.mse_loss, 4)
+    pipe = Pipeline(model, "1f1b", microbatches=4, loss_fn=F.mse_loss, ranks=2)
+    pipe.step(x, y)
+    pipe.step(x, y)
+    assert_same_gradients(model.named_parameters(), {k: 2 * v for k, v in ref.items()})
+
+
+def test_eval_step_returns_loss_and_outputs_without_gradients() -> None:
+    model = mlp()
+    x, y = batch_for(model, batch=8)
+    pipe = Pipeline(model, "1f1b", microbatches=4, loss_fn=F.mse_loss, ranks=2)
+    with torch.no_grad():
+        expected = model(x)
+    out = pipe.eval_step(x)
+    assert out is not None and (out - expected).abs().max().item() <= 1e-12
+    loss = pipe.eval_step(x, y)
+    assert loss is not None and abs(loss.item() - F.mse_loss(expected, y).item()) <= 1e-12
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_list_of_stage_modules_and_tuple_boundaries() -> None:
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(
+            self, x: torch.Tensor, *rest: torch.Tensor
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            h = x if not rest else x + rest[0]
+            return torch.tanh(self.a(h)), torch.sigmoid(self.b(h))
+
+    class Head(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.c = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return self.c(x * y)
+
+    torch.manual_seed(0)
+    stages = [Two().double(), Two().double(), Head().double()]
+    x = torch.randn(6, 4, dtype=torch.float64)
+    y = torch.randn(6, 4, dtype=torch.float64)
+    out = stages[2](*stages[1](*stages[0](x)))
+    F.mse_loss(out, y).backward()
+    ref = {
+        f"{s}.{n}": p.grad.clone() for s, m in enumerate(stages) for n, p in m.named_parameters()
+    }
+    for m in stages:
+        m.zero_grad(set_to_none=True)
+    Pipeline(stages, "1f1b", microbatches=3, loss_fn=F.mse_loss).step(x, y)
+    got = [(f"{s}.{n}", p) for s, m in enumerate(stages) for n, p in m.named_parameters()]
+    assert_same_gradients(got, ref)
+
+
+def test_schedule_that_does_not_fit_the_stages_is_rejected_before_running() -> None:
+    model = mlp(layers=3)
+    with pytest.raises(PipelineError, match="too few for 4 stages"):
+        Pipeline(model, "1f1b", microbatches=4, loss_fn=F.mse_loss, ranks=4)
+    with pytest.raises(PipelineError, match="the schedule has 2 stages but 3 stage module"):
+        Pipeline(list(mlp(layers=3).children()), generate("1f1b", 2, 2), loss_fn=F.mse_loss)
+    with pytest.raises(PipelineError, match="unknown schedule"):
+        Pipeline(model, "nope", microbatches=2, loss_fn=F.mse_loss, ranks=1)
+    with pytest.raises(PipelineError, match="microbatches="):
+        Pipeline(model, "1f1b", loss_fn=F.mse_loss, ranks=1)
+
+
+def test_boundary_shape_change_names_stage_microbatch_expected_and_got() -> None:
+    class Flex(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.extra = 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.lin(x)
+            return torch.cat([h, h[:, : self.extra]], dim=1) if self.extra else h
+
+    class Sink(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x[:, :4])
+
+    first = Flex()
+    pipe = Pipeline([first, Sink()], "1f1b", microbatches=2, loss_fn=F.mse_loss)
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    pipe.step(x, y)
+    first.extra = 1
+    with pytest.raises(PipelineError) as err:
+        pipe.step(x, y)
+    msg = str(err.value)
+    assert "stage 0 microbatch 0" in msg and "float32[2, 4]" in msg and "float32[2, 5]" in msg
+
+
+def test_bad_batch_is_reported() -> None:
+    model = mlp()
+    pipe = Pipeline(model, "1f1b", microbatches=4, loss_fn=F.mse_loss, ranks=2)
+    with pytest.raises(PipelineError, match="cannot be cut into 4 microbatches"):
+        pipe.step(torch.randn(3, 8, dtype=torch.float64), torch.randn(3, 8, dtype=torch.float64))
+    with pytest.raises(PipelineError, match="target has 7 rows"):
+        pipe.step(torch.randn(8, 8, dtype=torch.float64), torch.randn(7, 8, dtype=torch.float64))

@@ -1,0 +1,1 @@
+"""The pipeline runtime: stages, action handlers, transports, executors."""

@@ -1,0 +1,236 @@
+"""The action handlers: one function per action kind, in one dispatch table.
+
+The executors walk a schedule and call ``HANDLERS[action.kind](ctx, action)``;
+an unknown kind is a :class:`~zeropipe.errors.PipelineError`, and a new kind
+means a new entry here, not a new branch in a loop.  Data flow between
+stages (same rank: hand the tensor over; other rank: through the transport)
+follows the dependency model in :mod:`zeropipe.deps`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from zeropipe.autograd.split import WeightGradStash
+from zeropipe.deps import Dependencies
+from zeropipe.errors import PipelineError
+from zeropipe.ir import Action, Kind
+from zeropipe.runtime.stage import MicrobatchState, Stage, detach_for_stage
+from zeropipe.runtime.transport import Transport
+
+__all__ = ["HANDLERS", "BoundaryMeta", "StepContext"]
+
+LossFn = Callable[..., Tensor]
+
+
+class BoundaryMeta:
+    """Shapes and dtypes of each stage's outputs, learnt on first use and then checked."""
+
+    def __init__(self) -> None:
+        self._known: dict[tuple[int, int], tuple[tuple[tuple[int, ...], torch.dtype], ...]] = {}
+
+    def reset(self) -> None:
+        self._known.clear()
+
+    def check(self, stage: int, mb: int, tensors: Sequence[Tensor]) -> None:
+        got = tuple((tuple(t.shape), t.dtype) for t in tensors)
+        expected = self._known.setdefault((stage, mb), got)
+        if got != expected:
+            raise PipelineError(
+                f"stage {stage} microbatch {mb}: boundary output mismatch: expected "
+                f"{_describe(expected)}, got {_describe(got)} (shapes and dtypes crossing a stage "
+                f"boundary must stay the same from step to step)"
+            )
+
+
+def _describe(meta: tuple[tuple[tuple[int, ...], torch.dtype], ...]) -> str:
+    return ", ".join(f"{str(d).removeprefix('torch.')}{list(s)}" for s, d in meta)
+
+
+@dataclass
+class StepContext:
+    """Everything one step's handlers share.  Built fresh per step by the pipeline."""
+
+    step: int
+    seed: int
+    training: bool
+    stages: dict[int, Stage]  # the stages this process runs
+    deps: Dependencies
+    transport: Transport
+    boundary: BoundaryMeta
+    inputs: list[tuple[Tensor, ...]]  # per microbatch, into stage 0
+    targets: list[Tensor] | None  # per microbatch, for the loss
+    weights: list[float]  # per microbatch: its share of the batch
+    loss_fn: LossFn | None
+    device: torch.device
+    losses: dict[int, Tensor] = field(default_factory=dict)  # unweighted, per microbatch
+    outputs: dict[int, tuple[Tensor, ...]] = field(default_factory=dict)  # eval, last stage
+
+    @property
+    def last(self) -> int:
+        return self.deps.num_stages - 1
+
+    def state(self, stage: int, mb: int) -> MicrobatchState:
+        try:
+            return self.stages[stage].state[mb]
+        except KeyError:
+            raise PipelineError(
+                f"stage {stage} microbatch {mb} has no forward state here"
+            ) from None
+
+
+def _forward(ctx: StepContext, action: Action) -> None:
+    s, i = action.stage, _mb(action)
+    stage = ctx.stages[s]
+    if s == 0:
+        inputs = ctx.inputs[i]
+    elif not ctx.deps.crosses(s - 1, s):
+        inputs = detach_for_stage(ctx.state(s - 1, i).outputs)
+    else:
+        inputs = detach_for_stage(ctx.transport.wait_recv(Action(Kind.RECV_F, s, i)))
+    if not ctx.training:
+        inputs = tuple(t.detach() for t in inputs)
+    split = ctx.training and ctx.deps.split(s, i)
+    stash = WeightGradStash(stage=s, microbatch=i) if split else None
+    with (
+        torch.set_grad_enabled(ctx.training),
+        stash.recording(stage.module) if stash else nullcontext(),
+    ):
+        outputs = stage.forward(inputs, ctx.seed, ctx.step, i, ctx.device)
+    state = MicrobatchState(inputs=inputs, outputs=outputs, stash=stash)
+    stage.state[i] = state
+    if s < ctx.last:
+        ctx.boundary.check(s, i, outputs)
+        return
+    if ctx.targets is None:
+        ctx.outputs[i] = tuple(t.detach() for t in outputs)
+        return
+    if ctx.loss_fn is None:
+        raise PipelineError("a target was given but the pipeline has no loss_fn")
+    with torch.set_grad_enabled(ctx.training):
+        loss = ctx.loss_fn(outputs[0] if len(outputs) == 1 else outputs, ctx.targets[i])
+    if not isinstance(loss, Tensor) or loss.numel() != 1:
+        raise PipelineError(f"loss_fn must return a scalar tensor, got {loss!r}")
+    ctx.losses[i] = loss.detach().reshape(())
+    state.loss = loss.reshape(()) * ctx.weights[i]
+    state.outputs = ()
+
+
+def _backward(ctx: StepContext, action: Action) -> None:
+    s, i = action.stage, _mb(action)
+    state = ctx.state(s, i)
+    if s == ctx.last:
+        if state.loss is None:
+            raise PipelineError(f"{action}: the last stage has no loss to differentiate")
+        roots: list[Tensor] = [state.loss]
+        grads: list[Tensor | None] = [None]
+    else:
+        if not ctx.deps.crosses(s + 1, s):
+            downstream = ctx.state(s + 1, i)
+            incoming: Sequence[Tensor | None] = downstream.input_grads or ()
+            downstream.input_grads = None
+            _release(ctx, s + 1, i, done="")
+        else:
+            incoming = ctx.transport.wait_recv(Action(Kind.RECV_B, s, i))
+        roots, grads = [], []
+        differentiable = [t for t in state.outputs if _carries_grad(t)]
+        if len(incoming) != len(differentiable):
+            raise PipelineError(
+                f"{action}: got {len(incoming)} gradient(s) for {len(differentiable)} floating-point "
+                f"output(s) of stage {s}"
+            )
+        for out, g in zip(differentiable, incoming, strict=True):
+            if g is not None and out.requires_grad:
+                roots.append(out)
+                grads.append(g)
+    if action.kind is Kind.I:
+        if state.stash is None:
+            raise PipelineError(f"{action}: the forward was not recorded for split backward")
+        state.stash.input_backward(roots, grads)
+    elif roots:
+        torch.autograd.backward(roots, grads)
+    if s > 0:
+        # An input the stage ignored has no gradient; upstream still expects one.
+        state.input_grads = tuple(
+            t.grad if t.grad is not None else torch.zeros_like(t)
+            for t in state.inputs
+            if _carries_grad(t)
+        )
+    state.inputs, state.outputs, state.loss = (), (), None
+    _release(ctx, s, i, done="W" if action.kind is Kind.B else "I")
+
+
+def _weight(ctx: StepContext, action: Action) -> None:
+    s, i = action.stage, _mb(action)
+    state = ctx.state(s, i)
+    if state.stash is None:
+        raise PipelineError(f"{action}: no deferred weight gradients (was the forward split?)")
+    state.stash.weight_backward()
+    state.stash = None
+    _release(ctx, s, i, done="W")
+
+
+def _send(ctx: StepContext, action: Action) -> None:
+    s, i = action.stage, _mb(action)
+    state = ctx.state(s, i)
+    if action.kind is Kind.SEND_F:
+        tensors = tuple(t.detach() for t in state.outputs)
+    else:
+        if state.input_grads is None:
+            raise PipelineError(f"{action}: stage {s} has no input gradient for microbatch {i} yet")
+        tensors = state.input_grads
+        state.input_grads = None
+        _release(ctx, s, i, done="")
+    ctx.transport.send(action, tensors)
+
+
+def _recv(ctx: StepContext, action: Action) -> None:
+    ctx.transport.post_recv(action)
+
+
+def _not_yet(ctx: StepContext, action: Action) -> None:
+    raise PipelineError(
+        f"{action}: {action.kind.value} actions are not supported by this runtime yet; "
+        f"remove R/OFFLOAD/RELOAD from the schedule"
+    )
+
+
+def _mb(action: Action) -> int:
+    if action.microbatch is None:
+        raise PipelineError(f"{action} needs a microbatch")
+    return action.microbatch
+
+
+def _carries_grad(t: Tensor) -> bool:
+    return torch.is_floating_point(t) or t.is_complex()
+
+
+def _release(ctx: StepContext, s: int, i: int, done: str) -> None:
+    state = ctx.stages[s].state.get(i)
+    if state is None:
+        return
+    if done:
+        state.seen.add(done)
+    finished = "W" in state.seen and state.stash is None and state.input_grads is None
+    if finished:
+        del ctx.stages[s].state[i]
+
+
+HANDLERS: dict[Kind, Callable[[StepContext, Action], None]] = {
+    Kind.F: _forward,
+    Kind.B: _backward,
+    Kind.I: _backward,
+    Kind.W: _weight,
+    Kind.SEND_F: _send,
+    Kind.SEND_B: _send,
+    Kind.RECV_F: _recv,
+    Kind.RECV_B: _recv,
+    Kind.R: _not_yet,
+    Kind.OFFLOAD: _not_yet,
+    Kind.RELOAD: _not_yet,
+}

@@ -1,0 +1,346 @@
+"""``zeropipe.Pipeline``: run a schedule on real modules, one training step per call.
+
+    pipe = Pipeline(model, "zbv", microbatches=8, loss_fn=F.cross_entropy, ranks=2)
+    loss = pipe.step(tokens, targets)       # .grad filled as loss.backward() on the batch
+    optimizer.step()
+
+Local (one process plays every rank) or distributed (one process per rank,
+torch.distributed already initialised, e.g. by torchrun or zeropipe.launch):
+the same schedule, the same handlers, the same gradients.  In the
+distributed case every rank builds the whole model and calls ``step`` with
+the same batch; each keeps only the stages placed on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from zeropipe.autograd.split import prepare_split
+from zeropipe.deps import Dependencies, Graph
+from zeropipe.errors import PipelineError, ScheduleError
+from zeropipe.ir import Kind, Schedule
+from zeropipe.lower import lower
+from zeropipe.runtime.executor import run_local, run_rank
+from zeropipe.runtime.handlers import BoundaryMeta, StepContext
+from zeropipe.runtime.rng import preserved_rng
+from zeropipe.runtime.stage import Stage, as_tuple, split_sequential
+from zeropipe.runtime.transport import LocalTransport, Transport
+from zeropipe.schedules import GENERATORS, generate
+from zeropipe.simulate import Event, Timeline
+from zeropipe.validate import validate
+
+__all__ = ["Pipeline"]
+
+LossFn = Callable[..., Tensor]
+
+
+class Pipeline:
+    """A model cut into stages and run under a schedule.
+
+    Args:
+        stages: an ``nn.Sequential`` (cut into the schedule's stages, by
+            ``balance`` = layers per stage, or evenly) or one module per stage.
+        schedule: a :class:`~zeropipe.ir.Schedule` or a generator name
+            (``zeropipe schedules`` lists them).
+        microbatches: how many microbatches a batch is cut into (needed with a name).
+        loss_fn: ``loss_fn(output, target) -> scalar``, mean-reduced over its
+            microbatch; the step's loss weights microbatches by their size, so it
+            equals the loss of the whole batch.
+        ranks: pipeline ranks for a named schedule (default: the world size when
+            distributed, else ``len(stages) / chunks``).
+        chunks: stages per rank for a named schedule (default: the generator's).
+        seed: dropout and other randomness are seeded per (seed, step,
+            microbatch, layer), identical whatever the schedule or rank count.
+        executor: ``"local"``, ``"distributed"`` or ``"auto"`` (distributed when
+            torch.distributed is initialised with more than one process).
+        process_group: the group to run over (default: the world).
+        timeout: seconds a rank waits for a peer before failing (distributed).
+    """
+
+    def __init__(
+        self,
+        stages: nn.Sequential | Sequence[nn.Module],
+        schedule: Schedule | str = "1f1b",
+        microbatches: int | None = None,
+        loss_fn: LossFn | None = None,
+        *,
+        ranks: int | None = None,
+        chunks: int | None = None,
+        balance: Sequence[int] | None = None,
+        seed: int = 0,
+        executor: Literal["auto", "local", "distributed"] = "auto",
+        process_group: object | None = None,
+        timeout: float = 300.0,
+    ) -> None:
+        self.loss_fn = loss_fn
+        self.seed = seed
+        self._step = 0
+        self._batch: int | None = None
+        self.distributed, self.rank, world = _executor(executor, process_group)
+        compute = _resolve_schedule(schedule, stages, microbatches, ranks, chunks, world)
+        if self.distributed and compute.num_ranks != world:
+            raise PipelineError(
+                f"schedule {compute.name!r} has {compute.num_ranks} rank(s) but the process group "
+                f"has {world}; launch {compute.num_ranks} processes or pass ranks={world}"
+            )
+        self.all_stages = _build_stages(stages, compute.num_stages, balance)
+        self.schedule = lower(compute) if compute.num_ranks > 1 else compute
+        self.graph: Graph = validate(self.schedule)
+        self.deps: Dependencies = self.graph.deps
+        mine = self.schedule.stages_of(self.rank) if self.distributed else range(compute.num_stages)
+        self.stages = {s: self.all_stages[s] for s in mine}
+        for s, stage in self.stages.items():
+            if any(self.deps.split(s, i) for i in range(compute.microbatches)):
+                prepare_split(stage.module)
+        self.shared = _shared_parameters(self.all_stages)
+        self.boundary = BoundaryMeta()
+        self.transport: Transport = (
+            _distributed_transport(self.schedule, self.rank, process_group, timeout)
+            if self.distributed
+            else LocalTransport()
+        )
+        self.last_events: list[list[Event]] = []
+
+    # -- public surface -------------------------------------------------------------
+    @property
+    def microbatches(self) -> int:
+        return self.schedule.microbatches
+
+    def parameters(self) -> list[nn.Parameter]:
+        """Parameters of the stages this process runs (what its optimizer should step)."""
+        seen: dict[int, nn.Parameter] = {}
+        for stage in self.stages.values():
+            for p in stage.parameters():
+                seen.setdefault(id(p), p)
+        return list(seen.values())
+
+    def step(self, inputs: Tensor | Sequence[Tensor], target: Tensor) -> Tensor:
+        """One training step: forward and backward of every microbatch; returns the loss."""
+        if self.loss_fn is None:
+            raise PipelineError("Pipeline(loss_fn=...) is needed for a training step")
+        loss = self._run(inputs, target, training=True)
+        if loss is None:
+            raise PipelineError("the step produced no loss (the last stage never ran its forward)")
+        return loss
+
+    @torch.no_grad()
+    def eval_step(
+        self, inputs: Tensor | Sequence[Tensor], target: Tensor | None = None
+    ) -> Tensor | None:
+        """Forward only: the loss if ``target`` is given, else the last stage's output.
+
+        In a distributed pipeline the output exists on the last stage's rank only
+        (other ranks get ``None``); the loss is returned on every rank.
+        """
+        result = self._run(inputs, target, training=False)
+        return result
+
+    def timeline(self) -> Timeline:
+        """The measured timeline of the last step (this process's ranks), in seconds."""
+        if not self.last_events:
+            raise PipelineError("no step has run yet")
+        events = self.last_events
+        return Timeline(self.schedule, events, peak_memory=[], memory_unit="bytes", measured=True)
+
+    # -- one step -------------------------------------------------------------------
+    def _run(
+        self, inputs: Tensor | Sequence[Tensor], target: Tensor | None, training: bool
+    ) -> Tensor | None:
+        m = self.schedule.microbatches
+        micro_inputs, sizes = _split_batch(as_tuple(inputs, "inputs"), m)
+        batch = sum(sizes)
+        if self._batch != batch:
+            self._batch = batch
+            self.boundary.reset()
+        targets = None if target is None else list(torch.tensor_split(target, m, dim=0))
+        if targets is not None and [len(t) for t in targets] != sizes:
+            raise PipelineError(f"target has {len(target)} rows but inputs have {batch}")  # type: ignore[arg-type]
+        schedule = self.schedule if training else _forward_only(self.schedule)
+        deps = self.deps if training else Dependencies(schedule)
+        ctx = StepContext(
+            step=self._step,
+            seed=self.seed,
+            training=training,
+            stages=self.stages,
+            deps=deps,
+            transport=self.transport,
+            boundary=self.boundary,
+            inputs=micro_inputs,
+            targets=targets,
+            weights=[n / batch for n in sizes],
+            loss_fn=self.loss_fn,
+            device=_device_of(self.stages),
+        )
+        try:
+            with preserved_rng(ctx.device):
+                if self.distributed:
+                    mine = run_rank(ctx, schedule, self.rank)
+                    self.last_events = [
+                        mine if r == self.rank else [] for r in range(schedule.num_ranks)
+                    ]
+                else:
+                    graph = self.graph if training else Graph(schedule, deps)
+                    self.last_events = run_local(ctx, graph)
+                self.transport.finish_step()
+        finally:
+            for stage in self.stages.values():
+                stage.state.clear()
+        if training:
+            self._step += 1
+            self._reduce_shared()
+        last_rank = schedule.placement[-1]
+        owns_last = schedule.num_stages - 1 in self.stages
+        if target is None:
+            if not owns_last:
+                return None
+            outs = [ctx.outputs[i] for i in range(m)]
+            cat = tuple(torch.cat([o[k] for o in outs]) for k in range(len(outs[0])))
+            return cat[0] if len(cat) == 1 else torch.stack(cat)  # single output is the norm
+        loss = None
+        if owns_last:
+            loss = sum((ctx.losses[i] * ctx.weights[i] for i in range(m)), torch.zeros(()))
+        return self.transport.share_loss(loss, last_rank)
+
+    def _reduce_shared(self) -> None:
+        if not self.shared or not self.distributed:
+            return
+        grads = []
+        for p in self.shared:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+        self.transport.reduce_shared(grads)
+
+
+def _executor(executor: str, group: object | None) -> tuple[bool, int, int]:
+    import torch.distributed as dist
+
+    initialised = dist.is_available() and dist.is_initialized()
+    if executor == "local":
+        return False, 0, 1
+    if executor == "distributed":
+        if not initialised:
+            raise PipelineError(
+                "executor='distributed' needs torch.distributed initialised first: run under "
+                "torchrun, or use zeropipe.launch(...)"
+            )
+    elif executor != "auto":
+        raise PipelineError(f"executor must be 'auto', 'local' or 'distributed', got {executor!r}")
+    if not initialised:
+        return False, 0, 1
+    world = dist.get_world_size(group)  # type: ignore[arg-type]
+    if executor == "auto" and world == 1:
+        return False, 0, 1
+    return True, dist.get_rank(group), world  # type: ignore[arg-type]
+
+
+def _resolve_schedule(
+    schedule: Schedule | str,
+    stages: nn.Sequential | Sequence[nn.Module],
+    microbatches: int | None,
+    ranks: int | None,
+    chunks: int | None,
+    world: int,
+) -> Schedule:
+    if isinstance(schedule, Schedule):
+        if microbatches is not None and microbatches != schedule.microbatches:
+            raise PipelineError(
+                f"microbatches={microbatches} but the schedule is for {schedule.microbatches}"
+            )
+        return schedule.compute_only()
+    if not isinstance(schedule, str):
+        raise PipelineError(
+            f"schedule must be a Schedule or a generator name, got {type(schedule).__name__}"
+        )
+    if microbatches is None:
+        raise PipelineError(f"Pipeline(..., {schedule!r}) needs microbatches=")
+    gen = GENERATORS.get(schedule)
+    v = chunks if chunks is not None else (gen.default_chunks if gen else 1)
+    if ranks is None:
+        if world > 1:
+            ranks = world
+        elif isinstance(stages, nn.Sequential):
+            raise PipelineError(
+                "with an nn.Sequential and a schedule name, pass ranks= (and balance=)"
+            )
+        else:
+            if len(stages) % v:
+                raise PipelineError(
+                    f"{len(stages)} stage modules cannot be spread as {v} chunk(s) per rank"
+                )
+            ranks = len(stages) // v
+    try:
+        return generate(schedule, ranks, microbatches, chunks)
+    except ScheduleError as exc:
+        raise PipelineError(str(exc)) from exc
+
+
+def _build_stages(
+    stages: nn.Sequential | Sequence[nn.Module], num: int, balance: Sequence[int] | None
+) -> list[Stage]:
+    if isinstance(stages, nn.Sequential) and (balance is not None or len(stages) != num):
+        return split_sequential(stages, num, balance)
+    modules = list(stages)
+    if balance is not None:
+        raise PipelineError("balance= applies to an nn.Sequential, not to a list of stage modules")
+    if len(modules) != num:
+        raise PipelineError(
+            f"the schedule has {num} stages but {len(modules)} stage module(s) were given; "
+            f"give one module per stage (ranks x chunks) or an nn.Sequential to cut"
+        )
+    for i, mod in enumerate(modules):
+        if not isinstance(mod, nn.Module):
+            raise PipelineError(f"stage {i} is a {type(mod).__name__}, not an nn.Module")
+    if isinstance(stages, nn.Sequential):
+        return [Stage(s, m, [s]) for s, m in enumerate(modules)]
+    return [Stage(s, m, None) for s, m in enumerate(modules)]
+
+
+def _shared_parameters(stages: list[Stage]) -> list[nn.Parameter]:
+    """Parameters used by more than one stage (tied embeddings), in a stable order."""
+    owners: dict[int, set[int]] = {}
+    params: dict[int, nn.Parameter] = {}
+    for stage in stages:
+        for p in stage.parameters():
+            owners.setdefault(id(p), set()).add(stage.index)
+            params.setdefault(id(p), p)
+    return [params[k] for k, o in owners.items() if len(o) > 1]
+
+
+def _split_batch(inputs: tuple[Tensor, ...], m: int) -> tuple[list[tuple[Tensor, ...]], list[int]]:
+    batch = len(inputs[0])
+    if any(len(t) != batch for t in inputs):
+        raise PipelineError(f"inputs disagree on the batch size: {[len(t) for t in inputs]}")
+    if batch < m:
+        raise PipelineError(
+            f"a batch of {batch} cannot be cut into {m} microbatches; use a larger batch"
+        )
+    parts = [torch.tensor_split(t, m, dim=0) for t in inputs]
+    micro = [tuple(p[i] for p in parts) for i in range(m)]
+    return micro, [len(mb[0]) for mb in micro]
+
+
+def _forward_only(schedule: Schedule) -> Schedule:
+    keep = {Kind.F, Kind.SEND_F, Kind.RECV_F}
+    return schedule.replace_actions(
+        [[a for a in acts if a.kind in keep] for acts in schedule.actions]
+    )
+
+
+def _device_of(stages: dict[int, Stage]) -> torch.device:
+    for stage in stages.values():
+        for p in stage.parameters():
+            return p.device
+    return torch.device("cpu")
+
+
+def _distributed_transport(
+    schedule: Schedule, rank: int, group: object | None, timeout: float
+) -> Transport:
+    from zeropipe.runtime.distributed import DistributedTransport
+
+    return DistributedTransport(schedule, rank, group=group, timeout=timeout)

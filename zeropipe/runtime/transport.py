@@ -1,0 +1,94 @@
+"""How boundary tensors move between ranks: the interface, and the in-process transport.
+
+The action handlers never talk to torch.distributed directly; they call a
+:class:`Transport`.  ``SEND_*`` posts a send and returns at once, ``RECV_*``
+posts a receive, and the consumer waits for the data only when it needs it.
+:class:`LocalTransport` is the one-process version (every rank in one
+process): a send drops the tensors in the matching receive's mailbox.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from torch import Tensor
+
+from zeropipe.deps import Dependencies
+from zeropipe.errors import PipelineError
+from zeropipe.ir import Action, Kind
+
+__all__ = ["LocalTransport", "Transport", "matching_recv"]
+
+
+def matching_recv(send: Action) -> Action:
+    """The RECV that receives what ``send`` sends (SEND_F(s,i) -> RECV_F(s+1,i))."""
+    assert send.microbatch is not None
+    if send.kind is Kind.SEND_F:
+        return Dependencies.comm_pair(Kind.F, send.stage, send.stage + 1, send.microbatch)[1]
+    if send.kind is Kind.SEND_B:
+        return Dependencies.comm_pair(Kind.B, send.stage, send.stage - 1, send.microbatch)[1]
+    raise PipelineError(f"{send} is not a send")
+
+
+class Transport(Protocol):
+    """What the runtime needs from a communication backend."""
+
+    def send(self, action: Action, tensors: tuple[Tensor, ...]) -> None:
+        """Post ``action`` (a SEND_F/SEND_B) without waiting for it to complete."""
+
+    def post_recv(self, action: Action) -> None:
+        """Post ``action`` (a RECV_F/RECV_B); the data is awaited in :meth:`wait_recv`."""
+
+    def wait_recv(self, action: Action) -> tuple[Tensor, ...]:
+        """Block until the data of a posted receive has arrived; return it."""
+
+    def finish_step(self) -> None:
+        """Wait for every send of the step; raise if any transfer failed."""
+
+    def reduce_shared(self, grads: Sequence[Tensor]) -> None:
+        """Sum, in place, the gradients of parameters shared across ranks."""
+
+    def share_loss(self, loss: Tensor | None, owner: int) -> Tensor:
+        """The step's loss on every rank (``owner`` = the rank that computed it)."""
+
+
+class LocalTransport:
+    """Every rank in one process: sends are hand-offs into a mailbox, nothing is copied."""
+
+    def __init__(self) -> None:
+        self._mailbox: dict[Action, tuple[Tensor, ...]] = {}
+        self._posted: set[Action] = set()
+
+    def send(self, action: Action, tensors: tuple[Tensor, ...]) -> None:
+        self._mailbox[matching_recv(action)] = tensors
+
+    def post_recv(self, action: Action) -> None:
+        self._posted.add(action)
+
+    def wait_recv(self, action: Action) -> tuple[Tensor, ...]:
+        if action not in self._posted:
+            raise PipelineError(f"{action} was waited on before it was posted")
+        try:
+            data = self._mailbox.pop(action)
+        except KeyError:
+            raise PipelineError(
+                f"{action}: nothing was sent to it (its SEND has not run)"
+            ) from None
+        self._posted.discard(action)
+        return data
+
+    def finish_step(self) -> None:
+        if self._mailbox or self._posted:
+            left = sorted(str(a) for a in (*self._mailbox, *self._posted))
+            self._mailbox.clear()
+            self._posted.clear()
+            raise PipelineError(f"step ended with transfers never consumed: {', '.join(left[:6])}")
+
+    def reduce_shared(self, grads: Sequence[Tensor]) -> None:
+        return None  # one process: shared parameters are one tensor already
+
+    def share_loss(self, loss: Tensor | None, owner: int) -> Tensor:
+        if loss is None:
+            raise PipelineError("no loss was computed on the last stage")
+        return loss

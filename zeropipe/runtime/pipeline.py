@@ -156,6 +156,7 @@ class Pipeline:
         if self._batch != batch:
             self._batch = batch
             self.boundary.reset()
+            self.transport.reset()
         targets = None if target is None else list(torch.tensor_split(target, m, dim=0))
         if targets is not None and [len(t) for t in targets] != sizes:
             raise PipelineError(f"target has {len(target)} rows but inputs have {batch}")  # type: ignore[arg-type]

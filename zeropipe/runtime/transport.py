@@ -46,6 +46,9 @@ class Transport(Protocol):
     def finish_step(self) -> None:
         """Wait for every send of the step; raise if any transfer failed."""
 
+    def reset(self) -> None:
+        """Forget learnt boundary shapes (the batch size changed): learn them again."""
+
     def reduce_shared(self, grads: Sequence[Tensor]) -> None:
         """Sum, in place, the gradients of parameters shared across ranks."""
 
@@ -84,6 +87,9 @@ class LocalTransport:
             self._mailbox.clear()
             self._posted.clear()
             raise PipelineError(f"step ended with transfers never consumed: {', '.join(left[:6])}")
+
+    def reset(self) -> None:
+        return None  # nothing is learnt: tensors are handed over as they are
 
     def reduce_shared(self, grads: Sequence[Tensor]) -> None:
         return None  # one process: shared parameters are one tensor already

@@ -1,0 +1,187 @@
+"""The one place where zeropipe touches private or version-dependent torch API.
+
+Checked on torch 2.13.0 (CPU build; the accelerator stream helpers follow the
+public ``torch.accelerator`` / ``torch.Stream`` API of that release and were
+not run on a GPU).  Every other module imports these helpers instead of
+reaching into ``torch._C`` or underscore attributes, so a torch upgrade that
+breaks one of them breaks here, visibly, and ``tests/test_compat.py`` says
+which assumption failed.
+
+What is private, and why zeropipe needs it:
+
+=================================  ===========================================
+``Node._sequence_nr()``            the autograd engine's ready queue is a
+``Node._set_sequence_nr(n)``       priority queue on this number (PR 114120
+                                   made it settable); backward priority is
+                                   built on it
+``torch.autograd._get_sequence_nr``  the calling thread's next sequence number;
+                                   tells which graph nodes a parallel branch
+                                   created itself
+``torch._dynamo.compiled_autograd``  compiled autograd ignores sequence numbers;
+``torch._dynamo.config``           priority must say so instead of silently
+                                   doing nothing
+``torch._C._autograd.``            the innermost ``saved_tensors_hooks`` pair,
+``_top_saved_tensors_default_hooks``  handed to branch threads (the stack is
+                                   thread-local)
+=================================  ===========================================
+
+Device streams use public API only, but live here too so that the device
+string of the one accelerator that needs special casing appears in this file
+alone (house rule 5).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+from torch.autograd.graph import Node
+
+__all__ = [
+    "ACCUMULATE_GRAD_NAME",
+    "MAX_SEQUENCE_NR",
+    "TORCH_VERSIONS_CHECKED",
+    "compiled_autograd_reason",
+    "current_stream",
+    "get_sequence_nr",
+    "new_stream",
+    "record_stream",
+    "sequence_nr_settable",
+    "set_sequence_nr",
+    "stream_context",
+    "streams_supported",
+    "thread_sequence_nr",
+    "top_saved_tensors_hooks",
+    "torch_version_checked",
+]
+
+TORCH_VERSIONS_CHECKED: tuple[str, ...] = ("2.13.0",)
+
+# AccumulateGrad (and the engine's graph root) carry UINT64_MAX, so they run
+# the moment they are ready; priorities must stay below it.
+MAX_SEQUENCE_NR = 2**64 - 1
+
+# ``Node.name()`` of the node that adds a gradient into a leaf's ``.grad``.
+ACCUMULATE_GRAD_NAME = "torch::autograd::AccumulateGrad"
+
+
+def torch_version_checked(version: str | None = None) -> bool:
+    """Whether ``version`` (default: the running torch) is one this module was checked on."""
+    v = (version or torch.__version__).split("+")[0]
+    return v in TORCH_VERSIONS_CHECKED
+
+
+# --- sequence numbers -------------------------------------------------------
+
+
+def sequence_nr_settable(node: Node) -> bool:
+    """Whether this torch lets Python set ``node``'s sequence number (torch >= 2.2)."""
+    return callable(getattr(node, "_set_sequence_nr", None))
+
+
+def get_sequence_nr(node: Node) -> int:
+    """The sequence number the engine orders ``node`` by (bigger runs first)."""
+    return int(node._sequence_nr())
+
+
+def set_sequence_nr(node: Node, value: int) -> None:
+    """Set ``node``'s sequence number; the caller checked :func:`sequence_nr_settable`."""
+    if not 0 <= value < MAX_SEQUENCE_NR:
+        # The binding takes a uint64 and would wrap silently; UINT64_MAX is
+        # reserved for nodes that must run as soon as ready.
+        raise ValueError(f"sequence number {value} outside [0, 2**64 - 1)")
+    node._set_sequence_nr(value)  # type: ignore[attr-defined]
+
+
+def thread_sequence_nr() -> int:
+    """The sequence number the next autograd node created on this thread will get.
+
+    The counter is thread-local, so a window ``[before, after)`` taken around
+    code on one thread contains exactly the nodes that code created there.
+    """
+    return int(torch.autograd._get_sequence_nr())
+
+
+# --- compiled autograd ------------------------------------------------------
+
+
+def compiled_autograd_reason() -> str | None:
+    """Why compiled autograd is (or will be) in charge of backward, or None if it is not.
+
+    Compiled autograd traces the graph and runs it in its own order, ignoring
+    sequence numbers.  It can only be on if ``torch._dynamo`` was imported, so
+    this never imports it (that takes seconds).
+    """
+    ca = sys.modules.get("torch._dynamo.compiled_autograd")
+    if ca is not None and getattr(ca, "compiled_autograd_enabled", False):
+        return "compiled autograd is enabled (torch._dynamo.compiled_autograd)"
+    config = sys.modules.get("torch._dynamo.config")
+    if config is not None and getattr(config, "compiled_autograd", False):
+        return "torch._dynamo.config.compiled_autograd is True"
+    return None
+
+
+# --- thread-local state handed to worker threads ----------------------------
+
+
+def top_saved_tensors_hooks() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
+    """The innermost active ``saved_tensors_hooks`` (pack, unpack) pair on this thread."""
+    fn = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if fn is None:
+        return None
+    hooks = fn(True)
+    return None if hooks is None else (hooks[0], hooks[1])
+
+
+# --- accelerator streams ----------------------------------------------------
+
+
+def _old_api(device: torch.device) -> bool:
+    # torch < 2.6 has no torch.accelerator; CUDA is then the only device with
+    # a stream API worth using.
+    return not hasattr(torch, "accelerator") and device.type == "cuda"
+
+
+def streams_supported(device: torch.device) -> bool:
+    """Whether ``device`` runs kernels asynchronously on streams (so branches can overlap)."""
+    if device.type in ("cpu", "meta"):
+        return False
+    if _old_api(device):
+        return bool(torch.cuda.is_available())
+    accel = getattr(torch, "accelerator", None)
+    if accel is None or not accel.is_available():
+        return False
+    current = accel.current_accelerator()
+    return current is not None and current.type == device.type
+
+
+def current_stream(device: torch.device) -> Any:
+    """The calling thread's current stream on ``device``."""
+    if _old_api(device):
+        return torch.cuda.current_stream(device)
+    return torch.accelerator.current_stream(device)
+
+
+def new_stream(device: torch.device) -> Any:
+    """A fresh side stream on ``device``."""
+    if _old_api(device):
+        return torch.cuda.Stream(device)
+    return torch.Stream(device=device)
+
+
+def stream_context(stream: Any | None) -> AbstractContextManager[Any]:
+    """Make ``stream`` current on this thread for the block (no-op for None)."""
+    if stream is None:
+        return nullcontext()
+    if _old_api(stream.device):
+        return torch.cuda.stream(stream)
+    ctx: AbstractContextManager[Any] = stream
+    return ctx
+
+
+def record_stream(tensor: torch.Tensor, stream: Any) -> None:
+    """Tell the caching allocator that ``tensor`` is used on ``stream``."""
+    tensor.record_stream(stream)

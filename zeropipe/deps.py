@@ -68,6 +68,7 @@ class Dependencies:
                 if a.microbatch is not None:
                     kinds.setdefault((a.stage, a.microbatch), set()).add(a.kind)
         self._kinds = kinds
+        self._requires: dict[Action, tuple[Dep, ...]] = {}
 
     # -- what a (stage, microbatch) chose --------------------------------------
     def checkpointed(self, stage: int, mb: int) -> bool:
@@ -91,6 +92,16 @@ class Dependencies:
     # -- the rules ---------------------------------------------------------------
     def requires(self, action: Action) -> tuple[Dep, ...]:
         """What must finish before ``action`` may start."""
+        found = self._requires.get(action)
+        if found is None:
+            found = self._requires[action] = self._rule(action)
+        return found
+
+    def kinds(self, stage: int, mb: int) -> frozenset[Kind]:
+        """The kinds of action the schedule has for (stage, mb)."""
+        return frozenset(self._kinds.get((stage, mb), ()))
+
+    def _rule(self, action: Action) -> tuple[Dep, ...]:
         kind, s, i = action.kind, action.stage, action.microbatch
         if i is None:  # weight copies: residency, not data (see module doc)
             return ()

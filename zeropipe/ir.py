@@ -82,10 +82,16 @@ class Action:
     kind: Kind
     stage: int
     microbatch: int | None = None
+    # Actions are dict keys everywhere; Enum hashing runs Python code, so hash once.
+    _hash: int = field(init=False, repr=False, compare=False, default=0)
+
+    def __hash__(self) -> int:
+        return self._hash
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, Kind):
             raise ScheduleError(f"action kind must be a zeropipe.Kind, got {self.kind!r}")
+        object.__setattr__(self, "_hash", hash((self.kind.value, self.stage, self.microbatch)))
         if self.stage < 0:
             raise ScheduleError(f"action stage must be >= 0, got {self.stage}")
         if self.microbatch is None:

@@ -114,7 +114,7 @@ def _check_complete(schedule: Schedule, deps: Dependencies) -> None:
 
     for s in range(schedule.num_stages):
         for i in range(schedule.microbatches):
-            have = {k for k in Kind if Action(k, s, i) in where}
+            have = deps.kinds(s, i)
             if Kind.F not in have:
                 raise _fail(
                     schedule,

@@ -149,16 +149,21 @@ def test_recorded_graph_with_plain_backward_is_a_full_backward() -> None:
     _assert_same_grads(ref, got)
 
 
-def test_microbatches_accumulate_like_full_backward() -> None:
+@pytest.mark.parametrize("fuse", [True, False])
+def test_microbatches_accumulate_like_full_backward(fuse: bool) -> None:
     ref, got = _pair(Stage)
-    stash = WeightGradStash(stage=1)
-    for mb in range(2):
+    stash = WeightGradStash(stage=1, fuse_accumulation=fuse)
+    for mb in range(3):
         x_ref, x = _stage_input()
         g = torch.randn(B, S, D, dtype=torch.float64)
         _full(ref, x_ref, g, seed=mb)
         stash.microbatch = mb
         _split(got, x, g, stash, seed=mb)
     _assert_same_grads(ref, got)
+    if not fuse:
+        # Unfused W repeats autograd's arithmetic: not just close, identical.
+        for (name, a), b in zip(ref.named_parameters(), got.parameters(), strict=True):
+            assert torch.equal(a.grad, b.grad), name  # type: ignore[arg-type]
 
 
 def test_nbytes_is_exactly_the_deferred_inputs_and_output_grads() -> None:
@@ -269,6 +274,19 @@ def test_out_of_order_use_raises_and_clear_resets() -> None:
         stash.weight_backward()
     with stash.recording(got):  # reusable after clear
         got(_stage_input()[1])
+
+
+def test_stage_without_linears_has_nothing_to_defer() -> None:
+    ref, got = _pair(lambda: nn.Sequential(nn.LayerNorm(D), nn.GELU()))
+    x_ref, x = _stage_input()
+    g = torch.randn(B, S, D, dtype=torch.float64)
+    _full(ref, x_ref, g)
+    stash = WeightGradStash()
+    _split(got, x, g, stash)  # W with no entries is a no-op, not an error
+    assert len(stash) == 0
+    assert x.grad is not None and x_ref.grad is not None
+    assert (x.grad - x_ref.grad).abs().max().item() <= TOL
+    _assert_same_grads(ref, got)
 
 
 def test_recording_an_unprepared_module_raises() -> None:

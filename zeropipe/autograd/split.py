@@ -81,7 +81,16 @@ class _Deferred:
 class WeightGradStash:
     """The deferred weight-gradient work of one (stage, microbatch), held between I and W.
 
-    ``stage`` and ``microbatch`` only label error messages.  Lifecycle::
+    ``stage`` and ``microbatch`` only label error messages.
+
+    ``fuse_accumulation`` (default on): where a parameter's ``.grad`` already
+    exists (later microbatches of a step), W adds ``grad_output^T @ input``
+    into it with one ``addmm_`` -- no temporary and one pass fewer over the
+    gradient than autograd's ``mm`` then ``add_``, but a possibly different
+    last bit.  Off, W repeats autograd's arithmetic and the untied gradients
+    match a full backward bit for bit.
+
+    Lifecycle::
 
         with stash.recording(stage_module):   # F: bind this stash to the stage's linears
             out = stage_module(x)
@@ -91,9 +100,16 @@ class WeightGradStash:
     after which the stash is empty and can record the next microbatch.
     """
 
-    def __init__(self, *, stage: int | None = None, microbatch: int | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        stage: int | None = None,
+        microbatch: int | None = None,
+        fuse_accumulation: bool = True,
+    ) -> None:
         self.stage = stage
         self.microbatch = microbatch
+        self.fuse_accumulation = fuse_accumulation
         self._entries: list[_Deferred] = []
         self._deferring = False
         self._awaiting_weight = False  # I ran, W not yet
@@ -225,35 +241,60 @@ class WeightGradStash:
         entries, self._entries = self._entries, []
         self._awaiting_weight = False
         self._weight_done = True
-        totals: dict[int, tuple[Tensor, Tensor]] = {}
+        # Group by parameter (a tied weight or a linear called twice has several entries) in
+        # backward order, so that each parameter is updated once, as autograd would.
+        groups = _group_by_param(entries)
+        del entries
         with torch.no_grad():
-            # Consume in backward order, dropping each pair as soon as it is used so that
-            # memory falls during W instead of staying at its peak until the end.
-            entries.reverse()
-            while entries:
-                e = entries.pop()
-                param, g = e.param, _weight_grad(e.input, e.grad_output)
-                del e
-                key = id(param)
-                if key in totals:
-                    totals[key][1].add_(g)
-                else:
-                    totals[key] = (param, g)
-            for param, g in totals.values():
-                g = g.to(param.dtype)
-                if param.grad is None:
-                    param.grad = g
-                else:
-                    param.grad.add_(g)
+            for key in list(groups):
+                # Popped so that each group's tensors are freed as soon as they are used and
+                # memory falls during W instead of staying at its peak until the end.
+                param, group = groups.pop(key)
+                _accumulate(param, group, fuse=self.fuse_accumulation)
+                del group
 
     def _where(self) -> str:
         return f"split backward (stage {self.stage}, microbatch {self.microbatch})"
 
 
+def _rows(t: Tensor) -> Tensor:
+    # Leading dims (batch, seq, ...) are all rows of one matrix product.
+    return t.reshape(-1, t.shape[-1])
+
+
 def _weight_grad(input: Tensor, grad_output: Tensor) -> Tensor:
     # Same product, in the same layout, as the native addmm backward, so results match bitwise
-    # in the common case; leading dims (batch, seq, ...) are folded into rows.
-    return grad_output.reshape(-1, grad_output.shape[-1]).t().mm(input.reshape(-1, input.shape[-1]))
+    # in the common case.
+    return _rows(grad_output).t().mm(_rows(input))
+
+
+def _group_by_param(entries: list[_Deferred]) -> dict[int, tuple[Tensor, list[_Deferred]]]:
+    groups: dict[int, tuple[Tensor, list[_Deferred]]] = {}
+    for e in entries:
+        groups.setdefault(id(e.param), (e.param, []))[1].append(e)
+    return groups
+
+
+def _accumulate(param: Tensor, group: list[_Deferred], *, fuse: bool) -> None:
+    """``param.grad += sum(grad_output^T @ input)`` over ``group``, in ``param``'s dtype."""
+    grad = param.grad
+    if fuse and grad is not None and len(group) == 1 and group[0].grad_output.dtype == grad.dtype:
+        e = group[0]
+        grad.addmm_(_rows(e.grad_output).t(), _rows(e.input))
+        return
+    # Otherwise autograd's own arithmetic: one product per use, summed (its input buffer),
+    # then added to .grad (AccumulateGrad).
+    total = _weight_grad(group[0].input, group[0].grad_output)
+    for e in group[1:]:
+        if fuse:
+            total.addmm_(_rows(e.grad_output).t(), _rows(e.input))
+        else:
+            total.add_(_weight_grad(e.input, e.grad_output))
+    total = total.to(param.dtype)
+    if grad is None:
+        param.grad = total
+    else:
+        grad.add_(total)
 
 
 # -- the linear ----------------------------------------------------------------------------

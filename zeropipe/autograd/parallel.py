@@ -114,6 +114,9 @@ class BranchError(ZeropipeError, RuntimeError):
 class BranchPool:
     """Threads that run branches; the calling thread always works too (see module docstring).
 
+    ``max_workers`` defaults to one less than the number of cores, the caller
+    being the extra thread.
+
     The executor and per-device side streams are created on first use and
     released by :meth:`close` (a later call creates them again).  Copying or
     pickling a pool gives a fresh, unstarted pool of the same size.
@@ -122,7 +125,9 @@ class BranchPool:
     def __init__(self, max_workers: int | None = None) -> None:
         if max_workers is not None and max_workers < 1:
             raise ParallelMapError(f"max_workers must be >= 1, got {max_workers}")
-        self.max_workers = max_workers if max_workers is not None else (os.cpu_count() or 1)
+        # The calling thread works too, so one core per worker is one too many.
+        default = max(1, (os.cpu_count() or 2) - 1)
+        self.max_workers = max_workers if max_workers is not None else default
         self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
         self._streams: dict[torch.device, list[Any]] = {}
@@ -222,7 +227,7 @@ _default_pool_lock = threading.Lock()
 
 
 def default_branch_pool() -> BranchPool:
-    """The process-wide pool used when no pool is passed (``os.cpu_count()`` workers).
+    """The process-wide pool used when no pool is passed (``os.cpu_count() - 1`` workers).
 
     Created on first use under a lock; its idle threads are joined at exit.
     Pass an explicit :class:`BranchPool` to control size and lifetime.
@@ -247,8 +252,9 @@ class _ThreadState:
     @classmethod
     def capture(cls, device_types: Iterable[str]) -> _ThreadState:
         autocast = tuple(
-            (d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
+            (d, True, torch.get_autocast_dtype(d))
             for d in dict.fromkeys(["cpu", *device_types])
+            if _autocast_on(d)
         )
         return cls(
             torch.is_grad_enabled(),
@@ -273,6 +279,13 @@ class _ThreadState:
             if self.saved_hooks is not None:
                 stack.enter_context(torch.autograd.graph.saved_tensors_hooks(*self.saved_hooks))
             yield
+
+
+def _autocast_on(device_type: str) -> bool:
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except RuntimeError:  # a device type autocast does not know (meta)
+        return False
 
 
 class _Streams:

@@ -53,7 +53,9 @@ def zb_h1(ranks: int, microbatches: int, chunks: int = 1) -> Schedule:
     return Schedule(tuple(range(ranks)), acts, microbatches, "zb-h1")
 
 
-@register("zb-h2", "zero bubble H2: more warm-up forwards, no bubble; peak 2p-1 microbatches")
+@register(
+    "zb-h2", "zero bubble H2: more warm-up forwards, bubble-free at F=I=W; peak 2p-1 microbatches"
+)
 def zb_h2(ranks: int, microbatches: int, chunks: int = 1) -> Schedule:
     lag_i = [2 * (ranks - 1 - r) for r in range(ranks)]
     acts = _lagged(ranks, microbatches, lag_i, 2 * (ranks - 1))

@@ -41,12 +41,19 @@ Contract:
   and every non-deferred parameter.  It returns nothing.
 - W adds into ``param.grad`` (created if ``None``) in the parameter's dtype.
   Entries of the same parameter (a linear used twice, two linears sharing a
-  weight) are summed first and added once, as autograd does.  Tied weights
+  weight) are summed first and added once, as autograd does.  Into an
+  existing ``.grad`` W fuses product and sum (``addmm_``) unless the stash
+  was built with ``fuse_accumulation=False``, which reproduces autograd's
+  arithmetic bit for bit.  Tied weights
   whose other use is not a linear (an ``nn.Embedding``) get that part during
   I and the linear part during W.
 - Under ``torch.autocast`` the casts are recorded as ordinary autograd ops
   outside the linear, so W computes in the autocast dtype and casts the
   result to the parameter's dtype, exactly like the cast's backward.
+- Activation checkpointing inside a recorded stage keeps working: a prepared
+  linear uses the same autograd node with or without a stash, so the
+  recomputation saves what the forward saved.  (With reentrant checkpointing
+  the recomputed linears are not deferred; their weights get gradients in I.)
 - W bypasses autograd for the deferred weights, so tensor hooks registered
   on those parameters (``register_hook``, post-accumulate-grad hooks) do not
   see the W part.  Tensors held by the stash must not be changed in place
@@ -307,7 +314,7 @@ class _LinearCall:
 
     __slots__ = ("param", "stash")
 
-    def __init__(self, param: Tensor, stash: WeightGradStash) -> None:
+    def __init__(self, param: Tensor, stash: WeightGradStash | None) -> None:
         self.param = param
         self.stash = stash
 
@@ -338,12 +345,13 @@ class _DeferrableLinearFn(torch.autograd.Function):
         if need_input:
             grad_input = grad_output.matmul(weight)
         if need_bias:
-            grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(0)
+            grad_bias = _rows(grad_output).sum(0)
         if need_weight:
             # Only a leaf can be written to directly in W; anything else (a parametrized
             # weight) must send its gradient back through autograd now.
-            if call.stash.deferring and call.param.is_leaf and call.param.requires_grad:
-                call.stash._defer(call.param, input, grad_output)
+            stash = call.stash
+            if stash is not None and stash.deferring and call.param.is_leaf:
+                stash._defer(call.param, input, grad_output)
             else:
                 grad_weight = _weight_grad(input, grad_output)
         return grad_input, grad_weight, grad_bias, None
@@ -363,7 +371,7 @@ def _autocast_eligible(t: Tensor) -> bool:
 
 
 def _recorded_linear(
-    input: Tensor, weight: Tensor, bias: Tensor | None, stash: WeightGradStash
+    input: Tensor, weight: Tensor, bias: Tensor | None, stash: WeightGradStash | None
 ) -> Tensor:
     call = _LinearCall(weight, stash)
     device_type = input.device.type
@@ -387,10 +395,12 @@ class _SplitLinear(nn.Linear):
     """
 
     def forward(self, input: Tensor) -> Tensor:
-        stash = self.__dict__.get(_STASH_ATTR)
-        if stash is None or not torch.is_grad_enabled():
+        if not torch.is_grad_enabled():
             return F.linear(input, self.weight, self.bias)
-        return _recorded_linear(input, self.weight, self.bias, stash)
+        # The same autograd node whether a stash is bound or not: activation checkpointing
+        # recomputes outside the recording context and hands the recomputed saved tensors to
+        # the *original* node, so both must save the same things (plain F.linear would not).
+        return _recorded_linear(input, self.weight, self.bias, self.__dict__.get(_STASH_ATTR))
 
     def _get_name(self) -> str:
         return "Linear"
@@ -402,8 +412,8 @@ def prepare_split(module: nn.Module) -> nn.Module:
     Only exact ``nn.Linear`` instances are converted: subclasses may override
     ``forward`` (or, like attention's ``out_proj``, never call it), so they keep
     computing their weight gradient in I, which is still exact.  Returns
-    ``module`` itself.  Without a bound stash a prepared linear runs plain
-    ``F.linear``, so the module behaves exactly as before.
+    ``module`` itself.  Without a bound stash a prepared linear computes all
+    its gradients in its backward, as ``nn.Linear`` does, with the same values.
     """
     for m in module.modules():
         if type(m) is nn.Linear:

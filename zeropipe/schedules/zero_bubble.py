@@ -8,7 +8,8 @@ are the same triples with the out-of-range entries left out, which is why
 the formula holds for every microbatch count ``m``, not only ``m >= p``.
 
     ZB-H1   a_r = p-1-r      c = p-1     peak as 1F1B: p microbatches on rank 0
-    ZB-H2   a_r = 2(p-1-r)   c = 2(p-1)  peak 2p-1 on rank 0; no bubble in the span
+    ZB-H2   a_r = 2(p-1-r)   c = 2(p-1)  peak 2p-1 on rank 0; idle (p-1-r)(F+I-2W)
+                                         inside rank r's span, none at F = I = W
 
 ZB-H1, p=4, unit costs.  Rank r holds back its first r W: run early they
 would delay the I that the ranks before it are waiting for; run at the end

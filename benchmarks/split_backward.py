@@ -20,8 +20,9 @@ with other processes the latter is the steadier of the two.
 
 On CPU with glibc malloc, ``--grads none`` (fresh ``.grad`` tensors every
 time) can make W page in its gradient buffers afresh where B happens to
-reuse freed heap memory; compare with ``MALLOC_TRIM_THRESHOLD_`` set large
-(e.g. 4000000000) to see the split's own cost without that artefact.
+reuse freed heap memory: the "page faults" column shows it.  Compare with
+``MALLOC_TRIM_THRESHOLD_=4000000000 MALLOC_MMAP_THRESHOLD_=1000000000`` in
+the environment to see the split's own cost without that artefact.
 
     python benchmarks/split_backward.py                      # batch 8 x seq 8 x 512
     python benchmarks/split_backward.py --layout flat --batch 64
@@ -33,6 +34,7 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import resource
 import statistics
 import time
 from collections.abc import Callable
@@ -64,10 +66,14 @@ def _zero(model: nn.Module, keep: bool) -> None:
             p.grad = None
 
 
-def _clock() -> tuple[float, float]:
-    # Wall time, and this thread's CPU time: the latter ignores time lost to other processes
-    # on a shared machine (CPU autograd runs on the calling thread; one intra-op thread).
-    return time.perf_counter(), time.thread_time()
+_RUSAGE = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
+
+
+def _clock() -> tuple[float, float, int]:
+    # Wall time; this thread's CPU time, which ignores time lost to other processes on a
+    # shared machine (CPU autograd runs on the calling thread; one intra-op thread); and
+    # minor page faults, which show when an action pays for fresh memory from the OS.
+    return time.perf_counter(), time.thread_time(), resource.getrusage(_RUSAGE).ru_minflt
 
 
 def _parse() -> argparse.Namespace:
@@ -122,11 +128,13 @@ def main() -> None:
     names = ("F native", "F recorded", "B native", "B prepared", "I", "W", "I+W")
     wall: dict[str, list[float]] = {k: [] for k in names}
     cpu: dict[str, list[float]] = {k: [] for k in names}
+    faults: dict[str, list[float]] = {k: [] for k in names}
     held: list[int] = []
 
-    def record(name: str, start: tuple[float, float], end: tuple[float, float]) -> None:
+    def record(name: str, start: tuple[float, float, int], end: tuple[float, float, int]) -> None:
         wall[name].append(end[0] - start[0])
         cpu[name].append(end[1] - start[1])
+        faults[name].append(end[2] - start[2])
 
     def run_native() -> None:
         _zero(native, keep)
@@ -168,13 +176,14 @@ def main() -> None:
         record("W", c3, c4)
         wall["I+W"].append(wall["I"][-1] + wall["W"][-1])
         cpu["I+W"].append(cpu["I"][-1] + cpu["W"][-1])
+        faults["I+W"].append(faults["I"][-1] + faults["W"][-1])
 
     variants: list[Callable[[], None]] = [run_native, run_prepared_full, run_split]
     gc.disable()  # a collection inside one timed region would land on one variant only
     try:
         for rep in range(args.warmup + args.reps):
             if rep == args.warmup:
-                for series in (*wall.values(), *cpu.values()):
+                for series in (*wall.values(), *cpu.values(), *faults.values()):
                     series.clear()
             k = rep % len(variants)
             for run in variants[k:] + variants[:k]:
@@ -196,12 +205,13 @@ def main() -> None:
         "cpu = this thread's CPU time"
     )
     print()
-    print(f"{'action':<12} {'wall ms':>9} {'/B':>7} {'cpu ms':>9} {'/B':>7}")
+    print(f"{'action':<12} {'wall ms':>9} {'/B':>7} {'cpu ms':>9} {'/B':>7} {'page faults':>12}")
     for name in names:
         w, c = med_wall[name], med_cpu[name]
         print(
             f"{name:<12} {w:>9.3f} {w / med_wall['B native']:>7.3f} "
-            f"{c:>9.3f} {c / med_cpu['B native']:>7.3f}"
+            f"{c:>9.3f} {c / med_cpu['B native']:>7.3f} "
+            f"{statistics.median(faults[name]):>12.0f}"
         )
     print()
     print("(I+W)/B    ratio of medians   median of per-repetition ratios   (goal <= 1.10)")

@@ -118,7 +118,7 @@ def main() -> None:
     torch.manual_seed(args.seed)
     native = _stage(args.blocks, args.hidden, args.ffn)
     prepared = prepare_split(copy.deepcopy(native))
-    shape = (args.batch, args.hidden)
+    shape: tuple[int, ...] = (args.batch, args.hidden)
     if args.layout == "tokens":
         shape = (args.batch, args.seq, args.hidden)
     x0 = torch.randn(shape)
@@ -215,11 +215,11 @@ def main() -> None:
         )
     print()
     print("(I+W)/B    ratio of medians   median of per-repetition ratios   (goal <= 1.10)")
-    for label, med, series in (("wall", med_wall, wall), ("cpu", med_cpu, cpu)):
+    for label, med, runs in (("wall", med_wall, wall), ("cpu", med_cpu, cpu)):
         ratio = med["I+W"] / med["B native"]
         # Each repetition times B and I+W within ~0.1 s of each other, so their ratio is
         # barely touched by load that comes and goes on a shared machine.
-        pairs = zip(series["I+W"], series["B native"], strict=True)
+        pairs = zip(runs["I+W"], runs["B native"], strict=True)
         paired = statistics.median([s / b for s, b in pairs])
         print(f"  {label:<4}     {ratio:>16.3f}   {paired:>31.3f}")
     print(f"held between I and W: {held[-1] / 2**20:.2f} MiB (stash.nbytes)")

@@ -11,6 +11,7 @@ import copy
 import pickle
 import weakref
 from collections.abc import Callable
+from typing import TypeVar
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 from zeropipe.autograd.split import WeightGradStash, prepare_split, unprepare_split
 from zeropipe.errors import PipelineError
 
+M = TypeVar("M", bound=nn.Module)
 TOL = 1e-12
 B, S, D, V = 2, 3, 8, 13
 
@@ -65,10 +67,18 @@ class TiedLM(nn.Module):
         return self.head(self.ln(self.blocks(self.emb(ids))))
 
 
-def _pair(make: Callable[[], nn.Module]) -> tuple[nn.Module, nn.Module]:
+def _pair(make: Callable[[], M]) -> tuple[M, M]:
     torch.manual_seed(0)
     ref = make().double()
-    return ref, prepare_split(copy.deepcopy(ref))
+    got = copy.deepcopy(ref)
+    assert prepare_split(got) is got
+    return ref, got
+
+
+def _block(model: Stage | TiedLM, i: int) -> Block:
+    block = model.blocks[i]
+    assert isinstance(block, Block)
+    return block
 
 
 def _full(model: nn.Module, x: Tensor, g: Tensor, seed: int = 1) -> Tensor:
@@ -114,9 +124,9 @@ def test_tied_language_model_split_equals_full_backward() -> None:
     stash.input_backward(out, g)
     # Deferred: every prepared linear weight is untouched by I, the embedding part of the
     # tied weight and the LayerNorm parameters are already there.
-    assert got.blocks[0].fc1.weight.grad is None
-    assert got.blocks[1].fc2.weight.grad is None
-    assert got.blocks[0].fc1.bias.grad is not None
+    assert _block(got, 0).fc1.weight.grad is None
+    assert _block(got, 1).fc2.weight.grad is None
+    assert _block(got, 0).fc1.bias.grad is not None
     assert got.emb.weight.grad is not None
     emb_only = got.emb.weight.grad.clone()
     stash.weight_backward()
@@ -298,7 +308,7 @@ def test_recording_an_unprepared_module_raises() -> None:
 def test_frozen_linear_is_not_deferred_and_stays_exact() -> None:
     ref, got = _pair(Stage)
     for model in (ref, got):
-        model.blocks[0].fc1.weight.requires_grad_(False)
+        _block(model, 0).fc1.weight.requires_grad_(False)
     x_ref, x = _stage_input()
     g = torch.randn(B, S, D, dtype=torch.float64)
     _full(ref, x_ref, g)
@@ -309,8 +319,8 @@ def test_frozen_linear_is_not_deferred_and_stays_exact() -> None:
     stash.input_backward(out, g)
     assert len(stash) == 3
     stash.weight_backward()
-    assert got.blocks[0].fc1.weight.grad is None
-    assert got.blocks[0].fc1.bias.grad is not None
+    assert _block(got, 0).fc1.weight.grad is None
+    assert _block(got, 0).fc1.bias.grad is not None
     assert x.grad is not None and x_ref.grad is not None
     assert (x.grad - x_ref.grad).abs().max().item() <= TOL
     _assert_same_grads(ref, got)
@@ -421,12 +431,12 @@ def test_prepare_is_idempotent_reversible_and_keeps_state() -> None:
     assert list(model.state_dict()) == keys
     assert [id(p) for p in model.parameters()] == params
     assert repr(model) == text
-    assert all(isinstance(m, nn.Linear) for m in (model.head, model.blocks[0].fc1))
+    assert all(isinstance(m, nn.Linear) for m in (model.head, _block(model, 0).fc1))
     clone = pickle.loads(pickle.dumps(model))
     with WeightGradStash().recording(clone):  # still prepared after a round trip
         pass
     assert unprepare_split(model) is model
-    assert type(model.head) is nn.Linear and type(model.blocks[1].fc2) is nn.Linear
+    assert type(model.head) is nn.Linear and type(_block(model, 1).fc2) is nn.Linear
     with pytest.raises(PipelineError), WeightGradStash().recording(model):
         pass
 
@@ -434,12 +444,13 @@ def test_prepare_is_idempotent_reversible_and_keeps_state() -> None:
 def test_autocast_keeps_param_dtype_and_matches_native() -> None:
     torch.manual_seed(0)
     ref = Stage()  # float32 parameters, bfloat16 compute
-    got = prepare_split(copy.deepcopy(ref))
+    got = copy.deepcopy(ref)
+    prepare_split(got)
     x = torch.randn(B, S, D)
     x_ref, x_got = x.clone().requires_grad_(), x.clone().requires_grad_()
     g = torch.randn(B, S, D)
     dtypes: list[torch.dtype] = []
-    got.blocks[0].fc1.register_forward_hook(lambda mod, args, out: dtypes.append(out.dtype))
+    _block(got, 0).fc1.register_forward_hook(lambda mod, args, out: dtypes.append(out.dtype))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         torch.manual_seed(1)
         out_ref = ref(x_ref)

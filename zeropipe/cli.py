@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from zeropipe import render
+from zeropipe import render, train
 from zeropipe.costs import CostModel
 from zeropipe.errors import ScheduleError, ZeropipeError
 from zeropipe.ir import Schedule
@@ -270,6 +270,7 @@ Run = Callable[[argparse.Namespace], int]
 COMMANDS: dict[str, tuple[AddArguments, Run]] = {
     "schedules": (_add_schedules_arguments, _run_schedules),
     "simulate": (_add_simulate_arguments, _run_simulate),
+    "train": (train.add_arguments, train.run_cli),
 }
 
 

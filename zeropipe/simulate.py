@@ -168,3 +168,36 @@ def _locate_recv(graph: Graph, rank: int, step: int, recv: Action) -> tuple[int,
         if dep is not None and dep.action == recv:
             return pr, pk
     raise AssertionError(f"{recv} not among the dependencies of step {step} on rank {rank}")
+
+
+def costs_from_timeline(timeline: Timeline) -> CostModel:
+    """A cost model whose per-stage times are the medians measured in ``timeline``.
+
+    Simulating the schedule under it gives the *planned* timeline to set
+    beside the measured one: what the schedule would look like if every
+    action took its typical time and nothing else got in the way.
+    """
+    from statistics import median
+
+    from zeropipe.costs import StageCost
+
+    durations: dict[tuple[int, str], list[float]] = {}
+    for evs in timeline.events:
+        for e in evs:
+            if e.lane == "compute":
+                durations.setdefault((e.action.stage, e.action.kind.value), []).append(
+                    e.end - e.start
+                )
+
+    def med(stage: int, kind: str, default: float) -> float:
+        values = durations.get((stage, kind))
+        return median(values) if values else default
+
+    stages = []
+    for s in range(timeline.schedule.num_stages):
+        f = med(s, "F", 0.0)
+        b = med(s, "B", 0.0)
+        i = med(s, "I", b / 2)
+        w = med(s, "W", b / 2)
+        stages.append(StageCost(F=f, I=i, W=w, B=b if (s, "B") in durations else None))
+    return CostModel(tuple(stages), meta={"source": "measured medians"})

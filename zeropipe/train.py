@@ -1,0 +1,496 @@
+"""``zeropipe train``: a small GPT trained across pipeline ranks, end to end.
+
+One call of :func:`train` spawns ``ranks`` processes over gloo (or, under
+torchrun, runs as the rank it was started as), trains the GPT of
+:mod:`zeropipe.models.gpt` on the generated corpus of :mod:`zeropipe.data`
+under the chosen schedule, and leaves in ``--out``::
+
+    metrics.jsonl      one JSON object per step: step, loss, tokens_per_s, ...
+    checkpoints/       the last complete checkpoints (see zeropipe.checkpoint)
+    timeline.png       the planned (simulated) and measured timelines of one step
+    trace.json         Chrome trace of that measured step (opens in Perfetto)
+    loss.png           the loss curve
+
+Stopping: Ctrl-C (SIGINT) is turned into a request that all ranks agree on at
+the next step boundary; they save a checkpoint and exit.  ``--resume``
+continues from the newest complete checkpoint, reading exactly the batches
+an uninterrupted run would have read, so its losses are the same.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zeropipe import checkpoint
+from zeropipe.data import Corpus
+from zeropipe.errors import PipelineError, ZeropipeError
+from zeropipe.models.gpt import GPTConfig, gpt, lm_loss
+from zeropipe.runtime.pipeline import Pipeline
+from zeropipe.schedules import GENERATORS, generate
+from zeropipe.simulate import Event, Timeline, costs_from_timeline, simulate
+
+__all__ = ["TrainConfig", "train"]
+
+
+@dataclass
+class TrainConfig:
+    """Every knob of ``zeropipe train``; the defaults are the built-in demo."""
+
+    schedule: str = "zbv"
+    ranks: int = 2
+    microbatches: int = 8
+    batch_size: int = 16
+    steps: int = 300
+    lr: float = 3e-3
+    seq: int = 48
+    width: int = 96
+    layers: int = 4
+    heads: int = 4
+    dropout: float = 0.0
+    memory_limit: float | None = None
+    recompute: str | None = None
+    offload: str | None = None
+    device: str = "cpu"
+    seed: int = 0
+    out: str = "zeropipe-out"
+    resume: bool = False
+    checkpoint_every: int = 50
+    eval_batches: int = 4
+    timeout: float = 120.0
+    trace_step: int = 10  # which step's timeline to keep (clamped to the run)
+    quiet: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def check(self) -> None:
+        """One-line errors for flags that cannot work, before any process starts."""
+        if self.schedule not in GENERATORS:
+            raise ZeropipeError(
+                f"unknown schedule {self.schedule!r}; choose one of {', '.join(sorted(GENERATORS))}"
+            )
+        if self.ranks < 1 or self.microbatches < 1 or self.steps < 1 or self.batch_size < 1:
+            raise ZeropipeError("--ranks, --microbatches, --steps and --batch-size must be >= 1")
+        if self.batch_size < self.microbatches:
+            raise ZeropipeError(
+                f"--batch-size {self.batch_size} cannot be cut into --microbatches {self.microbatches}; "
+                f"raise the batch size or lower the microbatches"
+            )
+        try:
+            sched = generate(self.schedule, self.ranks, self.microbatches)
+        except ZeropipeError as exc:
+            raise ZeropipeError(
+                f"--schedule {self.schedule} with --ranks {self.ranks}: {str(exc).splitlines()[0]}"
+            ) from None
+        layers = self.layers + 2  # embedding and head are layers of the Sequential too
+        if sched.num_stages > layers:
+            raise ZeropipeError(
+                f"--ranks {self.ranks} with {self.schedule} needs {sched.num_stages} stages but the model has "
+                f"{layers} layers; use fewer ranks or more --layers"
+            )
+        if self.device != "cpu" and not torch.device(self.device).type:
+            raise ZeropipeError(f"unknown --device {self.device!r}")
+        for flag in ("recompute", "offload", "memory_limit"):
+            if getattr(self, flag) is not None:
+                self._check_memory_flag(flag)
+
+    def _check_memory_flag(self, flag: str) -> None:
+        try:
+            import zeropipe.fit  # noqa: F401
+        except ImportError:
+            raise ZeropipeError(
+                f"--{flag.replace('_', '-')} needs zeropipe.fit, which this build lacks"
+            ) from None
+
+
+def train(cfg: TrainConfig) -> dict[str, Any]:
+    """Run the training job; returns rank 0's summary."""
+    cfg.check()
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun
+        from zeropipe.runtime.launch import init_from_env
+
+        rank, world = init_from_env(timeout=cfg.timeout)
+        if world != cfg.ranks:
+            cfg.ranks = world
+        return run_rank(rank, world, cfg)
+    if cfg.ranks == 1:
+        return run_rank(0, 1, cfg)
+    from zeropipe.runtime.launch import launch
+
+    results = launch(run_rank, cfg.ranks, cfg, timeout=cfg.timeout * 4 + cfg.steps * 5.0, threads=1)
+    summary: dict[str, Any] = results[0]
+    return summary
+
+
+def _balance(layers: int, stages: int) -> list[int]:
+    """Layers per stage; the embedding and head stages take one block fewer when possible."""
+    base, extra = divmod(layers, stages)
+    counts = [base + (1 if s < extra else 0) for s in range(stages)]
+    return counts
+
+
+def run_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
+    """The training loop as one rank runs it (also the whole job when ranks == 1)."""
+    torch.set_num_threads(1)
+    out = Path(cfg.out)
+    ckpt_root = out / "checkpoints"
+    lead = rank == 0
+    corpus = Corpus.generate(seed=cfg.seed)
+    model_cfg = GPTConfig(
+        vocab=corpus.vocab,
+        seq=cfg.seq,
+        width=cfg.width,
+        heads=cfg.heads,
+        layers=cfg.layers,
+        dropout=cfg.dropout,
+    )
+    model = gpt(model_cfg, seed=cfg.seed).to(cfg.device)
+    schedule = generate(cfg.schedule, cfg.ranks, cfg.microbatches)
+    pipe = Pipeline(
+        model,
+        schedule,
+        loss_fn=lm_loss,
+        balance=_balance(cfg.layers + 2, schedule.num_stages),
+        seed=cfg.seed,
+        executor="distributed" if world > 1 else "local",
+        timeout=cfg.timeout,
+    )
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=cfg.lr, weight_decay=0.0)
+    start = 0
+    if cfg.resume:
+        state = checkpoint.load_rank(ckpt_root, rank)
+        for s, sd in state["stages"].items():
+            pipe.stages[int(s)].module.load_state_dict(sd)
+        optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng"])
+        start = int(state["step"])
+    if lead:
+        out.mkdir(parents=True, exist_ok=True)
+        _trim_metrics(out / "metrics.jsonl", start)
+    stop = _StopRequest()
+    tokens = cfg.batch_size * cfg.seq
+    initial_eval = _evaluate(pipe, corpus, cfg)
+    losses: list[float] = []
+    trace_step = min(max(start, cfg.trace_step), cfg.steps - 1)
+    measured: Timeline | None = None
+    wall0 = time.perf_counter()
+    step = start
+    _maybe_die(rank, step, cfg)
+    while step < cfg.steps:
+        x, y = corpus.batch(step, cfg.batch_size, cfg.seq, seed=cfg.seed)
+        t0 = time.perf_counter()
+        loss = pipe.step(x.to(cfg.device), y.to(cfg.device))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        elapsed = time.perf_counter() - t0
+        bubble = _bubble_rate(pipe, elapsed, world)
+        if step == trace_step:
+            measured = _gather_timeline(pipe, world)
+        step += 1
+        losses.append(loss.item())
+        peak = _peak_bytes(pipe)
+        record = {
+            "step": step,
+            "loss": loss.item(),
+            "tokens_per_s": tokens / elapsed,
+            "step_s": elapsed,
+            "bubble_rate": bubble,
+            "peak_saved_bytes": peak,
+        }
+        if lead:
+            with open(out / "metrics.jsonl", "a") as fh:
+                fh.write(json.dumps(record) + "\n")
+            if not cfg.quiet:
+                _progress(record, cfg.steps)
+        stopping = _agree(stop.requested, world)
+        if step % cfg.checkpoint_every == 0 or step == cfg.steps or stopping:
+            _save(ckpt_root, step, rank, world, pipe, optimizer)
+        _maybe_die(rank, step, cfg)
+        if stopping:
+            if lead:
+                print(f"\nstopped at step {step}; resume with --resume", flush=True)
+            break
+    final_eval = _evaluate(pipe, corpus, cfg)
+    summary = {
+        "schedule": cfg.schedule,
+        "ranks": world,
+        "steps_run": step - start,
+        "last_step": step,
+        "initial_eval_loss": initial_eval,
+        "final_eval_loss": final_eval,
+        "final_train_loss": losses[-1] if losses else math.nan,
+        "wall_s": time.perf_counter() - wall0,
+        "interrupted": stop.requested,
+    }
+    if lead:
+        if not cfg.quiet:
+            print()
+        _write_pictures(out, pipe, measured, losses, start)
+        if not cfg.quiet:
+            _print_summary(summary, out)
+    return summary
+
+
+class _StopRequest:
+    """Ctrl-C sets a flag; the ranks agree on it at the next step boundary."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        if hasattr(signal, "SIGINT"):
+            signal.signal(signal.SIGINT, self._handle)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.requested = True
+
+
+def _agree(flag: bool, world: int) -> bool:
+    if world == 1:
+        return flag
+    t = torch.tensor([1 if flag else 0])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def _maybe_die(rank: int, step: int, cfg: TrainConfig) -> None:
+    """Test hook: ``extra={"die": [rank, step]}`` kills that rank at that step, as SIGKILL would."""
+    die = cfg.extra.get("die")
+    if die and rank == die[0] and step == die[1]:
+        os._exit(17)
+
+
+def _save(
+    root: Path, step: int, rank: int, world: int, pipe: Pipeline, opt: torch.optim.Optimizer
+) -> None:
+    state = {
+        "step": step,
+        "stages": {s: st.module.state_dict() for s, st in pipe.stages.items()},
+        "optimizer": opt.state_dict(),
+        "rng": torch.get_rng_state(),
+    }
+    checkpoint.save_rank(root, step, rank, state)
+    if world > 1:
+        dist.barrier()
+    if rank == 0:
+        checkpoint.publish(root, step, world)
+
+
+def _evaluate(pipe: Pipeline, corpus: Corpus, cfg: TrainConfig) -> float:
+    total = 0.0
+    for k in range(cfg.eval_batches):
+        x, y = corpus.batch(k, cfg.batch_size, cfg.seq, seed=cfg.seed, split="val")
+        loss = pipe.eval_step(x.to(cfg.device), y.to(cfg.device))
+        if loss is None:
+            raise PipelineError("evaluation produced no loss")
+        total += loss.item()
+    return total / cfg.eval_batches
+
+
+def _bubble_rate(pipe: Pipeline, elapsed: float, world: int) -> float:
+    """Mean idle share of the step over ranks: 1 - compute time / step time."""
+    busy = sum(e.end - e.start for evs in pipe.last_events for e in evs if e.lane == "compute")
+    ranks = world if world > 1 else pipe.schedule.num_ranks
+    if world > 1:
+        t = torch.tensor([busy])
+        dist.all_reduce(t)
+        busy = float(t.item())
+    return max(0.0, 1.0 - busy / (ranks * elapsed))
+
+
+def _peak_bytes(pipe: Pipeline) -> int | None:
+    peaks = getattr(pipe, "peak_saved_bytes", None)
+    if peaks is None:
+        return None
+    return int(max(peaks)) if isinstance(peaks, (list, tuple)) else int(peaks)
+
+
+def _gather_timeline(pipe: Pipeline, world: int) -> Timeline:
+    events: list[list[Event]] = pipe.last_events
+    if world > 1:
+        gathered: list[Any] = [None] * world
+        mine = events[dist.get_rank()]
+        dist.all_gather_object(gathered, mine)
+        events = [list(g) for g in gathered]
+    return Timeline(pipe.schedule, events, peak_memory=[], memory_unit="bytes", measured=True)
+
+
+def _write_pictures(
+    out: Path, pipe: Pipeline, measured: Timeline | None, losses: list[float], start: int
+) -> None:
+    from zeropipe import render
+
+    if measured is not None:
+        render.write_chrome_trace(measured, out / "trace.json")
+        planned = simulate(pipe.schedule, costs_from_timeline(measured))
+        try:
+            render.render_pngs(
+                [planned, measured],
+                out / "timeline.png",
+                ["planned (simulated from measured action times)", "measured"],
+            )
+        except ZeropipeError as exc:
+            print(f"zeropipe: note: {exc}", file=sys.stderr)
+    _loss_png(out, start)
+
+
+def _loss_png(out: Path, start: int) -> None:
+    rows = [
+        json.loads(line)
+        for line in (out / "metrics.jsonl").read_text().splitlines()
+        if line.strip()
+    ]
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        print(
+            "zeropipe: note: loss.png needs matplotlib: pip install 'zeropipe[plot]'",
+            file=sys.stderr,
+        )
+        return
+    fig = Figure(figsize=(7, 4))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], lw=1.2)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (cross-entropy)")
+    ax.set_title("zeropipe train: loss")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "loss.png", dpi=110)
+
+
+def _trim_metrics(path: Path, start: int) -> None:
+    """On resume, drop metrics of steps after the checkpoint (they will be redone)."""
+    if not path.exists():
+        return
+    if start == 0:
+        path.unlink()
+        return
+    keep = [
+        line
+        for line in path.read_text().splitlines()
+        if line.strip() and json.loads(line)["step"] <= start
+    ]
+    path.write_text("".join(line + "\n" for line in keep))
+
+
+def _progress(record: dict[str, Any], total: int) -> None:
+    width = 24
+    done = int(width * record["step"] / total)
+    peak = record["peak_saved_bytes"]
+    mem = f" | peak {peak / 2**20:.1f} MiB" if peak else ""
+    line = (
+        f"[{'#' * done}{'.' * (width - done)}] step {record['step']}/{total} | loss {record['loss']:.3f} | "
+        f"{record['tokens_per_s']:,.0f} tok/s | bubble {record['bubble_rate']:.0%}{mem}"
+    )
+    end = "\r" if sys.stdout.isatty() else "\n"
+    if end == "\n" and record["step"] % 25 and record["step"] != total:
+        return
+    print(line, end=end, flush=True)
+
+
+def _print_summary(summary: dict[str, Any], out: Path) -> None:
+    rows = [
+        ("schedule", summary["schedule"]),
+        ("ranks", summary["ranks"]),
+        ("steps run", summary["steps_run"]),
+        (
+            "eval loss (start -> end)",
+            f"{summary['initial_eval_loss']:.3f} -> {summary['final_eval_loss']:.3f}",
+        ),
+        ("final train loss", f"{summary['final_train_loss']:.3f}"),
+        ("wall time", f"{summary['wall_s']:.1f} s"),
+        ("outputs", str(out)),
+    ]
+    width = max(len(k) for k, _ in rows)
+    print("summary")
+    for k, v in rows:
+        print(f"  {k:<{width}}  {v}")
+
+
+# -- command line ---------------------------------------------------------------------
+def add_arguments(parser: Any) -> None:
+    """The flags of ``zeropipe train`` (defaults: the built-in demo)."""
+    d = TrainConfig()
+    parser.add_argument(
+        "--schedule", default=d.schedule, help=f"schedule generator (default {d.schedule})"
+    )
+    parser.add_argument(
+        "--ranks", type=int, default=d.ranks, help=f"pipeline ranks = processes (default {d.ranks})"
+    )
+    parser.add_argument(
+        "--microbatches",
+        type=int,
+        default=d.microbatches,
+        help=f"per step (default {d.microbatches})",
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=d.batch_size,
+        help=f"sequences per step (default {d.batch_size})",
+    )
+    parser.add_argument(
+        "--steps", type=int, default=d.steps, help=f"training steps (default {d.steps})"
+    )
+    parser.add_argument(
+        "--lr", type=float, default=d.lr, help=f"AdamW learning rate (default {d.lr})"
+    )
+    parser.add_argument(
+        "--layers", type=int, default=d.layers, help=f"transformer blocks (default {d.layers})"
+    )
+    parser.add_argument(
+        "--width", type=int, default=d.width, help=f"model width (default {d.width})"
+    )
+    parser.add_argument(
+        "--memory-limit",
+        type=float,
+        default=None,
+        help="per-rank activation memory limit in microbatch units; recompute/offload fill the gap",
+    )
+    parser.add_argument(
+        "--recompute",
+        default=None,
+        help="checkpoint stages: 'all' or a comma list of stage indices",
+    )
+    parser.add_argument(
+        "--offload", default=None, help="offload activations of stages: 'all' or stage indices"
+    )
+    parser.add_argument("--device", default=d.device, help="device of every rank (default cpu)")
+    parser.add_argument(
+        "--seed", type=int, default=d.seed, help="seed of data, init and dropout (default 0)"
+    )
+    parser.add_argument("--out", default=d.out, help=f"output folder (default {d.out})")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest complete checkpoint in --out",
+    )
+    parser.add_argument(
+        "--checkpoint-every", type=int, default=d.checkpoint_every, help="steps between checkpoints"
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=d.timeout, help="seconds a rank waits for a peer"
+    )
+    parser.add_argument("--quiet", action="store_true", help="no progress bar or summary")
+
+
+def run_cli(args: Any) -> int:
+    """Train a small GPT across pipeline ranks (the built-in demo on defaults)."""
+    keys = {f for f in TrainConfig.__dataclass_fields__ if f != "extra"}
+    cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in keys})
+    if cfg.checkpoint_every < 1:
+        raise ZeropipeError("--checkpoint-every must be >= 1")
+    summary = train(cfg)
+    if summary["interrupted"]:
+        return 130
+    return 0

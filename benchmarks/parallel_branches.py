@@ -32,6 +32,7 @@ os.environ.setdefault("MKL_NUM_THREADS", "1")
 import argparse
 import gc
 import statistics
+import threading
 import time
 
 import torch
@@ -57,6 +58,32 @@ def _parse() -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads (per branch)")
     return ap.parse_args()
+
+
+def _machine_parallelism(width: int, batch: int, n: int) -> float:
+    """How much faster ``n`` raw threads do ``n`` equal matmul loops than one thread does.
+
+    A control for the table: on an idle machine with ``n`` free cores it is
+    about ``n``; other load on the machine lowers it, and with it every ratio
+    parallel_map can reach.
+    """
+    a, w = torch.randn(batch, width), torch.randn(width, width)
+
+    def loop() -> None:
+        for _ in range(10):
+            a @ w
+
+    t0 = time.perf_counter()
+    for _ in range(n):
+        loop()
+    serial = time.perf_counter() - t0
+    threads = [threading.Thread(target=loop) for _ in range(n)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return serial / (time.perf_counter() - t0)
 
 
 def _zero(model: nn.Module, xs: list[Tensor]) -> None:
@@ -99,6 +126,7 @@ def main() -> None:
 
     times: dict[str, list[tuple[float, float]]] = {"plain": [], "parallel": []}
     variants = [("plain", plain), ("parallel", parallel)]
+    machine: list[float] = []
     for rep in range(args.warmup + args.reps):
         for name, variant in variants if rep % 2 == 0 else variants[::-1]:
             _zero(model, xs)
@@ -106,6 +134,8 @@ def main() -> None:
             t = variant()
             if rep >= args.warmup:
                 times[name].append(t)
+        if rep >= args.warmup:
+            machine.append(_machine_parallelism(args.width, args.batch, args.branches))
     pool.close()
 
     med = {
@@ -116,6 +146,11 @@ def main() -> None:
         f"parallel branches: {args.branches} x [{args.layers} x Linear({args.width}) + tanh], "
         f"batch {args.batch}, {args.reps} reps (median), intra-op threads {args.threads} "
         f"per branch, {os.cpu_count()} cores, torch {torch.__version__}"
+    )
+    print(
+        f"machine control: {args.branches} raw threads ran {args.branches} matmul loops "
+        f"{statistics.median(machine):.2f}x faster than one thread (median; idle ideal "
+        f"{min(args.branches, os.cpu_count() or 1)}x)"
     )
     print(
         f"{'variant':<10} {'forward ms':>11} {'backward ms':>12} {'fwd ratio':>10} {'bwd ratio':>10}"

@@ -253,9 +253,54 @@ def prioritize(
             )
     roots = [t.grad_fn for t in tensors if t.grad_fn is not None]
     stop = [t.grad_fn for t in _tensors(stop_at) if t.grad_fn is not None]
+    return _mark(_graph_nodes(roots, stop), late=late, level=level, strict=strict)
+
+
+def prioritize_toward(
+    target: Target, toward: Target, *, level: int = 1, strict: bool = False
+) -> PriorityMark:
+    """Run first only the part of ``target``'s backward that leads to ``toward``'s gradients.
+
+    A pipeline stage uses it in a full backward: the gradient w.r.t. the stage
+    input must be sent upstream, while nodes that only feed parameter
+    gradients can wait.  ``toward`` tensors may be leaves (their gradient
+    accumulator is the goal) or intermediate tensors (their ``grad_fn``).
+    """
+    if not 1 <= level <= MAX_PRIORITY_LEVEL:
+        raise PriorityError(f"priority level {level} outside 1..{MAX_PRIORITY_LEVEL}")
+    roots = [t.grad_fn for t in _tensors(target) if t.grad_fn is not None]
+    goals = _tensors(toward)
+    goal_nodes = {t.grad_fn for t in goals if t.grad_fn is not None}
+    goal_leaves = {id(t) for t in goals if t.grad_fn is None}
+
+    def is_goal(node: Node) -> bool:
+        if node in goal_nodes:
+            return True
+        return _is_accumulate_grad(node) and id(getattr(node, "variable", None)) in goal_leaves
+
+    reaches: dict[Node, bool] = {}
+    for node in reversed(_graph_nodes(roots)):
+        # Children come after their parents in _graph_nodes' order only loosely,
+        # so resolve each node by an explicit post-order walk.
+        stack = [(node, False)]
+        while stack:
+            current, expanded = stack.pop()
+            if current in reaches:
+                continue
+            children = [n for n, _ in current.next_functions if n is not None]
+            if not expanded:
+                stack.append((current, True))
+                stack.extend((c, False) for c in children if c not in reaches)
+                continue
+            reaches[current] = is_goal(current) or any(reaches.get(c, False) for c in children)
+    return _mark([n for n, hit in reaches.items() if hit], late=False, level=level, strict=strict)
+
+
+def _mark(candidates: list[Node], *, late: bool, level: int, strict: bool) -> PriorityMark:
+    """Give ``candidates`` (minus gradient accumulators) early or late sequence numbers."""
     nodes = [
         n
-        for n in _graph_nodes(roots, stop)
+        for n in candidates
         if not _is_accumulate_grad(n) and _compat.get_sequence_nr(n) != _compat.MAX_SEQUENCE_NR
     ]
     reason = _unsupported_reason(nodes[0] if nodes else None)

@@ -97,9 +97,10 @@ def _forward(ctx: StepContext, action: Action) -> None:
         inputs = tuple(t.detach() for t in inputs)
     split = ctx.training and ctx.deps.split(s, i)
     stash = WeightGradStash(stage=s, microbatch=i) if split else None
+    # `is not None`, not truthiness: a stash has __len__, and a fresh one is empty.
     with (
         torch.set_grad_enabled(ctx.training),
-        stash.recording(stage.module) if stash else nullcontext(),
+        stash.recording(stage.module) if stash is not None else nullcontext(),
     ):
         outputs = stage.forward(inputs, ctx.seed, ctx.step, i, ctx.device)
     state = MicrobatchState(inputs=inputs, outputs=outputs, stash=stash)

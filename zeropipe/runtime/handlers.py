@@ -20,6 +20,7 @@ from zeropipe.autograd.split import WeightGradStash
 from zeropipe.deps import Dependencies
 from zeropipe.errors import PipelineError
 from zeropipe.ir import Action, Kind
+from zeropipe.runtime.memory import MemoryManager, offload_action, recomputing, reload_action
 from zeropipe.runtime.stage import MicrobatchState, Stage, detach_for_stage
 from zeropipe.runtime.transport import Transport
 
@@ -70,6 +71,7 @@ class StepContext:
     device: torch.device
     losses: dict[int, Tensor] = field(default_factory=dict)  # unweighted, per microbatch
     outputs: dict[int, tuple[Tensor, ...]] = field(default_factory=dict)  # eval, last stage
+    memory: MemoryManager | None = None  # saved-activation accounting, offload, weight homes
 
     @property
     def last(self) -> int:
@@ -86,7 +88,6 @@ class StepContext:
 
 def _forward(ctx: StepContext, action: Action) -> None:
     s, i = action.stage, _mb(action)
-    stage = ctx.stages[s]
     if s == 0:
         inputs = ctx.inputs[i]
     elif not ctx.deps.crosses(s - 1, s):
@@ -95,36 +96,70 @@ def _forward(ctx: StepContext, action: Action) -> None:
         inputs = detach_for_stage(ctx.transport.wait_recv(Action(Kind.RECV_F, s, i)))
     if not ctx.training:
         inputs = tuple(t.detach() for t in inputs)
-    split = ctx.training and ctx.deps.split(s, i)
-    stash = WeightGradStash(stage=s, microbatch=i) if split else None
-    # `is not None`, not truthiness: a stash has __len__, and a fresh one is empty.
-    with (
-        torch.set_grad_enabled(ctx.training),
-        stash.recording(stage.module) if stash is not None else nullcontext(),
-    ):
-        outputs = stage.forward(inputs, ctx.seed, ctx.step, i, ctx.device)
-    state = MicrobatchState(inputs=inputs, outputs=outputs, stash=stash)
-    stage.state[i] = state
+    state = MicrobatchState(inputs=inputs)
+    ctx.stages[s].state[i] = state
+    # A checkpointed forward keeps only its inputs (and outputs, to send on); R redoes it.
+    checkpointed = ctx.training and ctx.deps.checkpointed(s, i)
+    _run_forward(ctx, s, i, state, grad=ctx.training and not checkpointed)
     if s < ctx.last:
-        ctx.boundary.check(s, i, outputs)
-        return
-    if ctx.targets is None:
-        ctx.outputs[i] = tuple(t.detach() for t in outputs)
-        return
+        ctx.boundary.check(s, i, state.outputs)
+
+
+def _recompute(ctx: StepContext, action: Action) -> None:
+    """R: the checkpointed forward again, with grad, the same seeds, and the split stash."""
+    s, i = action.stage, _mb(action)
+    state = ctx.state(s, i)
+    with recomputing():
+        _run_forward(ctx, s, i, state, grad=True, recompute=True)
+
+
+def _run_forward(
+    ctx: StepContext, s: int, i: int, state: MicrobatchState, *, grad: bool, recompute: bool = False
+) -> None:
+    """The stage's forward (and, on the last stage, the loss) for F and R."""
+    stage = ctx.stages[s]
+    if ctx.memory is not None:
+        ctx.memory.before_compute(s)
+    split = grad and ctx.deps.split(s, i)
+    stash = WeightGradStash(stage=s, microbatch=i) if split else None
+    saved = ctx.memory.saving(s, i) if grad and ctx.memory is not None else None
+    last = s == ctx.last and ctx.targets is not None
+    with (
+        torch.set_grad_enabled(grad),
+        stash.recording(stage.module) if stash is not None else nullcontext(),
+        saved.hooks() if saved is not None else nullcontext(),
+    ):
+        outputs = stage.forward(state.inputs, ctx.seed, ctx.step, i, ctx.device)
+        loss = _loss(ctx, outputs, i) if last else None
+        weighted = loss.reshape(()) * ctx.weights[i] if grad and loss is not None else None
+    state.stash, state.saved = stash, saved
+    if loss is None:
+        state.outputs = outputs
+        if s == ctx.last:
+            ctx.outputs[i] = tuple(t.detach() for t in outputs)
+    else:
+        if not recompute:
+            ctx.losses[i] = loss.detach().reshape(())
+        state.loss, state.outputs = weighted, ()
+    if ctx.memory is not None and ctx.training:
+        ctx.memory.after_forward(s, i, state, recompute)
+
+
+def _loss(ctx: StepContext, outputs: tuple[Tensor, ...], i: int) -> Tensor:
     if ctx.loss_fn is None:
         raise PipelineError("a target was given but the pipeline has no loss_fn")
-    with torch.set_grad_enabled(ctx.training):
-        loss = ctx.loss_fn(outputs[0] if len(outputs) == 1 else outputs, ctx.targets[i])
+    assert ctx.targets is not None  # the caller checked
+    loss = ctx.loss_fn(outputs[0] if len(outputs) == 1 else outputs, ctx.targets[i])
     if not isinstance(loss, Tensor) or loss.numel() != 1:
         raise PipelineError(f"loss_fn must return a scalar tensor, got {loss!r}")
-    ctx.losses[i] = loss.detach().reshape(())
-    state.loss = loss.reshape(()) * ctx.weights[i]
-    state.outputs = ()
+    return loss
 
 
 def _backward(ctx: StepContext, action: Action) -> None:
     s, i = action.stage, _mb(action)
     state = ctx.state(s, i)
+    if ctx.memory is not None:
+        ctx.memory.before_compute(s)
     if s == ctx.last:
         if state.loss is None:
             raise PipelineError(f"{action}: the last stage has no loss to differentiate")
@@ -163,6 +198,8 @@ def _backward(ctx: StepContext, action: Action) -> None:
             if _carries_grad(t)
         )
     state.inputs, state.outputs, state.loss = (), (), None
+    if ctx.memory is not None:
+        ctx.memory.after_backward(s, i, state, action.kind)
     _release(ctx, s, i, done="W" if action.kind is Kind.B else "I")
 
 
@@ -171,8 +208,12 @@ def _weight(ctx: StepContext, action: Action) -> None:
     state = ctx.state(s, i)
     if state.stash is None:
         raise PipelineError(f"{action}: no deferred weight gradients (was the forward split?)")
+    if ctx.memory is not None:
+        ctx.memory.before_compute(s)
     state.stash.weight_backward()
     state.stash = None
+    if ctx.memory is not None:
+        ctx.memory.after_backward(s, i, state, action.kind)
     _release(ctx, s, i, done="W")
 
 
@@ -192,13 +233,6 @@ def _send(ctx: StepContext, action: Action) -> None:
 
 def _recv(ctx: StepContext, action: Action) -> None:
     ctx.transport.post_recv(action)
-
-
-def _not_yet(ctx: StepContext, action: Action) -> None:
-    raise PipelineError(
-        f"{action}: {action.kind.value} actions are not supported by this runtime yet; "
-        f"remove R/OFFLOAD/RELOAD from the schedule"
-    )
 
 
 def _mb(action: Action) -> int:
@@ -231,7 +265,7 @@ HANDLERS: dict[Kind, Callable[[StepContext, Action], None]] = {
     Kind.SEND_B: _send,
     Kind.RECV_F: _recv,
     Kind.RECV_B: _recv,
-    Kind.R: _not_yet,
-    Kind.OFFLOAD: _not_yet,
-    Kind.RELOAD: _not_yet,
+    Kind.R: _recompute,
+    Kind.OFFLOAD: offload_action,
+    Kind.RELOAD: reload_action,
 }

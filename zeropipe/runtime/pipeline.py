@@ -26,6 +26,7 @@ from zeropipe.ir import Kind, Schedule
 from zeropipe.lower import lower
 from zeropipe.runtime.executor import run_local, run_rank
 from zeropipe.runtime.handlers import BoundaryMeta, StepContext
+from zeropipe.runtime.memory import MemoryManager
 from zeropipe.runtime.rng import preserved_rng
 from zeropipe.runtime.stage import Stage, as_tuple, split_sequential
 from zeropipe.runtime.transport import LocalTransport, Transport
@@ -59,6 +60,8 @@ class Pipeline:
             torch.distributed is initialised with more than one process).
         process_group: the group to run over (default: the world).
         timeout: seconds a rank waits for a peer before failing (distributed).
+        device: where the stages compute (default: where their parameters are).
+            Needed when weight OFFLOAD/RELOAD keep the parameters on the host.
     """
 
     def __init__(
@@ -75,6 +78,7 @@ class Pipeline:
         executor: Literal["auto", "local", "distributed"] = "auto",
         process_group: object | None = None,
         timeout: float = 300.0,
+        device: torch.device | str | None = None,
     ) -> None:
         self.loss_fn = loss_fn
         self.seed = seed
@@ -104,6 +108,13 @@ class Pipeline:
             else LocalTransport()
         )
         self.last_events: list[list[Event]] = []
+        # Saved-activation accounting, activation/weight offload: one per pipeline.
+        self.memory = MemoryManager(
+            self.schedule,
+            self.stages,
+            self.all_stages,
+            None if device is None else torch.device(device),
+        )
 
     # -- public surface -------------------------------------------------------------
     @property
@@ -140,11 +151,23 @@ class Pipeline:
         return result
 
     def timeline(self) -> Timeline:
-        """The measured timeline of the last step (this process's ranks), in seconds."""
+        """The measured timeline of the last step (this process's ranks), in seconds.
+
+        ``peak_memory`` is per rank, in bytes: saved activations plus resident
+        parameters (compare with ``simulate(schedule, measured_costs(pipe, weights=True))``).
+        """
         if not self.last_events:
             raise PipelineError("no step has run yet")
         events = self.last_events
-        return Timeline(self.schedule, events, peak_memory=[], memory_unit="bytes", measured=True)
+        peaks = [float(b) for b in self.memory.report.total]
+        return Timeline(
+            self.schedule, events, peak_memory=peaks, memory_unit="bytes", measured=True
+        )
+
+    @property
+    def peak_saved_bytes(self) -> list[int]:
+        """Per rank: the peak bytes of saved activations in the last training step."""
+        return list(self.memory.report.saved)
 
     # -- one step -------------------------------------------------------------------
     def _run(
@@ -174,8 +197,11 @@ class Pipeline:
             targets=targets,
             weights=[n / batch for n in sizes],
             loss_fn=self.loss_fn,
-            device=_device_of(self.stages),
+            device=self.memory.step_device(),
+            memory=self.memory,
         )
+        if training:
+            self.memory.begin_step(micro_inputs, targets)
         try:
             with preserved_rng(ctx.device):
                 if self.distributed:
@@ -187,6 +213,7 @@ class Pipeline:
                     graph = self.graph if training else Graph(schedule, deps)
                     self.last_events = run_local(ctx, graph)
                 self.transport.finish_step()
+                self.memory.end_step(publish=training)
         finally:
             for stage in self.stages.values():
                 stage.state.clear()
@@ -326,17 +353,11 @@ def _split_batch(inputs: tuple[Tensor, ...], m: int) -> tuple[list[tuple[Tensor,
 
 
 def _forward_only(schedule: Schedule) -> Schedule:
+    # Weight copies stay: an offloaded stage must still have its weights to run F.
     keep = {Kind.F, Kind.SEND_F, Kind.RECV_F}
     return schedule.replace_actions(
-        [[a for a in acts if a.kind in keep] for acts in schedule.actions]
+        [[a for a in acts if a.kind in keep or a.is_weight_copy] for acts in schedule.actions]
     )
-
-
-def _device_of(stages: dict[int, Stage]) -> torch.device:
-    for stage in stages.values():
-        for p in stage.parameters():
-            return p.device
-    return torch.device("cpu")
 
 
 def _distributed_transport(

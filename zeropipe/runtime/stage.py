@@ -8,12 +8,14 @@ masks).  Between its forward and its backward a microbatch's state holds::
     inputs   leaves fed to the module (float ones require grad)
     outputs  what the module returned (with graph), or the weighted loss on the last stage
     stash    deferred weight-gradient work between I and W (split backward)
+    saved    what autograd saved for the backward, counted and movable (runtime.memory)
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -21,6 +23,9 @@ from torch import Tensor, nn
 from zeropipe.autograd.split import WeightGradStash
 from zeropipe.errors import PipelineError
 from zeropipe.runtime.rng import seeded
+
+if TYPE_CHECKING:
+    from zeropipe.runtime.memory import SavedActivations
 
 __all__ = ["MicrobatchState", "Stage", "as_tuple", "split_sequential"]
 
@@ -44,6 +49,7 @@ class MicrobatchState:
     outputs: tuple[Tensor, ...] = ()
     loss: Tensor | None = None  # last stage: weighted loss, the root of backward
     stash: WeightGradStash | None = None
+    saved: SavedActivations | None = None  # None after a checkpointed F, or after the backward
     input_grads: tuple[Tensor, ...] | None = None
     seen: set[str] = field(default_factory=set)
 

@@ -1,0 +1,691 @@
+"""Recompute, activation offload and weight offload at run time, and the bytes they hold.
+
+What a (stage, microbatch) keeps between its forward and its backward is
+captured with ``torch.autograd.graph.saved_tensors_hooks`` into a
+:class:`SavedActivations` the runtime owns, so it can be counted, moved to
+host memory and brought back::
+
+    F       pack hook: every tensor autograd saves -> a handle in SavedActivations
+    OFFLOAD each distinct storage (not parameters, not the caller's batch, not the
+            stage's boundary tensors) copied to host; the device copy is dropped
+    RELOAD  host -> device (async on an accelerator; the consumer waits on its event)
+    B / I   unpack hook: handle -> tensor (the original, or a view of the reloaded bytes)
+
+What counts as a *saved activation* (the bytes accounted per rank): the
+distinct storages the forward's graph saved, excluding parameters and
+buffers (weights), the caller's inputs and targets (held by the caller), and
+the stage's boundary tensors -- its inputs and outputs, which the pipeline
+holds as communication buffers until the backward whatever the schedule
+does (the input is a leaf of the graph; the output is its root).  A
+checkpointed forward saves nothing, so it holds 0 bytes; after I what stays
+is the split-backward stash (``WeightGradStash.nbytes``).  These are exactly
+the deltas of :func:`zeropipe.costs.memory_deltas` with ``act``/``act_w``/
+``ckpt`` = the bytes measured here, which is what makes predicted and
+measured peaks comparable (:func:`measured_costs`).
+
+Recompute (R).  A checkpointed F runs under ``torch.no_grad`` and keeps its
+inputs (and its outputs, to send on).  R runs the same ``Stage.forward``
+again with grad enabled.  RNG restoration needs no saved state: the runtime
+seeds every layer's forward from ``(seed, step, microbatch, layer)``
+(:mod:`zeropipe.runtime.rng`), so the recomputation draws the same dropout
+masks as the forward did.  While R runs, :func:`is_recomputing` is true so
+layers can skip side effects (running statistics, counters).  With split
+backward R records into the (stage, microbatch)'s weight-gradient stash, so
+one recomputation serves both I and W.
+
+Weight offload.  A stage whose schedule has weight OFFLOAD/RELOAD keeps its
+parameters' bytes on the host and swaps each parameter's ``.data`` between
+the host copy and a device copy (the parameter object stays the same, so the
+optimizer and autograd's gradient accumulators keep pointing at it).
+Gradients follow the parameters.  Saved views of parameters are stored as
+``(parameter, view geometry)`` and rebuilt from the parameter's current
+bytes, so an offloaded stage's graph does not pin the old device copy.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from zeropipe.costs import CostModel
+from zeropipe.device import (
+    Copier,
+    Transfer,
+    peak_allocated_bytes,
+    reset_peak_bytes,
+)
+from zeropipe.errors import PipelineError
+from zeropipe.ir import Action, Kind, Schedule
+
+if TYPE_CHECKING:
+    from zeropipe.runtime.handlers import StepContext
+    from zeropipe.runtime.pipeline import Pipeline
+    from zeropipe.runtime.stage import MicrobatchState, Stage
+
+__all__ = [
+    "MemoryManager",
+    "MemoryReport",
+    "SavedActivations",
+    "StageWeights",
+    "is_recomputing",
+    "measured_costs",
+    "offload_action",
+    "recomputing",
+    "reload_action",
+]
+
+# A flag, not a store: it carries no data, is set only for the duration of
+# one R action by `recomputing()` and reset on exit (even on error), and a
+# ContextVar is private to its thread / task, so concurrent pipelines do not
+# see each other's recomputations.
+_RECOMPUTING: ContextVar[bool] = ContextVar("zeropipe_recomputing", default=False)
+
+
+def is_recomputing() -> bool:
+    """True while an R action re-runs a checkpointed forward (so layers can skip side effects)."""
+    return _RECOMPUTING.get()
+
+
+@contextmanager
+def recomputing() -> Iterator[None]:
+    """Mark the block as a recomputation for :func:`is_recomputing`."""
+    token = _RECOMPUTING.set(True)
+    try:
+        yield
+    finally:
+        _RECOMPUTING.reset(token)
+
+
+# --- storages ----------------------------------------------------------------------------
+
+_Key = tuple[torch.device, int]
+
+
+def _key(t: Tensor) -> _Key:
+    return (t.device, t.untyped_storage().data_ptr())
+
+
+def _storage_nbytes(t: Tensor) -> int:
+    return int(t.untyped_storage().nbytes())
+
+
+def _as_bytes(t: Tensor) -> Tensor:
+    """The whole storage under ``t`` as a flat uint8 tensor (no copy)."""
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+
+
+def _view(
+    buf: Tensor, dtype: torch.dtype, offset: int, size: Sequence[int], stride: Sequence[int]
+) -> Tensor:
+    """A ``dtype`` view with the given geometry over ``buf``'s storage (no copy)."""
+    return torch.empty(0, dtype=dtype, device=buf.device).set_(
+        buf.untyped_storage(), offset, tuple(size), tuple(stride)
+    )
+
+
+def _movable(t: Tensor) -> bool:
+    # Only plain dense tensors can be rebuilt from their bytes; anything else
+    # (sparse, subclasses, conjugate/negative views, meta) is kept as it is.
+    return (
+        type(t) in (Tensor, nn.Parameter)
+        and t.layout is torch.strided
+        and t.device.type != "meta"
+        and not t.is_conj()
+        and not t.is_neg()
+        and _storage_nbytes(t) > 0
+    )
+
+
+def _distinct_bytes(tensors: Iterable[Tensor]) -> int:
+    seen: dict[_Key, int] = {}
+    for t in tensors:
+        seen[_key(t)] = _storage_nbytes(t)
+    return sum(seen.values())
+
+
+# --- saved activations --------------------------------------------------------------------
+
+
+class _Block:
+    """One storage's bytes while its (stage, microbatch) is offloaded or reloaded."""
+
+    __slots__ = ("device", "host", "nbytes")
+
+    def __init__(self, host: Transfer, nbytes: int) -> None:
+        self.host: Transfer | None = host
+        self.device: Transfer | None = None
+        self.nbytes = nbytes
+
+
+class _Packed:
+    """What the graph holds instead of a saved tensor: the tensor, or where its bytes went."""
+
+    __slots__ = ("__weakref__", "block", "geometry", "tensor")
+
+    def __init__(self, tensor: Tensor) -> None:
+        self.tensor: Tensor | None = tensor
+        self.block: _Block | None = None
+        self.geometry: tuple[torch.dtype, int, tuple[int, ...], tuple[int, ...]] | None = None
+
+
+class _ParamView:
+    """A saved view of a weight-offloaded parameter, rebuilt from its bytes of the moment."""
+
+    __slots__ = ("dtype", "offset", "param", "size", "stride")
+
+    def __init__(self, param: Tensor, t: Tensor) -> None:
+        self.param = param
+        self.dtype = t.dtype
+        self.offset, self.size, self.stride = int(t.storage_offset()), tuple(t.shape), t.stride()
+
+    def get(self) -> Tensor:
+        return _view(_as_bytes(self.param), self.dtype, self.offset, self.size, self.stride)
+
+
+class SavedActivations:
+    """Every tensor one (stage, microbatch)'s forward saved for its backward.
+
+    ``keep`` are storages never counted nor moved (weights, the caller's batch);
+    ``params`` maps the storages of weight-offloaded parameters to the
+    parameter, so saved views of them follow the parameter's moves.  Handles
+    are held weakly: when autograd frees a saved tensor, it is gone from here too.
+    """
+
+    def __init__(
+        self,
+        where: str,
+        copier: Copier,
+        keep: frozenset[_Key],
+        params: dict[_Key, Tensor],
+    ) -> None:
+        self.where = where
+        self._copier = copier
+        self._keep = keep
+        self._params = params
+        self._live: list[weakref.ref[_Packed]] = []
+        self._boundary: set[_Key] = set()
+        self._blocks: list[_Block] = []
+
+    def hooks(self) -> AbstractContextManager[None]:
+        """The saved-tensor hooks that route this forward's saved tensors through here."""
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, t: Tensor) -> Any:
+        if not _movable(t):
+            return t
+        key = _key(t)
+        param = self._params.get(key)
+        if param is not None:
+            return _ParamView(param, t)
+        if key in self._keep:
+            return t
+        handle = _Packed(t)
+        self._live.append(weakref.ref(handle))
+        return handle
+
+    def _unpack(self, handle: Any) -> Tensor:
+        if isinstance(handle, Tensor):
+            return handle
+        if isinstance(handle, _ParamView):
+            return handle.get()
+        if handle.tensor is not None:
+            return handle.tensor
+        block, geometry = handle.block, handle.geometry
+        if block is None or block.device is None or geometry is None:
+            raise PipelineError(
+                f"{self.where}: the backward needs saved activations that are still on the "
+                f"host; the schedule must RELOAD them before the backward (or R)"
+            )
+        return _view(self._copier.ready(block.device), *geometry)
+
+    def _handles(self) -> list[_Packed]:
+        alive = [h for h in (ref() for ref in self._live) if h is not None]
+        self._live = [weakref.ref(h) for h in alive]
+        return alive
+
+    def seal(self, boundary: Iterable[Tensor]) -> int:
+        """End of the forward: the boundary tensors stay put; return the bytes held."""
+        self._boundary = {_key(t) for t in boundary if _movable(t)}
+        return self.nbytes
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of saved activations on the device now (distinct storages)."""
+        resident = _distinct_bytes(
+            h.tensor
+            for h in self._handles()
+            if h.tensor is not None and _key(h.tensor) not in self._boundary
+        )
+        return resident + sum(b.nbytes for b in self._blocks if b.device is not None)
+
+    @property
+    def host_nbytes(self) -> int:
+        """Bytes of this forward's activations in host memory now."""
+        return sum(b.nbytes for b in self._blocks if b.host is not None)
+
+    def offload(self) -> None:
+        """Copy every movable storage to host and let go of the device copy."""
+        groups: dict[_Key, list[_Packed]] = {}
+        for h in self._handles():
+            if h.tensor is not None and _key(h.tensor) not in self._boundary:
+                groups.setdefault(_key(h.tensor), []).append(h)
+        for members in groups.values():
+            first = members[0].tensor
+            assert first is not None  # filtered above
+            block = _Block(self._copier.to_host(_as_bytes(first)), _storage_nbytes(first))
+            for h in members:
+                t = h.tensor
+                assert t is not None
+                h.geometry = (t.dtype, int(t.storage_offset()), tuple(t.shape), t.stride())
+                h.block, h.tensor = block, None
+            self._blocks.append(block)
+
+    def reload(self) -> None:
+        """Start copying everything offloaded back to the device."""
+        for block in self._blocks:
+            if block.host is not None:
+                block.device = self._copier.to_device(block.host.tensor)
+                block.host = None  # the copy engine keeps the source alive until it is read
+
+    def release(self) -> None:
+        """Forget everything (the backward ran; what it still needs, it holds itself)."""
+        self._live.clear()
+        self._blocks.clear()
+
+
+# --- weights ------------------------------------------------------------------------------
+
+
+class StageWeights:
+    """The parameters of one weight-offloaded stage: where they live now and how they move.
+
+    The host copy of each storage is the master between steps (the optimizer
+    updates it there).  RELOAD copies it to the device; OFFLOAD points the
+    parameters back at it -- no device-to-host copy for weights, which do not
+    change within a step -- and copies the gradients to host.
+    """
+
+    def __init__(self, stage: Stage, copier: Copier, others: Sequence[Stage]) -> None:
+        self.index = stage.index
+        self._copier = copier
+        params: dict[int, nn.Parameter] = {}
+        for p in stage.parameters():
+            params.setdefault(id(p), p)
+        shared = {id(p) for other in others if other is not stage for p in other.parameters()}
+        tied = [p for k, p in params.items() if k in shared]
+        if tied:
+            raise PipelineError(
+                f"stage {self.index} shares {len(tied)} parameter(s) with another stage (tied "
+                f"weights); a stage whose weights are offloaded must own its parameters"
+            )
+        groups: dict[_Key, list[nn.Parameter]] = {}
+        for p in params.values():
+            groups.setdefault(_key(p), []).append(p)
+        self._groups = list(groups.values())
+        self.nbytes = sum(_storage_nbytes(g[0]) for g in self._groups)
+        self.resident = True
+        self._pending: list[Transfer] = []
+        self._host: list[Tensor | None] = [None] * len(self._groups)
+        self._device: list[Tensor | None] = [None] * len(self._groups)
+
+    def keys(self) -> dict[_Key, Tensor]:
+        """Storage -> a parameter on it (for :class:`SavedActivations`)."""
+        return {_key(p): p for group in self._groups for p in group}
+
+    def start_offloaded(self) -> None:
+        """Before the first step: the schedule reloads this stage first, so park it on the host.
+
+        Parameters already in host memory stay where they are (on an accelerator
+        they are copied once into pinned memory, so later copies can be async).
+        """
+        for group in self._groups:
+            head = group[0]
+            if head.device.type == "cpu" and not self._copier.asynchronous:
+                continue
+            host = self._copier.to_host(_as_bytes(head)).tensor
+            self._copier.synchronize()
+            for p in group:
+                grad, p.grad = p.grad, None
+                p.data = _view(host, p.dtype, int(p.storage_offset()), p.shape, p.stride())
+                p.grad = None if grad is None else self._copier.to_host(grad).tensor
+        self._copier.synchronize()
+        self.resident = False
+
+    def reload(self) -> None:
+        if self.resident:
+            return
+        for k, group in enumerate(self._groups):
+            host = _as_bytes(group[0])
+            copy = self._copier.to_device(host)
+            self._pending.append(copy)
+            self._host[k], self._device[k] = host, copy.tensor
+            for p in group:
+                grad, p.grad = p.grad, None
+                p.data = _view(copy.tensor, p.dtype, int(p.storage_offset()), p.shape, p.stride())
+                if grad is not None:
+                    moved = self._copier.to_device(grad)
+                    self._pending.append(moved)
+                    p.grad = moved.tensor
+        self.resident = True
+
+    def ready(self) -> None:
+        """Before a compute action of this stage: wait for its weights' copies."""
+        for copy in self._pending:
+            self._copier.ready(copy)
+        self._pending.clear()
+
+    def offload(self) -> None:
+        if not self.resident:
+            return
+        self.ready()
+        for k, group in enumerate(self._groups):
+            host, device = self._host[k], self._device[k]
+            same = (
+                host is not None
+                and device is not None
+                and group[0].untyped_storage().data_ptr() == device.untyped_storage().data_ptr()
+            )
+            # Weights do not change within a step: the host master is still right.
+            target = (
+                host
+                if same and host is not None
+                else self._copier.to_host(_as_bytes(group[0])).tensor
+            )
+            for p in group:
+                grad = None if p.grad is None else self._copier.to_host(p.grad).tensor
+                p.grad = None
+                p.data = _view(target, p.dtype, int(p.storage_offset()), p.shape, p.stride())
+                p.grad = grad
+            self._host[k] = self._device[k] = None
+        self.resident = False
+
+
+# --- accounting ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Per rank peaks of the last training step, in bytes (0 for ranks another process runs).
+
+    ``saved``: saved activations; ``total``: saved activations plus resident
+    parameters; ``weights``: resident parameters; ``host``: activations parked
+    in host memory; ``allocated``: the device allocator's peak (None on CPU);
+    ``recomputations``: R actions run.
+    """
+
+    saved: tuple[int, ...]
+    total: tuple[int, ...]
+    weights: tuple[int, ...]
+    host: tuple[int, ...]
+    allocated: int | None
+    recomputations: int
+
+
+class MemoryManager:
+    """Per pipeline: the copy engine, the weight homes, and each step's byte accounting.
+
+    Built by :class:`~zeropipe.runtime.pipeline.Pipeline`; handed to the action
+    handlers through the step context.  Nothing here outlives the pipeline.
+    """
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        stages: dict[int, Stage],
+        all_stages: Sequence[Stage],
+        device: torch.device | None = None,
+    ) -> None:
+        self.placement = schedule.placement
+        self.num_ranks = schedule.num_ranks
+        self.stages = stages
+        first: dict[int, Kind] = {}
+        for acts in schedule.actions:
+            for a in acts:
+                if a.is_weight_copy and a.stage in stages:
+                    first.setdefault(a.stage, a.kind)
+        self._fixed = device is not None or bool(first)
+        self.device = device if device is not None else _device_of(stages, set(first))
+        self.copier = Copier(self.device)
+        self.weights: dict[int, StageWeights] = {}
+        for s, stage in stages.items():
+            kind = first.get(s)
+            if kind is not None:
+                home = StageWeights(stage, self.copier, all_stages)
+                if kind is Kind.RELOAD:
+                    home.start_offloaded()
+                self.weights[s] = home
+            elif device is not None:
+                stage.module.to(device)  # resident all along: on the compute device
+        self._param_bytes = {s: _distinct_bytes(st.parameters()) for s, st in stages.items()}
+        zero = (0,) * self.num_ranks
+        self.report = MemoryReport(zero, zero, zero, zero, None, 0)
+        self.act: dict[int, int] = {}  # per stage: most bytes a full forward saved
+        self.act_w: dict[int, int] = {}  # per stage: most bytes a stash held from I to W
+        self._reset()
+
+    # -- one step --------------------------------------------------------------------------
+    def _reset(self) -> None:
+        self._held: dict[tuple[int, int], int] = {}
+        self._host: dict[tuple[int, int], int] = {}
+        self._saved = [0] * self.num_ranks
+        self._host_level = [0] * self.num_ranks
+        self._weights = [0] * self.num_ranks
+        for s, nbytes in self._param_bytes.items():
+            home = self.weights.get(s)
+            if home is None or home.resident:
+                self._weights[self.placement[s]] += nbytes
+        self._peak_saved = [0] * self.num_ranks
+        self._peak_total = list(self._weights)
+        self._peak_weights = list(self._weights)
+        self._peak_host = [0] * self.num_ranks
+        self._keep: frozenset[_Key] = frozenset()
+        self._stage_keys: dict[int, frozenset[_Key]] = {}
+        self._recomputations = 0
+
+    def step_device(self) -> torch.device:
+        """The device this step computes on (re-read from the parameters unless fixed)."""
+        if not self._fixed:
+            device = _device_of(self.stages, set())
+            if device != self.device:
+                self.device, self.copier = device, Copier(device)
+        return self.device
+
+    def begin_step(
+        self, inputs: Sequence[Sequence[Tensor]], targets: Sequence[Tensor] | None
+    ) -> None:
+        """A training step starts: reset the accounting; note the caller's tensors."""
+        self._reset()
+        external = [t for mb in inputs for t in mb] + list(targets or ())
+        self._keep = frozenset(_key(t) for t in external if _movable(t))
+        reset_peak_bytes(self.device)
+
+    def end_step(self, publish: bool = True) -> None:
+        """Wait for outstanding copies; publish the step's peaks as :attr:`report`."""
+        self.copier.synchronize()
+        if not publish:
+            return
+        self.report = MemoryReport(
+            tuple(self._peak_saved),
+            tuple(self._peak_total),
+            tuple(self._peak_weights),
+            tuple(self._peak_host),
+            peak_allocated_bytes(self.device),
+            self._recomputations,
+        )
+
+    # -- hooks the handlers call -----------------------------------------------------------
+    def saving(self, s: int, i: int) -> SavedActivations:
+        """A fresh container for (s, i)'s saved tensors (use its ``hooks()`` around the forward)."""
+        keep = self._stage_keys.get(s)
+        home = self.weights.get(s)
+        if keep is None:
+            stage = self.stages[s]
+            weights = [*stage.module.parameters(), *stage.module.buffers()]
+            keep = frozenset(_key(t) for t in weights if _movable(t)) | self._keep
+            if home is None:
+                # Weights that never move keep their storages all step; an offloaded
+                # stage's change, and a freed address may be reused by an activation.
+                self._stage_keys[s] = keep
+        params = home.keys() if home is not None else {}
+        return SavedActivations(f"stage {s} microbatch {i}", self.copier, keep, params)
+
+    def before_compute(self, s: int) -> None:
+        """A compute action of stage ``s`` is about to run: its weights must have arrived."""
+        home = self.weights.get(s)
+        if home is not None:
+            if not home.resident:
+                raise PipelineError(
+                    f"stage {s} runs a compute action while its weights are offloaded; "
+                    f"the schedule must RELOAD them first"
+                )
+            home.ready()
+
+    def after_forward(self, s: int, i: int, state: MicrobatchState, recompute: bool) -> None:
+        """F or R of (s, i) finished: what does it hold?"""
+        if recompute:
+            self._recomputations += 1
+        if state.saved is None:  # checkpointed forward: nothing saved
+            self._set(s, i, 0)
+            return
+        boundary = [*state.inputs, *state.outputs]
+        nbytes = state.saved.seal(boundary)
+        self.act[s] = max(self.act.get(s, 0), nbytes)
+        self._set(s, i, nbytes)
+
+    def after_backward(self, s: int, i: int, state: MicrobatchState, kind: Kind) -> None:
+        """B, I or W of (s, i) finished: after I the stash holds what W needs; else nothing."""
+        if state.saved is not None:
+            state.saved.release()
+            state.saved = None
+        if kind is Kind.I and state.stash is not None:
+            nbytes = state.stash.nbytes
+            self.act_w[s] = max(self.act_w.get(s, 0), nbytes)
+            self._set(s, i, nbytes)
+        else:
+            self._set(s, i, 0)
+
+    def offload(self, ctx: StepContext, action: Action) -> None:
+        s, i = action.stage, action.microbatch
+        if i is None:
+            self._weight_home(action).offload()
+            self._weights[self.placement[s]] -= self._param_bytes[s]
+            return
+        state = ctx.state(s, i)
+        if state.saved is not None:
+            state.saved.offload()
+            self._host_set(s, i, state.saved.host_nbytes)
+            self._set(s, i, state.saved.nbytes)
+        else:
+            self._set(s, i, 0)
+
+    def reload(self, ctx: StepContext, action: Action) -> None:
+        s, i = action.stage, action.microbatch
+        if i is None:
+            home = self._weight_home(action)
+            if not home.resident:
+                self._weights[self.placement[s]] += self._param_bytes[s]
+            home.reload()
+            self._peak(self.placement[s])
+            return
+        state = ctx.state(s, i)
+        if state.saved is not None:
+            state.saved.reload()
+            self._host_set(s, i, 0)
+            self._set(s, i, state.saved.nbytes)
+
+    def _weight_home(self, action: Action) -> StageWeights:
+        home = self.weights.get(action.stage)
+        if home is None:
+            raise PipelineError(f"{action}: stage {action.stage} is not run by this process")
+        return home
+
+    # -- the ledger ------------------------------------------------------------------------
+    def _set(self, s: int, i: int, nbytes: int) -> None:
+        r = self.placement[s]
+        self._saved[r] += nbytes - self._held.get((s, i), 0)
+        self._held[(s, i)] = nbytes
+        self._peak(r)
+
+    def _host_set(self, s: int, i: int, nbytes: int) -> None:
+        r = self.placement[s]
+        self._host_level[r] += nbytes - self._host.get((s, i), 0)
+        self._host[(s, i)] = nbytes
+        self._peak_host[r] = max(self._peak_host[r], self._host_level[r])
+
+    def _peak(self, r: int) -> None:
+        self._peak_saved[r] = max(self._peak_saved[r], self._saved[r])
+        self._peak_total[r] = max(self._peak_total[r], self._saved[r] + self._weights[r])
+        self._peak_weights[r] = max(self._peak_weights[r], self._weights[r])
+
+    def stage_bytes(self) -> dict[int, tuple[int, int, int]]:
+        """Per stage run here: (act, act_w, parameter bytes) as measured so far."""
+        return {
+            s: (self.act.get(s, 0), self.act_w.get(s, 0), self._param_bytes[s]) for s in self.stages
+        }
+
+
+def _device_of(stages: dict[int, Stage], offloaded: set[int]) -> torch.device:
+    """Where the stages compute: their parameters' device, offloaded stages' last."""
+    order = sorted(stages, key=lambda s: s in offloaded)
+    for s in order:
+        for p in stages[s].parameters():
+            return p.device
+    return torch.device("cpu")
+
+
+# --- handlers -----------------------------------------------------------------------------
+
+
+def offload_action(ctx: StepContext, action: Action) -> None:
+    """OFFLOAD: (s, i)'s saved activations, or stage s's weights, to host memory."""
+    _manager(ctx, action).offload(ctx, action)
+
+
+def reload_action(ctx: StepContext, action: Action) -> None:
+    """RELOAD: bring them back (asynchronously where the device has a copy stream)."""
+    _manager(ctx, action).reload(ctx, action)
+
+
+def _manager(ctx: StepContext, action: Action) -> MemoryManager:
+    if ctx.memory is None:
+        raise PipelineError(f"{action}: this step has no memory manager (build it with Pipeline)")
+    return ctx.memory
+
+
+# --- predicted vs measured ----------------------------------------------------------------
+
+
+def measured_costs(
+    pipeline: Pipeline, base: CostModel | None = None, *, weights: bool = False
+) -> CostModel:
+    """A cost model in bytes whose memory figures are those the pipeline's last step measured.
+
+    Per stage ``act`` = the most bytes a full forward (F or R) saved, ``act_w``
+    = the most a split-backward stash held from I to W, ``ckpt`` = 0 (a
+    checkpointed forward saves nothing beyond its boundary tensors), and, with
+    ``weights``, ``weights`` = the stage's parameter bytes.  Times come from
+    ``base`` (default: uniform).  Stages that never ran a full forward keep
+    ``act = 0``: calibrate on a schedule without recomputation.
+    """
+    schedule = pipeline.schedule
+    if base is None:
+        chunks = max(len(schedule.stages_of(r)) for r in range(schedule.num_ranks))
+        base = CostModel.uniform(schedule.num_stages, chunks=chunks)
+    base.for_stages(schedule.num_stages)
+    stages = list(base.stages)
+    for s, (act, act_w, param_bytes) in pipeline.memory.stage_bytes().items():
+        stages[s] = replace(
+            stages[s],
+            act=float(act),
+            act_w=float(act_w),
+            ckpt=0.0,
+            weights=float(param_bytes) if weights else 0.0,
+        )
+    return replace(base, stages=tuple(stages), unit="bytes")

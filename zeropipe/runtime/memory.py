@@ -2,7 +2,7 @@
 
 What a (stage, microbatch) keeps between its forward and its backward is
 captured with ``torch.autograd.graph.saved_tensors_hooks`` into a
-:class:`SavedActivations` the runtime owns, so it can be counted, moved to
+:class:`~zeropipe.runtime.offload.SavedActivations` the runtime owns, so it can be counted, moved to
 host memory and brought back::
 
     F       pack hook: every tensor autograd saves -> a handle in SavedActivations
@@ -44,25 +44,27 @@ bytes, so an offloaded stage's graph does not pin the old device copy.
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from zeropipe.costs import CostModel
-from zeropipe.device import (
-    Copier,
-    Transfer,
-    peak_allocated_bytes,
-    reset_peak_bytes,
-)
+from zeropipe.device import Copier, peak_allocated_bytes, reset_peak_bytes
 from zeropipe.errors import PipelineError
 from zeropipe.ir import Action, Kind, Schedule
+from zeropipe.runtime.offload import (
+    SavedActivations,
+    StageWeights,
+    StorageKey,
+    distinct_bytes,
+    movable,
+    storage_key,
+)
 
 if TYPE_CHECKING:
     from zeropipe.runtime.handlers import StepContext
@@ -72,8 +74,6 @@ if TYPE_CHECKING:
 __all__ = [
     "MemoryManager",
     "MemoryReport",
-    "SavedActivations",
-    "StageWeights",
     "is_recomputing",
     "measured_costs",
     "offload_action",
@@ -101,310 +101,6 @@ def recomputing() -> Iterator[None]:
         yield
     finally:
         _RECOMPUTING.reset(token)
-
-
-# --- storages ----------------------------------------------------------------------------
-
-_Key = tuple[torch.device, int]
-
-
-def _key(t: Tensor) -> _Key:
-    return (t.device, t.untyped_storage().data_ptr())
-
-
-def _storage_nbytes(t: Tensor) -> int:
-    return int(t.untyped_storage().nbytes())
-
-
-def _as_bytes(t: Tensor) -> Tensor:
-    """The whole storage under ``t`` as a flat uint8 tensor (no copy)."""
-    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
-
-
-def _view(
-    buf: Tensor, dtype: torch.dtype, offset: int, size: Sequence[int], stride: Sequence[int]
-) -> Tensor:
-    """A ``dtype`` view with the given geometry over ``buf``'s storage (no copy)."""
-    return torch.empty(0, dtype=dtype, device=buf.device).set_(
-        buf.untyped_storage(), offset, tuple(size), tuple(stride)
-    )
-
-
-def _movable(t: Tensor) -> bool:
-    # Only plain dense tensors can be rebuilt from their bytes; anything else
-    # (sparse, subclasses, conjugate/negative views, meta) is kept as it is.
-    return (
-        type(t) in (Tensor, nn.Parameter)
-        and t.layout is torch.strided
-        and t.device.type != "meta"
-        and not t.is_conj()
-        and not t.is_neg()
-        and _storage_nbytes(t) > 0
-    )
-
-
-def _distinct_bytes(tensors: Iterable[Tensor]) -> int:
-    seen: dict[_Key, int] = {}
-    for t in tensors:
-        seen[_key(t)] = _storage_nbytes(t)
-    return sum(seen.values())
-
-
-# --- saved activations --------------------------------------------------------------------
-
-
-class _Block:
-    """One storage's bytes while its (stage, microbatch) is offloaded or reloaded."""
-
-    __slots__ = ("device", "host", "nbytes")
-
-    def __init__(self, host: Transfer, nbytes: int) -> None:
-        self.host: Transfer | None = host
-        self.device: Transfer | None = None
-        self.nbytes = nbytes
-
-
-class _Packed:
-    """What the graph holds instead of a saved tensor: the tensor, or where its bytes went."""
-
-    __slots__ = ("__weakref__", "block", "geometry", "tensor")
-
-    def __init__(self, tensor: Tensor) -> None:
-        self.tensor: Tensor | None = tensor
-        self.block: _Block | None = None
-        self.geometry: tuple[torch.dtype, int, tuple[int, ...], tuple[int, ...]] | None = None
-
-
-class _ParamView:
-    """A saved view of a weight-offloaded parameter, rebuilt from its bytes of the moment."""
-
-    __slots__ = ("dtype", "offset", "param", "size", "stride")
-
-    def __init__(self, param: Tensor, t: Tensor) -> None:
-        self.param = param
-        self.dtype = t.dtype
-        self.offset, self.size, self.stride = int(t.storage_offset()), tuple(t.shape), t.stride()
-
-    def get(self) -> Tensor:
-        return _view(_as_bytes(self.param), self.dtype, self.offset, self.size, self.stride)
-
-
-class SavedActivations:
-    """Every tensor one (stage, microbatch)'s forward saved for its backward.
-
-    ``keep`` are storages never counted nor moved (weights, the caller's batch);
-    ``params`` maps the storages of weight-offloaded parameters to the
-    parameter, so saved views of them follow the parameter's moves.  Handles
-    are held weakly: when autograd frees a saved tensor, it is gone from here too.
-    """
-
-    def __init__(
-        self,
-        where: str,
-        copier: Copier,
-        keep: frozenset[_Key],
-        params: dict[_Key, Tensor],
-    ) -> None:
-        self.where = where
-        self._copier = copier
-        self._keep = keep
-        self._params = params
-        self._live: list[weakref.ref[_Packed]] = []
-        self._boundary: set[_Key] = set()
-        self._blocks: list[_Block] = []
-
-    def hooks(self) -> AbstractContextManager[None]:
-        """The saved-tensor hooks that route this forward's saved tensors through here."""
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-
-    def _pack(self, t: Tensor) -> Any:
-        if not _movable(t):
-            return t
-        key = _key(t)
-        param = self._params.get(key)
-        if param is not None:
-            return _ParamView(param, t)
-        if key in self._keep:
-            return t
-        handle = _Packed(t)
-        self._live.append(weakref.ref(handle))
-        return handle
-
-    def _unpack(self, handle: Any) -> Tensor:
-        if isinstance(handle, Tensor):
-            return handle
-        if isinstance(handle, _ParamView):
-            return handle.get()
-        if handle.tensor is not None:
-            return handle.tensor
-        block, geometry = handle.block, handle.geometry
-        if block is None or block.device is None or geometry is None:
-            raise PipelineError(
-                f"{self.where}: the backward needs saved activations that are still on the "
-                f"host; the schedule must RELOAD them before the backward (or R)"
-            )
-        return _view(self._copier.ready(block.device), *geometry)
-
-    def _handles(self) -> list[_Packed]:
-        alive = [h for h in (ref() for ref in self._live) if h is not None]
-        self._live = [weakref.ref(h) for h in alive]
-        return alive
-
-    def seal(self, boundary: Iterable[Tensor]) -> int:
-        """End of the forward: the boundary tensors stay put; return the bytes held."""
-        self._boundary = {_key(t) for t in boundary if _movable(t)}
-        return self.nbytes
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of saved activations on the device now (distinct storages)."""
-        resident = _distinct_bytes(
-            h.tensor
-            for h in self._handles()
-            if h.tensor is not None and _key(h.tensor) not in self._boundary
-        )
-        return resident + sum(b.nbytes for b in self._blocks if b.device is not None)
-
-    @property
-    def host_nbytes(self) -> int:
-        """Bytes of this forward's activations in host memory now."""
-        return sum(b.nbytes for b in self._blocks if b.host is not None)
-
-    def offload(self) -> None:
-        """Copy every movable storage to host and let go of the device copy."""
-        groups: dict[_Key, list[_Packed]] = {}
-        for h in self._handles():
-            if h.tensor is not None and _key(h.tensor) not in self._boundary:
-                groups.setdefault(_key(h.tensor), []).append(h)
-        for members in groups.values():
-            first = members[0].tensor
-            assert first is not None  # filtered above
-            block = _Block(self._copier.to_host(_as_bytes(first)), _storage_nbytes(first))
-            for h in members:
-                t = h.tensor
-                assert t is not None
-                h.geometry = (t.dtype, int(t.storage_offset()), tuple(t.shape), t.stride())
-                h.block, h.tensor = block, None
-            self._blocks.append(block)
-
-    def reload(self) -> None:
-        """Start copying everything offloaded back to the device."""
-        for block in self._blocks:
-            if block.host is not None:
-                block.device = self._copier.to_device(block.host.tensor)
-                block.host = None  # the copy engine keeps the source alive until it is read
-
-    def release(self) -> None:
-        """Forget everything (the backward ran; what it still needs, it holds itself)."""
-        self._live.clear()
-        self._blocks.clear()
-
-
-# --- weights ------------------------------------------------------------------------------
-
-
-class StageWeights:
-    """The parameters of one weight-offloaded stage: where they live now and how they move.
-
-    The host copy of each storage is the master between steps (the optimizer
-    updates it there).  RELOAD copies it to the device; OFFLOAD points the
-    parameters back at it -- no device-to-host copy for weights, which do not
-    change within a step -- and copies the gradients to host.
-    """
-
-    def __init__(self, stage: Stage, copier: Copier, others: Sequence[Stage]) -> None:
-        self.index = stage.index
-        self._copier = copier
-        params: dict[int, nn.Parameter] = {}
-        for p in stage.parameters():
-            params.setdefault(id(p), p)
-        shared = {id(p) for other in others if other is not stage for p in other.parameters()}
-        tied = [p for k, p in params.items() if k in shared]
-        if tied:
-            raise PipelineError(
-                f"stage {self.index} shares {len(tied)} parameter(s) with another stage (tied "
-                f"weights); a stage whose weights are offloaded must own its parameters"
-            )
-        groups: dict[_Key, list[nn.Parameter]] = {}
-        for p in params.values():
-            groups.setdefault(_key(p), []).append(p)
-        self._groups = list(groups.values())
-        self.nbytes = sum(_storage_nbytes(g[0]) for g in self._groups)
-        self.resident = True
-        self._pending: list[Transfer] = []
-        self._host: list[Tensor | None] = [None] * len(self._groups)
-        self._device: list[Tensor | None] = [None] * len(self._groups)
-
-    def keys(self) -> dict[_Key, Tensor]:
-        """Storage -> a parameter on it (for :class:`SavedActivations`)."""
-        return {_key(p): p for group in self._groups for p in group}
-
-    def start_offloaded(self) -> None:
-        """Before the first step: the schedule reloads this stage first, so park it on the host.
-
-        Parameters already in host memory stay where they are (on an accelerator
-        they are copied once into pinned memory, so later copies can be async).
-        """
-        for group in self._groups:
-            head = group[0]
-            if head.device.type == "cpu" and not self._copier.asynchronous:
-                continue
-            host = self._copier.to_host(_as_bytes(head)).tensor
-            self._copier.synchronize()
-            for p in group:
-                grad, p.grad = p.grad, None
-                p.data = _view(host, p.dtype, int(p.storage_offset()), p.shape, p.stride())
-                p.grad = None if grad is None else self._copier.to_host(grad).tensor
-        self._copier.synchronize()
-        self.resident = False
-
-    def reload(self) -> None:
-        if self.resident:
-            return
-        for k, group in enumerate(self._groups):
-            host = _as_bytes(group[0])
-            copy = self._copier.to_device(host)
-            self._pending.append(copy)
-            self._host[k], self._device[k] = host, copy.tensor
-            for p in group:
-                grad, p.grad = p.grad, None
-                p.data = _view(copy.tensor, p.dtype, int(p.storage_offset()), p.shape, p.stride())
-                if grad is not None:
-                    moved = self._copier.to_device(grad)
-                    self._pending.append(moved)
-                    p.grad = moved.tensor
-        self.resident = True
-
-    def ready(self) -> None:
-        """Before a compute action of this stage: wait for its weights' copies."""
-        for copy in self._pending:
-            self._copier.ready(copy)
-        self._pending.clear()
-
-    def offload(self) -> None:
-        if not self.resident:
-            return
-        self.ready()
-        for k, group in enumerate(self._groups):
-            host, device = self._host[k], self._device[k]
-            same = (
-                host is not None
-                and device is not None
-                and group[0].untyped_storage().data_ptr() == device.untyped_storage().data_ptr()
-            )
-            # Weights do not change within a step: the host master is still right.
-            target = (
-                host
-                if same and host is not None
-                else self._copier.to_host(_as_bytes(group[0])).tensor
-            )
-            for p in group:
-                grad = None if p.grad is None else self._copier.to_host(p.grad).tensor
-                p.grad = None
-                p.data = _view(target, p.dtype, int(p.storage_offset()), p.shape, p.stride())
-                p.grad = grad
-            self._host[k] = self._device[k] = None
-        self.resident = False
 
 
 # --- accounting ---------------------------------------------------------------------------
@@ -463,7 +159,7 @@ class MemoryManager:
                 self.weights[s] = home
             elif device is not None:
                 stage.module.to(device)  # resident all along: on the compute device
-        self._param_bytes = {s: _distinct_bytes(st.parameters()) for s, st in stages.items()}
+        self._param_bytes = {s: distinct_bytes(st.parameters()) for s, st in stages.items()}
         zero = (0,) * self.num_ranks
         self.report = MemoryReport(zero, zero, zero, zero, None, 0)
         self.act: dict[int, int] = {}  # per stage: most bytes a full forward saved
@@ -485,8 +181,8 @@ class MemoryManager:
         self._peak_total = list(self._weights)
         self._peak_weights = list(self._weights)
         self._peak_host = [0] * self.num_ranks
-        self._keep: frozenset[_Key] = frozenset()
-        self._stage_keys: dict[int, frozenset[_Key]] = {}
+        self._keep: frozenset[StorageKey] = frozenset()
+        self._stage_keys: dict[int, frozenset[StorageKey]] = {}
         self._recomputations = 0
 
     def step_device(self) -> torch.device:
@@ -503,7 +199,7 @@ class MemoryManager:
         """A training step starts: reset the accounting; note the caller's tensors."""
         self._reset()
         external = [t for mb in inputs for t in mb] + list(targets or ())
-        self._keep = frozenset(_key(t) for t in external if _movable(t))
+        self._keep = frozenset(storage_key(t) for t in external if movable(t))
         reset_peak_bytes(self.device)
 
     def end_step(self, publish: bool = True) -> None:
@@ -528,7 +224,7 @@ class MemoryManager:
         if keep is None:
             stage = self.stages[s]
             weights = [*stage.module.parameters(), *stage.module.buffers()]
-            keep = frozenset(_key(t) for t in weights if _movable(t)) | self._keep
+            keep = frozenset(storage_key(t) for t in weights if movable(t)) | self._keep
             if home is None:
                 # Weights that never move keep their storages all step; an offloaded
                 # stage's change, and a freed address may be reused by an activation.

@@ -25,7 +25,7 @@ from zeropipe.errors import PipelineError
 from zeropipe.runtime.rng import seeded
 
 if TYPE_CHECKING:
-    from zeropipe.runtime.memory import SavedActivations
+    from zeropipe.runtime.offload import SavedActivations
 
 __all__ = ["MicrobatchState", "Stage", "as_tuple", "split_sequential"]
 

@@ -23,11 +23,14 @@ What is private, and why zeropipe needs it:
 ``torch._C._autograd.``            the innermost ``saved_tensors_hooks`` pair,
 ``_top_saved_tensors_default_hooks``  handed to branch threads (the stack is
                                    thread-local)
+``distributed_c10d.``              the rendezvous store every rank shares; the
+``_get_default_store()``           distributed transport raises a failed
+                                   rank's message there so peers stop waiting
 =================================  ===========================================
 
-Device streams use public API only, but live here too so that the device
-string of the one accelerator that needs special casing appears in this file
-alone (house rule 5).
+Device streams and the choice of a device / collective backend use public
+API only, but live here too so that the device string of the one accelerator
+that needs special casing appears in this file alone (house rule 5).
 """
 
 from __future__ import annotations
@@ -44,11 +47,15 @@ __all__ = [
     "ACCUMULATE_GRAD_NAME",
     "MAX_SEQUENCE_NR",
     "TORCH_VERSIONS_CHECKED",
+    "backend_device",
+    "bind_device",
     "compiled_autograd_reason",
     "current_stream",
+    "default_backend",
     "get_sequence_nr",
     "new_stream",
     "record_stream",
+    "rendezvous_store",
     "sequence_nr_settable",
     "set_sequence_nr",
     "stream_context",
@@ -185,3 +192,57 @@ def stream_context(stream: Any | None) -> AbstractContextManager[Any]:
 def record_stream(tensor: torch.Tensor, stream: Any) -> None:
     """Tell the caching allocator that ``tensor`` is used on ``stream``."""
     tensor.record_stream(stream)
+
+
+# --- torch.distributed ------------------------------------------------------
+
+
+def rendezvous_store() -> torch.distributed.Store:
+    """The store the default process group was initialised with (keys seen by every rank).
+
+    That is the ``store=`` given to ``init_process_group``, or the one its
+    ``init_method`` rendezvous made (env://: ``PrefixStore("default_pg", ...)``).
+    ``torch.distributed.distributed_c10d._get_default_store`` is private and, on
+    torch 2.13.0, returns that store wrapped once more in the group's own
+    ``PrefixStore("<group name>/", ...)``, which is peeled off here so that a
+    launcher holding the same store can write keys the ranks read.
+    """
+    from torch.distributed import distributed_c10d
+
+    store = distributed_c10d._get_default_store()
+    if isinstance(store, torch.distributed.PrefixStore):
+        return store.underlying_store
+    return store
+
+
+def bind_device(local_rank: int) -> torch.device:
+    """The device a process of a launch should compute on, made current for it.
+
+    An accelerator when one is present (the process takes the one numbered
+    ``local_rank`` modulo the count), else the CPU.
+    """
+    accel = getattr(torch, "accelerator", None)
+    if accel is not None:
+        if not accel.is_available() or accel.device_count() == 0:
+            return torch.device("cpu")
+        index = local_rank % accel.device_count()
+        accel.set_device_index(index)
+        current = accel.current_accelerator()
+        return torch.device(current.type, index) if current is not None else torch.device("cpu")
+    if torch.cuda.is_available():
+        index = local_rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def default_backend(device: torch.device) -> str:
+    """The collective backend for ``device``: NCCL for CUDA GPUs, gloo otherwise."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def backend_device(backend: str) -> torch.device:
+    """Where ``backend`` wants the buffers it sends (NCCL: the current GPU; else the CPU)."""
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

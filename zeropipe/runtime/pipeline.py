@@ -173,6 +173,16 @@ class Pipeline:
     def _run(
         self, inputs: Tensor | Sequence[Tensor], target: Tensor | None, training: bool
     ) -> Tensor | None:
+        try:
+            return self._run_step(inputs, target, training)
+        except BaseException as exc:
+            # Peers may be blocked on this rank; the transport tells them why it stopped.
+            self.transport.fail(exc)
+            raise
+
+    def _run_step(
+        self, inputs: Tensor | Sequence[Tensor], target: Tensor | None, training: bool
+    ) -> Tensor | None:
         m = self.schedule.microbatches
         micro_inputs, sizes = _split_batch(as_tuple(inputs, "inputs"), m)
         batch = sum(sizes)

@@ -55,6 +55,12 @@ class Transport(Protocol):
     def share_loss(self, loss: Tensor | None, owner: int) -> Tensor:
         """The step's loss on every rank (``owner`` = the rank that computed it)."""
 
+    def fail(self, error: BaseException) -> None:
+        """This rank's step raised ``error``: tell the peers so that they stop waiting.
+
+        Called by the pipeline before it re-raises; must not raise itself.
+        """
+
 
 class LocalTransport:
     """Every rank in one process: sends are hand-offs into a mailbox, nothing is copied."""
@@ -98,3 +104,6 @@ class LocalTransport:
         if loss is None:
             raise PipelineError("no loss was computed on the last stage")
         return loss
+
+    def fail(self, error: BaseException) -> None:
+        return None  # one process: nobody else is waiting

@@ -1,0 +1,537 @@
+"""Boundary tensors between processes: the :class:`Transport` over torch.distributed.
+
+One boundary transfer (``SEND_F(s,i)`` on the producer's rank, ``RECV_F(s+1,i)``
+on the consumer's; the same for gradients going back) is a set of
+point-to-point messages, each with its own tag, so receives posted in any
+order never match the wrong message::
+
+    sender    SEND_F(s,i)  --[header]-->  (first use of the transfer only)
+                           --[tensor 0]--> ... --[tensor n-1]-->
+    receiver  RECV_F(s+1,i) posts irecv(header)      later: F(s+1,i) waits
+
+The header (fixed size, int64: count, then dtype code, ndim, dims per tensor)
+teaches both sides the transfer's shapes; later steps send the payload alone
+and the *sender* checks its tensors against what was learnt, so a mismatch
+fails with the stage and microbatch named instead of corrupting memory.
+:meth:`DistributedTransport.reset` forgets it all (new batch size).
+
+Failures.  Every wait is bounded, and every rank learns why the step died::
+
+    rank r fails  -> Pipeline calls transport.fail(exc): the message goes to the
+                     rendezvous store under this pipeline's error key
+    peers waiting -> poll: data arrived?  error key set?  peer connection lost?
+                     deadline passed?  -> PipelineError("rank r failed: ...")
+
+gloo's point-to-point works never report ``is_completed()`` and a timed-out
+``wait(timeout)`` tears the connection down, so for gloo each pending receive
+or send is waited on by a helper thread and the caller polls that thread's
+event; collectives (``is_completed`` works for them) are polled directly.
+Collectives run only after a store barrier says every rank finished its
+schedule, because a collective a peer never joins cannot be cancelled.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from zeropipe import _compat
+from zeropipe.deps import Dependencies
+from zeropipe.errors import PipelineError
+from zeropipe.ir import Action, Kind, Schedule
+from zeropipe.runtime.transport import matching_recv
+
+__all__ = ["FAILED_KEY", "DistributedTransport", "failure_origin"]
+
+# Header: [count, (dtype code, ndim, d0, d1, ...) per tensor], zero padded.
+_HEADER_LEN = 64
+# Tags per transfer: the header, then one per tensor of the tuple.
+_SLOTS = 32
+_MAX_TAG = 2**31 - 1
+# How often a waiting rank looks at the store for a peer's failure (seconds).
+_CHECK_EVERY = 0.02
+# Written by zeropipe.launch (which hosts the store) when a process raises or dies.
+FAILED_KEY = "zeropipe/failed"
+
+_DTYPES: tuple[torch.dtype, ...] = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.complex64,
+    torch.complex128,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+)
+_CODE = {d: k for k, d in enumerate(_DTYPES)}
+# What gloo says when the process at the other end of a socket went away.
+_LOST_WORDS = ("closed by peer", "connection reset", "broken pipe", "connection refused", "EOF")
+
+Meta = tuple[tuple[torch.dtype, tuple[int, ...]], ...]
+
+
+def failure_origin(error: BaseException) -> int | None:
+    """The rank a failure started on, when ``error`` relays a peer's failure (else None)."""
+    origin = getattr(error, "zeropipe_origin", None)
+    return origin if isinstance(origin, int) else None
+
+
+def _relay(message: str, origin: int) -> PipelineError:
+    err = PipelineError(message)
+    err.zeropipe_origin = origin  # type: ignore[attr-defined]
+    return err
+
+
+def _gist(text: str) -> str:
+    """gloo's message without its source location and boilerplate advice."""
+    lines = text.strip().splitlines()
+    line = re.sub(r"^\[[^\]]*\]\s*", "", lines[0]) if lines else ""
+    return line.split(". This is typically", 1)[0]
+
+
+def _describe(meta: Meta) -> str:
+    return ", ".join(f"{str(d).removeprefix('torch.')}{list(s)}" for d, s in meta)
+
+
+def _meta_of(tensors: Sequence[Tensor]) -> Meta:
+    return tuple((t.dtype, tuple(t.shape)) for t in tensors)
+
+
+def _encode(meta: Meta, action: Action, device: torch.device) -> Tensor:
+    words = [len(meta)]
+    for dtype, shape in meta:
+        if dtype not in _CODE:
+            raise PipelineError(f"{action}: cannot send a {dtype} tensor across ranks")
+        words += [_CODE[dtype], len(shape), *shape]
+    if len(meta) >= _SLOTS or len(words) > _HEADER_LEN:
+        raise PipelineError(
+            f"{action}: {len(meta)} boundary tensor(s) of {sum(len(s) for _, s in meta)} dims "
+            f"exceed the transfer header ({_SLOTS - 1} tensors, {_HEADER_LEN} words); "
+            f"pack the stage's outputs into fewer tensors"
+        )
+    header = torch.zeros(_HEADER_LEN, dtype=torch.int64)
+    header[: len(words)] = torch.tensor(words, dtype=torch.int64)
+    return header.to(device)
+
+
+def _decode(header: Tensor, action: Action) -> Meta:
+    words = header.cpu().tolist()
+    try:
+        count, k, meta = words[0], 1, []
+        for _ in range(count):
+            dtype, ndim = _DTYPES[words[k]], words[k + 1]
+            meta.append((dtype, tuple(words[k + 2 : k + 2 + ndim])))
+            k += 2 + ndim
+    except IndexError:
+        raise PipelineError(f"{action}: malformed transfer header {words}") from None
+    return tuple(meta)
+
+
+class _Pending:
+    """Works in flight, waited on without blocking the caller past a poll slice.
+
+    ``threaded``: a helper thread calls ``wait()`` (gloo point-to-point, whose
+    works never report completion otherwise); else ``is_completed()`` is polled.
+    ``labels`` say, per work, what it is and which peer it involves.
+    """
+
+    def __init__(
+        self, works: list[Any], labels: list[tuple[str, int | None]], threaded: bool
+    ) -> None:
+        self.works, self.labels = works, labels
+        self.error: BaseException | None = None
+        self.at = 0  # index of the work being waited on
+        self._pause = 5e-5
+        self._done: threading.Event | None = None
+        if threaded and works:
+            self._done = threading.Event()
+            threading.Thread(target=self._wait_all, name="zeropipe-wait", daemon=True).start()
+
+    def _wait_all(self) -> None:
+        try:
+            for k, work in enumerate(self.works):
+                self.at = k
+                work.wait()
+        except BaseException as exc:  # handed to the polling thread
+            self.error = exc
+        finally:
+            assert self._done is not None
+            self._done.set()
+
+    def finished(self, slice_s: float) -> bool:
+        """Wait at most ``slice_s`` seconds; True once every work is done (or one failed)."""
+        if self._done is not None:
+            return self._done.wait(slice_s)
+        while self.at < len(self.works) and self.works[self.at].is_completed():
+            try:
+                self.works[self.at].wait()
+            except BaseException as exc:
+                self.error = exc
+                return True
+            self.at += 1
+        if self.at == len(self.works):
+            return True
+        time.sleep(min(self._pause, slice_s))
+        self._pause = min(self._pause * 2, 1e-3)
+        return False
+
+    def label(self) -> tuple[str, int | None]:
+        return self.labels[min(self.at, len(self.labels) - 1)]
+
+
+class _Condition:
+    """A condition polled with backoff (a store counter), waited on like :class:`_Pending`."""
+
+    def __init__(self, ready: Callable[[], bool], label: tuple[str, int | None]) -> None:
+        self.ready, self._label = ready, label
+        self.error: BaseException | None = None
+        self._pause = 5e-5
+
+    def finished(self, slice_s: float) -> bool:
+        if self.ready():
+            return True
+        time.sleep(min(self._pause, slice_s))
+        self._pause = min(self._pause * 2, 2e-3)
+        return False
+
+    def label(self) -> tuple[str, int | None]:
+        return self._label
+
+
+@dataclass
+class _Recv:
+    action: Action
+    peer: int
+    header: Tensor | None = None
+    header_pending: _Pending | None = None
+    buffers: tuple[Tensor, ...] = ()
+    payload: _Pending | None = None
+
+
+@dataclass
+class _Sent:
+    pending: _Pending
+    keep: tuple[Tensor, ...]  # alive until the sends complete
+
+
+class DistributedTransport:
+    """Point-to-point transfers for one rank of a distributed pipeline.
+
+    Args:
+        schedule: the lowered schedule every rank runs (tags and peers come from it).
+        rank: this process's rank in ``group``.
+        group: the process group (default: the world).
+        timeout: seconds any single wait may last before the step fails.
+    """
+
+    def __init__(
+        self, schedule: Schedule, rank: int, group: Any | None = None, timeout: float = 300.0
+    ) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise PipelineError("DistributedTransport needs torch.distributed initialised")
+        if timeout <= 0:
+            raise PipelineError(f"timeout must be positive, got {timeout}")
+        self.rank, self.timeout, self._group = rank, float(timeout), group
+        self._world = dist.get_world_size(group)
+        self._placement = schedule.placement
+        self._backend = str(dist.get_backend(group))
+        self._threaded = self._backend == "gloo"
+        self._device = _compat.backend_device(self._backend)
+        self._global = [
+            r if group is None else dist.get_global_rank(group, r) for r in range(self._world)
+        ]
+        transfers = [
+            Dependencies.comm_pair(d, src, dst, i)[1]
+            for d, src, dst, i in Dependencies(schedule).transfers()
+        ]
+        self._transfer = {recv: t for t, recv in enumerate(transfers)}
+        self._store = _compat.rendezvous_store()
+        name = str(getattr(group, "group_name", "world")) if group is not None else "world"
+        # The n-th pipeline built on each rank is the same pipeline: the keys and
+        # tags of a failed or finished one never collide with a later one's.
+        n = self._store_call(lambda: self._store.add(f"zeropipe/{name}/pipelines{rank}", 1))
+        self._key = f"zeropipe/{name}/pipeline{n}"
+        self._tag0 = ((n - 1) * max(1, len(transfers)) * _SLOTS) % (_MAX_TAG // 2)
+        self._meta_send: dict[Action, Meta] = {}
+        self._meta_recv: dict[Action, Meta] = {}
+        self._recvs: dict[Action, _Recv] = {}
+        self._sends: list[_Sent] = []
+        self._steps = 0
+        self._broken: str | None = None  # why this transport can no longer be used
+        self._relayed: BaseException | None = None  # raised on a peer's behalf
+        self._lost: tuple[BaseException, dict[str, Any]] | None = None
+
+    # -- the Transport protocol ------------------------------------------------------
+    def send(self, action: Action, tensors: tuple[Tensor, ...]) -> None:
+        self._usable()
+        recv = matching_recv(action)
+        t = self._transfer_of(recv)
+        peer = self._placement[recv.stage]
+        got = _meta_of(tensors)
+        known = self._meta_send.get(recv)
+        if known is not None and got != known:
+            raise PipelineError(
+                f"stage {action.stage} microbatch {action.microbatch}: {action} to rank {peer}: "
+                f"boundary tensors changed: expected {_describe(known)}, got {_describe(got)} "
+                f"(shapes and dtypes crossing ranks are learnt on the first step and may change "
+                f"only with the batch size)"
+            )
+        payload = tuple(x.detach().contiguous() for x in tensors)
+        works: list[Any] = []
+        labels: list[tuple[str, int | None]] = []
+        keep = list(payload)
+        what = f"{action} to be received by rank {peer}"
+        if known is None:
+            header = _encode(got, action, payload[0].device if payload else self._device)
+            works.append(self._p2p(dist.isend, header, peer, self._tag(t, 0), what))
+            labels.append((what, peer))
+            keep.append(header)
+            self._meta_send[recv] = got
+        for k, x in enumerate(payload):
+            works.append(self._p2p(dist.isend, x, peer, self._tag(t, k + 1), what))
+            labels.append((what, peer))
+        self._sends.append(_Sent(_Pending(works, labels, self._threaded), tuple(keep)))
+
+    def post_recv(self, action: Action) -> None:
+        self._usable()
+        if action in self._recvs:
+            raise PipelineError(f"{action} was posted twice in one step")
+        t = self._transfer_of(action)
+        src = action.stage - 1 if action.kind is Kind.RECV_F else action.stage + 1
+        rec = _Recv(action, self._placement[src])
+        meta = self._meta_recv.get(action)
+        if meta is None:
+            rec.header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self._device)
+            what = f"{action} (its shape header) from rank {rec.peer}"
+            work = self._p2p(dist.irecv, rec.header, rec.peer, self._tag(t, 0), what)
+            rec.header_pending = _Pending([work], [(what, rec.peer)], self._threaded)
+        else:
+            self._post_payload(rec, meta)
+        self._recvs[action] = rec
+
+    def wait_recv(self, action: Action) -> tuple[Tensor, ...]:
+        self._usable()
+        rec = self._recvs.pop(action, None)
+        if rec is None:
+            raise PipelineError(f"{action} was waited on before it was posted")
+        if rec.payload is None:
+            assert rec.header_pending is not None and rec.header is not None
+            self._await(rec.header_pending)
+            meta = _decode(rec.header, action)
+            self._meta_recv[action] = meta
+            self._post_payload(rec, meta)
+        assert rec.payload is not None
+        self._await(rec.payload)
+        return rec.buffers
+
+    def finish_step(self) -> None:
+        self._usable()
+        if self._recvs:
+            left = ", ".join(sorted(str(a) for a in self._recvs)[:6])
+            raise PipelineError(
+                f"rank {self.rank}: step ended with receives never consumed: {left}"
+            )
+        sends, self._sends = self._sends, []
+        for sent in sends:
+            self._await(sent.pending)
+        self._barrier()
+
+    def reset(self) -> None:
+        self._meta_send.clear()
+        self._meta_recv.clear()
+
+    def reduce_shared(self, grads: Sequence[Tensor]) -> None:
+        self._usable()
+        groups: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+        for g in grads:
+            groups.setdefault((g.dtype, g.device), []).append(g)
+        for gs in groups.values():
+            flat = torch.cat([g.reshape(-1) for g in gs])
+            what = "the all-reduce of shared parameters' gradients"
+            work = self._call(
+                partial(dist.all_reduce, flat, group=self._group, async_op=True), what
+            )
+            self._await(_Pending([work], [(what, None)], threaded=False))
+            offset = 0
+            for g in gs:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+
+    def share_loss(self, loss: Tensor | None, owner: int) -> Tensor:
+        self._usable()
+        # float64 holds every floating loss dtype exactly; the code restores the dtype.
+        buf = torch.zeros(2, dtype=torch.float64, device=self._device)
+        if self.rank == owner:
+            if loss is None:
+                raise PipelineError(f"rank {owner} owns the last stage but computed no loss")
+            if loss.dtype not in _CODE:
+                raise PipelineError(f"the loss has dtype {loss.dtype}, which cannot be shared")
+            buf[0], buf[1] = loss.detach().double().reshape(()), _CODE[loss.dtype]
+        what = f"the loss from rank {owner}"
+        src = self._global[owner]
+        work = self._call(
+            lambda: dist.broadcast(buf, src=src, group=self._group, async_op=True), what
+        )
+        self._await(_Pending([work], [(what, owner)], threaded=False))
+        if self.rank == owner:
+            assert loss is not None
+            return loss
+        return buf[0].to(_DTYPES[int(buf[1].item())])
+
+    def fail(self, error: BaseException) -> None:
+        if self._broken is None:
+            self._broken = f"{type(error).__name__}: {error}"
+        if error is self._relayed:
+            return  # a peer's failure: already in the store
+        if self._lost is not None and self._lost[0] is error:
+            record = self._lost[1]
+        else:
+            text = (
+                str(error)
+                if isinstance(error, PipelineError)
+                else f"{type(error).__name__}: {error}"
+            )
+            record = {"rank": self.rank, "message": text, "lost": False}
+        try:
+            # The first failure recorded wins: it is the cause, later ones are echoes.
+            if self._store.add(f"{self._key}/failures", 1) == 1:
+                self._store.set(f"{self._key}/error", json.dumps(record))
+        except Exception:
+            pass  # the store is gone too: peers see their connections drop or time out
+
+    # -- waiting -----------------------------------------------------------------
+    def _await(self, pending: _Pending | _Condition) -> None:
+        """Wait for ``pending``, failing on a peer's error, a lost peer, or the timeout."""
+        start = time.monotonic()
+        deadline = start + self.timeout
+        next_check = start + _CHECK_EVERY
+        while not pending.finished(min(_CHECK_EVERY, max(0.0, deadline - time.monotonic()))):
+            now = time.monotonic()
+            if now >= next_check:
+                self._check_peers()
+                next_check = now + _CHECK_EVERY
+            if now >= deadline:
+                self._check_peers()
+                what, peer = pending.label()
+                source = f" from rank {peer}" if peer is not None and " from " not in what else ""
+                raise PipelineError(
+                    f"rank {self.rank} waited {self.timeout:g} s for {what}{source} (timeout); "
+                    f"a peer is stuck or slow, or the ranks run different schedules"
+                )
+        if pending.error is not None:
+            what, peer = pending.label()
+            raise self._comm_error(pending.error, what, peer)
+
+    def _barrier(self) -> None:
+        """Every rank finished this step's schedule (so the collectives after it will be joined)."""
+        self._steps += 1
+        key = f"{self._key}/arrived"
+        self._store_call(lambda: self._store.add(key, 1))
+        target = self._steps * self._world
+        arrived = _Condition(
+            lambda: self._store_call(lambda: self._store.add(key, 0)) >= target,
+            ("the other ranks to finish the step", None),
+        )
+        self._await(arrived)
+
+    def _check_peers(self) -> None:
+        record = None
+        for key in (f"{self._key}/error", FAILED_KEY):
+            if self._store_call(partial(self._store.check, [key])):
+                record = json.loads(self._store_call(partial(self._store.get, key)))
+                break
+        if record is None:
+            return
+        origin, message = int(record["rank"]), str(record["message"])
+        err = _relay(message if record.get("lost") else f"rank {origin} failed: {message}", origin)
+        self._relayed = err
+        self._broken = str(err)
+        raise err
+
+    def _comm_error(self, exc: BaseException, what: str, peer: int | None) -> PipelineError:
+        # A peer that failed cleanly recorded why before its connections closed.
+        self._check_peers()
+        text = str(exc)
+        first = _gist(text) or type(exc).__name__
+        if any(w.lower() in text.lower() for w in _LOST_WORDS):
+            who = f"rank {peer}" if peer is not None else "a peer rank"
+            message = (
+                f"{who} stopped responding (killed?) while rank {self.rank} waited for {what} "
+                f"[{first}]"
+            )
+            err = _relay(message, peer) if peer is not None else PipelineError(message)
+            self._lost = (
+                err,
+                {"rank": -1 if peer is None else peer, "message": str(err), "lost": True},
+            )
+            return err
+        if "timed out" in text.lower():
+            return PipelineError(
+                f"rank {self.rank} timed out in torch.distributed waiting for {what} [{first}]; "
+                f"raise the process group's timeout, or a peer is stuck"
+            )
+        return PipelineError(f"rank {self.rank}: {what} failed: {type(exc).__name__}: {text}")
+
+    # -- helpers -----------------------------------------------------------------
+    def _usable(self) -> None:
+        if self._broken is not None:
+            raise PipelineError(
+                f"this pipeline's distributed transport failed earlier ({self._broken}); its "
+                f"ranks are out of step: build a new Pipeline"
+            )
+
+    def _transfer_of(self, recv: Action) -> int:
+        t = self._transfer.get(recv)
+        if t is None:
+            raise PipelineError(f"{recv} is not a cross-rank transfer of this pipeline's schedule")
+        return t
+
+    def _tag(self, transfer: int, slot: int) -> int:
+        return self._tag0 + transfer * _SLOTS + slot
+
+    def _post_payload(self, rec: _Recv, meta: Meta) -> None:
+        t = self._transfer_of(rec.action)
+        rec.buffers = tuple(torch.empty(s, dtype=d, device=self._device) for d, s in meta)
+        what = f"{rec.action} from rank {rec.peer}"
+        works = [
+            self._p2p(dist.irecv, b, rec.peer, self._tag(t, k + 1), what)
+            for k, b in enumerate(rec.buffers)
+        ]
+        rec.payload = _Pending(works, [(what, rec.peer)] * len(works), self._threaded)
+
+    def _p2p(self, op: Callable[..., Any], tensor: Tensor, peer: int, tag: int, what: str) -> Any:
+        return self._call(
+            lambda: op(tensor, self._global[peer], group=self._group, tag=tag), what, peer
+        )
+
+    def _call(self, fn: Callable[[], Any], what: str, peer: int | None = None) -> Any:
+        """Post an operation; a dead peer makes gloo refuse at once: say who and why."""
+        try:
+            return fn()
+        except PipelineError:
+            raise
+        except Exception as exc:
+            raise self._comm_error(exc, what, peer) from exc
+
+    def _store_call(self, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except Exception as exc:
+            raise PipelineError(
+                f"rank {self.rank} lost the rendezvous store ({type(exc).__name__}: {exc}); the "
+                f"process hosting it (the launcher, or rank 0 under env://) may have died"
+            ) from exc

@@ -1,0 +1,336 @@
+"""Start a distributed pipeline: spawn one process per rank, or join one started by torchrun.
+
+    def train(rank, world, steps):
+        pipe = Pipeline(model(), "zbv", microbatches=8, loss_fn=F.mse_loss)
+        ...
+        return losses                       # picklable: comes back to the caller
+
+    losses_per_rank = launch(train, 4, 100)  # spawn 4 processes, gloo on CPU
+
+The parent hosts the rendezvous store (a TCPStore on a free port of
+127.0.0.1) and watches its children::
+
+    child raises      -> its formatted error is sent back; the rest get `grace`
+                         seconds to finish or fail in turn, then are terminated
+    child dies        -> same, with "rank r was killed by ..." as its error
+    either way        -> the error goes to the store too, so that peers still
+                         waiting for the failed rank fail at once
+    overall timeout   -> everything is killed, and the error says so
+
+and raises one :class:`PipelineError` naming the rank where the failure
+started, with the other ranks' errors beneath.  Under torchrun, call
+:func:`init_from_env` instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pickle
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from zeropipe import _compat
+from zeropipe.errors import PipelineError
+from zeropipe.runtime.distributed import FAILED_KEY, failure_origin
+
+__all__ = ["init_from_env", "launch"]
+
+
+def launch(
+    fn: Callable[..., Any],
+    nprocs: int,
+    *args: Any,
+    backend: str = "gloo",
+    timeout: float = 300.0,
+    threads: int = 1,
+    grace: float = 5.0,
+) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` in ``nprocs`` fresh processes; return the results by rank.
+
+    ``fn`` and ``args`` must be picklable (``fn`` a module-level function); each
+    process has torch.distributed initialised (``backend``, store on a free
+    local port, ``timeout`` for its collectives) and ``threads`` intra-op
+    threads.  ``timeout`` also bounds the whole launch.  Raises
+    :class:`PipelineError` if any rank raises or dies.
+    """
+    if nprocs < 1:
+        raise PipelineError(f"nprocs must be >= 1, got {nprocs}")
+    if timeout <= 0 or grace < 0:
+        raise PipelineError(f"timeout must be positive and grace >= 0, got {timeout}, {grace}")
+    # Port 0: the OS picks a free port; the store keeps it bound, so no race.
+    store = dist.TCPStore(
+        "127.0.0.1",
+        0,
+        None,
+        True,
+        timedelta(seconds=timeout),
+        wait_for_workers=False,
+    )
+    ctx = mp.get_context("spawn")
+    procs, conns = [], []
+    try:
+        for rank in range(nprocs):
+            reader, writer = ctx.Pipe(duplex=False)
+            proc = ctx.Process(
+                target=_child,
+                args=(rank, nprocs, store.port, backend, timeout, threads, fn, args, writer),
+                name=f"zeropipe-rank{rank}",
+                daemon=True,
+            )
+            proc.start()
+            writer.close()
+            procs.append(proc)
+            conns.append(reader)
+        return _watch(procs, conns, store, timeout, grace)
+    finally:
+        for proc in procs:
+            _stop(proc)
+        for conn in conns:
+            conn.close()
+
+
+def init_from_env(backend: str | None = None, timeout: float = 300.0) -> tuple[int, int]:
+    """Initialise torch.distributed from torchrun's environment; return ``(rank, world)``.
+
+    Reads RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT and LOCAL_RANK.  The
+    default backend is gloo on CPU, NCCL when this process has a GPU (the one
+    numbered LOCAL_RANK is made current).  Already initialised: returns the
+    existing rank and world size.
+    """
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    names = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
+    missing = [n for n in names if n not in os.environ]
+    if missing:
+        raise PipelineError(
+            f"init_from_env needs {', '.join(missing)} in the environment: start the script "
+            f"with torchrun (python -m torch.distributed.run --nproc-per-node N script.py), "
+            f"or use zeropipe.launch"
+        )
+    try:
+        rank, world, local = (int(os.environ[n]) for n in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    except ValueError as exc:
+        raise PipelineError(f"RANK, WORLD_SIZE and LOCAL_RANK must be integers: {exc}") from None
+    device = _compat.bind_device(local)
+    dist.init_process_group(
+        backend or _compat.default_backend(device),
+        init_method="env://",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=timeout),
+    )
+    return rank, world
+
+
+# -- the parent side ---------------------------------------------------------------
+def _watch(
+    procs: list[Any], conns: list[Connection], store: Any, timeout: float, grace: float
+) -> list[Any]:
+    n = len(procs)
+    deadline = time.monotonic() + timeout
+    results: dict[int, Any] = {}
+    failures: dict[int, dict[str, Any]] = {}  # rank -> report, in order of arrival
+    reported: set[int] = set()
+    first_failure: float | None = None
+    told = False  # the cause is in the store
+    live_conns = dict(enumerate(conns))
+    live_procs = dict(enumerate(procs))
+    while len(reported) < n:
+        now = time.monotonic()
+        if now >= deadline:
+            running = sorted(set(range(n)) - reported)
+            _kill_all(procs)
+            raise PipelineError(
+                f"launch timed out after {timeout:g} s; rank(s) {running} still running were "
+                f"killed" + _beneath(failures)
+            )
+        if first_failure is not None and now >= first_failure + grace:
+            break
+        limit = deadline if first_failure is None else min(deadline, first_failure + grace)
+        ready = wait(
+            [*live_conns.values(), *(p.sentinel for p in live_procs.values())], limit - now
+        )
+        for rank, conn in list(live_conns.items()):
+            if conn in ready or conn.poll():
+                _receive(rank, conn, results, failures, reported)
+                del live_conns[rank]
+        for rank, proc in list(live_procs.items()):
+            if proc.sentinel not in ready and proc.is_alive():
+                continue
+            del live_procs[rank]
+            unread = live_conns.pop(rank) if rank in live_conns else None
+            if unread is not None and unread.poll():
+                _receive(rank, unread, results, failures, reported)
+            if rank not in reported:
+                proc.join(1)
+                failures[rank] = _died(rank, proc.exitcode)
+                reported.add(rank)
+        if failures and first_failure is None:
+            first_failure = time.monotonic()
+        if failures and not told:
+            told = _tell_store(store, failures)
+    if failures:
+        _kill_all(procs)
+        unfinished = sorted(set(range(n)) - reported)
+        raise _launch_error(failures, unfinished, grace)
+    for proc in procs:
+        proc.join(max(0.1, deadline - time.monotonic()))  # they exit right after reporting
+    return [results[r] for r in range(n)]
+
+
+def _receive(
+    rank: int,
+    conn: Connection,
+    results: dict[int, Any],
+    failures: dict[int, dict[str, Any]],
+    reported: set[int],
+) -> None:
+    try:
+        status, payload = pickle.loads(conn.recv_bytes())
+    except (EOFError, OSError):
+        return  # closed without a report: the process died; its sentinel says how
+    reported.add(rank)
+    if status == "ok":
+        results[rank] = payload
+    else:
+        failures[rank] = payload
+
+
+def _died(rank: int, code: int | None) -> dict[str, Any]:
+    if code is not None and code < 0:
+        try:
+            how = f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            how = f"was killed by signal {-code}"
+    else:
+        how = f"exited with code {code} without reporting a result"
+    message = f"rank {rank} {how}"
+    return {"message": message, "traceback": "", "origin": rank, "died": True}
+
+
+def _tell_store(store: Any, failures: dict[int, dict[str, Any]]) -> bool:
+    """Let the other ranks' waits fail now rather than at their timeout or the grace's end."""
+    rank = _cause(failures)
+    report = failures[rank]
+    if report["origin"] != rank:
+        return False  # only relays so far: the ranks learnt it from each other
+    suffix = " (the launcher saw it die)" if report["died"] else ""
+    record = {"rank": rank, "message": report["message"] + suffix, "lost": report["died"]}
+    # The ranks passed a client of this very store to init_process_group, which
+    # uses it as the rendezvous store their transports poll.
+    with contextlib.suppress(Exception):  # best effort: peers also see dropped connections
+        store.set(FAILED_KEY, json.dumps(record))
+    return True
+
+
+def _cause(failures: dict[int, dict[str, Any]]) -> int:
+    """The rank that failed on its own (not relaying a peer's failure), earliest first."""
+    order = list(failures)
+    return next((r for r in order if failures[r]["origin"] in (None, r)), order[0])
+
+
+def _launch_error(
+    failures: dict[int, dict[str, Any]], unfinished: list[int], grace: float
+) -> PipelineError:
+    cause = _cause(failures)
+    report = failures[cause]
+    text = f"rank {cause} failed: {report['message']}"
+    if report["traceback"]:
+        text += f"\n\n--- rank {cause} traceback ---\n{report['traceback'].rstrip()}"
+    others = {r: f for r, f in failures.items() if r != cause}
+    text += _beneath(others)
+    if unfinished:
+        text += (
+            f"\nrank(s) {unfinished} had not finished {grace:g} s after the failure and were "
+            f"terminated"
+        )
+    return PipelineError(text)
+
+
+def _beneath(failures: dict[int, dict[str, Any]]) -> str:
+    if not failures:
+        return ""
+    lines = [f"  rank {r}: {f['message']}" for r, f in sorted(failures.items())]
+    return "\n--- other ranks ---\n" + "\n".join(lines)
+
+
+def _stop(proc: Any) -> None:
+    if proc.is_alive():
+        proc.terminate()
+        proc.join(2)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(2)
+
+
+def _kill_all(procs: list[Any]) -> None:
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+    for proc in procs:
+        proc.join(2)
+
+
+# -- the child side ----------------------------------------------------------------
+def _child(
+    rank: int,
+    world: int,
+    port: int,
+    backend: str,
+    timeout: float,
+    threads: int,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    conn: Connection,
+) -> None:
+    code = 0
+    try:
+        torch.set_num_threads(threads)
+        os.environ.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_RANK=str(rank),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
+        if backend == "nccl":
+            _compat.bind_device(rank)
+        store = dist.TCPStore("127.0.0.1", port, world, False, timedelta(seconds=timeout))
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout)
+        )
+        result = fn(rank, world, *args)
+        # Plain pickle: torch's multiprocessing pickler would share tensors through
+        # this process, which exits right after sending.
+        conn.send_bytes(pickle.dumps(("ok", result)))
+    except BaseException as exc:
+        code = 1
+        origin = failure_origin(exc)
+        text = str(exc) if isinstance(exc, PipelineError) else f"{type(exc).__name__}: {exc}"
+        report = {
+            "message": text,
+            "traceback": "".join(traceback.format_exception(exc)),
+            "origin": rank if origin is None else origin,
+            "died": False,
+        }
+        with contextlib.suppress(Exception):  # the parent is gone: nobody to tell
+            conn.send_bytes(pickle.dumps(("error", report)))
+    finally:
+        conn.close()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Skip interpreter teardown: a collective a dead peer never joined would
+        # block the process group's destructor until its timeout.
+        os._exit(code)

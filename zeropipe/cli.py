@@ -104,7 +104,8 @@ def _add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         "--schedule",
         metavar="NAME_OR_FILE",
         help="a registered generator (see `zeropipe schedules`; default: zbv if registered, "
-        "else 1f1b) or a schedule file: .json (zeropipe JSON), .csv "
+        "else 1f1b), 'auto' (search under --costs and --memory-limit; --chunks caps the "
+        "chunks per rank, default 2) or a schedule file: .json (zeropipe JSON), .csv "
         "(torch.distributed.pipelining CSV), anything else the zeropipe text form",
     )
     parser.add_argument(
@@ -139,7 +140,8 @@ def _add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         type=_positive_float,
         metavar="X",
         help="fail unless every rank's peak memory fits X (unit: microbatches of one "
-        "rank's activations, or the cost file's unit)",
+        "rank's activations, or the cost file's unit); with --schedule auto, the limit "
+        "searched under (default: 1F1B's peak)",
     )
     parser.add_argument(
         "--lower", action="store_true", help="insert SEND/RECV actions before simulating"
@@ -164,10 +166,15 @@ def _add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _run_simulate(args: argparse.Namespace) -> int:
     """Validate and simulate a schedule; print its timeline, or write a PNG / Chrome trace."""
-    schedule = _load_schedule(args)
+    explanation = None
+    if _is_auto(args.schedule):
+        schedule, costs, explanation = _search(args)
+    else:
+        schedule = _load_schedule(args)
+        costs = None
     if args.lower:
         schedule = lower(schedule)
-    costs = _load_costs(args.costs, schedule)
+    costs = costs or _load_costs(args.costs, schedule)
     graph = validate(schedule, memory_limit=args.memory_limit, costs=costs)
     timeline = simulate(schedule, costs, graph=graph)
     written: dict[str, str] = {}
@@ -181,11 +188,15 @@ def _run_simulate(args: argparse.Namespace) -> int:
         out["lowered"] = schedule.is_lowered
         out["costs"] = args.costs
         out["memory_limit"] = args.memory_limit
+        if explanation is not None:
+            out["explanation"] = explanation
         out["files"] = written
         if args.show:
             out["text"] = schedule.to_text()
         print(json.dumps(out))
         return 0
+    if explanation is not None:
+        print(explanation)
     if args.show:
         print(schedule.to_text())
     width = args.width or max(40, shutil.get_terminal_size((110, 24)).columns - 10)
@@ -195,6 +206,28 @@ def _run_simulate(args: argparse.Namespace) -> int:
     for what, path in written.items():
         print(f"wrote {what}: {path}")
     return 0
+
+
+def _is_auto(name: str | None) -> bool:
+    return name == "auto" and not Path(name).is_file()
+
+
+def _search(args: argparse.Namespace) -> tuple[Schedule, CostModel, str]:
+    """``--schedule auto``: search under the given costs and memory limit."""
+    from zeropipe.schedules.auto import search  # registers "auto"; loaded only when asked for
+
+    ranks = args.stages or _DEFAULT_STAGES
+    path = Path(args.costs)
+    if args.costs and path.is_file():
+        costs = _load_costs(args.costs, None)
+    else:
+        costs = CostModel.parse(args.costs, ranks)  # one rank's worth per stage
+    # Without a limit: no more memory than 1F1B would hold under the same costs.
+    limit = args.memory_limit if args.memory_limit is not None else "1f1b"
+    result = search(
+        costs, ranks, args.microbatches or _DEFAULT_MICROBATCHES, limit, max_chunks=args.chunks or 2
+    )
+    return result.schedule, result.costs, result.explanation
 
 
 def _chunks(schedule: Schedule) -> int:
@@ -250,7 +283,7 @@ def _read_schedule_file(path: Path, microbatches: int | None) -> Schedule:
         raise ZeropipeError(f"cannot read schedule file {path}: {exc}") from exc
 
 
-def _load_costs(spec: str, schedule: Schedule) -> CostModel:
+def _load_costs(spec: str, schedule: Schedule | None) -> CostModel:
     path = Path(spec)
     if spec and path.is_file():
         try:
@@ -259,7 +292,150 @@ def _load_costs(spec: str, schedule: Schedule) -> CostModel:
             raise
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ZeropipeError(f"cannot read cost file {path}: {exc}") from exc
+    assert schedule is not None  # only a cost file is read without a schedule
     return CostModel.parse(spec, schedule.num_stages, _chunks(schedule))
+
+
+# -- zeropipe profile -------------------------------------------------------------------
+def _add_profile_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Measure a reference model's stages on this machine (median F, I, W, B, R times in "
+        "seconds, activation bytes per microbatch) and write the cost model that "
+        "`zeropipe simulate --costs FILE` and `--schedule auto` take."
+    )
+    parser.add_argument(
+        "--model", choices=("gpt", "mlp"), default="gpt", help="reference model (default gpt)"
+    )
+    parser.add_argument(
+        "--layers",
+        type=_int_at_least(1),
+        default=4,
+        metavar="N",
+        help="transformer blocks / MLP blocks (default 4)",
+    )
+    parser.add_argument(
+        "--width", type=_int_at_least(1), default=128, metavar="D", help="model width (default 128)"
+    )
+    parser.add_argument(
+        "--seq",
+        type=_int_at_least(1),
+        default=64,
+        metavar="T",
+        help="GPT sequence length (default 64)",
+    )
+    parser.add_argument(
+        "--microbatch-size",
+        type=_int_at_least(1),
+        default=8,
+        metavar="B",
+        help="rows per microbatch (default 8)",
+    )
+    parser.add_argument(
+        "--stages",
+        type=_int_at_least(1),
+        metavar="S",
+        help="cut the model into S stages (default: one stage per layer)",
+    )
+    parser.add_argument(
+        "--balance",
+        action="store_true",
+        help="cut by measured layer time (zeropipe.balance) instead of equal layer counts",
+    )
+    parser.add_argument(
+        "--repeat",
+        type=_int_at_least(1),
+        default=7,
+        metavar="R",
+        help="timed repetitions, median kept (default 7)",
+    )
+    parser.add_argument(
+        "--warmup",
+        type=_int_at_least(0),
+        default=2,
+        metavar="K",
+        help="untimed repetitions first (default 2)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=_int_at_least(1),
+        default=1,
+        metavar="T",
+        help="intra-op threads while measuring (default 1, as one pipeline rank)",
+    )
+    parser.add_argument("--out", metavar="FILE.json", help="write the cost model here")
+    parser.add_argument(
+        "--json", action="store_true", help="print the cost model JSON instead of the table"
+    )
+
+
+def _run_profile(args: argparse.Namespace) -> int:
+    """Profile a reference model's stages; print the costs, or write them as JSON."""
+    import torch
+
+    from zeropipe.balance import balance, layer_costs, split_layers
+    from zeropipe.ir import Kind
+    from zeropipe.models import GPTConfig, gpt, mlp_blocks
+    from zeropipe.models.gpt import lm_loss
+    from zeropipe.profile import profile
+
+    gen = torch.Generator().manual_seed(0)
+    target: Any = None
+    loss_fn: Any = None
+    if args.model == "gpt":
+        heads = max(h for h in (8, 4, 2, 1) if args.width % h == 0)
+        cfg = GPTConfig(seq=args.seq, width=args.width, heads=heads, layers=args.layers)
+        model = gpt(cfg)
+        sample = torch.randint(0, cfg.vocab, (args.microbatch_size, cfg.seq), generator=gen)
+        target, loss_fn = sample, lm_loss
+    else:
+        model = mlp_blocks(args.layers, args.width, 4 * args.width)
+        sample = torch.randn(args.microbatch_size, args.width, generator=gen)
+    layers = len(model)
+    parts = args.stages or layers
+    if parts > layers:
+        raise ZeropipeError(f"--stages {parts}: the model has only {layers} layers to cut")
+    options = {"warmup": args.warmup, "repeat": args.repeat, "threads": args.threads}
+    if args.balance:
+        per_layer = layer_costs(model, sample, target=target, loss_fn=loss_fn, **options)
+        cut = balance([c.F + c.time(Kind.B) for c in per_layer.stages], parts)
+    else:
+        base, extra = divmod(layers, parts)
+        cut = [base + (1 if s < extra else 0) for s in range(parts)]
+    costs = profile(split_layers(model, cut), sample, target=target, loss_fn=loss_fn, **options)
+    costs.meta.update(
+        {
+            "model": args.model,
+            "layers": layers,
+            "width": args.width,
+            "cut": cut,
+            "microbatch_size": args.microbatch_size,
+        }
+    )
+    if args.out:
+        Path(args.out).write_text(costs.to_json())
+    if args.json:
+        print(costs.to_json())
+        return 0
+    print(
+        f"{args.model}: {layers} layers in {parts} stage(s) {cut}, microbatch "
+        f"{args.microbatch_size}, {args.threads} thread(s), median of {args.repeat}"
+    )
+    print(
+        f"{'stage':>5} {'F ms':>8} {'I ms':>8} {'W ms':>8} {'B ms':>8} {'R ms':>8} "
+        f"{'act KiB':>9} {'act_w KiB':>9} {'out KiB':>8}"
+    )
+    for s, c in enumerate(costs.stages):
+        ms = [1e3 * x for x in (c.F, c.I, c.W, c.time(Kind.B), c.time(Kind.R))]
+        kib = [x / 1024 for x in (c.act, c.act_w, c.boundary_bytes)]
+        print(
+            f"{s:>5} "
+            + " ".join(f"{x:>8.3f}" for x in ms)
+            + f" {kib[0]:>9.1f} {kib[1]:>9.1f} {kib[2]:>8.1f}"
+        )
+    print(f"wire: {costs.meta['comm']}")
+    if args.out:
+        print(f"wrote costs: {args.out}")
+    return 0
 
 
 # -- the table and the entry point ------------------------------------------------------
@@ -270,6 +446,7 @@ Run = Callable[[argparse.Namespace], int]
 COMMANDS: dict[str, tuple[AddArguments, Run]] = {
     "schedules": (_add_schedules_arguments, _run_schedules),
     "simulate": (_add_simulate_arguments, _run_simulate),
+    "profile": (_add_profile_arguments, _run_profile),
     "train": (train.add_arguments, train.run_cli),
 }
 

@@ -96,7 +96,8 @@ class Copier:
             host = torch.empty_like(src, device="cpu", pin_memory=True)
             host.copy_(src.detach(), non_blocking=True)
             event = stream.record_event()
-        record_stream(src, stream)
+        if src.device.type != "cpu":
+            record_stream(src, stream)
         return Transfer(host, event)
 
     def to_device(self, src: Tensor) -> Transfer:

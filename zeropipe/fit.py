@@ -505,9 +505,10 @@ def _limits(limit: float | Sequence[float], ranks: int) -> list[float]:
 
 
 def _fmt_list(values: Sequence[float], unit: str) -> str:
+    units = unit if unit.endswith("s") else f"{unit}(s)"
     if len(set(values)) == 1:
-        return f"{values[0]:.4g} {unit}(s) per rank"
-    return "[" + ", ".join(f"{v:.4g}" for v in values) + f"] {unit}(s)"
+        return f"{values[0]:.4g} {units} per rank"
+    return "[" + ", ".join(f"{v:.4g}" for v in values) + f"] {units}"
 
 
 def _fmt_pairs(pairs: Mapping[Pair, int]) -> str:

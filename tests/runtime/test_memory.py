@@ -18,10 +18,12 @@ from tests.gradcheck import (
     token_loss,
     token_model,
 )
+from zeropipe.device import Copier, peak_allocated_bytes
 from zeropipe.errors import PipelineError
 from zeropipe.fit import checkpoint, offload, offload_weights
 from zeropipe.ir import Action, Kind, Schedule
 from zeropipe.runtime.memory import is_recomputing, measured_costs
+from zeropipe.runtime.offload import SavedActivations
 from zeropipe.runtime.pipeline import Pipeline
 from zeropipe.schedules import generate
 from zeropipe.simulate import simulate
@@ -201,3 +203,30 @@ def test_weight_offload_of_a_stage_with_tied_weights_is_refused() -> None:
     schedule = offload_weights(generate("looped-bfs", 1, 2, chunks=2), [0])
     with pytest.raises(PipelineError, match="tied"):
         Pipeline(model, schedule, loss_fn=token_loss)
+
+
+def test_copier_on_cpu_makes_real_copies_and_saved_activations_round_trip() -> None:
+    copier = Copier(torch.device("cpu"))
+    assert not copier.asynchronous and copier.stream is None
+    src = torch.arange(6.0)
+    out = copier.ready(copier.to_host(src))
+    assert torch.equal(out, src) and out.untyped_storage().data_ptr() != src.data_ptr()
+    assert peak_allocated_bytes(torch.device("cpu")) is None
+
+    saved = SavedActivations("stage 0 microbatch 0", copier, frozenset(), {})
+    x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    with saved.hooks():
+        h = torch.tanh(x)  # saves its output
+        loss = (h[:, 1:] * 2).sum()
+    assert saved.seal([x]) == h.numel() * 8
+    saved.offload()
+    assert saved.nbytes == 0 and saved.host_nbytes == h.numel() * 8
+    del h
+    with pytest.raises(PipelineError, match="RELOAD them before the backward"):
+        loss.backward(retain_graph=True)
+    saved.reload()
+    assert saved.nbytes == 4 * 3 * 8 and saved.host_nbytes == 0
+    loss.backward()
+    expected = torch.zeros(4, 3, dtype=torch.float64)
+    expected[:, 1:] = 2 * (1 - torch.tanh(x.detach()[:, 1:]) ** 2)
+    assert x.grad is not None and torch.allclose(x.grad, expected, rtol=0, atol=1e-14)

@@ -100,12 +100,12 @@ def test_fit_from_the_natural_peak_down_to_the_minimum(name: str) -> None:
         limit -= 0.25
     assert floor is not None and floor < natural
     # The error's figure is right: the smallest limit that fits does fit.
-    with pytest.raises(LimitTooLow) as err:
+    with pytest.raises(LimitTooLow) as too_low:
         fit_memory(s, floor - 0.25, costs)
-    smallest = max(err.value.smallest)
+    smallest = max(too_low.value.smallest)
     assert smallest == max(smallest_limit(s, costs))
     assert floor - 0.25 < smallest <= floor
-    assert f"{smallest:.4g}" in str(err.value)
+    assert f"{smallest:.4g}" in str(too_low.value)
     fit_memory(s, smallest, costs)
 
 

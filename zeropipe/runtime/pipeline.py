@@ -246,8 +246,16 @@ class Pipeline:
     def _reduce_shared(self) -> None:
         if not self.shared or not self.distributed:
             return
+        # Every rank holds the whole model, but only ranks running a stage that
+        # uses a shared parameter own its gradient.  The others contribute a
+        # fresh zero buffer and keep nothing: a .grad left on their copy would
+        # never be zeroed by their optimizer and would leak into the next sum.
+        owned = {id(p) for p in self.parameters()}
         grads = []
         for p in self.shared:
+            if id(p) not in owned:
+                grads.append(torch.zeros_like(p))
+                continue
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad)

@@ -91,7 +91,8 @@ def _chunks(timeline: Timeline) -> int:
 
 
 def _time_unit(timeline: Timeline) -> str:
-    return "s" if timeline.measured else "cost units"
+    unit = timeline.meta.get("time_unit")  # e.g. "s" when simulated from measured costs
+    return str(unit) if unit else ("s" if timeline.measured else "cost units")
 
 
 def _percent(x: float) -> str:

@@ -160,7 +160,10 @@ def simulate(
         for r, rank_acts in enumerate(acts)
     ]
     peaks = [p for p, _ in peak_memory(schedule, costs, graph.deps)]
-    return Timeline(schedule, events, peaks, memory_unit=costs.unit)
+    meta: dict[str, object] = {}
+    if "time_unit" in costs.meta:
+        meta["time_unit"] = costs.meta["time_unit"]
+    return Timeline(schedule, events, peaks, memory_unit=costs.unit, meta=meta)
 
 
 def _locate_recv(graph: Graph, rank: int, step: int, recv: Action) -> tuple[int, int]:
@@ -200,4 +203,4 @@ def costs_from_timeline(timeline: Timeline) -> CostModel:
         i = med(s, "I", b / 2)
         w = med(s, "W", b / 2)
         stages.append(StageCost(F=f, I=i, W=w, B=b if (s, "B") in durations else None))
-    return CostModel(tuple(stages), meta={"source": "measured medians"})
+    return CostModel(tuple(stages), meta={"source": "measured medians", "time_unit": "s"})

@@ -53,6 +53,7 @@ class TrainConfig:
     batch_size: int = 16
     steps: int = 300
     lr: float = 3e-3
+    warmup: int = 20
     seq: int = 48
     width: int = 96
     layers: int = 4
@@ -186,6 +187,8 @@ def run_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
     step = start
     _maybe_die(rank, step, cfg)
     while step < cfg.steps:
+        for group in optimizer.param_groups:  # linear warm-up: no early loss spikes
+            group["lr"] = cfg.lr * min(1.0, (step + 1) / cfg.warmup)
         x, y = corpus.batch(step, cfg.batch_size, cfg.seq, seed=cfg.seed)
         t0 = time.perf_counter()
         loss = pipe.step(x.to(cfg.device), y.to(cfg.device))

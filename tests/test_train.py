@@ -1,0 +1,82 @@
+"""zeropipe train: loss falls, resume is exact, a killed rank fails cleanly, bad flags are one line."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from zeropipe import checkpoint
+from zeropipe.cli import main
+from zeropipe.errors import PipelineError, ZeropipeError
+from zeropipe.train import TrainConfig, train
+
+SMALL = {"width": 32, "layers": 2, "seq": 16, "batch_size": 8, "microbatches": 4, "quiet": True}
+
+
+def _losses(out: Path) -> list[float]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
+    assert all({"step", "loss", "tokens_per_s"} <= r.keys() for r in rows)
+    return [r["loss"] for r in rows]
+
+
+def test_resume_gives_the_losses_of_an_uninterrupted_run(tmp_path: Path) -> None:
+    full = tmp_path / "full"
+    train(TrainConfig(**SMALL, steps=6, out=str(full), checkpoint_every=2))
+    half = tmp_path / "half"
+    train(TrainConfig(**SMALL, steps=3, out=str(half), checkpoint_every=100))
+    assert checkpoint.latest_step(half / "checkpoints") == 3
+    summary = train(TrainConfig(**SMALL, steps=6, out=str(half), resume=True, checkpoint_every=100))
+    assert summary["steps_run"] == 3
+    assert _losses(half) == _losses(full)  # exactly, step by step
+    for name in ("metrics.jsonl", "timeline.png", "trace.json", "loss.png"):
+        assert (full / name).stat().st_size > 0, name
+    trace = json.loads((full / "trace.json").read_text())
+    assert any(e.get("ph") == "X" for e in trace["traceEvents"])
+
+
+def test_killed_rank_ends_the_run_with_a_clear_message_and_the_checkpoint_loads(
+    tmp_path: Path,
+) -> None:
+    cfg = TrainConfig(**SMALL, steps=8, out=str(tmp_path), checkpoint_every=2, timeout=20.0)
+    cfg.extra["die"] = [1, 4]  # rank 1 exits abruptly after its step-4 checkpoint
+    start = time.monotonic()
+    with pytest.raises(PipelineError) as err:
+        train(cfg)
+    assert time.monotonic() - start < 90
+    assert "rank 1" in str(err.value)
+    assert checkpoint.latest_step(tmp_path / "checkpoints") == 4
+    state = checkpoint.load_rank(tmp_path / "checkpoints", 0)
+    assert state["step"] == 4 and state["stages"]
+
+
+def test_loss_falls_on_the_default_model(tmp_path: Path) -> None:
+    summary = train(TrainConfig(steps=60, out=str(tmp_path), quiet=True))
+    # From ~3.45 (uniform over the alphabet) the eval loss drops below 2.85 within 60 steps.
+    assert summary["initial_eval_loss"] > 3.3
+    assert summary["final_eval_loss"] < summary["initial_eval_loss"] - 0.5
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--schedule", "nope"], "unknown schedule 'nope'"),
+        (["--schedule", "dualpipev", "--microbatches", "2"], "use microbatches >= 3"),
+        (["--ranks", "9"], "use fewer ranks or more --layers"),
+        (["--batch-size", "4"], "raise the batch size"),
+    ],
+)
+def test_bad_flags_are_one_line_errors(
+    argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["train", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("zeropipe: error:") and needle in err[0], err
+
+
+def test_resume_without_a_checkpoint_says_so(tmp_path: Path) -> None:
+    with pytest.raises(ZeropipeError, match="no checkpoint to resume from"):
+        train(TrainConfig(**SMALL, ranks=1, steps=2, out=str(tmp_path), resume=True))

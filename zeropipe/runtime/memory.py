@@ -162,8 +162,6 @@ class MemoryManager:
         self._param_bytes = {s: distinct_bytes(st.parameters()) for s, st in stages.items()}
         zero = (0,) * self.num_ranks
         self.report = MemoryReport(zero, zero, zero, zero, None, 0)
-        self.act: dict[int, int] = {}  # per stage: most bytes a full forward saved
-        self.act_w: dict[int, int] = {}  # per stage: most bytes a stash held from I to W
         self._reset()
 
     # -- one step --------------------------------------------------------------------------
@@ -184,6 +182,8 @@ class MemoryManager:
         self._keep: frozenset[StorageKey] = frozenset()
         self._stage_keys: dict[int, frozenset[StorageKey]] = {}
         self._recomputations = 0
+        self.act: dict[int, int] = {}  # per stage: most bytes a full forward saved
+        self.act_w: dict[int, int] = {}  # per stage: most bytes a stash held from I to W
 
     def step_device(self) -> torch.device:
         """The device this step computes on (re-read from the parameters unless fixed)."""
@@ -270,8 +270,10 @@ class MemoryManager:
     def offload(self, ctx: StepContext, action: Action) -> None:
         s, i = action.stage, action.microbatch
         if i is None:
-            self._weight_home(action).offload()
-            self._weights[self.placement[s]] -= self._param_bytes[s]
+            home = self._weight_home(action)
+            if home.resident:  # (a repeated OFFLOAD, after a failed step, moves nothing)
+                self._weights[self.placement[s]] -= self._param_bytes[s]
+            home.offload()
             return
         state = ctx.state(s, i)
         if state.saved is not None:
@@ -321,7 +323,7 @@ class MemoryManager:
         self._peak_weights[r] = max(self._peak_weights[r], self._weights[r])
 
     def stage_bytes(self) -> dict[int, tuple[int, int, int]]:
-        """Per stage run here: (act, act_w, parameter bytes) as measured so far."""
+        """Per stage run here: (act, act_w, parameter bytes) as the last training step measured."""
         return {
             s: (self.act.get(s, 0), self.act_w.get(s, 0), self._param_bytes[s]) for s in self.stages
         }

@@ -1,0 +1,467 @@
+"""What each rank runs in the distributed tests (spawned by zeropipe.launch, or by torchrun).
+
+Spawning costs seconds, so one launch per world size (``main_results``, cached
+for the test session) runs every case in turn inside the ranks and returns
+losses, gradients and messages; the tests in test_distributed.py and
+test_failures.py assert on them in the test process, which also computes the
+reference gradients once.  A case that crashes inside a rank is returned as
+its traceback, so one broken case does not hide the others.  The failure
+cases run last: each poisons only its own pipeline (own store keys and tags).
+
+Run as a module under torchrun it is the torchrun test's script::
+
+    python -m torch.distributed.run --nproc-per-node 2 ... -m tests.runtime.dist_cases
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from tests.gradcheck import (
+    assert_same_gradients,
+    batch_for,
+    mlp,
+    reference,
+    token_loss,
+    token_model,
+)
+from zeropipe.errors import PipelineError, ScheduleError
+from zeropipe.ir import Action, Kind
+from zeropipe.lower import lower
+from zeropipe.runtime.distributed import DistributedTransport
+from zeropipe.runtime.pipeline import Pipeline
+from zeropipe.schedules import GENERATORS, generate
+
+TIMEOUT = 30.0  # seconds a rank waits for a peer in these cases
+SHORT_TIMEOUT, STALL = 1.0, 2.5  # the stalled-peer case: a wait times out, the peer wakes later
+
+MODELS: dict[str, tuple[Callable[[], nn.Sequential], Callable[..., Tensor]]] = {
+    "mlp-dropout": (lambda: mlp(dropout=0.3), F.mse_loss),
+    "tokens-tied": (lambda: token_model(dropout=0.2), token_loss),
+}
+
+
+def _guard(fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except Exception:
+        return {"crashed": traceback.format_exc()}
+
+
+def _supported(name: str, p: int, m: int) -> bool:
+    try:
+        generate(name, p, m)
+    except ScheduleError as err:
+        if err.rule != "unsupported":
+            raise
+        return False
+    return True
+
+
+def grid(world: int) -> list[tuple[str, str, int]]:
+    """Every (generator, model, microbatches) the gradient test covers for ``world`` ranks."""
+    return [
+        (name, model, m)
+        for name in sorted(GENERATORS)
+        for model in sorted(MODELS)
+        for m in sorted({1, world, 2 * world + 1})
+        if _supported(name, world, m)
+    ]
+
+
+# -- gradient equality --------------------------------------------------------------
+def _grads_by_stage(stages: list[_Mix]) -> dict[str, Tensor]:
+    return {
+        f"{s}.{n}": p.grad.clone()
+        for s, m in enumerate(stages)
+        for n, p in m.named_parameters()
+        if p.grad is not None
+    }
+
+
+def _owned_grads(model: nn.Module) -> dict[str, Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def steps_for(world: int, m: int) -> int:
+    """Steps a gradient case runs: the first learns the boundary shapes (headers); the
+    second, run where most transfers are (m = 2p+1), sends payload only."""
+    return 2 if m == 2 * world + 1 else 1
+
+
+def _grad_case(rank: int, world: int, name: str, model_name: str, m: int) -> dict[str, Any]:
+    """Each step's loss and this rank's gradients (the test process computes the
+    reference once per (model, m, step) instead of every rank)."""
+    build, loss_fn = MODELS[model_name]
+    model = build()
+    x, y = batch_for(model, batch=2 * m + 1)
+    pipe = Pipeline(model, name, microbatches=m, loss_fn=loss_fn, seed=3, timeout=TIMEOUT)
+    steps = []
+    for _ in range(steps_for(world, m)):
+        model.zero_grad(set_to_none=True)
+        loss = pipe.step(x, y)
+        steps.append({"loss": loss.item(), "grads": _owned_grads(model)})
+    return {"steps": steps}
+
+
+def _grad_cases(rank: int, world: int) -> dict[str, Any]:
+    return {
+        f"{name}/{model}/m={m}": _guard(functools.partial(_grad_case, rank, world, name, model, m))
+        for name, model, m in grid(world)
+    }
+
+
+def _same_seed(rank: int, world: int) -> dict[str, Any]:
+    model = mlp(dropout=0.5)
+    x, y = batch_for(model, batch=9)
+    pipe = Pipeline(model, "1f1b", microbatches=4, loss_fn=F.mse_loss, seed=11, timeout=TIMEOUT)
+    loss = pipe.step(x, y)
+    return {"loss": loss.item(), "grads": _owned_grads(model)}
+
+
+def same_seed_local(ranks: int) -> dict[str, Any]:
+    """The same run as ``_same_seed`` on the local executor (in the test process)."""
+    model = mlp(dropout=0.5)
+    x, y = batch_for(model, batch=9)
+    pipe = Pipeline(model, "1f1b", microbatches=4, loss_fn=F.mse_loss, ranks=ranks, seed=11)
+    loss = pipe.step(x, y)
+    return {"loss": loss.item(), "grads": _owned_grads(model)}
+
+
+def _shared_accumulation(rank: int, world: int) -> dict[str, Any]:
+    """Two steps without zero_grad: tied gradients must accumulate like two backward calls."""
+    model = token_model()
+    x, y = batch_for(model, batch=8)
+    ref = reference(model, x, y, token_loss, 4)[1]
+    pipe = Pipeline(model, "1f1b", microbatches=4, loss_fn=token_loss, timeout=TIMEOUT)
+    pipe.step(x, y)
+    pipe.step(x, y)
+    got = model.get_parameter("0.weight").grad
+    assert got is not None
+    return {"diff": (got - 2 * ref["0.weight"]).abs().max().item()}
+
+
+def _eval_and_rebatch(rank: int, world: int) -> dict[str, Any]:
+    """eval_step, and training steps whose batch size changes (boundary shapes re-learnt)."""
+    model = mlp()
+    pipe = Pipeline(model, "1f1b", microbatches=4, loss_fn=F.mse_loss, timeout=TIMEOUT)
+    x, y = batch_for(model, batch=8)
+    with torch.no_grad():
+        plain = model(x)
+    out = pipe.eval_step(x)
+    eval_loss = pipe.eval_step(x, y)
+    result: dict[str, Any] = {
+        "eval_output": None if out is None else (out - plain).abs().max().item(),
+        "eval_loss": None if eval_loss is None else eval_loss.item(),
+        "plain_loss": F.mse_loss(plain, y).item(),
+        "steps": [],
+    }
+    for batch in (8, 11, 8):
+        x, y = batch_for(model, batch=batch, seed=batch)
+        ref_loss, ref = reference(model, x, y, F.mse_loss, 4)
+        model.zero_grad(set_to_none=True)
+        loss = pipe.step(x, y)
+        worst = assert_same_gradients(model.named_parameters(), ref, only_owned=True)
+        result["steps"].append((batch, abs(loss.item() - ref_loss.item()), worst))
+    return result
+
+
+# -- tuples with integer tensors across ranks ---------------------------------------
+class _Mix(nn.Module):
+    """(hidden, token ids) -> (hidden', same ids): integer tensors cross every boundary."""
+
+    def __init__(self, last: bool) -> None:
+        super().__init__()
+        self.lin, self.emb, self.last = nn.Linear(4, 4), nn.Embedding(7, 4), last
+
+    def forward(self, h: Tensor, ids: Tensor) -> Tensor | tuple[Tensor, Tensor]:
+        out = torch.tanh(self.lin(h)) + self.emb(ids)
+        return out if self.last else (out, ids)
+
+
+def _tuple_case(rank: int, world: int) -> dict[str, Any]:
+    torch.manual_seed(5)
+    stages = [_Mix(last=s == world - 1).double() for s in range(world)]
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(6, 4, dtype=torch.float64, generator=g)
+    ids = torch.randint(0, 7, (6,), generator=g)
+    y = torch.randn(6, 4, dtype=torch.float64, generator=g)
+    value: Any = (x, ids)
+    for st in stages:
+        value = st(*value)
+    F.mse_loss(value, y).backward()
+    ref = _grads_by_stage(stages)
+    for st in stages:
+        st.zero_grad(set_to_none=True)
+    pipe = Pipeline(stages, "1f1b", microbatches=3, loss_fn=F.mse_loss, timeout=TIMEOUT)
+    loss = pipe.step((x, ids), y)
+    got = [(f"{s}.{n}", p) for s, m in enumerate(stages) for n, p in m.named_parameters()]
+    return {
+        "worst": assert_same_gradients(got, ref, only_owned=True),
+        "loss": loss.item(),
+        "ref_loss": F.mse_loss(value, y).item(),
+    }
+
+
+# -- the transport on its own ---------------------------------------------------------
+def _transport_case(rank: int, world: int) -> dict[str, Any]:
+    """Ints, bools and tuples cross; reset re-learns; a changed shape fails on the sender."""
+    t = DistributedTransport(lower(generate("1f1b", world, 1)), rank, timeout=TIMEOUT)
+    send, recv = Action(Kind.SEND_F, 0, 0), Action(Kind.RECV_F, 1, 0)
+
+    def payload(rows: int, step: int) -> tuple[Tensor, ...]:
+        return (
+            torch.arange(rows * 3, dtype=torch.float32).reshape(rows, 3) + step,
+            torch.arange(rows, dtype=torch.int64) * 1000 + step,
+            torch.tensor([True, False, step % 2 == 0]),
+        )
+
+    ok = []
+    for step, rows in enumerate([2, 2, 5]):
+        if step == 2:
+            t.reset()
+        if rank == 0:
+            t.send(send, payload(rows, step))
+        elif rank == 1:
+            t.post_recv(recv)
+            got = t.wait_recv(recv)
+            want = payload(rows, step)
+            ok.append(
+                len(got) == 3
+                and all(
+                    a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, want, strict=True)
+                )
+            )
+        t.finish_step()
+    out: dict[str, Any] = {"received_ok": ok}
+    start = time.monotonic()
+    try:
+        if rank == 0:
+            try:
+                t.send(send, payload(4, 3))  # learnt: 5 rows
+            except PipelineError as err:
+                t.fail(err)
+                raise
+        elif rank == 1:
+            t.post_recv(recv)
+            t.wait_recv(recv)
+        t.finish_step()
+        out["error"] = None
+    except PipelineError as err:
+        out["error"] = str(err)
+    out["seconds"] = time.monotonic() - start
+    return out
+
+
+# -- failures -----------------------------------------------------------------------
+class _Flex(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.extra = nn.Linear(4, 4), 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.lin(x)
+        return torch.cat([h, h[:, : self.extra]], dim=1) if self.extra else h
+
+
+class _Sink(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.lin(x[:, :4])
+
+
+class _Trap(nn.Module):
+    """A stage that, once armed, raises, kills its process, or stalls (``how``)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.lin, self.how, self.armed = nn.Linear(4, 4), how, False
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.armed and self.how == "raise":
+            raise ValueError("boom from stage 1")
+        if self.armed and self.how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.armed and self.how == "stall":
+            self.armed = False
+            time.sleep(STALL)
+        return self.lin(x)
+
+
+def _steps_until_failure(pipe: Pipeline, arm: Callable[[], None]) -> dict[str, Any]:
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    pipe.step(x, y)
+    arm()
+    start = time.monotonic()
+    try:
+        pipe.step(x, y)
+        return {"error": None, "seconds": time.monotonic() - start}
+    except PipelineError as err:
+        return {"error": str(err), "seconds": time.monotonic() - start}
+
+
+def _mismatch_case(rank: int, world: int) -> dict[str, Any]:
+    first = _Flex()
+    stages = [first, *[_Sink() for _ in range(world - 1)]]
+    pipe = Pipeline(stages, "1f1b", microbatches=4, loss_fn=F.mse_loss, timeout=TIMEOUT)
+    out = _steps_until_failure(pipe, lambda: setattr(first, "extra", 1))
+    try:  # a failed pipeline refuses further steps instead of mixing up messages
+        pipe.step(torch.randn(8, 4), torch.randn(8, 4))
+        out["after"] = None
+    except PipelineError as err:
+        out["after"] = str(err)
+    return out
+
+
+def _forward_error_case(rank: int, world: int) -> dict[str, Any]:
+    trap = _Trap("raise")
+    stages = [nn.Linear(4, 4), trap, *[nn.Linear(4, 4) for _ in range(world - 2)]]
+    pipe = Pipeline(stages, "1f1b", microbatches=4, loss_fn=F.mse_loss, timeout=TIMEOUT)
+    return _steps_until_failure(pipe, lambda: setattr(trap, "armed", True))
+
+
+def _stalled_peer_case(rank: int, world: int) -> dict[str, Any]:
+    """Stage 1 stalls (alive, silent) longer than the pipeline's timeout."""
+    trap = _Trap("stall")
+    stages = [nn.Linear(4, 4), trap, *[nn.Linear(4, 4) for _ in range(world - 2)]]
+    pipe = Pipeline(stages, "1f1b", microbatches=4, loss_fn=F.mse_loss, timeout=SHORT_TIMEOUT)
+    return _steps_until_failure(pipe, lambda: setattr(trap, "armed", True))
+
+
+def _fit_case(rank: int, world: int) -> list[str]:
+    messages = []
+    for make in (
+        lambda: Pipeline(mlp(), generate("1f1b", 2 * world, 2), loss_fn=F.mse_loss),
+        lambda: Pipeline(mlp(), "1f1b", microbatches=2, loss_fn=F.mse_loss, ranks=world + 1),
+    ):
+        try:
+            make()
+            messages.append("accepted")
+        except PipelineError as err:
+            messages.append(str(err))
+    return messages
+
+
+# -- launch entry points ---------------------------------------------------------------
+LAUNCH_TIMEOUT = 240.0  # a whole healthy launch, startup included, on two busy cores
+
+
+@functools.cache
+def _launch_once(world: int) -> tuple[list[dict[str, Any]] | None, str | None]:
+    from zeropipe.runtime.launch import launch
+
+    try:
+        return launch(main_cases, world, timeout=LAUNCH_TIMEOUT), None
+    except PipelineError as err:
+        return None, str(err)
+
+
+def main_results(world: int) -> list[dict[str, Any]]:
+    """``main_cases`` on ``world`` ranks, launched once per test session (per rank: its dict)."""
+    results, error = _launch_once(world)
+    if results is None:
+        raise AssertionError(f"the {world}-rank launch failed:\n{error}")
+    return results
+
+
+def main_cases(rank: int, world: int) -> dict[str, Any]:
+    """Everything that runs in the one healthy launch per world size; failures last."""
+    start = time.monotonic()
+    out: dict[str, Any] = {"fit": _guard(lambda: _fit_case(rank, world))}
+    out["store"] = _guard(lambda: _store_check(rank, world))
+    out["grads"] = _grad_cases(rank, world)
+    out["same_seed"] = _guard(lambda: _same_seed(rank, world))
+    out["tuple"] = _guard(lambda: _tuple_case(rank, world))
+    out["eval_rebatch"] = _guard(lambda: _eval_and_rebatch(rank, world))
+    out["shared_accumulation"] = _guard(lambda: _shared_accumulation(rank, world))
+    out["healthy_seconds"] = time.monotonic() - start
+    # Each failure poisons only its own pipeline (own store keys and tags).
+    out["transport"] = _guard(lambda: _transport_case(rank, world))
+    out["mismatch"] = _guard(lambda: _mismatch_case(rank, world))
+    out["forward_error"] = _guard(lambda: _forward_error_case(rank, world))
+    out["stalled"] = _guard(lambda: _stalled_peer_case(rank, world))
+    return out
+
+
+def killed_case(rank: int, world: int) -> None:
+    """Rank 1 SIGKILLs itself inside a stage's forward on the second step."""
+    trap = _Trap("kill")
+    stages = [nn.Linear(4, 4), trap, *[nn.Linear(4, 4) for _ in range(world - 2)]]
+    pipe = Pipeline(stages, "1f1b", microbatches=4, loss_fn=F.mse_loss, timeout=TIMEOUT)
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    pipe.step(x, y)
+    trap.armed = True
+    pipe.step(x, y)  # the survivors' PipelineError goes to the launcher
+
+
+def raise_on_rank1(rank: int, world: int) -> str:
+    """Ranks 0-1 pipeline over a subgroup; 1 raises outside any step, 2 idles forever.
+
+    Rank 0 can learn of it only from the launcher (through the store); rank 2
+    only the launcher can end.
+    """
+    sub = dist.new_group([0, 1])
+    if rank == 2:
+        time.sleep(600)
+    pipe = Pipeline(
+        [nn.Linear(4, 4), nn.Linear(4, 4)],
+        "1f1b",
+        microbatches=2,
+        loss_fn=F.mse_loss,
+        process_group=sub,
+        timeout=TIMEOUT,
+    )
+    if rank == 1:
+        raise ValueError("bad input on rank 1")
+    pipe.step(torch.randn(4, 4), torch.randn(4, 4))
+    return "unreachable"
+
+
+def sleep_forever(rank: int, world: int) -> None:
+    time.sleep(600)
+
+
+def _store_check(rank: int, world: int) -> bool:
+    """A key written to the launcher's store (as the launcher does) is seen by the ranks' polls."""
+    from zeropipe import _compat
+
+    raw = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, False)
+    if rank == 0:
+        raw.set("zeropipe/probe", "x")
+    dist.barrier()
+    return bool(_compat.rendezvous_store().check(["zeropipe/probe"]))
+
+
+# -- the torchrun script ---------------------------------------------------------------
+def _torchrun_main() -> None:
+    from zeropipe.runtime.launch import init_from_env
+
+    torch.set_num_threads(1)
+    rank, world = init_from_env(timeout=60)
+    model = token_model(dropout=0.2)
+    x, y = batch_for(model, batch=9)
+    ref_loss, ref = reference(model, x, y, token_loss, 4, seed=5)
+    pipe = Pipeline(model, "zb-h1", microbatches=4, loss_fn=token_loss, seed=5, timeout=60)
+    loss = pipe.step(x, y)
+    worst = assert_same_gradients(model.named_parameters(), ref, only_owned=True)
+    assert abs(loss.item() - ref_loss.item()) <= 1e-10, (loss.item(), ref_loss.item())
+    print(f"rank {rank}/{world} ok worst={worst:.3g} loss={loss.item():.17g}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _torchrun_main()

@@ -1,0 +1,181 @@
+"""A multi-process failure ends every rank with the failing rank's message, in bounded time.
+
+The in-pipeline failures (bad boundary shapes, an exception in a stage) run
+at the end of the shared healthy launch per world size (dist_cases.main_cases),
+each ranks catching its PipelineError and returning the message; a killed
+rank, a raising rank and a hung launch need launches of their own.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+from tests.runtime import dist_cases
+from zeropipe.errors import PipelineError
+from zeropipe.runtime import launch as launch_module
+from zeropipe.runtime.launch import init_from_env, launch
+
+WORLDS = (2, 4)
+
+
+def _case(world: int, name: str) -> list[Any]:
+    outs = [out[name] for out in dist_cases.main_results(world)]
+    for rank, out in enumerate(outs):
+        if isinstance(out, dict) and "crashed" in out:
+            pytest.fail(f"{name} crashed inside rank {rank}:\n{out['crashed']}")
+    return outs
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_schedule_that_does_not_fit_the_world_is_rejected_before_communicating(
+    world: int,
+) -> None:
+    for rank, messages in enumerate(_case(world, "fit")):
+        assert messages[0] == (
+            f"schedule '1f1b' has {2 * world} rank(s) but the process group has {world}; "
+            f"launch {2 * world} processes or pass ranks={world}"
+        ), rank
+        assert f"has {world + 1} rank(s) but the process group has {world}" in messages[1], rank
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_boundary_shape_change_fails_on_the_sender_and_every_peer(world: int) -> None:
+    outs = _case(world, "mismatch")
+    cause = (
+        "stage 0 microbatch 0: boundary output mismatch: expected float32[2, 4], got float32[2, 5]"
+    )
+    assert outs[0]["error"].startswith(cause), outs[0]
+    for rank in range(1, world):
+        assert outs[rank]["error"].startswith(f"rank 0 failed: {cause}"), (rank, outs[rank])
+        assert outs[rank]["seconds"] < dist_cases.TIMEOUT / 2, (rank, outs[rank])
+        # the pipeline is spent: a further step says so instead of mixing up messages
+        assert "failed earlier" in outs[rank]["after"] and "new Pipeline" in outs[rank]["after"]
+    assert outs[0]["after"] is not None
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_transport_checks_learnt_shapes_on_the_sender(world: int) -> None:
+    outs = _case(world, "transport")
+    cause = (
+        "stage 0 microbatch 0: 0SEND_F0 to rank 1: boundary tensors changed: expected "
+        "float32[5, 3], int64[5], bool[3], got float32[4, 3], int64[4], bool[3]"
+    )
+    assert outs[0]["error"].startswith(cause), outs[0]
+    for rank in range(1, world):
+        assert outs[rank]["error"].startswith(f"rank 0 failed: {cause}"), (rank, outs[rank])
+        assert outs[rank]["seconds"] < dist_cases.TIMEOUT / 2, (rank, outs[rank])
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_exception_in_a_stage_forward_fails_every_rank_with_its_message(world: int) -> None:
+    outs = _case(world, "forward_error")
+    own = outs[1]["error"]
+    assert own is not None and own.startswith("rank 1 failed at step "), own
+    assert own.endswith("(1F0): ValueError: boom from stage 1"), own
+    for rank, out in enumerate(outs):
+        if rank != 1:
+            assert out["error"] == f"rank 1 failed: {own}", (rank, out)
+        # noticed through the store within a few polls, far inside the 30 s timeout
+        assert out["seconds"] < dist_cases.TIMEOUT / 3, (rank, out)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_a_stalled_peer_times_a_wait_out_and_every_rank_hears_of_it(world: int) -> None:
+    outs = _case(world, "stalled")
+    limit = dist_cases.SHORT_TIMEOUT
+    # Stage 1 (rank 1) sleeps past the 1 s timeout; whichever rank started waiting
+    # first (downstream ranks wait longest) times out, the others relay its message.
+    own = [
+        (r, o["error"])
+        for r, o in enumerate(outs)
+        if re.match(
+            rf"rank {r} waited {limit:g} s for {r}RECV_[FB]\d from rank \d \(timeout\)",
+            o["error"] or "",
+        )
+    ]
+    assert len(own) == 1, outs
+    cause, message = own[0]
+    assert cause != 1, "the stalled rank itself never waited"
+    assert limit <= outs[cause]["seconds"] < limit + 5, outs[cause]
+    for rank, out in enumerate(outs):
+        if rank != cause:
+            assert out["error"] == f"rank {cause} failed: {message}", (rank, out)
+            assert out["seconds"] < dist_cases.STALL + 5, (rank, out)
+
+
+@pytest.mark.parametrize("noticed_by", ["launcher", "gloo"])
+def test_a_killed_rank_ends_the_others_with_a_clear_error(
+    noticed_by: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if noticed_by == "gloo":
+        # as under torchrun: no launcher tells the store, the dropped connection must do
+        monkeypatch.setattr(launch_module, "_tell_store", lambda *args: None)
+    start = time.monotonic()
+    with pytest.raises(PipelineError) as err:
+        launch(dist_cases.killed_case, 2, timeout=90, grace=10)
+    took = time.monotonic() - start
+    msg = str(err.value)
+    assert msg.startswith("rank 1 failed: rank 1 was killed by SIGKILL"), msg
+    # rank 0 reported its own error (it was not just terminated by the launcher) ...
+    survivor = msg.split("--- other ranks ---\n", 1)[1]
+    assert survivor.startswith("  rank 0: "), msg
+    if noticed_by == "gloo":
+        assert re.match(
+            r"  rank 0: rank 1 stopped responding \(killed\?\) while rank 0 waited for "
+            r"0RECV_[FB]\d from rank 1 \[.*(Connection reset by peer|Connection closed by peer)",
+            survivor,
+        ), msg
+    else:
+        # whichever came first: the launcher's note in the store, or the dropped connection
+        assert (
+            "rank 1 was killed by SIGKILL (the launcher saw it die)" in survivor
+            or "rank 1 stopped responding (killed?) while rank 0 waited for" in survivor
+        ), msg
+    assert "terminated" not in msg, msg
+    # ... well before its own 30 s wait timeout
+    assert took < 60, took
+
+
+def test_launch_reports_the_raising_rank_tells_its_peers_and_ends_the_rest() -> None:
+    start = time.monotonic()
+    with pytest.raises(PipelineError) as err:
+        launch(dist_cases.raise_on_rank1, 3, timeout=90, grace=3)
+    msg = str(err.value)
+    assert msg.startswith("rank 1 failed: ValueError: bad input on rank 1"), msg
+    assert "--- rank 1 traceback ---" in msg and 'raise ValueError("bad input on rank 1")' in msg
+    # rank 0 was inside a step over the subgroup: the launcher's note reached it
+    assert "\n  rank 0: rank 1 failed: ValueError: bad input on rank 1\n" in msg, msg
+    # rank 2 never talks to anyone: only the launcher can end it
+    assert msg.endswith("rank(s) [2] had not finished 3 s after the failure and were terminated")
+    assert time.monotonic() - start < 60
+
+
+def test_launch_timeout_kills_everything_and_says_so() -> None:
+    start = time.monotonic()
+    with pytest.raises(PipelineError, match=r"launch timed out after 3 s; rank\(s\) \[0\]"):
+        launch(dist_cases.sleep_forever, 1, timeout=3)
+    assert time.monotonic() - start < 20
+
+
+def test_launch_arguments_are_checked() -> None:
+    with pytest.raises(PipelineError, match="nprocs must be >= 1"):
+        launch(dist_cases.sleep_forever, 0)
+    with pytest.raises(PipelineError, match="timeout must be positive"):
+        launch(dist_cases.sleep_forever, 1, timeout=0)
+
+
+def test_init_from_env_names_what_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert not dist.is_initialized()
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(PipelineError) as err:
+        init_from_env()
+    assert "WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK" in str(err.value)
+    assert "torchrun" in str(err.value)
+    assert not dist.is_initialized()

@@ -438,6 +438,19 @@ def _run_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    from zeropipe import bench
+
+    bench.add_arguments(parser)
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    """Benchmark zeropipe against torch.distributed.pipelining, side by side."""
+    from zeropipe import bench  # imports torch's pipelining: only when asked
+
+    return bench.run_cli(args)
+
+
 # -- the table and the entry point ------------------------------------------------------
 AddArguments = Callable[[argparse.ArgumentParser], None]
 Run = Callable[[argparse.Namespace], int]
@@ -448,6 +461,7 @@ COMMANDS: dict[str, tuple[AddArguments, Run]] = {
     "simulate": (_add_simulate_arguments, _run_simulate),
     "profile": (_add_profile_arguments, _run_profile),
     "train": (train.add_arguments, train.run_cli),
+    "bench": (_add_bench_arguments, _run_bench),
 }
 
 

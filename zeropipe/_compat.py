@@ -47,7 +47,6 @@ __all__ = [
     "ACCUMULATE_GRAD_NAME",
     "MAX_SEQUENCE_NR",
     "TORCH_VERSIONS_CHECKED",
-    "backend_device",
     "bind_device",
     "compiled_autograd_reason",
     "current_stream",
@@ -239,10 +238,3 @@ def bind_device(local_rank: int) -> torch.device:
 def default_backend(device: torch.device) -> str:
     """The collective backend for ``device``: NCCL for CUDA GPUs, gloo otherwise."""
     return "nccl" if device.type == "cuda" else "gloo"
-
-
-def backend_device(backend: str) -> torch.device:
-    """Where ``backend`` wants the buffers it sends (NCCL: the current GPU; else the CPU)."""
-    if backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

@@ -244,7 +244,15 @@ def _transport_case(rank: int, world: int) -> dict[str, Any]:
                 )
             )
         t.finish_step()
-    out: dict[str, Any] = {"received_ok": ok}
+    out: dict[str, Any] = {"received_ok": ok, "device_error": None}
+    if rank == 0:  # refused before anything is posted
+        other = DistributedTransport(lower(generate("1f1b", world, 1)), rank, timeout=TIMEOUT)
+        try:
+            other.send(send, (torch.empty(2, 3, device="meta"),))
+        except PipelineError as err:
+            out["device_error"] = str(err)
+    else:
+        DistributedTransport(lower(generate("1f1b", world, 1)), rank, timeout=TIMEOUT)
     start = time.monotonic()
     try:
         if rank == 0:

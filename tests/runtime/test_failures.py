@@ -69,6 +69,9 @@ def test_transport_checks_learnt_shapes_on_the_sender(world: int) -> None:
     for rank in range(1, world):
         assert outs[rank]["error"].startswith(f"rank 0 failed: {cause}"), (rank, outs[rank])
         assert outs[rank]["seconds"] < dist_cases.TIMEOUT / 2, (rank, outs[rank])
+    assert outs[0]["device_error"] == (
+        "0SEND_F0: boundary tensors are on meta; the gloo transport carries CPU tensors only"
+    )
 
 
 @pytest.mark.parametrize("world", WORLDS)

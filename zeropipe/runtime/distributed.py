@@ -22,12 +22,19 @@ Failures.  Every wait is bounded, and every rank learns why the step died::
     peers waiting -> poll: data arrived?  error key set?  peer connection lost?
                      deadline passed?  -> PipelineError("rank r failed: ...")
 
+A dead peer surfaces as gloo's "Connection closed/reset by peer" on a pending
+operation, reported as "rank q stopped responding (killed?) ..."; zeropipe.launch
+also writes a dead or raising child's message to the store (FAILED_KEY).
+
 gloo's point-to-point works never report ``is_completed()`` and a timed-out
-``wait(timeout)`` tears the connection down, so for gloo each pending receive
-or send is waited on by a helper thread and the caller polls that thread's
-event; collectives (``is_completed`` works for them) are polled directly.
+``wait(timeout)`` tears the connection down, so each pending receive or send
+is waited on by a helper thread and the caller polls that thread's event;
+collectives (``is_completed`` works for them) are polled directly.
 Collectives run only after a store barrier says every rank finished its
 schedule, because a collective a peer never joins cannot be cancelled.
+
+gloo only, CPU tensors only: NCCL matches point-to-point messages in issue
+order and ignores tags, which this protocol relies on (see the constructor).
 """
 
 from __future__ import annotations
@@ -248,9 +255,18 @@ class DistributedTransport:
         self.rank, self.timeout, self._group = rank, float(timeout), group
         self._world = dist.get_world_size(group)
         self._placement = schedule.placement
-        self._backend = str(dist.get_backend(group))
-        self._threaded = self._backend == "gloo"
-        self._device = _compat.backend_device(self._backend)
+        backend = str(dist.get_backend(group))
+        if backend != "gloo":
+            # NCCL ignores tags and matches point-to-point messages in issue order per
+            # pair, and a posted receive blocks that pair's stream: the header protocol
+            # and out-of-order posts here need gloo's tagged, independent messages.
+            raise PipelineError(
+                f"DistributedTransport runs over gloo, but the process group uses {backend!r}; "
+                f"pass process_group=torch.distributed.new_group(backend='gloo') (NCCL "
+                f"point-to-point needs ordered, batched transfers, not implemented yet)"
+            )
+        self._threaded = True  # gloo p2p works only complete through wait()
+        self._device = torch.device("cpu")
         self._global = [
             r if group is None else dist.get_global_rank(group, r) for r in range(self._world)
         ]
@@ -290,13 +306,19 @@ class DistributedTransport:
                 f"(shapes and dtypes crossing ranks are learnt on the first step and may change "
                 f"only with the batch size)"
             )
+        if any(x.device != self._device for x in tensors):
+            where = sorted({str(x.device) for x in tensors})
+            raise PipelineError(
+                f"{action}: boundary tensors are on {', '.join(where)}; the gloo transport "
+                f"carries CPU tensors only"
+            )
         payload = tuple(x.detach().contiguous() for x in tensors)
         works: list[Any] = []
         labels: list[tuple[str, int | None]] = []
         keep = list(payload)
         what = f"{action} to be received by rank {peer}"
         if known is None:
-            header = _encode(got, action, payload[0].device if payload else self._device)
+            header = _encode(got, action, self._device)
             works.append(self._p2p(dist.isend, header, peer, self._tag(t, 0), what))
             labels.append((what, peer))
             keep.append(header)

@@ -23,7 +23,7 @@ import pytest
 from zeropipe import cli
 from zeropipe.costs import CostModel, StageCost, peak_memory
 from zeropipe.errors import ScheduleError
-from zeropipe.ir import Kind, Schedule
+from zeropipe.ir import Action, Kind, Schedule
 from zeropipe.schedules import GENERATORS, generate
 from zeropipe.simulate import simulate
 from zeropipe.validate import validate
@@ -175,12 +175,18 @@ def test_a_cheaper_fused_backward_is_considered(registered: ModuleType) -> None:
     assert Kind.B in kinds  # B = 1.2 beats I + W = 2: no split pays
 
 
-def test_a_limit_below_one_microbatch_says_what_would_fit(registered: ModuleType) -> None:
+def test_a_limit_below_one_microbatch_needs_recompute_or_offload(registered: ModuleType) -> None:
     search = registered.search
     with pytest.raises(ScheduleError) as err:
-        search(CostModel.uniform(4), 4, 8, 0.5)
+        search(CostModel.uniform(2), 2, 4, 0.5, recompute=False)
     assert err.value.rule == "memory"
     assert "at least" in str(err.value) and "(1 here)" in str(err.value)
+    # Allowed (the default when nothing fits otherwise): fit_memory inserts R / OFFLOAD.
+    result = search(CostModel.uniform(2), 2, 4, 0.5)
+    validate(result.schedule, memory_limit=0.5, costs=result.costs)
+    kinds = {a.kind for acts in result.schedule.actions for a in acts}
+    assert kinds & {Kind.R, Kind.OFFLOAD}
+    assert "fit_memory" in result.explanation
 
 
 def test_the_smallest_fitting_limit_still_gives_a_schedule(registered: ModuleType) -> None:
@@ -255,3 +261,28 @@ def test_cli_simulate_auto(capsys: pytest.CaptureFixture[str]) -> None:
     assert max(got["peak_memory"]) <= 6 + 1e-9
     zbv = simulate(generate("zbv", 4, 8), CostModel.parse("F=1,I=1,W=0.5,comm=0.1", 8, 2))
     assert got["makespan"] <= zbv.makespan + 1e-9
+
+
+def test_list_scheduled_plans_are_valid_and_timed_as_simulated(registered: ModuleType) -> None:
+    """Random costs, limits and policies: every plan validates and its times are exact."""
+    module = registered
+    rng = random.Random(7)
+    checked = 0
+    for _ in range(150):
+        p, m = rng.randint(1, 4), rng.randint(1, 8)
+        base = _random_costs(p, rng.randint(0, 10**6))
+        policy = rng.choice(module._policies(p, 3, [True, False]))
+        place = module._placement(policy.placement, p, policy.chunks)
+        costs = module.costs_for(base, len(place))
+        limit = rng.choice([math.inf, rng.uniform(1.0, 4.0)])
+        plan = module._list_schedule(costs, place, m, policy, [limit] * p)
+        if plan is None:
+            continue  # this policy cannot finish under this limit; others can
+        steps = [[Action(*step) for step in rank] for rank in plan.steps]
+        schedule = Schedule(place, steps, m)
+        validate(schedule, memory_limit=limit, costs=costs)
+        timeline = simulate(schedule, costs)
+        assert plan.makespan == pytest.approx(timeline.makespan)
+        assert plan.steady == pytest.approx(timeline.steady_bubble_rate)
+        checked += 1
+    assert checked > 100

@@ -2,35 +2,32 @@
 
 Named schedules assume equal stages and F = I = W; real models do not.  The
 search takes the model as it is -- per-stage F, I, W, B, activation memory,
-the wire -- and a per-rank memory limit, and tries two families of candidates:
+the wire -- and a per-rank memory limit, and times candidates of three kinds
+with its own event loop (the simulator's rules, made fast)::
 
-* a **list scheduler** over the real costs, run for several placements
-  (looped with 1..v chunks per rank, or zig-zag / "V" with an even number)
-  and policies.  Each rank, whenever it is free, picks among what is ready::
+    list-scheduled   placements: looped with 1..v chunks per rank, V / zig-zag with an
+                     even number; whenever a rank is free it picks among what is ready:
+                       I (or B)  as soon as its gradient is there: critical path, frees memory
+                       F         while the memory limit allows, keeping room for the deeper
+                                 local stages' F (one at least, or the V starves; more with
+                                 ``reserve``: their round trip over the rank's cycle)
+                       W         into gaps the rank would otherwise idle through (a gap of
+                                 at least ``gap`` x W), or when an F waits for W's memory
+    re-timed named   each named schedule's F / I order, with its W placed anew as above
+    named            each named schedule as it is, if it fits: auto is never worse
 
-      I (or B)   as soon as its gradient is there        critical path, frees memory
-      F          while the memory limit allows           warm-up as deep as memory lets
-                 (room is kept for one F of every later
-                  local stage, so the V cannot starve)
-      W          into gaps the rank would otherwise      deferred weight gradients
-                 idle through (a gap >= gap x W), or     fill bubbles (Qi et al. 2024)
-                 when an F is blocked by W's memory
-
-  The event loop here is a copy of the simulator's rules made fast; it only
-  ranks candidates.
-* every **named generator** whose schedule fits the limit, so auto is never
-  worse than any of them.
-
-The best few are then validated (:func:`zeropipe.validate.validate` with the
-memory limit) and simulated (:func:`zeropipe.simulate.simulate`): those two are
-the ground truth, and the winner is the shortest makespan, then the lowest
-steady bubble.  Recompute and offload are not searched (yet): a limit below
-what a schedule without them can fit raises ``ScheduleError(rule="memory")``.
+The best few by that timing are then validated (:func:`zeropipe.validate.validate`
+with the memory limit) and simulated (:func:`zeropipe.simulate.simulate`): those
+two are the ground truth; the winner has the shortest makespan, then the lowest
+steady bubble.  Recompute and offload come in through
+:func:`zeropipe.fit.fit_memory` applied to the best schedule found without a
+limit: when nothing fits without them, or on request (``recompute=True``).
 
 Costs: a :class:`~zeropipe.costs.CostModel` with ``p`` stages is read as "one
 rank's worth of layers per stage" and is split evenly for ``v`` chunks per
 rank (and one with ``p*v`` stages is merged for fewer chunks); pass a callable
-``num_stages -> CostModel`` to give each cut its own (e.g. balanced) costs.
+``num_stages -> CostModel | None`` to give each cut its own (e.g. balanced)
+costs, as :func:`zeropipe.balance.plan` does.
 """
 
 from __future__ import annotations
@@ -252,6 +249,7 @@ def _list_schedule(
     else:
         left = [len(local[r]) * m * (3 if policy.split else 2) for r in range(P)]
     clock = [0.0] * P  # when each rank is next free (or last decided, while it waits)
+    free = [0.0] * P  # when each rank's last action ends
     version = [0] * P  # a rank's heap entries of older versions are stale
     out: list[list[Step]] = [[] for _ in range(P)]
     starts: list[list[float]] = [[] for _ in range(P)]
@@ -277,6 +275,7 @@ def _list_schedule(
                     cands.append((kind_b, s, nB[s]))
         best: tuple[float, ...] | None = None
         pick: Step | None = None
+        since = t  # when ``pick`` became ready
         known = inf  # earliest known future ready time
         bound = inf  # earliest possible arrival of a dependency not yet scheduled
         f_blocked_by_w = False
@@ -305,7 +304,7 @@ def _list_schedule(
                         ready = e + wire[s - 1]
                 key = (1.0 if first_i else 0.0, -s if policy.depth else i, s)
             elif kind is W:
-                ready, key = t, (0.0, 0, 0)  # replay only: its I ran earlier on this rank
+                ready, key = endB[s][i], (0.0, 0, 0)  # replay only: its I ran before, here
             else:
                 ready = endF[s][i]
                 if ready < 0:
@@ -322,14 +321,14 @@ def _list_schedule(
                 key = (0.0 if first_i else 1.0, i, -s)
             if ready <= t + _EPS:
                 if best is None or key < best:
-                    best, pick = key, (kind, s, i)
+                    best, pick, since = key, (kind, s, i), ready
             elif ready < known:
                 known = ready
         if pick is None and pend[r] and not replay:
             gap = min(known, bound) - t
             if f_blocked_by_w or gap >= policy.gap * dur[W][pend[r][0][0]] - _EPS:
                 s, i = pend[r].popleft()
-                pick = (W, s, i)
+                pick, since = (W, s, i), endB[s][i]
         if pick is None:
             # Wait: until a known arrival, or (pending W) until the earliest possible one,
             # to decide again; else sleep until a producer on another rank wakes us.
@@ -343,6 +342,9 @@ def _list_schedule(
             continue
         kind, s, i = pick
         d = dur[kind][s]
+        # The rank may have waited past the moment this became ready (it hoped for
+        # something better); run in order, it starts as soon as it can, as simulated.
+        t = max(free[r], since)
         if kind is F:
             endF[s][i] = t + d
             nF[s] += 1
@@ -367,7 +369,7 @@ def _list_schedule(
         out[r].append((kind, s, i))
         starts[r].append(t)
         left[r] -= 1
-        clock[r] = t + d
+        clock[r] = free[r] = t + d
         version[r] += 1
         if left[r]:
             heapq.heappush(heap, (t + d, seq, r, version[r]))
@@ -515,6 +517,7 @@ def search(
     named: bool = True,
     verify: int = 3,
     time_budget: float = 40.0,
+    recompute: bool | None = None,
 ) -> AutoResult:
     """Search for the schedule with the shortest simulated makespan that fits ``memory_limit``.
 
@@ -531,6 +534,10 @@ def search(
         verify: how many of the best list-scheduled candidates to validate and
             simulate for real (the named ones always are).
         time_budget: seconds after which no further list-scheduler run starts.
+        recompute: also fit the best schedule found without a limit into the
+            limit with recompute and offload (:func:`zeropipe.fit.fit_memory`,
+            slow beyond a few hundred actions); ``None``: only when nothing
+            fits without them.
     """
     if ranks < 1 or microbatches < 1 or max_chunks < 1:
         raise ScheduleError(
@@ -587,12 +594,21 @@ def search(
         cand.makespan = cand.timeline.makespan
         cand.steady = cand.timeline.steady_bubble_rate
         scored.append(cand)
+    finite = any(math.isfinite(x) for x in limits)
+    if finite and (recompute or (recompute is None and not scored)):
+        try:
+            scored.append(
+                _fit(costs, ranks, microbatches, limits, max_chunks, policies, named, verify)
+            )
+        except ScheduleError:
+            if not scored:
+                raise  # fit_memory's error names the smallest limit that fits
     if not scored:
         raise ScheduleError(
             f"no schedule without recompute or offload fits a memory limit of "
             f"{_fmt_limits(limits)} per rank on {ranks} rank(s): each rank needs at least its "
             f"weights plus one microbatch's activations of all its stages "
-            f"({_least_memory(costs, ranks):g} here); raise the limit or add recompute",
+            f"({_least_memory(costs, ranks):g} here); raise the limit or allow recompute",
             rule="memory",
         )
     scored.sort(key=lambda c: (round(c.makespan, 9), round(c.steady, 9), c.source != "named"))
@@ -616,6 +632,33 @@ def search(
     )
     sched = best.schedule if best.source == "list" else _renamed(best.schedule, "auto")
     return AutoResult(sched, best.costs, tl, explanation, listed, seconds)
+
+
+def _fit(
+    costs: CostsLike,
+    ranks: int,
+    m: int,
+    limits: list[float],
+    max_chunks: int,
+    policies: Sequence[Policy] | None,
+    named: bool,
+    verify: int,
+) -> Candidate:
+    """The best schedule without a limit, made to fit ``limits`` by recompute and offload."""
+    from zeropipe.fit import fit_memory  # the memory passes; only needed here
+
+    free = search(
+        costs, ranks, m, None, max_chunks=max_chunks, policies=policies, named=named,
+        verify=verify, recompute=False,
+    )  # fmt: skip
+    fit = fit_memory(free.schedule, limits, free.costs)  # raises, naming what would fit
+    sched = _renamed(fit.schedule, "auto")
+    graph = validate(sched, memory_limit=limits, costs=free.costs)
+    tl = simulate(sched, free.costs, graph=graph)
+    actions = len(fit.recompute) + len(fit.offload)
+    how = free.explanation.split(";")[0].removeprefix("auto: ")
+    label = f"{how}, with {actions} recompute/offload pair(s) inserted by fit_memory"
+    return Candidate(label, "list", free.costs, tl.makespan, tl.steady_bubble_rate, tl, sched)
 
 
 def _renamed(schedule: Schedule, name: str) -> Schedule:

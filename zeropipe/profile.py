@@ -20,10 +20,10 @@ holds from I to W (``WeightGradStash.nbytes``); ``boundary_bytes`` = the
 stage's output.  The model's unit is ``"bytes"``; times are seconds.
 
 Point-to-point ``latency`` (seconds) and ``bandwidth`` (bytes/s) are measured
-by a ping-pong between ranks 0 and 1 of the process group only when
-torch.distributed is initialised with two or more processes (every rank must
-then call :func:`profile`); otherwise they stay 0 and infinite and
-``meta["comm"]`` says so.
+by a ping-pong (1 byte; 16 MiB or the largest boundary tensor) between ranks
+0 and 1 of the process group, only when torch.distributed is initialised with
+two or more processes (every rank must then call :func:`profile`); otherwise
+they stay 0 and infinite and ``meta["comm"]`` says so.
 
 The model is left as it was: gradients, RNG state, thread count and which
 linears were prepared for split backward are restored afterwards.
@@ -266,7 +266,8 @@ def _wire(
     if world < 2:
         return 0.0, float("inf"), "not measured: one process"
     rank = dist.get_rank(group)
-    big = int(max([c.boundary_bytes for c in costs] + [1 << 20]))
+    # Large enough that the bytes, not the per-message overhead, dominate its time.
+    big = int(max([c.boundary_bytes for c in costs] + [16 << 20]))
     small_t = torch.zeros(1, dtype=torch.uint8, device=device)
     big_t = torch.zeros(big, dtype=torch.uint8, device=device)
     peer0, peer1 = _global(group, 0), _global(group, 1)
@@ -288,7 +289,9 @@ def _wire(
     if rank == 0:
         latency = statistics.median(rtts[1]) / 2
         one_way = statistics.median(rtts[big]) / 2
-        bw = big / max(one_way - latency, 1e-12)
+        # When the payload's time drowns in the noise of the latency, what is left is
+        # a lower bound: the whole one-way time.
+        bw = big / max(one_way - latency, 0.05 * one_way)
         result = torch.tensor([latency, bw], dtype=torch.float64, device=device)
     dist.broadcast(result, peer0, group=group)
     return (

@@ -19,7 +19,8 @@ Three parts, each printing a table (``--part`` picks one; default: all)::
               auto, each cut by measured layer time for its stage count, costs
               profiled in the same two processes (wire included); median measured
               step time beside the simulator's prediction for the same schedule
-              and costs.  Goals: auto at least as fast as the best named schedule;
+              and costs, and pipeline efficiency = (the same work in one process)
+              / (2 x step time).  Goals: auto at least as fast as the best named schedule;
               prediction within 10% of the measurement for 1f1b, zbv and auto.
 
 CPU runs use one intra-op thread per rank (``--threads``).  On a machine
@@ -34,6 +35,7 @@ schedule order rotates) so that drift hits every schedule alike.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from typing import Any
@@ -167,6 +169,23 @@ def _worker(rank: int, world: int, cfg: dict[str, int]) -> dict[str, Any]:
         cut = balance(times, sched.num_stages)
         pipes[name] = Pipeline(split_layers(model, cut), sched, microbatches=m, loss_fn=loss_fn)
         predicted[name] = simulate(sched, stage_costs(layers, cut)).makespan
+    # The same work in one process (rank 1 idles meanwhile): the sequential baseline of
+    # pipeline efficiency, and a check that the two ranks really ran side by side.
+    sequential: list[float] = []
+    if rank == 0:
+        local = Pipeline(
+            split_layers(model, balance(times, world)),
+            schedules["1f1b"],
+            microbatches=m,
+            loss_fn=loss_fn,
+            executor="local",
+        )
+        for rep in range(cfg["warmup"] + cfg["steps"]):
+            t0 = time.perf_counter()
+            local.step(tokens, tokens)
+            if rep >= cfg["warmup"]:
+                sequential.append(time.perf_counter() - t0)
+    dist.barrier()
     measured: dict[str, list[float]] = {name: [] for name in pipes}
     names = list(pipes)
     for rep in range(cfg["warmup"] + cfg["steps"]):
@@ -179,6 +198,8 @@ def _worker(rank: int, world: int, cfg: dict[str, int]) -> dict[str, Any]:
             if rep >= cfg["warmup"]:
                 measured[name].append(time.perf_counter() - t0)
     return {
+        "sequential": statistics.median(sequential) if sequential else 0.0,
+        "load": os.getloadavg()[0],
         "measured": {k: statistics.median(v) for k, v in measured.items()},
         "predicted": predicted,
         "explanation": explanation,
@@ -209,14 +230,27 @@ def part_runtime(args: argparse.Namespace) -> None:
         f"bandwidth {out['bandwidth'] / 1e6:.0f} MB/s"
     )
     print(f"  {out['explanation']}")
+    seq = out["sequential"]
+    print(
+        f"  sequential (one process, same work): {1e3 * seq:.1f} ms; load average during the "
+        f"run {out['load']:.1f} on {os.cpu_count()} cores"
+    )
+    if out["load"] > (os.cpu_count() or 1) - 1:
+        print(
+            "  WARNING: the machine was busy; the two ranks did not have a core each, so "
+            "measured step times (and their ratio to the prediction) are not meaningful"
+        )
     named = {k: v for k, v in out["measured"].items() if k != "auto"}
     best = min(named, key=named.__getitem__)
-    print(f"  {'schedule':<17} {'v':>2} {'measured ms':>11} {'predicted ms':>12} {'pred/meas':>9}")
+    print(
+        f"  {'schedule':<17} {'v':>2} {'measured ms':>11} {'predicted ms':>12} {'pred/meas':>9} "
+        f"{'efficiency':>10}"
+    )
     for name in sorted(out["measured"], key=out["measured"].__getitem__):
         meas, pred = out["measured"][name], out["predicted"][name]
         print(
             f"  {name:<17} {out['chunks'][name]:>2} {1e3 * meas:>11.1f} {1e3 * pred:>12.1f} "
-            f"{pred / meas:>9.3f}"
+            f"{pred / meas:>9.3f} {seq / (2 * meas):>10.3f}"
         )
     auto = out["measured"]["auto"]
     print(f"  auto / best named ({best}): {auto / named[best]:.3f}")

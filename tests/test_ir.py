@@ -116,3 +116,29 @@ def test_format_grid_marks_cells_and_windows_long_schedules() -> None:
     assert ">0F30<" in grid
     assert "0F27" not in grid and "0F28" in grid and "0F32" in grid
     assert "steps 28..32 of 0..39" in grid
+
+
+def test_actions_survive_pickling_into_another_process() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import pickle, sys\n"
+        "from zeropipe.ir import Action, Kind\n"
+        "got = pickle.loads(sys.stdin.buffer.read())\n"
+        "table = {Action(Kind.F, 2, 0): 'f', Action(Kind.RELOAD, 1): 'w'}\n"
+        "print(table[got[0]], table[got[1]])\n"
+    )
+    import pickle
+
+    data = pickle.dumps([Action(Kind.F, 2, 0), Action(Kind.RELOAD, 1)])
+    for seed in ("1", "2"):
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            input=data,
+            capture_output=True,
+            timeout=60,
+            env={**__import__("os").environ, "PYTHONHASHSEED": seed},
+            check=True,
+        )
+        assert out.stdout.decode().split() == ["f", "w"]

@@ -62,6 +62,8 @@ class Kind(str, Enum):
     RECV_B = "RECV_B"
 
 
+_KIND_NUMBER = {k: n for n, k in enumerate(Kind)}
+
 COMPUTE_KINDS = frozenset({Kind.F, Kind.B, Kind.I, Kind.W, Kind.R})
 COPY_KINDS = frozenset({Kind.OFFLOAD, Kind.RELOAD})
 COMM_KINDS = frozenset({Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B})
@@ -91,7 +93,10 @@ class Action:
     def __post_init__(self) -> None:
         if not isinstance(self.kind, Kind):
             raise ScheduleError(f"action kind must be a zeropipe.Kind, got {self.kind!r}")
-        object.__setattr__(self, "_hash", hash((self.kind.value, self.stage, self.microbatch)))
+        # Integers only: str hashes (and None's, before Python 3.12) differ between
+        # processes, and a pickled Action carries its cached hash with it.
+        mb = -1 if self.microbatch is None else self.microbatch
+        object.__setattr__(self, "_hash", hash((_KIND_NUMBER[self.kind], self.stage, mb)))
         if self.stage < 0:
             raise ScheduleError(f"action stage must be >= 0, got {self.stage}")
         if self.microbatch is None:

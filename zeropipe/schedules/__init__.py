@@ -74,4 +74,12 @@ def generate(name: str, ranks: int, microbatches: int, chunks: int | None = None
 
 
 # Importing the generator modules registers them.
-from zeropipe.schedules import basic, dualpipev, interleaved, looped_bfs, zbv, zero_bubble  # noqa: E402,F401
+from zeropipe.schedules import (  # noqa: E402,F401
+    auto,
+    basic,
+    dualpipev,
+    interleaved,
+    looped_bfs,
+    zbv,
+    zero_bubble,
+)

@@ -48,6 +48,8 @@ def test_every_generator_stays_valid_under_every_pass() -> None:
             offload(checkpoint(s), prefetch=2),
             offload_weights(s),
             offload_weights(offload(checkpoint(s, ahead=1))),
+            # Inserted after weight copies: R/RELOAD stay inside their stage's residency.
+            offload(checkpoint(offload_weights(s), ahead=2), prefetch=2),
         ):
             validate(rewritten)
         validate(checkpoint(lower(s)))  # a lowered schedule comes back lowered

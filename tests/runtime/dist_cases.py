@@ -343,11 +343,21 @@ def _forward_error_case(rank: int, world: int) -> dict[str, Any]:
 
 
 def _stalled_peer_case(rank: int, world: int) -> dict[str, Any]:
-    """Stage 1 stalls (alive, silent) longer than the pipeline's timeout."""
+    """Stage 1 stalls (alive, silent) longer than the pipeline's timeout on step 2."""
     trap = _Trap("stall")
     stages = [nn.Linear(4, 4), trap, *[nn.Linear(4, 4) for _ in range(world - 2)]]
-    pipe = Pipeline(stages, "1f1b", microbatches=4, loss_fn=F.mse_loss, timeout=SHORT_TIMEOUT)
-    return _steps_until_failure(pipe, lambda: setattr(trap, "armed", True))
+    pipe = Pipeline(stages, "1f1b", microbatches=4, loss_fn=F.mse_loss, timeout=TIMEOUT)
+    transport = pipe.transport
+    assert isinstance(transport, DistributedTransport)
+
+    def arm() -> None:
+        # Start step 2 together, with the short timeout: on a busy host the ranks'
+        # skew from earlier cases would otherwise eat into it.
+        dist.barrier()
+        transport.timeout = SHORT_TIMEOUT
+        trap.armed = True
+
+    return _steps_until_failure(pipe, arm)
 
 
 def _fit_case(rank: int, world: int) -> list[str]:

@@ -28,7 +28,7 @@ also writes a dead or raising child's message to the store (FAILED_KEY).
 
 gloo's point-to-point works never report ``is_completed()`` and a timed-out
 ``wait(timeout)`` tears the connection down, so each pending receive or send
-is waited on by a helper thread and the caller polls that thread's event;
+is waited on by a (pooled) helper thread and the caller polls its event;
 collectives (``is_completed`` works for them) are polled directly.
 Collectives run only after a store barrier says every rank finished its
 schedule, because a collective a peer never joins cannot be cancelled.
@@ -40,9 +40,11 @@ order and ignores tags, which this protocol relies on (see the constructor).
 from __future__ import annotations
 
 import json
+import queue
 import re
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -148,25 +150,94 @@ def _decode(header: Tensor, action: Action) -> Meta:
     return tuple(meta)
 
 
+class _WaitPool:
+    """Daemon threads that block in ``Work.wait()`` for the polling thread, reused.
+
+    A job goes to an idle thread or, when none is idle, to a new one, so a wait
+    that completes late never delays another.  Reusing threads matters: starting
+    one per operation costs milliseconds of latency per transfer on a busy host.
+    Daemon threads, because one may stay blocked on a transfer that a failed
+    peer never completes.  Idle threads end after a while, and all of them on
+    :meth:`close` (the transport's finalizer, also run at interpreter exit): a
+    thread that has waited on a c10d work and is still alive when the process
+    exits makes it abort (torch 2.13).
+
+    Invariant: jobs queued + ``_idle`` == threads blocked in ``get``.
+    """
+
+    _IDLE_EXIT_S = 10.0
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0
+        self._threads: set[threading.Thread] = set()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        with self._lock:
+            if self._idle:
+                self._idle -= 1  # a thread blocked in get() takes this job
+                self._jobs.put(job)
+                return
+            thread = threading.Thread(
+                target=self._work, args=(job,), name="zeropipe-wait", daemon=True
+            )
+            self._threads.add(thread)
+        thread.start()
+
+    def _work(self, job: Callable[[], None] | None) -> None:
+        try:
+            while job is not None:
+                job()
+                # Drop the finished job (and the works it holds) before idling.
+                job = None
+                with self._lock:
+                    self._idle += 1
+                while job is None:
+                    try:
+                        job = self._jobs.get(timeout=self._IDLE_EXIT_S)
+                        break  # a job, or None from close()
+                    except queue.Empty:
+                        with self._lock:
+                            if self._idle:  # nothing is queued for this thread
+                                self._idle -= 1
+                                return
+        finally:
+            with self._lock:
+                self._threads.discard(threading.current_thread())
+
+    def close(self) -> None:
+        """End the idle threads now (busy ones end once their wait returns)."""
+        with self._lock:
+            count, self._idle = self._idle, 0
+            threads = list(self._threads)
+        for _ in range(count):
+            self._jobs.put(None)
+        deadline = time.monotonic() + 1.0
+        for thread in threads:
+            if thread is not threading.current_thread():  # a finalizer may run anywhere
+                thread.join(max(0.0, deadline - time.monotonic()))
+
+
 class _Pending:
     """Works in flight, waited on without blocking the caller past a poll slice.
 
-    ``threaded``: a helper thread calls ``wait()`` (gloo point-to-point, whose
-    works never report completion otherwise); else ``is_completed()`` is polled.
+    With a ``pool``, a pool thread calls ``wait()`` (gloo point-to-point works
+    never report completion otherwise); without, ``is_completed()`` is polled.
     ``labels`` say, per work, what it is and which peer it involves.
     """
 
     def __init__(
-        self, works: list[Any], labels: list[tuple[str, int | None]], threaded: bool
+        self, works: list[Any], labels: list[tuple[str, int | None]], pool: _WaitPool | None
     ) -> None:
         self.works, self.labels = works, labels
         self.error: BaseException | None = None
         self.at = 0  # index of the work being waited on
         self._pause = 5e-5
         self._done: threading.Event | None = None
-        if threaded and works:
+        if pool is not None and works:
             self._done = threading.Event()
-            threading.Thread(target=self._wait_all, name="zeropipe-wait", daemon=True).start()
+            pool.submit(self._wait_all)
 
     def _wait_all(self) -> None:
         try:
@@ -265,7 +336,8 @@ class DistributedTransport:
                 f"pass process_group=torch.distributed.new_group(backend='gloo') (NCCL "
                 f"point-to-point needs ordered, batched transfers, not implemented yet)"
             )
-        self._threaded = True  # gloo p2p works only complete through wait()
+        self._pool = _WaitPool()  # gloo p2p works only complete through wait()
+        weakref.finalize(self, self._pool.close)
         self._device = torch.device("cpu")
         self._global = [
             r if group is None else dist.get_global_rank(group, r) for r in range(self._world)
@@ -326,7 +398,7 @@ class DistributedTransport:
         for k, x in enumerate(payload):
             works.append(self._p2p(dist.isend, x, peer, self._tag(t, k + 1), what))
             labels.append((what, peer))
-        self._sends.append(_Sent(_Pending(works, labels, self._threaded), tuple(keep)))
+        self._sends.append(_Sent(_Pending(works, labels, self._pool), tuple(keep)))
 
     def post_recv(self, action: Action) -> None:
         self._usable()
@@ -340,7 +412,7 @@ class DistributedTransport:
             rec.header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self._device)
             what = f"{action} (its shape header) from rank {rec.peer}"
             work = self._p2p(dist.irecv, rec.header, rec.peer, self._tag(t, 0), what)
-            rec.header_pending = _Pending([work], [(what, rec.peer)], self._threaded)
+            rec.header_pending = _Pending([work], [(what, rec.peer)], self._pool)
         else:
             self._post_payload(rec, meta)
         self._recvs[action] = rec
@@ -387,7 +459,7 @@ class DistributedTransport:
             work = self._call(
                 partial(dist.all_reduce, flat, group=self._group, async_op=True), what
             )
-            self._await(_Pending([work], [(what, None)], threaded=False))
+            self._await(_Pending([work], [(what, None)], pool=None))
             offset = 0
             for g in gs:
                 g.copy_(flat[offset : offset + g.numel()].view_as(g))
@@ -408,7 +480,7 @@ class DistributedTransport:
         work = self._call(
             lambda: dist.broadcast(buf, src=src, group=self._group, async_op=True), what
         )
-        self._await(_Pending([work], [(what, owner)], threaded=False))
+        self._await(_Pending([work], [(what, owner)], pool=None))
         if self.rank == owner:
             assert loss is not None
             return loss
@@ -533,7 +605,7 @@ class DistributedTransport:
             self._p2p(dist.irecv, b, rec.peer, self._tag(t, k + 1), what)
             for k, b in enumerate(rec.buffers)
         ]
-        rec.payload = _Pending(works, [(what, rec.peer)] * len(works), self._threaded)
+        rec.payload = _Pending(works, [(what, rec.peer)] * len(works), self._pool)
 
     def _p2p(self, op: Callable[..., Any], tensor: Tensor, peer: int, tag: int, what: str) -> Any:
         return self._call(

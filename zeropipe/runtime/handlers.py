@@ -9,6 +9,8 @@ follows the dependency model in :mod:`zeropipe.deps`.
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -20,6 +22,7 @@ from zeropipe.autograd.split import WeightGradStash
 from zeropipe.deps import Dependencies
 from zeropipe.errors import PipelineError
 from zeropipe.ir import Action, Kind
+from zeropipe.runtime.input_first import backward_input_first
 from zeropipe.runtime.memory import MemoryManager, offload_action, recomputing, reload_action
 from zeropipe.runtime.stage import MicrobatchState, Stage, detach_for_stage
 from zeropipe.runtime.transport import Transport
@@ -72,6 +75,15 @@ class StepContext:
     losses: dict[int, Tensor] = field(default_factory=dict)  # unweighted, per microbatch
     outputs: dict[int, tuple[Tensor, ...]] = field(default_factory=dict)  # eval, last stage
     memory: MemoryManager | None = None  # saved-activation accounting, offload, weight homes
+    input_first: bool = True  # B: input gradient first, its send posted at once
+    waited: dict[Kind, float] = field(default_factory=dict)  # seconds blocked in RECV_F / RECV_B
+
+    def receive(self, action: Action) -> tuple[Tensor, ...]:
+        """Wait for a posted receive, counting the time blocked."""
+        start = time.perf_counter()
+        data = self.transport.wait_recv(action)
+        self.waited[action.kind] = self.waited.get(action.kind, 0.0) + time.perf_counter() - start
+        return data
 
     @property
     def last(self) -> int:
@@ -93,7 +105,7 @@ def _forward(ctx: StepContext, action: Action) -> None:
     elif not ctx.deps.crosses(s - 1, s):
         inputs = detach_for_stage(ctx.state(s - 1, i).outputs)
     else:
-        inputs = detach_for_stage(ctx.transport.wait_recv(Action(Kind.RECV_F, s, i)))
+        inputs = detach_for_stage(ctx.receive(Action(Kind.RECV_F, s, i)))
     if not ctx.training:
         inputs = tuple(t.detach() for t in inputs)
     state = MicrobatchState(inputs=inputs)
@@ -172,7 +184,7 @@ def _backward(ctx: StepContext, action: Action) -> None:
             downstream.input_grads = None
             _release(ctx, s + 1, i, done="")
         else:
-            incoming = ctx.transport.wait_recv(Action(Kind.RECV_B, s, i))
+            incoming = ctx.receive(Action(Kind.RECV_B, s, i))
         roots, grads = [], []
         differentiable = [t for t in state.outputs if _carries_grad(t)]
         if len(incoming) != len(differentiable):
@@ -188,6 +200,8 @@ def _backward(ctx: StepContext, action: Action) -> None:
         if state.stash is None:
             raise PipelineError(f"{action}: the forward was not recorded for split backward")
         state.stash.input_backward(roots, grads)
+    elif roots and ctx.input_first and s > 0 and ctx.deps.crosses(s - 1, s):
+        _full_backward_input_first(ctx, state, Action(Kind.SEND_B, s, i), roots, grads)
     elif roots:
         torch.autograd.backward(roots, grads)
     if s > 0:
@@ -201,6 +215,30 @@ def _backward(ctx: StepContext, action: Action) -> None:
     if ctx.memory is not None:
         ctx.memory.after_backward(s, i, state, action.kind)
     _release(ctx, s, i, done="W" if action.kind is Kind.B else "I")
+
+
+def _full_backward_input_first(
+    ctx: StepContext,
+    state: MicrobatchState,
+    send: Action,
+    roots: list[Tensor],
+    grads: list[Tensor | None],
+) -> None:
+    """B whose input gradient is computed first and sent from inside the backward.
+
+    The early send is posted only when the gradient hook runs on this thread
+    (CPU autograd); an accelerator's backward runs on the engine's device
+    thread, where communication must not be issued, and then SEND_B posts it.
+    """
+    me = threading.get_ident()
+    floats = [t for t in state.inputs if _carries_grad(t)]
+
+    def ready(input_grads: tuple[Tensor, ...]) -> None:
+        if threading.get_ident() == me and len(input_grads) == len(floats):
+            ctx.transport.send(send, input_grads)
+            state.sent_early = True
+
+    backward_input_first(roots, grads, floats, ready)
 
 
 def _weight(ctx: StepContext, action: Action) -> None:
@@ -228,6 +266,8 @@ def _send(ctx: StepContext, action: Action) -> None:
         tensors = state.input_grads
         state.input_grads = None
         _release(ctx, s, i, done="")
+        if state.sent_early:  # posted from inside B the moment it existed
+            return
     ctx.transport.send(action, tensors)
 
 

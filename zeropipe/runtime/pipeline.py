@@ -20,10 +20,12 @@ import torch
 from torch import Tensor, nn
 
 from zeropipe.autograd.split import prepare_split
+from zeropipe.costs import CostModel
 from zeropipe.deps import Dependencies, Graph
 from zeropipe.errors import PipelineError, ScheduleError
 from zeropipe.ir import Kind, Schedule
 from zeropipe.lower import lower
+from zeropipe.runtime.auto_plan import resolve_auto
 from zeropipe.runtime.executor import run_local, run_rank
 from zeropipe.runtime.handlers import BoundaryMeta, StepContext
 from zeropipe.runtime.memory import MemoryManager
@@ -62,6 +64,13 @@ class Pipeline:
         timeout: seconds a rank waits for a peer before failing (distributed).
         device: where the stages compute (default: where their parameters are).
             Needed when weight OFFLOAD/RELOAD keep the parameters on the host.
+        input_first: in a full backward B, produce the stage-input gradient
+            before parameter-only work (backward priority) and post its send
+            from inside the backward.
+        costs, sample, memory_limit: for ``schedule="auto"``: search under
+            ``costs``, or profile the model on one microbatch of
+            ``sample=(inputs, target)``; ``memory_limit`` per rank (units of
+            the cost model).
     """
 
     def __init__(
@@ -79,12 +88,35 @@ class Pipeline:
         process_group: object | None = None,
         timeout: float = 300.0,
         device: torch.device | str | None = None,
+        input_first: bool = True,
+        costs: CostModel | None = None,
+        sample: tuple[Tensor | Sequence[Tensor], Tensor | None] | None = None,
+        memory_limit: float | None = None,
     ) -> None:
         self.loss_fn = loss_fn
         self.seed = seed
+        self.input_first = input_first
         self._step = 0
         self._batch: int | None = None
         self.distributed, self.rank, world = _executor(executor, process_group)
+        self.explanation = ""
+        if schedule == "auto":
+            if microbatches is None:
+                raise PipelineError("Pipeline(..., 'auto') needs microbatches=")
+            count = ranks or (world if world > 1 else None)
+            if count is None:
+                raise PipelineError("Pipeline(..., 'auto') needs ranks= (or a distributed launch)")
+            schedule, planned, self.explanation = resolve_auto(
+                stages,
+                count,
+                microbatches,
+                costs=costs,
+                sample=sample,
+                loss_fn=loss_fn,
+                memory_limit=memory_limit,
+                distributed=self.distributed,
+            )
+            balance = balance if balance is not None else planned
         compute = _resolve_schedule(schedule, stages, microbatches, ranks, chunks, world)
         if self.distributed and compute.num_ranks != world:
             raise PipelineError(
@@ -108,6 +140,8 @@ class Pipeline:
             else LocalTransport()
         )
         self.last_events: list[list[Event]] = []
+        # Seconds this process blocked in RECV_F / RECV_B during the last step.
+        self.last_waits: dict[Kind, float] = {}
         # Saved-activation accounting, activation/weight offload: one per pipeline.
         self.memory = MemoryManager(
             self.schedule,
@@ -209,6 +243,7 @@ class Pipeline:
             loss_fn=self.loss_fn,
             device=self.memory.step_device(),
             memory=self.memory,
+            input_first=self.input_first,
         )
         if training:
             self.memory.begin_step(micro_inputs, targets)
@@ -223,6 +258,7 @@ class Pipeline:
                     graph = self.graph if training else Graph(schedule, deps)
                     self.last_events = run_local(ctx, graph)
                 self.transport.finish_step()
+                self.last_waits = dict(ctx.waited)
                 self.memory.end_step(publish=training)
         finally:
             for stage in self.stages.values():

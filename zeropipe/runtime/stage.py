@@ -51,6 +51,7 @@ class MicrobatchState:
     stash: WeightGradStash | None = None
     saved: SavedActivations | None = None  # None after a checkpointed F, or after the backward
     input_grads: tuple[Tensor, ...] | None = None
+    sent_early: bool = False  # SEND_B already posted from inside B
     seen: set[str] = field(default_factory=set)
 
 

@@ -1,0 +1,79 @@
+"""Input-first full backward: same gradients, input gradient sent from inside B, before param-only work."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from tests.gradcheck import assert_same_gradients, batch_for, mlp, reference
+from zeropipe.autograd.priority import record_backward_order
+from zeropipe.ir import Kind
+from zeropipe.runtime.input_first import backward_input_first
+from zeropipe.runtime.pipeline import Pipeline
+from zeropipe.runtime.transport import LocalTransport
+
+
+class SideBranch(nn.Module):
+    """Output = lin(x) + scale.exp().sum(): the exp branch feeds only a parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.scale = nn.Parameter(torch.randn(64))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.lin(x) + self.scale.exp().sum()
+
+
+def test_input_gradient_is_ready_before_parameter_only_work() -> None:
+    torch.manual_seed(0)
+    mod = SideBranch()
+    x = torch.randn(4, 8, requires_grad=True)
+    seen: list[str] = []
+
+    def ready(grads: tuple[Tensor, ...]) -> None:
+        seen.append("input ready")
+        assert grads[0] is x.grad
+
+    out = mod(x)
+    with record_backward_order(out) as order:
+        fired = backward_input_first([out], [torch.ones_like(out)], [x], ready)
+    assert fired and seen == ["input ready"]
+    names = [e.name for e in order.events]
+    # the exp branch (parameter-only) now runs after the input's AddmmBackward
+    assert names.index("ExpBackward0") > names.index("AddmmBackward0"), names
+
+
+def test_pipeline_gradients_equal_and_sends_posted_early() -> None:
+    model = mlp()
+    x, y = batch_for(model, batch=8)
+    _, ref = reference(model, x, y, F.mse_loss, 4)
+    sent_during_backward: list[str] = []
+
+    class Spy(LocalTransport):
+        def send(self, action, tensors):  # type: ignore[no-untyped-def]
+            if action.kind is Kind.SEND_B and _in_backward():
+                sent_during_backward.append(str(action))
+            super().send(action, tensors)
+
+    pipe = Pipeline(model, "1f1b", microbatches=4, loss_fn=F.mse_loss, ranks=2)
+    pipe.transport = Spy()
+    pipe.step(x, y)
+    assert_same_gradients(model.named_parameters(), ref)
+    assert sorted(sent_during_backward) == [f"1SEND_B{i}" for i in range(4)]
+    assert Kind.RECV_B in pipe.last_waits
+
+    model.zero_grad(set_to_none=True)
+    sent_during_backward.clear()
+    off = Pipeline(model, "1f1b", microbatches=4, loss_fn=F.mse_loss, ranks=2, input_first=False)
+    off.transport = Spy()
+    off.step(x, y)
+    assert_same_gradients(model.named_parameters(), ref)
+    assert sent_during_backward == []
+
+
+def _in_backward() -> bool:
+    import inspect
+
+    return any(f.function == "backward_input_first" for f in inspect.stack())

@@ -67,6 +67,8 @@ def test_loss_falls_on_the_default_model(tmp_path: Path) -> None:
         (["--schedule", "dualpipev", "--microbatches", "2"], "use microbatches >= 3"),
         (["--ranks", "9"], "use fewer ranks or more --layers"),
         (["--batch-size", "4"], "raise the batch size"),
+        (["--memory-limit", "0.1"], "raise it to at least 0.5"),
+        (["--recompute", "7"], "stage(s) [7] do not exist"),
     ],
 )
 def test_bad_flags_are_one_line_errors(
@@ -80,3 +82,28 @@ def test_bad_flags_are_one_line_errors(
 def test_resume_without_a_checkpoint_says_so(tmp_path: Path) -> None:
     with pytest.raises(ZeropipeError, match="no checkpoint to resume from"):
         train(TrainConfig(**SMALL, ranks=1, steps=2, out=str(tmp_path), resume=True))
+
+
+def test_memory_flags_change_the_peak_not_the_losses(tmp_path: Path) -> None:
+    plain = train(TrainConfig(**SMALL, ranks=1, schedule="1f1b", steps=2, out=str(tmp_path / "a")))
+    lean = train(
+        TrainConfig(
+            **SMALL,
+            ranks=1,
+            schedule="1f1b",
+            steps=2,
+            out=str(tmp_path / "b"),
+            recompute="all",
+            offload="all",
+        )
+    )
+    assert plain["final_train_loss"] == lean["final_train_loss"]
+    peaks = [
+        json.loads(line)["peak_saved_bytes"]
+        for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()
+    ]
+    full = [
+        json.loads(line)["peak_saved_bytes"]
+        for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert max(peaks) < max(full)

@@ -25,6 +25,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,9 +33,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zeropipe import checkpoint
+from zeropipe import checkpoint, fit
 from zeropipe.data import Corpus
 from zeropipe.errors import PipelineError, ZeropipeError
+from zeropipe.ir import Schedule
 from zeropipe.models.gpt import GPTConfig, gpt, lm_loss
 from zeropipe.runtime.pipeline import Pipeline
 from zeropipe.schedules import GENERATORS, generate
@@ -100,17 +102,51 @@ class TrainConfig:
             )
         if self.device != "cpu" and not torch.device(self.device).type:
             raise ZeropipeError(f"unknown --device {self.device!r}")
-        for flag in ("recompute", "offload", "memory_limit"):
-            if getattr(self, flag) is not None:
-                self._check_memory_flag(flag)
+        self.build_schedule()
 
-    def _check_memory_flag(self, flag: str) -> None:
-        try:
-            import zeropipe.fit  # noqa: F401
-        except ImportError:
-            raise ZeropipeError(
-                f"--{flag.replace('_', '-')} needs zeropipe.fit, which this build lacks"
-            ) from None
+    def build_schedule(self) -> Schedule:
+        """The schedule to train with: the generator's, plus the memory actions asked for.
+
+        ``--recompute`` / ``--offload`` checkpoint / offload the named stages
+        ('all' or indices); ``--memory-limit`` (microbatch units per rank) lets
+        :func:`zeropipe.fit.fit_memory` choose, and fails in one line naming
+        the smallest limit that would fit.
+        """
+        schedule = generate(self.schedule, self.ranks, self.microbatches)
+        if self.recompute is not None:
+            schedule = fit.checkpoint(
+                schedule, _stage_choice(self.recompute, schedule, "--recompute")
+            )
+        if self.offload is not None:
+            schedule = fit.offload(schedule, _stage_choice(self.offload, schedule, "--offload"))
+        if self.memory_limit is not None:
+            try:
+                schedule = fit.fit_memory(schedule, self.memory_limit).schedule
+            except fit.LimitTooLow as exc:
+                raise ZeropipeError(
+                    f"--memory-limit {self.memory_limit:g} is too small for {self.schedule} on "
+                    f"{self.ranks} ranks: raise it to at least {max(exc.smallest):g} "
+                    f"(microbatches of activations per rank)"
+                ) from None
+        return schedule
+
+
+def _stage_choice(spec: str, schedule: Schedule, flag: str) -> Callable[[int, int], bool] | None:
+    """'all' or '0,2': which stages a memory flag applies to."""
+    if spec.strip() == "all":
+        return None
+    try:
+        chosen = {int(t) for t in spec.split(",") if t.strip()}
+    except ValueError:
+        raise ZeropipeError(
+            f"{flag} takes 'all' or stage indices like '0,1', got {spec!r}"
+        ) from None
+    bad = sorted(s for s in chosen if not 0 <= s < schedule.num_stages)
+    if bad:
+        raise ZeropipeError(
+            f"{flag}: stage(s) {bad} do not exist; this schedule has stages 0..{schedule.num_stages - 1}"
+        )
+    return lambda stage, mb: stage in chosen
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
@@ -155,7 +191,7 @@ def run_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
         dropout=cfg.dropout,
     )
     model = gpt(model_cfg, seed=cfg.seed).to(cfg.device)
-    schedule = generate(cfg.schedule, cfg.ranks, cfg.microbatches)
+    schedule = cfg.build_schedule()
     pipe = Pipeline(
         model,
         schedule,

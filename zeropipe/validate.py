@@ -261,7 +261,7 @@ def _check_memory(
                 schedule,
                 f"rank {r} holds {peak:g} {costs.unit}(s) of memory at step {step} "
                 f"({schedule.actions[r][step]}), over the limit of {cap:g}; recompute or "
-                f"offload (zeropipe.lower.fit_memory) or raise the limit",
+                f"offload (zeropipe.fit.fit_memory) or raise the limit",
                 "memory",
                 [(r, max(step, 0))],
             )

@@ -85,7 +85,7 @@ def test_resume_without_a_checkpoint_says_so(tmp_path: Path) -> None:
 
 
 def test_memory_flags_change_the_peak_not_the_losses(tmp_path: Path) -> None:
-    plain = train(TrainConfig(**SMALL, ranks=1, schedule="1f1b", steps=2, out=str(tmp_path / "a")))
+    plain = train(TrainConfig(**SMALL, ranks=1, schedule="gpipe", steps=2, out=str(tmp_path / "a")))
     lean = train(
         TrainConfig(
             **SMALL,

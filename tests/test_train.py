@@ -90,7 +90,7 @@ def test_memory_flags_change_the_peak_not_the_losses(tmp_path: Path) -> None:
         TrainConfig(
             **SMALL,
             ranks=1,
-            schedule="1f1b",
+            schedule="gpipe",
             steps=2,
             out=str(tmp_path / "b"),
             recompute="all",

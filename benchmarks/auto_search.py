@@ -46,7 +46,7 @@ from torch import nn
 from zeropipe.balance import balance, layer_costs, split_layers, stage_costs
 from zeropipe.costs import CostModel
 from zeropipe.ir import Kind, Schedule
-from zeropipe.profile import profile
+from zeropipe.profiling import profile
 from zeropipe.schedules import GENERATORS
 from zeropipe.schedules.auto import search
 from zeropipe.simulate import simulate

@@ -22,7 +22,7 @@ from zeropipe.errors import ScheduleError
 from zeropipe.ir import Kind
 from zeropipe.models import GPTConfig, gpt
 from zeropipe.models.gpt import lm_loss
-from zeropipe.profile import profile
+from zeropipe.profiling import profile
 from zeropipe.validate import validate
 
 

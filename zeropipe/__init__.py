@@ -35,6 +35,7 @@ __all__ = [
     "is_recomputing",
     "launch",
     "lower",
+    "profile",
     "simulate",
     "validate",
 ]
@@ -47,6 +48,7 @@ _LAZY = {
     "launch": "zeropipe.runtime.launch",
     "init_from_env": "zeropipe.runtime.launch",
     "is_recomputing": "zeropipe.runtime.memory",
+    "profile": "zeropipe.profiling",
 }
 
 

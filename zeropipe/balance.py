@@ -159,7 +159,7 @@ def stage_costs(layers: CostModel, cut: Sequence[int]) -> CostModel:
     """Per-layer costs summed into stages (times, memory; a stage's boundary is its last layer's).
 
     Summing ignores what fusing layers into one stage would save or cost; profile
-    the cut stages themselves (:func:`zeropipe.profile.profile`) for the exact figures.
+    the cut stages themselves (:func:`zeropipe.profile`) for the exact figures.
     """
     if sum(cut) != len(layers.stages) or min(cut, default=0) < 1:
         raise ScheduleError(
@@ -200,8 +200,8 @@ def layer_costs(
     loss_fn: Callable[..., Tensor] | None = None,
     **options: Any,
 ) -> CostModel:
-    """Profile every layer of ``model`` as its own stage (see :func:`zeropipe.profile.profile`)."""
-    from zeropipe.profile import profile
+    """Profile every layer of ``model`` as its own stage (see :func:`zeropipe.profile`)."""
+    from zeropipe.profiling import profile
 
     return profile(list(model.children()), sample, target=target, loss_fn=loss_fn, **options)
 
@@ -255,7 +255,7 @@ def plan(
     into ``ranks * v`` stages by measured forward + backward time and the
     stages' costs are the sums of their layers'.  ``layers`` skips the
     profiling (per-layer costs measured before); ``memory_limit`` is in bytes
-    of activations per rank; ``options`` go to :func:`zeropipe.profile.profile`.
+    of activations per rank; ``options`` go to :func:`zeropipe.profile`.
     The runtime's ``schedule="auto"`` without costs calls this.
     """
     from zeropipe.schedules.auto import search

@@ -376,7 +376,7 @@ def _run_profile(args: argparse.Namespace) -> int:
     from zeropipe.ir import Kind
     from zeropipe.models import GPTConfig, gpt, mlp_blocks
     from zeropipe.models.gpt import lm_loss
-    from zeropipe.profile import profile
+    from zeropipe.profiling import profile
 
     gen = torch.Generator().manual_seed(0)
     target: Any = None

@@ -106,7 +106,9 @@ def _grad_case(rank: int, world: int, name: str, model_name: str, m: int) -> dic
     build, loss_fn = MODELS[model_name]
     model = build()
     x, y = batch_for(model, batch=2 * m + 1)
-    pipe = Pipeline(model, name, microbatches=m, loss_fn=loss_fn, seed=3, timeout=TIMEOUT)
+    # auto profiles the model on the batch when given no costs (rank 0 plans for all)
+    extra: dict[str, Any] = {"sample": (x, y)} if name == "auto" else {}
+    pipe = Pipeline(model, name, microbatches=m, loss_fn=loss_fn, seed=3, timeout=TIMEOUT, **extra)
     steps = []
     for _ in range(steps_for(world, m)):
         model.zero_grad(set_to_none=True)

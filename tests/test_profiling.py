@@ -12,7 +12,7 @@ from torch import nn
 from zeropipe import cli
 from zeropipe.costs import CostModel
 from zeropipe.ir import Kind
-from zeropipe.profile import profile
+from zeropipe.profiling import profile
 from zeropipe.runtime.launch import launch
 from zeropipe.schedules import generate
 from zeropipe.simulate import simulate

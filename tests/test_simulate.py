@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -89,7 +90,7 @@ def test_simulated_timelines_respect_every_dependency(schedule: Schedule) -> Non
         end = {e.action: e.end for evs in t.events for e in evs}
         for evs in t.events:
             compute = [e for e in evs if e.lane == "compute"]
-            for a, b in zip(compute, compute[1:], strict=False):
+            for a, b in itertools.pairwise(compute):
                 assert b.start >= a.end - 1e-12  # one compute at a time
         assert (
             t.makespan

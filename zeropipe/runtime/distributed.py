@@ -66,6 +66,8 @@ __all__ = ["FAILED_KEY", "DistributedTransport", "failure_origin"]
 _HEADER_LEN = 64
 # Tags per transfer: the header, then one per tensor of the tuple.
 _SLOTS = 32
+# Tags start high: plain send/recv elsewhere (a profiler, user code) use small ones.
+_TAG_BASE = 1 << 24
 _MAX_TAG = 2**31 - 1
 # How often a waiting rank looks at the store for a peer's failure (seconds).
 _CHECK_EVERY = 0.02
@@ -595,7 +597,7 @@ class DistributedTransport:
         return t
 
     def _tag(self, transfer: int, slot: int) -> int:
-        return self._tag0 + transfer * _SLOTS + slot
+        return _TAG_BASE + self._tag0 + transfer * _SLOTS + slot
 
     def _post_payload(self, rec: _Recv, meta: Meta) -> None:
         t = self._transfer_of(rec.action)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import os
 import signal
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -143,16 +144,41 @@ def same_seed_local(ranks: int) -> dict[str, Any]:
 
 
 def _shared_accumulation(rank: int, world: int) -> dict[str, Any]:
-    """Two steps without zero_grad: tied gradients must accumulate like two backward calls."""
-    model = token_model()
+    """Two steps without zero_grad: tied gradients must accumulate like two backward calls.
+
+    Under 1f1b every rank at the ends owns the tied weight; under zbv both tied
+    stages sit on rank 0 and the other ranks own none of it.
+    """
+    diffs = {}
+    for name in ("1f1b", "zbv"):
+        model = token_model()
+        x, y = batch_for(model, batch=8)
+        ref = reference(model, x, y, token_loss, 4)[1]
+        pipe = Pipeline(model, name, microbatches=4, loss_fn=token_loss, timeout=TIMEOUT)
+        pipe.step(x, y)
+        pipe.step(x, y)
+        if 0 in pipe.stages:
+            got = model.get_parameter("0.weight").grad
+            assert got is not None
+            diffs[name] = (got - 2 * ref["0.weight"]).abs().max().item()
+    return {"diff": max(diffs.values(), default=0.0), "checked": sorted(diffs)}
+
+
+def _auto_profiled(rank: int, world: int) -> dict[str, Any]:
+    """schedule='auto' without costs: every rank profiles, rank 0's plan is used."""
+    model = mlp()
     x, y = batch_for(model, batch=8)
-    ref = reference(model, x, y, token_loss, 4)[1]
-    pipe = Pipeline(model, "1f1b", microbatches=4, loss_fn=token_loss, timeout=TIMEOUT)
-    pipe.step(x, y)
-    pipe.step(x, y)
-    got = model.get_parameter("0.weight").grad
-    assert got is not None
-    return {"diff": (got - 2 * ref["0.weight"]).abs().max().item()}
+    ref_loss, ref = reference(model, x, y, F.mse_loss, 2)
+    pipe = Pipeline(
+        model, "auto", microbatches=2, loss_fn=F.mse_loss, sample=(x, y), timeout=TIMEOUT
+    )
+    loss = pipe.step(x, y)
+    grads = _owned_grads(model)
+    return {
+        "loss_diff": abs(loss.item() - ref_loss.item()),
+        "grad_diff": max((g - ref[n]).abs().max().item() for n, g in grads.items()),
+        "schedule": pipe.schedule.to_text(),
+    }
 
 
 def _eval_and_rebatch(rank: int, world: int) -> dict[str, Any]:
@@ -409,6 +435,7 @@ def main_cases(rank: int, world: int) -> dict[str, Any]:
     out["tuple"] = _guard(lambda: _tuple_case(rank, world))
     out["eval_rebatch"] = _guard(lambda: _eval_and_rebatch(rank, world))
     out["shared_accumulation"] = _guard(lambda: _shared_accumulation(rank, world))
+    out["auto_profiled"] = _guard(lambda: _auto_profiled(rank, world))
     out["healthy_seconds"] = time.monotonic() - start
     # Each failure poisons only its own pipeline (own store keys and tags).
     out["transport"] = _guard(lambda: _transport_case(rank, world))
@@ -480,7 +507,10 @@ def _torchrun_main() -> None:
     loss = pipe.step(x, y)
     worst = assert_same_gradients(model.named_parameters(), ref, only_owned=True)
     assert abs(loss.item() - ref_loss.item()) <= 1e-10, (loss.item(), ref_loss.item())
-    print(f"rank {rank}/{world} ok worst={worst:.3g} loss={loss.item():.17g}", flush=True)
+    sys.stdout.write(
+        f"rank {rank}/{world} ok worst={worst:.3g} loss={loss.item():.17g}\n"
+    )  # one write: no interleaving mid-line
+    sys.stdout.flush()
     dist.destroy_process_group()
 
 

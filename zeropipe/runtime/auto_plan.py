@@ -6,7 +6,8 @@ profiled layer by layer on one microbatch of ``sample``, balanced into stages
 for each candidate chunk count, and searched
 (:func:`zeropipe.balance.plan`).  Profiles differ slightly between
 processes, so in a distributed pipeline rank 0 plans and broadcasts the
-schedule as *text* (Actions are not sent as pickles) with the balance.
+schedule as *text* with the balance (every rank still profiles: measuring the
+wire between ranks 0 and 1 needs both).
 """
 
 from __future__ import annotations
@@ -54,9 +55,9 @@ def resolve_auto(
         )
     import torch.distributed as dist
 
-    message: list[object] = [None]
-    if not distributed or dist.get_rank() == 0:
-        message[0] = _plan(stages, ranks, microbatches, sample, loss_fn, memory_limit)
+    # Every rank profiles (the wire measurement between ranks 0 and 1 is
+    # collective), but only rank 0's plan is used, so all ranks agree.
+    message: list[object] = [_plan(stages, ranks, microbatches, sample, loss_fn, memory_limit)]
     if distributed:
         dist.broadcast_object_list(message, src=0)
     text, balance, why = cast(tuple[str, list[int], str], message[0])

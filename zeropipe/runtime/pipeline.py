@@ -245,6 +245,7 @@ class Pipeline:
             memory=self.memory,
             input_first=self.input_first,
         )
+        earlier = self._set_aside_shared() if training else {}
         if training:
             self.memory.begin_step(micro_inputs, targets)
         try:
@@ -265,7 +266,7 @@ class Pipeline:
                 stage.state.clear()
         if training:
             self._step += 1
-            self._reduce_shared()
+            self._reduce_shared(earlier)
         last_rank = schedule.placement[-1]
         owns_last = schedule.num_stages - 1 in self.stages
         if target is None:
@@ -279,7 +280,23 @@ class Pipeline:
             loss = sum((ctx.losses[i] * ctx.weights[i] for i in range(m)), torch.zeros(()))
         return self.transport.share_loss(loss, last_rank)
 
-    def _reduce_shared(self) -> None:
+    def _set_aside_shared(self) -> dict[int, Tensor]:
+        """Take shared parameters' gradients from earlier steps off them.
+
+        The all-reduce after the step must sum only this step's contributions;
+        what ``.grad`` already held (steps accumulated without ``zero_grad``)
+        is added back afterwards, once.
+        """
+        if not self.shared or not self.distributed:
+            return {}
+        earlier = {}
+        for p in self.shared:
+            if p.grad is not None:
+                earlier[id(p)] = p.grad
+                p.grad = None
+        return earlier
+
+    def _reduce_shared(self, earlier: dict[int, Tensor]) -> None:
         if not self.shared or not self.distributed:
             return
         # Every rank holds the whole model, but only ranks running a stage that
@@ -296,6 +313,10 @@ class Pipeline:
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad)
         self.transport.reduce_shared(grads)
+        for p in self.shared:
+            before = earlier.get(id(p))
+            if before is not None and id(p) in owned and p.grad is not None:
+                p.grad = before.add_(p.grad)
 
 
 def _executor(executor: str, group: object | None) -> tuple[bool, int, int]:

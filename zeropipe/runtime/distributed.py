@@ -304,7 +304,8 @@ class _Recv:
 
 @dataclass
 class _Sent:
-    pending: _Pending
+    works: list[Any]
+    labels: list[tuple[str, int | None]]
     keep: tuple[Tensor, ...]  # alive until the sends complete
 
 
@@ -400,7 +401,9 @@ class DistributedTransport:
         for k, x in enumerate(payload):
             works.append(self._p2p(dist.isend, x, peer, self._tag(t, k + 1), what))
             labels.append((what, peer))
-        self._sends.append(_Sent(_Pending(works, labels, self._pool), tuple(keep)))
+        # Not waited on here: handing each send to a waiter thread costs more
+        # than the send; all of a step's sends are awaited together in finish_step.
+        self._sends.append(_Sent(works, labels, tuple(keep)))
 
     def post_recv(self, action: Action) -> None:
         self._usable()
@@ -442,8 +445,10 @@ class DistributedTransport:
                 f"rank {self.rank}: step ended with receives never consumed: {left}"
             )
         sends, self._sends = self._sends, []
-        for sent in sends:
-            self._await(sent.pending)
+        if sends:
+            works = [w for sent in sends for w in sent.works]
+            labels = [lab for sent in sends for lab in sent.labels]
+            self._await(_Pending(works, labels, self._pool))
         self._barrier()
 
     def reset(self) -> None:

@@ -132,8 +132,9 @@ def _run_forward(
     stage = ctx.stages[s]
     if ctx.memory is not None:
         ctx.memory.before_compute(s)
-    split = grad and ctx.deps.split(s, i)
-    stash = WeightGradStash(stage=s, microbatch=i) if split else None
+    # Every forward with grad records for split backward: I and W use it, and so
+    # does B, which runs as I, the input gradient's send, then W (see _backward).
+    stash = WeightGradStash(stage=s, microbatch=i) if grad else None
     saved = ctx.memory.saving(s, i) if grad and ctx.memory is not None else None
     last = s == ctx.last and ctx.targets is not None
     with (
@@ -196,14 +197,24 @@ def _backward(ctx: StepContext, action: Action) -> None:
             if g is not None and out.requires_grad:
                 roots.append(out)
                 grads.append(g)
-    if action.kind is Kind.I:
-        if state.stash is None:
-            raise PipelineError(f"{action}: the forward was not recorded for split backward")
-        state.stash.input_backward(roots, grads)
-    elif roots and ctx.input_first and s > 0 and ctx.deps.crosses(s - 1, s):
-        _full_backward_input_first(ctx, state, Action(Kind.SEND_B, s, i), roots, grads)
-    elif roots:
-        torch.autograd.backward(roots, grads)
+    if state.stash is None:
+        raise PipelineError(f"{action}: the forward was not recorded for backward")
+    send = Action(Kind.SEND_B, s, i)
+    early = action.kind is Kind.B and s > 0 and ctx.deps.crosses(s - 1, s)
+    if roots:
+        if ctx.input_first and early:
+            _input_backward_first(ctx, state, send, roots, grads)
+        else:
+            state.stash.input_backward(roots, grads)
+    if not roots:  # no gradient reached this stage's outputs: nothing to defer
+        state.stash.clear()
+        state.stash = None
+    elif action.kind is Kind.B:
+        # B = I + W in one action: the input gradient exists (and is on its way
+        # upstream) before any weight gradient is computed, and W adds into
+        # .grad in one fused step, cheaper than autograd's compute-then-add.
+        state.stash.weight_backward()
+        state.stash = None
     if s > 0:
         # An input the stage ignored has no gradient; upstream still expects one.
         state.input_grads = tuple(
@@ -217,14 +228,14 @@ def _backward(ctx: StepContext, action: Action) -> None:
     _release(ctx, s, i, done="W" if action.kind is Kind.B else "I")
 
 
-def _full_backward_input_first(
+def _input_backward_first(
     ctx: StepContext,
     state: MicrobatchState,
     send: Action,
     roots: list[Tensor],
     grads: list[Tensor | None],
 ) -> None:
-    """B whose input gradient is computed first and sent from inside the backward.
+    """I of a B whose input gradient goes upstream: marked first, and sent from inside.
 
     The early send is posted only when the gradient hook runs on this thread
     (CPU autograd); an accelerator's backward runs on the engine's device
@@ -232,23 +243,26 @@ def _full_backward_input_first(
     """
     me = threading.get_ident()
     floats = [t for t in state.inputs if _carries_grad(t)]
+    stash = state.stash
+    assert stash is not None  # checked by the caller
 
     def ready(input_grads: tuple[Tensor, ...]) -> None:
         if threading.get_ident() == me and len(input_grads) == len(floats):
             ctx.transport.send(send, input_grads)
             state.sent_early = True
 
-    backward_input_first(roots, grads, floats, ready)
+    backward_input_first(roots, grads, floats, ready, run=stash.input_backward)
 
 
 def _weight(ctx: StepContext, action: Action) -> None:
     s, i = action.stage, _mb(action)
     state = ctx.state(s, i)
-    if state.stash is None:
+    if state.stash is None and "I" not in state.seen:
         raise PipelineError(f"{action}: no deferred weight gradients (was the forward split?)")
     if ctx.memory is not None:
         ctx.memory.before_compute(s)
-    state.stash.weight_backward()
+    if state.stash is not None:  # None: its I had no gradient to propagate
+        state.stash.weight_backward()
     state.stash = None
     if ctx.memory is not None:
         ctx.memory.after_backward(s, i, state, action.kind)

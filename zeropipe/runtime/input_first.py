@@ -36,11 +36,14 @@ def backward_input_first(
     on_ready: Callable[[tuple[Tensor, ...]], None],
     *,
     prioritized: bool = True,
+    run: Callable[[list[Tensor], list[Tensor | None]], None] | None = None,
 ) -> bool:
     """Backward of ``roots``; ``on_ready(input grads)`` as soon as they all exist.
 
     Returns whether ``on_ready`` was called (it is not when some input gets no
     gradient at all; the caller then sends zeros itself after backward).
+    ``run(roots, grads)`` is the backward to run (default: plain autograd; the
+    runtime passes a split stash's input backward).
     """
     leaves = [t for t in inputs if t.requires_grad and t.grad_fn is None]
     if not roots:
@@ -59,7 +62,7 @@ def backward_input_first(
 
     handles = [t.register_post_accumulate_grad_hook(hook) for t in leaves]
     try:
-        torch.autograd.backward(list(roots), list(grads))
+        (run or torch.autograd.backward)(list(roots), list(grads))
     finally:
         for h in handles:
             h.remove()

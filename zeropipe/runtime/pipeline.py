@@ -129,9 +129,8 @@ class Pipeline:
         self.deps: Dependencies = self.graph.deps
         mine = self.schedule.stages_of(self.rank) if self.distributed else range(compute.num_stages)
         self.stages = {s: self.all_stages[s] for s in mine}
-        for s, stage in self.stages.items():
-            if any(self.deps.split(s, i) for i in range(compute.microbatches)):
-                prepare_split(stage.module)
+        for stage in self.stages.values():  # every backward runs through the split stash
+            prepare_split(stage.module)
         self.shared = _shared_parameters(self.all_stages)
         self.boundary = BoundaryMeta()
         self.transport: Transport = (

@@ -11,6 +11,7 @@ import copy
 import pickle
 import random
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -270,12 +271,19 @@ def test_forward_and_backward_of_branches_overlap() -> None:
 
 def test_exception_in_forward_names_the_branch(pool: BranchPool) -> None:
     finished: list[int] = []
+    started = threading.Event()
 
+    # The failing branch fails only once the healthy one is running, so the
+    # documented rule applies deterministically: a running branch finishes
+    # (one not yet started would be skipped).
     def ok(x: Tensor) -> Tensor:
+        started.set()
+        time.sleep(0.05)
         finished.append(1)
         return x * 2
 
     def bad(x: Tensor) -> Tensor:
+        started.wait(5)
         raise ValueError("expert exploded")
 
     x = torch.randn(3, requires_grad=True)

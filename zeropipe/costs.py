@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -24,7 +25,7 @@ from zeropipe.deps import Dependencies
 from zeropipe.errors import ScheduleError
 from zeropipe.ir import Action, Kind, Schedule
 
-__all__ = ["CostModel", "StageCost", "initial_memory", "memory_deltas", "peak_memory"]
+__all__ = ["CostModel", "StageCost", "initial_memory", "memory_deltas", "peak_memory", "per_rank"]
 
 
 @dataclass(frozen=True)
@@ -265,3 +266,15 @@ def peak_memory(
                 best, at = level, step
         peaks.append((best, at))
     return peaks
+
+
+def per_rank(limit: float | Sequence[float], ranks: int, what: str = "memory_limit") -> list[float]:
+    """A limit for every rank: one number for all, or one number per rank."""
+    if isinstance(limit, (int, float)):
+        return [float(limit)] * ranks
+    values = [float(v) for v in limit]
+    if len(values) != ranks:
+        raise ScheduleError(
+            f"{what} has {len(values)} value(s) for {ranks} rank(s); give one or {ranks}"
+        )
+    return values

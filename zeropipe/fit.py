@@ -26,7 +26,7 @@ import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from zeropipe.costs import CostModel, initial_memory, memory_deltas
+from zeropipe.costs import CostModel, initial_memory, memory_deltas, per_rank
 from zeropipe.deps import Dependencies, Graph
 from zeropipe.errors import ScheduleError
 from zeropipe.ir import COMPUTE_KINDS, Action, Kind, Schedule
@@ -281,7 +281,7 @@ def fit_memory(
     lowered = schedule.is_lowered
     base = schedule.compute_only()
     costs = _default_costs(base, costs)
-    limits = _limits(limit, base.num_ranks)
+    limits = per_rank(limit, base.num_ranks, "limit")
     ev = _Evaluator(base, costs, limits)
     natural = ev.evaluate({}, {})
     best: _Eval | None = natural if natural.fits else None
@@ -493,15 +493,6 @@ class _Evaluator:
             if best is None:
                 return found
             found = best
-
-
-def _limits(limit: float | Sequence[float], ranks: int) -> list[float]:
-    if isinstance(limit, (int, float)):
-        return [float(limit)] * ranks
-    values = [float(v) for v in limit]
-    if len(values) != ranks:
-        raise ScheduleError(f"limit has {len(values)} value(s) for {ranks} rank(s)")
-    return values
 
 
 def _fmt_list(values: Sequence[float], unit: str) -> str:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
-from zeropipe.costs import CostModel, peak_memory
+from zeropipe.costs import CostModel, peak_memory, per_rank
 from zeropipe.deps import Dependencies, Graph
 from zeropipe.errors import ScheduleError
 from zeropipe.ir import COMM_KINDS, Action, Kind, Schedule, format_grid
@@ -248,11 +248,7 @@ def _why(action: Action, dep: Action) -> str:
 def _check_memory(
     schedule: Schedule, costs: CostModel, deps: Dependencies, limit: float | Sequence[float]
 ) -> None:
-    limits = [float(limit)] * schedule.num_ranks if isinstance(limit, (int, float)) else list(limit)
-    if len(limits) != schedule.num_ranks:
-        raise ScheduleError(
-            f"memory_limit has {len(limits)} value(s) for {schedule.num_ranks} ranks"
-        )
+    limits = per_rank(limit, schedule.num_ranks)
     for r, ((peak, step), cap) in enumerate(
         zip(peak_memory(schedule, costs, deps), limits, strict=True)
     ):

@@ -40,7 +40,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from zeropipe.costs import CostModel, StageCost, peak_memory
+from zeropipe.costs import CostModel, StageCost, peak_memory, per_rank
 from zeropipe.errors import ScheduleError
 from zeropipe.ir import Action, Kind, Schedule
 from zeropipe.schedules import GENERATORS, register
@@ -457,12 +457,7 @@ def _limits(memory_limit: Limit, ranks: int, m: int, costs: CostsLike) -> list[f
         return [math.inf] * ranks
     if isinstance(memory_limit, str):
         return [_reference_peak(memory_limit, ranks, m, costs)] * ranks
-    if isinstance(memory_limit, (int, float)):
-        return [float(memory_limit)] * ranks
-    limits = [float(x) for x in memory_limit]
-    if len(limits) != ranks:
-        raise ScheduleError(f"memory_limit has {len(limits)} value(s) for {ranks} ranks")
-    return limits
+    return per_rank(memory_limit, ranks)
 
 
 def _reference_peak(name: str, ranks: int, m: int, costs: CostsLike) -> float:

@@ -168,10 +168,18 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     return summary
 
 
-def _balance(layers: int, stages: int) -> list[int]:
-    """Layers per stage; the embedding and head stages take one block fewer when possible."""
-    base, extra = divmod(layers, stages)
+def _balance(blocks: int, stages: int) -> list[int]:
+    """Layers per stage: blocks spread evenly, plus the embedding on the first stage and the
+    head on the last (so under zbv, which puts both on rank 0, the ranks stay even)."""
+    if stages == 1:
+        return [blocks + 2]
+    if blocks < stages:  # too few blocks for one each: spread every layer evenly
+        base, extra = divmod(blocks + 2, stages)
+        return [base + (1 if s < extra else 0) for s in range(stages)]
+    base, extra = divmod(blocks, stages)
     counts = [base + (1 if s < extra else 0) for s in range(stages)]
+    counts[0] += 1
+    counts[-1] += 1
     return counts
 
 
@@ -196,7 +204,7 @@ def run_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
         model,
         schedule,
         loss_fn=lm_loss,
-        balance=_balance(cfg.layers + 2, schedule.num_stages),
+        balance=_balance(cfg.layers, schedule.num_stages),
         seed=cfg.seed,
         executor="distributed" if world > 1 else "local",
         timeout=cfg.timeout,

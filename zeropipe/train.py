@@ -335,7 +335,7 @@ def _evaluate(pipe: Pipeline, corpus: Corpus, cfg: TrainConfig) -> float:
     for k in range(cfg.eval_batches):
         x, y = corpus.batch(k, cfg.batch_size, cfg.seq, seed=cfg.seed, split="val")
         loss = pipe.eval_step(x.to(cfg.device), y.to(cfg.device))
-        if loss is None:
+        if not isinstance(loss, torch.Tensor):
             raise PipelineError("evaluation produced no loss")
         total += loss.item()
     return total / cfg.eval_batches

@@ -209,3 +209,27 @@ def test_bad_batch_is_reported() -> None:
         pipe.step(torch.randn(3, 8, dtype=torch.float64), torch.randn(3, 8, dtype=torch.float64))
     with pytest.raises(PipelineError, match="target has 7 rows"):
         pipe.step(torch.randn(8, 8, dtype=torch.float64), torch.randn(7, 8, dtype=torch.float64))
+
+
+def test_eval_of_a_multi_output_last_stage_returns_a_tuple_and_plans_once() -> None:
+    class Split(nn.Module):
+        def __init__(self, width: int) -> None:
+            super().__init__()
+            self.lin = nn.Linear(width, width)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            h = self.lin(x)
+            return h, h[:, :2].sum(dim=1)  # two outputs of different shapes
+
+    torch.manual_seed(0)
+    stages = [nn.Linear(4, 4), Split(4)]
+    pipe = Pipeline(stages, "1f1b", microbatches=2)
+    x = torch.randn(6, 4)
+    with torch.no_grad():
+        h = stages[1].lin(stages[0](x))
+    out = pipe.eval_step(x)
+    assert isinstance(out, tuple) and len(out) == 2
+    assert torch.allclose(out[0], h) and torch.allclose(out[1], h[:, :2].sum(dim=1))
+    plan = pipe._forward_plan()
+    pipe.eval_step(x)
+    assert pipe._forward_plan() is plan

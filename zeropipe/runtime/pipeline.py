@@ -139,6 +139,8 @@ class Pipeline:
             else LocalTransport()
         )
         self.last_events: list[list[Event]] = []
+        # eval_step's forward-only schedule, its dependencies and graph: built once, on first use.
+        self._eval_plan: tuple[Schedule, Dependencies, Graph] | None = None
         # Seconds this process blocked in RECV_F / RECV_B during the last step.
         self.last_waits: dict[Kind, float] = {}
         # Saved-activation accounting, activation/weight offload: one per pipeline.
@@ -167,21 +169,21 @@ class Pipeline:
         if self.loss_fn is None:
             raise PipelineError("Pipeline(loss_fn=...) is needed for a training step")
         loss = self._run(inputs, target, training=True)
-        if loss is None:
+        if not isinstance(loss, Tensor):
             raise PipelineError("the step produced no loss (the last stage never ran its forward)")
         return loss
 
     @torch.no_grad()
     def eval_step(
         self, inputs: Tensor | Sequence[Tensor], target: Tensor | None = None
-    ) -> Tensor | None:
+    ) -> Tensor | tuple[Tensor, ...] | None:
         """Forward only: the loss if ``target`` is given, else the last stage's output.
 
-        In a distributed pipeline the output exists on the last stage's rank only
-        (other ranks get ``None``); the loss is returned on every rank.
+        The output is a tensor, or a tuple when the last stage returns several.
+        In a distributed pipeline it exists on the last stage's rank only (other
+        ranks get ``None``); the loss is returned on every rank.
         """
-        result = self._run(inputs, target, training=False)
-        return result
+        return self._run(inputs, target, training=False)
 
     def timeline(self) -> Timeline:
         """The measured timeline of the last step (this process's ranks), in seconds.
@@ -203,9 +205,16 @@ class Pipeline:
         return list(self.memory.report.saved)
 
     # -- one step -------------------------------------------------------------------
+    def _forward_plan(self) -> tuple[Schedule, Dependencies, Graph]:
+        if self._eval_plan is None:
+            schedule = _forward_only(self.schedule)
+            deps = Dependencies(schedule)
+            self._eval_plan = (schedule, deps, Graph(schedule, deps))
+        return self._eval_plan
+
     def _run(
         self, inputs: Tensor | Sequence[Tensor], target: Tensor | None, training: bool
-    ) -> Tensor | None:
+    ) -> Tensor | tuple[Tensor, ...] | None:
         try:
             return self._run_step(inputs, target, training)
         except BaseException as exc:
@@ -215,7 +224,7 @@ class Pipeline:
 
     def _run_step(
         self, inputs: Tensor | Sequence[Tensor], target: Tensor | None, training: bool
-    ) -> Tensor | None:
+    ) -> Tensor | tuple[Tensor, ...] | None:
         m = self.schedule.microbatches
         micro_inputs, sizes = _split_batch(as_tuple(inputs, "inputs"), m)
         batch = sum(sizes)
@@ -226,8 +235,9 @@ class Pipeline:
         targets = None if target is None else list(torch.tensor_split(target, m, dim=0))
         if targets is not None and [len(t) for t in targets] != sizes:
             raise PipelineError(f"target has {len(target)} rows but inputs have {batch}")  # type: ignore[arg-type]
-        schedule = self.schedule if training else _forward_only(self.schedule)
-        deps = self.deps if training else Dependencies(schedule)
+        schedule, deps, graph = (
+            (self.schedule, self.deps, self.graph) if training else self._forward_plan()
+        )
         ctx = StepContext(
             step=self._step,
             seed=self.seed,
@@ -255,7 +265,6 @@ class Pipeline:
                         mine if r == self.rank else [] for r in range(schedule.num_ranks)
                     ]
                 else:
-                    graph = self.graph if training else Graph(schedule, deps)
                     self.last_events = run_local(ctx, graph)
                 self.transport.finish_step()
                 self.last_waits = dict(ctx.waited)
@@ -273,7 +282,7 @@ class Pipeline:
                 return None
             outs = [ctx.outputs[i] for i in range(m)]
             cat = tuple(torch.cat([o[k] for o in outs]) for k in range(len(outs[0])))
-            return cat[0] if len(cat) == 1 else torch.stack(cat)  # single output is the norm
+            return cat[0] if len(cat) == 1 else cat
         loss = None
         if owns_last:
             loss = sum((ctx.losses[i] * ctx.weights[i] for i in range(m)), torch.zeros(()))

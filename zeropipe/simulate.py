@@ -15,8 +15,9 @@ both the send and (in a lowered schedule) the receive have been posted.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from statistics import median
 
-from zeropipe.costs import CostModel, peak_memory
+from zeropipe.costs import CostModel, StageCost, peak_memory
 from zeropipe.deps import Graph
 from zeropipe.ir import COMPUTE_KINDS, COPY_KINDS, Action, Schedule
 from zeropipe.validate import validate
@@ -180,10 +181,6 @@ def costs_from_timeline(timeline: Timeline) -> CostModel:
     beside the measured one: what the schedule would look like if every
     action took its typical time and nothing else got in the way.
     """
-    from statistics import median
-
-    from zeropipe.costs import StageCost
-
     durations: dict[tuple[int, str], list[float]] = {}
     for evs in timeline.events:
         for e in evs:

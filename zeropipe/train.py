@@ -74,6 +74,9 @@ class TrainConfig:
     trace_step: int = 10  # which step's timeline to keep (clamped to the run)
     quiet: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    # The schedule check() built, as text: ranks reuse it instead of rebuilding
+    # (with --memory-limit that means re-running fit_memory's search).
+    planned: str | None = None
 
     def check(self) -> None:
         """One-line errors for flags that cannot work, before any process starts."""
@@ -102,7 +105,7 @@ class TrainConfig:
             )
         if self.device != "cpu" and not torch.device(self.device).type:
             raise ZeropipeError(f"unknown --device {self.device!r}")
-        self.build_schedule()
+        self.planned = self.build_schedule().to_text()
 
     def build_schedule(self) -> Schedule:
         """The schedule to train with: the generator's, plus the memory actions asked for.
@@ -199,7 +202,7 @@ def run_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
         dropout=cfg.dropout,
     )
     model = gpt(model_cfg, seed=cfg.seed).to(cfg.device)
-    schedule = cfg.build_schedule()
+    schedule = Schedule.from_text(cfg.planned) if cfg.planned else cfg.build_schedule()
     pipe = Pipeline(
         model,
         schedule,

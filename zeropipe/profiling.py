@@ -4,10 +4,10 @@ For each stage, one microbatch, on the current device and thread count::
 
     F   forward recorded for split backward (as I/W schedules run it), loss included on the
         last stage                                            -> StageCost.F
-    R   the same forward, plain (what a recomputation runs)   -> StageCost.R
-    B   full backward after a plain forward                   -> StageCost.B
     I   input-gradient part of a split backward               -> StageCost.I
     W   the deferred weight-gradient part                     -> StageCost.W
+    R   = F: a recomputation runs the same recorded forward   -> StageCost.R
+    B   = I + W: the runtime runs a full backward as I then W -> StageCost.B
 
 Each is timed ``warmup`` times untimed and then ``repeat`` times; the median
 is kept (``meta["spread"]`` has each figure's interquartile range relative to
@@ -153,7 +153,7 @@ class _Probe:
         )
         params = {_key(t) for t in [*module.parameters(), *module.buffers()]}
         self.exclude = params | keep | _storages(inputs)
-        self.times: dict[str, list[float]] = {k: [] for k in ("F", "R", "B", "I", "W")}
+        self.times: dict[str, list[float]] = {k: [] for k in ("F", "I", "W")}
         self.act = self.act_w = 0
         self.grads: list[Tensor] | None = None
         self.out: tuple[Tensor, ...] = ()
@@ -205,23 +205,11 @@ class _Probe:
             sync(self.device)
             t3 = clock()
         del outs, roots
-        # R (a plain forward, as a recomputation runs) -> B.
-        t4 = clock()
-        outs, roots = self._forward(None)
-        sync(self.device)
-        t5 = clock()
-        if roots:
-            torch.autograd.backward(roots, grads)
-        sync(self.device)
-        t6 = clock()
-        del outs, roots
         for t in self.inputs:  # a fresh microbatch's input has no gradient yet
             t.grad = None
         if timed:
             for name, dt in (("F", t1 - t0), ("I", t2 - t1), ("W", t3 - t2)):
                 self.times[name].append(dt)
-            self.times["R"].append(t5 - t4)
-            self.times["B"].append(t6 - t5)
 
     def cost(self) -> tuple[StageCost, dict[str, float]]:
         med = {k: statistics.median(v) for k, v in self.times.items()}
@@ -231,8 +219,8 @@ class _Probe:
             F=med["F"],
             I=med["I"],
             W=med["W"],
-            B=med["B"],
-            R=med["R"],
+            B=med["I"] + med["W"],
+            R=med["F"],
             act=float(self.act),
             act_w=float(self.act_w),
             ckpt=0.0,

@@ -111,6 +111,23 @@ def test_second_step_accumulates_like_two_backward_calls() -> None:
     assert_same_gradients(model.named_parameters(), {k: 2 * v for k, v in ref.items()})
 
 
+def test_sequential_with_one_layer_per_stage_whose_layers_are_sequentials() -> None:
+    # Regression: 4 nn.Sequential layers on 4 stages were taken as hand-made stage
+    # modules and failed seeding their children (zip() argument 2 is longer).
+    torch.manual_seed(5)
+    model = nn.Sequential(
+        *[
+            nn.Sequential(nn.Linear(6, 12), nn.GELU(), nn.Dropout(0.3), nn.Linear(12, 6))
+            for _ in range(4)
+        ]
+    ).double()
+    x, y = batch_for(model, batch=8)
+    ref_loss, ref = reference(model, x, y, F.mse_loss, 4)
+    loss = Pipeline(model, "1f1b", microbatches=4, loss_fn=F.mse_loss, ranks=4).step(x, y)
+    assert_same_loss(loss, ref_loss)
+    assert_same_gradients(model.named_parameters(), ref)
+
+
 def test_eval_step_returns_loss_and_outputs_without_gradients() -> None:
     model = mlp()
     x, y = batch_for(model, batch=8)

@@ -393,7 +393,9 @@ def _resolve_schedule(
 def _build_stages(
     stages: nn.Sequential | Sequence[nn.Module], num: int, balance: Sequence[int] | None
 ) -> list[Stage]:
-    if isinstance(stages, nn.Sequential) and (balance is not None or len(stages) != num):
+    if isinstance(stages, nn.Sequential):
+        # Cut even when it has exactly one layer per stage: each stage is then a
+        # one-layer slice seeded by the layer's index, like any other cut.
         return split_sequential(stages, num, balance)
     modules = list(stages)
     if balance is not None:
@@ -406,8 +408,6 @@ def _build_stages(
     for i, mod in enumerate(modules):
         if not isinstance(mod, nn.Module):
             raise PipelineError(f"stage {i} is a {type(mod).__name__}, not an nn.Module")
-    if isinstance(stages, nn.Sequential):
-        return [Stage(s, m, [s]) for s, m in enumerate(modules)]
     return [Stage(s, m, None) for s, m in enumerate(modules)]
 
 

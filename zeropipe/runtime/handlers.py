@@ -251,7 +251,11 @@ def _input_backward_first(
             ctx.transport.send(send, input_grads)
             state.sent_early = True
 
-    backward_input_first(roots, grads, floats, ready, run=stash.input_backward)
+    # Not prioritized: with split backward the weight products are deferred to W, so
+    # what I runs besides the input path is only small parameter work (norms, biases),
+    # while marking walks the whole stage graph -- about a millisecond per B on a
+    # transformer block, more than it could save.
+    backward_input_first(roots, grads, floats, ready, prioritized=False, run=stash.input_backward)
 
 
 def _weight(ctx: StepContext, action: Action) -> None:

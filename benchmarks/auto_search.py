@@ -199,12 +199,13 @@ def _worker(rank: int, world: int, cfg: dict[str, int]) -> dict[str, Any]:
                 measured[name].append(time.perf_counter() - t0)
     return {
         "sequential": statistics.median(sequential) if sequential else 0.0,
-        "load": os.getloadavg()[0],
         "measured": {k: statistics.median(v) for k, v in measured.items()},
         "predicted": predicted,
         "explanation": explanation,
         "latency": layers.latency,
         "bandwidth": layers.bandwidth,
+        "post": layers.post,
+        "overhead": layers.overhead,
         "chunks": {k: s.num_stages // world for k, s in schedules.items()},
     }
 
@@ -222,20 +223,22 @@ def part_runtime(args: argparse.Namespace) -> None:
         "steps": args.steps,
         "warmup": 2,
     }
+    load = os.getloadavg()[0]  # before the ranks start: other work on the machine
     out = launch(_worker, 2, cfg, timeout=args.timeout, threads=args.threads)[0]
     print(
         f"runtime: GPT {args.layers} blocks, width {args.width}, seq {args.seq}, batch "
         f"{args.batch} in {args.microbatches} microbatches; 2 ranks over gloo, "
         f"{args.threads} thread(s) each; wire latency {out['latency'] * 1e6:.0f} us, "
-        f"bandwidth {out['bandwidth'] / 1e6:.0f} MB/s"
+        f"bandwidth {out['bandwidth'] / 1e6:.0f} MB/s, post {out['post'] * 1e6:.0f} us, runtime "
+        f"overhead {out['overhead'] * 1e6:.0f} us per action"
     )
     print(f"  {out['explanation']}")
     seq = out["sequential"]
     print(
-        f"  sequential (one process, same work): {1e3 * seq:.1f} ms; load average during the "
-        f"run {out['load']:.1f} on {os.cpu_count()} cores"
+        f"  sequential (one process, same work): {1e3 * seq:.1f} ms; load average before the "
+        f"run {load:.1f} on {os.cpu_count()} cores"
     )
-    if out["load"] > (os.cpu_count() or 1) - 1:
+    if load > (os.cpu_count() or 1) - 2 + 0.5:  # the two ranks need a core each
         print(
             "  WARNING: the machine was busy; the two ranks did not have a core each, so "
             "measured step times (and their ratio to the prediction) are not meaningful"

@@ -131,17 +131,26 @@ def test_target_without_loss_is_refused() -> None:
         profile(_stages(), torch.randn(B, A), target=torch.randn(B, C))
 
 
-def _profile_on_rank(rank: int, world: int) -> tuple[float, float, str]:
+def _profile_on_rank(rank: int, world: int) -> tuple[float, float, float, str]:
     costs = profile(_stages(), torch.randn(B, A), warmup=1, repeat=3)
-    return costs.latency, costs.bandwidth, costs.meta["comm"]
+    return costs.latency, costs.bandwidth, costs.post, costs.meta["comm"]
 
 
 def test_wire_is_measured_between_two_processes() -> None:
     results = launch(_profile_on_rank, 2, timeout=120)
-    (lat0, bw0, how), (lat1, bw1, _) = results
-    assert (lat0, bw0) == (lat1, bw1)  # every rank gets rank 0's figures
+    (lat0, bw0, post0, how), (lat1, bw1, post1, _) = results
+    assert (lat0, bw0, post0) == (lat1, bw1, post1)  # every rank gets the same figures
     assert 0 < lat0 < 0.1 and bw0 > 1e6  # gloo on one host: well under 100 ms, over 1 MB/s
+    assert 0 < post0 < 0.05  # posting costs something, and far less than a step
     assert "ranks 0 and 1" in how
+
+
+def test_runtime_overhead_per_action_is_measured() -> None:
+    costs = profile(_stages(), torch.randn(B, A), warmup=1, repeat=3)
+    # The runtime's bookkeeping per action: more than nothing, less than a millisecond-scale
+    # stage would take on any machine this runs on.
+    assert 0 < costs.overhead < 0.01
+    assert costs.post == 0  # one process: nothing to post
 
 
 def test_cli_profile_writes_costs(tmp_path: object, capsys: pytest.CaptureFixture[str]) -> None:

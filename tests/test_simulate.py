@@ -42,6 +42,22 @@ def test_late_receive_post_delays_the_transfer() -> None:
     assert ev["1F1"].start == pytest.approx(ev["1B0"].end + 0.25)
 
 
+def test_posts_occupy_the_rank_and_overhead_lengthens_every_compute_action() -> None:
+    # gpipe, 2 ranks, 1 microbatch (F=1, B=2), lowered: rank 0 runs 0RECV_B0 0F0 0SEND_F0
+    # 0B0, rank 1 1RECV_F0 1F0 1B0 1SEND_B0.  The critical path holds three posts.
+    s = lower(generate("gpipe", 2, 1))
+    base = simulate(s, CostModel.uniform(2, B=2)).makespan
+    assert base == pytest.approx(6.0)
+    posted = simulate(s, CostModel.uniform(2, B=2, post=0.25))
+    assert posted.makespan == pytest.approx(base + 3 * 0.25)
+    ev = {str(e.action): e for evs in posted.events for e in evs}
+    assert ev["0SEND_F0"].end - ev["0SEND_F0"].start == pytest.approx(0.25)
+    assert ev["0F0"].start == pytest.approx(ev["0RECV_B0"].end)  # one thread: the post first
+    assert simulate(s, CostModel.uniform(2, B=2, overhead=0.1)).makespan == pytest.approx(
+        base + 4 * 0.1
+    )
+
+
 def test_bandwidth_and_boundary_bytes() -> None:
     c = CostModel((StageCost(boundary_bytes=100.0), StageCost()), latency=0.1, bandwidth=1000.0)
     assert c.transfer_time(0) == pytest.approx(0.2)
@@ -104,8 +120,9 @@ def test_simulated_timelines_respect_every_dependency(schedule: Schedule) -> Non
 def test_cost_spec_parsing() -> None:
     c = CostModel.parse("F=1,B=2,comm=0.5", 2)
     assert c.stages[0].I == 1 and c.stages[0].W == 1 and c.latency == 0.5
-    c = CostModel.parse("F=2,I=3,W=1", 4, chunks=2)
+    c = CostModel.parse("F=2,I=3,W=1,post=0.2,overhead=0.1", 4, chunks=2)
     assert c.stages[0].F == 1.0 and c.stages[0].act == 0.5
+    assert c.post == 0.2 and c.overhead == 0.1  # per action: not divided by chunks
     with pytest.raises(ScheduleError, match="X=1"):
         CostModel.parse("X=1", 2)
     with pytest.raises(ScheduleError, match="not a number"):
@@ -113,7 +130,13 @@ def test_cost_spec_parsing() -> None:
 
 
 def test_cost_model_json_round_trip() -> None:
-    c = CostModel((StageCost(F=2.0, boundary_bytes=10.0), StageCost()), latency=0.1, bandwidth=5.0)
+    c = CostModel(
+        (StageCost(F=2.0, boundary_bytes=10.0), StageCost()),
+        latency=0.1,
+        bandwidth=5.0,
+        overhead=0.01,
+        post=0.02,
+    )
     assert CostModel.from_json(c.to_json()) == c
     assert CostModel.from_json(CostModel.uniform(3).to_json()) == CostModel.uniform(3)
 

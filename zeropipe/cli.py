@@ -432,6 +432,7 @@ def _run_profile(args: argparse.Namespace) -> int:
             + " ".join(f"{x:>8.3f}" for x in ms)
             + f" {kib[0]:>9.1f} {kib[1]:>9.1f} {kib[2]:>8.1f}"
         )
+    print(f"runtime overhead per compute action: {1e6 * costs.overhead:.0f} us")
     print(f"wire: {costs.meta['comm']}")
     if args.out:
         print(f"wrote costs: {args.out}")

@@ -4,6 +4,12 @@ Times are in any unit (the simulator only adds them); memory is in any unit
 too, by default "one microbatch's activations of one full rank's layers", so
 a rank that holds ``v`` chunks has ``act = 1/v`` per stage.
 
+Two costs belong to the runtime rather than to a stage: ``overhead``, added to every
+compute action (the runtime's own bookkeeping around the stage's module), and
+``post``, the time a send or receive occupies its rank when it is posted.  With
+``post`` > 0 sends and receives take that time on the rank's compute lane, as
+they do on the runtime's one thread; with 0 (the default) they take none.
+
 Memory deltas of stage ``s`` (``act`` = kept by a full forward, ``act_w`` =
 the part W still needs after I, ``ckpt`` = kept by a checkpointed forward)::
 
@@ -23,7 +29,7 @@ from typing import Any
 
 from zeropipe.deps import Dependencies
 from zeropipe.errors import ScheduleError
-from zeropipe.ir import Action, Kind, Schedule
+from zeropipe.ir import COMM_KINDS, COMPUTE_KINDS, Action, Kind, Schedule
 
 __all__ = ["CostModel", "StageCost", "initial_memory", "memory_deltas", "peak_memory", "per_rank"]
 
@@ -64,11 +70,17 @@ class StageCost:
 
 @dataclass(frozen=True)
 class CostModel:
-    """Per-stage costs plus the wire: a transfer takes ``latency + bytes / bandwidth``."""
+    """Per-stage costs plus the wire: a transfer takes ``latency + bytes / bandwidth``.
+
+    ``overhead`` is added to every compute action and ``post`` is what posting a
+    send or receive costs its rank (see the module docstring).
+    """
 
     stages: tuple[StageCost, ...]
     latency: float = 0.0
     bandwidth: float = math.inf
+    overhead: float = 0.0
+    post: float = 0.0
     unit: str = "microbatch"  # what memory numbers count: "microbatch" or "bytes"
     meta: dict[str, Any] = field(default_factory=dict, compare=False)
 
@@ -85,6 +97,8 @@ class CostModel:
         R: float | None = None,
         comm: float = 0.0,
         act_w: float = 0.0,
+        overhead: float = 0.0,
+        post: float = 0.0,
     ) -> CostModel:
         """Every stage alike.  Times are per *rank's worth* of layers, divided by ``chunks``.
 
@@ -105,12 +119,14 @@ class CostModel:
             act=1.0 / chunks,
             act_w=act_w / chunks,
         )
-        return cls(tuple(stage for _ in range(num_stages)), latency=comm)
+        return cls(
+            tuple(stage for _ in range(num_stages)), latency=comm, overhead=overhead, post=post
+        )
 
     @classmethod
     def parse(cls, spec: str, num_stages: int, chunks: int = 1) -> CostModel:
         """Read ``"F=1,B=2,I=1,W=1,comm=0"`` (any subset) into a uniform model."""
-        known = {"F", "B", "I", "W", "R", "comm", "act_w"}
+        known = {"F", "B", "I", "W", "R", "comm", "act_w", "overhead", "post"}
         values: dict[str, float] = {}
         for part in filter(None, (p.strip() for p in spec.split(","))):
             key, sep, val = part.partition("=")
@@ -138,6 +154,8 @@ class CostModel:
             R=values.get("R"),
             comm=values.get("comm", 0.0),
             act_w=values.get("act_w", 0.0),
+            overhead=values.get("overhead", 0.0),
+            post=values.get("post", 0.0),
         )
 
     def for_stages(self, num_stages: int) -> CostModel:
@@ -148,6 +166,10 @@ class CostModel:
         return self
 
     def time(self, action: Action) -> float:
+        if action.kind in COMPUTE_KINDS:
+            return self.stages[action.stage].time(action.kind) + self.overhead
+        if action.kind in COMM_KINDS:
+            return self.post
         return self.stages[action.stage].time(action.kind, action.is_weight_copy)
 
     def transfer_time(self, stage: int) -> float:
@@ -166,6 +188,8 @@ class CostModel:
             "version": 1,
             "latency": self.latency,
             "bandwidth": None if math.isinf(self.bandwidth) else self.bandwidth,
+            "overhead": self.overhead,
+            "post": self.post,
             "unit": self.unit,
             "meta": self.meta,
             "stages": [asdict(s) for s in self.stages],
@@ -185,6 +209,8 @@ class CostModel:
             stages=tuple(StageCost(**s) for s in data["stages"]),
             latency=float(data.get("latency", 0.0)),
             bandwidth=math.inf if bandwidth is None else float(bandwidth),
+            overhead=float(data.get("overhead", 0.0)),
+            post=float(data.get("post", 0.0)),
             unit=str(data.get("unit", "microbatch")),
             meta=dict(data.get("meta", {})),
         )

@@ -25,6 +25,14 @@ by a ping-pong (1 byte; 16 MiB or the largest boundary tensor) between ranks
 two or more processes (every rank must then call :func:`profile`); otherwise
 they stay 0 and infinite and ``meta["comm"]`` says so.
 
+Two figures belong to the runtime rather than to a stage: ``overhead``, what
+the runtime's bookkeeping adds to each compute action (measured on a one-stage
+pipeline of a near-empty layer), and, with two or more processes, ``post``,
+the time a send or receive takes to post right after a burst of compute (as
+in a pipeline, where it finds the caches full of other data).  The simulator
+charges both, so schedules with many small actions or many transfers are not
+taken for free.
+
 The model is left as it was: gradients, RNG state, thread count and which
 linears were prepared for split backward are restored afterwards.
 """
@@ -111,7 +119,8 @@ def profile(
                 cost = replace(cost, weights=float(_param_bytes(probe.module)))
             stage_costs.append(cost)
             spread.append(noise)
-    latency, bandwidth, comm = _wire(process_group, device, warmup, repeat, stage_costs)
+        overhead = _runtime_overhead(device, warmup, repeat)
+    latency, bandwidth, post, comm = _wire(process_group, device, warmup, repeat, stage_costs)
     meta = {
         "source": "zeropipe.profile",
         "device": str(device),
@@ -123,7 +132,15 @@ def profile(
         "comm": comm,
         "spread": spread,
     }
-    return CostModel(tuple(stage_costs), latency, bandwidth, unit="bytes", meta=meta)
+    return CostModel(
+        tuple(stage_costs),
+        latency,
+        bandwidth,
+        overhead=overhead,
+        post=post,
+        unit="bytes",
+        meta=meta,
+    )
 
 
 # -- one stage ----------------------------------------------------------------------------
@@ -229,6 +246,37 @@ class _Probe:
         return cost, noise
 
 
+def _runtime_overhead(device: torch.device, warmup: int, repeat: int) -> float:
+    """Seconds the runtime adds to each compute action beyond the stage's own work.
+
+    A one-stage pipeline of a near-empty layer runs ``m`` microbatches (2m
+    actions); what its step takes beyond the same layer's F, I and W measured
+    bare is the runtime's bookkeeping, per action.
+    """
+    from zeropipe.runtime.pipeline import Pipeline  # the runtime imports this module
+
+    m = 8
+    layer = nn.Linear(1, 1).to(device)
+    x = torch.zeros(m, 1, device=device)
+    pipe = Pipeline(
+        [layer], "1f1b", microbatches=m, loss_fn=torch.nn.functional.mse_loss, executor="local"
+    )
+    probe = _Probe(layer, (x[:1],), (torch.nn.functional.mse_loss, x[:1]), set(), device, last=True)
+    steps = []
+    for rep in range(warmup + repeat):
+        _sync(device)
+        t0 = time.perf_counter()
+        pipe.step(x, x)
+        _sync(device)
+        if rep >= warmup:
+            steps.append(time.perf_counter() - t0)
+        layer.zero_grad(set_to_none=True)
+        probe.run(timed=rep >= warmup)
+    bare = probe.cost()[0]
+    per_action = (statistics.median(steps) - m * (bare.F + bare.I + bare.W)) / (2 * m)
+    return max(per_action, 0.0)
+
+
 def _output_grads(roots: list[Tensor], is_loss: bool) -> list[Tensor]:
     if is_loss:
         return [torch.ones_like(t) for t in roots]
@@ -246,13 +294,13 @@ def _iqr(values: list[float]) -> float:
 # -- the wire ---------------------------------------------------------------------------
 def _wire(
     group: Any | None, device: torch.device, warmup: int, repeat: int, costs: list[StageCost]
-) -> tuple[float, float, str]:
+) -> tuple[float, float, float, str]:
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()):
-        return 0.0, float("inf"), "not measured: torch.distributed is not initialised"
+        return 0.0, float("inf"), 0.0, "not measured: torch.distributed is not initialised"
     world = dist.get_world_size(group)
     if world < 2:
-        return 0.0, float("inf"), "not measured: one process"
+        return 0.0, float("inf"), 0.0, "not measured: one process"
     rank = dist.get_rank(group)
     # Large enough that the bytes, not the per-message overhead, dominate its time.
     big = int(max([c.boundary_bytes for c in costs] + [16 << 20]))
@@ -273,20 +321,61 @@ def _wire(
             _sync(device)
             if rep >= warmup:
                 rtts[tensor.numel()].append(time.perf_counter() - t0)
-    result = torch.zeros(2, dtype=torch.float64, device=device)
+    post = _post_time(group, device, warmup, repeat, costs)
+    result = torch.zeros(3, dtype=torch.float64, device=device)
     if rank == 0:
         latency = statistics.median(rtts[1]) / 2
         one_way = statistics.median(rtts[big]) / 2
         # When the payload's time drowns in the noise of the latency, what is left is
         # a lower bound: the whole one-way time.
         bw = big / max(one_way - latency, 0.05 * one_way)
-        result = torch.tensor([latency, bw], dtype=torch.float64, device=device)
-    dist.broadcast(result, peer0, group=group)
+        result = torch.tensor([latency, bw, 0.0], dtype=torch.float64, device=device)
+    if rank in (0, 1):
+        result[2] = post / 2  # the sum over ranks 0 and 1: the mean of a send and a receive
+    dist.all_reduce(result, group=group)  # only rank 0 adds latency and bandwidth
     return (
         float(result[0]),
         float(result[1]),
-        f"ping-pong between ranks 0 and 1 of {world}: 1 byte and {big} bytes",
+        float(result[2]),
+        f"ping-pong between ranks 0 and 1 of {world}: 1 byte and {big} bytes; posts "
+        f"timed after compute",
     )
+
+
+def _post_time(
+    group: Any | None, device: torch.device, warmup: int, repeat: int, costs: list[StageCost]
+) -> float:
+    """Median seconds to post a boundary-sized send (rank 0) or receive (rank 1).
+
+    Each post follows a burst of matrix products, as in a pipeline, where it
+    finds the caches full of the compute's data; that makes it several times
+    dearer than a post in a tight loop.  Other ranks return 0.
+    """
+    dist = torch.distributed
+    rank = dist.get_rank(group)
+    if rank > 1:
+        return 0.0
+    size = int(max([c.boundary_bytes for c in costs] + [1]))
+    buf = torch.zeros(size, dtype=torch.uint8, device=device)
+    a = torch.randn(256, 1024, device=device)
+    b = torch.randn(1024, 1024, device=device)
+    peer = _global(group, 1 - rank)
+    times = []
+    for rep in range(warmup + 3 * repeat):
+        for _ in range(4):
+            a @ b
+        _sync(device)
+        t0 = time.perf_counter()
+        if rank == 0:
+            work = dist.isend(buf, peer, group=group)
+        else:
+            work = dist.irecv(buf, peer, group=group)
+        t1 = time.perf_counter()
+        assert work is not None  # point-to-point ops always return a work when posted
+        work.wait()
+        if rep >= warmup:
+            times.append(t1 - t0)
+    return statistics.median(times)
 
 
 def _global(group: Any | None, rank: int) -> int:

@@ -19,7 +19,7 @@ from statistics import median
 
 from zeropipe.costs import CostModel, StageCost, peak_memory
 from zeropipe.deps import Graph
-from zeropipe.ir import COMPUTE_KINDS, COPY_KINDS, Action, Schedule
+from zeropipe.ir import COMM_KINDS, COMPUTE_KINDS, COPY_KINDS, Action, Schedule
 from zeropipe.validate import validate
 
 __all__ = ["Event", "Timeline", "simulate"]
@@ -149,7 +149,8 @@ def simulate(
                 ready += costs.transfer_time(min(dep.action.stage, a.stage))
             t = max(t, ready)
         duration = costs.time(a)
-        if a.kind in COMPUTE_KINDS:
+        # A post that costs time runs on the rank's one thread, like compute.
+        if a.kind in COMPUTE_KINDS or (duration > 0 and a.kind in COMM_KINDS):
             t = max(t, lane_free[r][0])
             lane_free[r][0] = t + duration
         elif a.kind in COPY_KINDS:

@@ -115,11 +115,17 @@ def _list_schedule(
     S, P = len(placement), max(placement) + 1
     st = costs.stages
     F, B, I, W = Kind.F, Kind.B, Kind.I, Kind.W
+    cross = [placement[s] != placement[s + 1] for s in range(S - 1)] + [False]
+    # The runtime's own time per action, and the posts of the transfers each one
+    # starts or ends (a forward receives its input and sends its output; a backward
+    # the other way round), all on the rank's one thread.
+    posts = [costs.post * ((s > 0 and cross[s - 1]) + cross[s]) for s in range(S)]
+    extra = [costs.overhead + posts[s] for s in range(S)]
     dur = {
-        F: [c.F for c in st],
-        B: [c.time(B) for c in st],
-        I: [c.I for c in st],
-        W: [c.W for c in st],
+        F: [c.F + extra[s] for s, c in enumerate(st)],
+        B: [c.time(B) + extra[s] for s, c in enumerate(st)],
+        I: [c.I + extra[s] for s, c in enumerate(st)],
+        W: [c.W + costs.overhead for c in st],
     }
     act = [c.act for c in st]
     # What each kind gives back: B all, I all but what W still needs, W that part.
@@ -127,7 +133,6 @@ def _list_schedule(
     tF = dur[F]
     kind_b = I if policy.split else B
     tBk = dur[kind_b]
-    cross = [placement[s] != placement[s + 1] for s in range(S - 1)] + [False]
     wire = [costs.transfer_time(s) if cross[s] else 0.0 for s in range(S)]
     local = [[s for s in range(S) if placement[s] == r] for r in range(P)]
     mem = [sum(st[s].weights for s in local[r]) for r in range(P)]

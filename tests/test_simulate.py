@@ -11,10 +11,10 @@ from hypothesis import given, settings
 from tests.strategies import valid_schedules
 from zeropipe.costs import CostModel, StageCost, peak_memory
 from zeropipe.errors import ScheduleError
-from zeropipe.ir import Schedule
+from zeropipe.ir import Kind, Schedule
 from zeropipe.lower import lower
 from zeropipe.schedules import generate
-from zeropipe.simulate import simulate
+from zeropipe.simulate import costs_from_timeline, simulate
 
 
 def test_comm_delays_every_cross_rank_edge_and_same_rank_edges_are_free() -> None:
@@ -56,6 +56,16 @@ def test_posts_occupy_the_rank_and_overhead_lengthens_every_compute_action() -> 
     assert simulate(s, CostModel.uniform(2, B=2, overhead=0.1)).makespan == pytest.approx(
         base + 4 * 0.1
     )
+
+
+def test_costs_read_back_from_a_timeline_replay_it() -> None:
+    s = lower(generate("1f1b", 2, 4))
+    truth = CostModel.uniform(2, F=1, B=2, post=0.25)
+    timeline = simulate(s, truth)
+    measured = costs_from_timeline(timeline)
+    assert measured.post == pytest.approx(0.25)
+    assert [(c.F, c.time(Kind.B)) for c in measured.stages] == [(1.0, 2.0), (1.0, 2.0)]
+    assert simulate(s, measured).makespan == pytest.approx(timeline.makespan)
 
 
 def test_bandwidth_and_boundary_bytes() -> None:

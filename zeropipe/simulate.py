@@ -180,15 +180,19 @@ def costs_from_timeline(timeline: Timeline) -> CostModel:
 
     Simulating the schedule under it gives the *planned* timeline to set
     beside the measured one: what the schedule would look like if every
-    action took its typical time and nothing else got in the way.
+    action took its typical time and nothing else got in the way.  Sends and
+    receives take their median measured post time (``post``).
     """
     durations: dict[tuple[int, str], list[float]] = {}
+    posts: list[float] = []
     for evs in timeline.events:
         for e in evs:
             if e.lane == "compute":
                 durations.setdefault((e.action.stage, e.action.kind.value), []).append(
                     e.end - e.start
                 )
+            elif e.action.kind in COMM_KINDS:
+                posts.append(e.end - e.start)
 
     def med(stage: int, kind: str, default: float) -> float:
         values = durations.get((stage, kind))
@@ -201,4 +205,8 @@ def costs_from_timeline(timeline: Timeline) -> CostModel:
         i = med(s, "I", b / 2)
         w = med(s, "W", b / 2)
         stages.append(StageCost(F=f, I=i, W=w, B=b if (s, "B") in durations else None))
-    return CostModel(tuple(stages), meta={"source": "measured medians", "time_unit": "s"})
+    return CostModel(
+        tuple(stages),
+        post=median(posts) if posts else 0.0,
+        meta={"source": "measured medians", "time_unit": "s"},
+    )

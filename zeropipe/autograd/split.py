@@ -71,6 +71,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from zeropipe.autograd.grad_memory import GradMemory
 from zeropipe.errors import PipelineError
 
 __all__ = ["WeightGradStash", "prepare_split", "unprepare_split"]
@@ -97,6 +98,10 @@ class WeightGradStash:
     last bit.  Off, W repeats autograd's arithmetic and the untied gradients
     match a full backward bit for bit.
 
+    ``grad_memory``: where a parameter's ``.grad`` is ``None``, W writes the
+    new gradient into memory that :class:`GradMemory` kept from the last step
+    (same values, no fresh pages to fault in); without it, W allocates.
+
     Lifecycle::
 
         with stash.recording(stage_module):   # F: bind this stash to the stage's linears
@@ -113,10 +118,12 @@ class WeightGradStash:
         stage: int | None = None,
         microbatch: int | None = None,
         fuse_accumulation: bool = True,
+        grad_memory: GradMemory | None = None,
     ) -> None:
         self.stage = stage
         self.microbatch = microbatch
         self.fuse_accumulation = fuse_accumulation
+        self.grad_memory = grad_memory
         self._entries: list[_Deferred] = []
         self._deferring = False
         self._awaiting_weight = False  # I ran, W not yet
@@ -257,7 +264,7 @@ class WeightGradStash:
                 # Popped so that each group's tensors are freed as soon as they are used and
                 # memory falls during W instead of staying at its peak until the end.
                 param, group = groups.pop(key)
-                _accumulate(param, group, fuse=self.fuse_accumulation)
+                _accumulate(param, group, fuse=self.fuse_accumulation, memory=self.grad_memory)
                 del group
 
     def _where(self) -> str:
@@ -282,16 +289,22 @@ def _group_by_param(entries: list[_Deferred]) -> dict[int, tuple[Tensor, list[_D
     return groups
 
 
-def _accumulate(param: Tensor, group: list[_Deferred], *, fuse: bool) -> None:
+def _accumulate(
+    param: Tensor, group: list[_Deferred], *, fuse: bool, memory: GradMemory | None
+) -> None:
     """``param.grad += sum(grad_output^T @ input)`` over ``group``, in ``param``'s dtype."""
     grad = param.grad
-    if fuse and grad is not None and len(group) == 1 and group[0].grad_output.dtype == grad.dtype:
-        e = group[0]
-        grad.addmm_(_rows(e.grad_output).t(), _rows(e.input))
+    first = group[0]
+    if fuse and grad is not None and len(group) == 1 and first.grad_output.dtype == grad.dtype:
+        grad.addmm_(_rows(first.grad_output).t(), _rows(first.input))
         return
     # Otherwise autograd's own arithmetic: one product per use, summed (its input buffer),
     # then added to .grad (AccumulateGrad).
-    total = _weight_grad(group[0].input, group[0].grad_output)
+    if grad is None and memory is not None and first.grad_output.dtype == param.dtype:
+        # The same product, written into kept memory instead of a new allocation.
+        total = torch.mm(_rows(first.grad_output).t(), _rows(first.input), out=memory.take(param))
+    else:
+        total = _weight_grad(first.input, first.grad_output)
     for e in group[1:]:
         if fuse:
             total.addmm_(_rows(e.grad_output).t(), _rows(e.input))

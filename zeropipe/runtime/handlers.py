@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from zeropipe.autograd.grad_memory import GradMemory
 from zeropipe.autograd.split import WeightGradStash
 from zeropipe.deps import Dependencies
 from zeropipe.errors import PipelineError
@@ -76,6 +77,7 @@ class StepContext:
     outputs: dict[int, tuple[Tensor, ...]] = field(default_factory=dict)  # eval, last stage
     memory: MemoryManager | None = None  # saved-activation accounting, offload, weight homes
     input_first: bool = True  # B: input gradient first, its send posted at once
+    grad_memory: GradMemory | None = None  # weight-gradient memory kept between steps
     waited: dict[Kind, float] = field(default_factory=dict)  # seconds blocked in RECV_F / RECV_B
 
     def receive(self, action: Action) -> tuple[Tensor, ...]:
@@ -134,7 +136,7 @@ def _run_forward(
         ctx.memory.before_compute(s)
     # Every forward with grad records for split backward: I and W use it, and so
     # does B, which runs as I, the input gradient's send, then W (see _backward).
-    stash = WeightGradStash(stage=s, microbatch=i) if grad else None
+    stash = WeightGradStash(stage=s, microbatch=i, grad_memory=ctx.grad_memory) if grad else None
     saved = ctx.memory.saving(s, i) if grad and ctx.memory is not None else None
     last = s == ctx.last and ctx.targets is not None
     with (

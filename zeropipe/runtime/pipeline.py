@@ -19,6 +19,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
+from zeropipe.autograd.grad_memory import GradMemory
 from zeropipe.autograd.split import prepare_split
 from zeropipe.costs import CostModel
 from zeropipe.deps import Dependencies, Graph
@@ -67,6 +68,12 @@ class Pipeline:
         input_first: in a full backward B, produce the stage-input gradient
             before parameter-only work (backward priority) and post its send
             from inside the backward.
+        keep_grad_memory: W writes a weight gradient whose ``.grad`` is ``None``
+            (after ``optimizer.zero_grad()``) into the memory it used last step,
+            when nothing else still refers to it, instead of allocating: on a
+            CPU a fresh weight-sized allocation is paid again in page faults,
+            on the critical path.  The gradient memory then stays allocated
+            between steps (``release_grad_memory()`` frees it).
         costs, sample, memory_limit: for ``schedule="auto"``: search under
             ``costs``, or profile the model on one microbatch of
             ``sample=(inputs, target)``; ``memory_limit`` per rank (units of
@@ -89,6 +96,7 @@ class Pipeline:
         timeout: float = 300.0,
         device: torch.device | str | None = None,
         input_first: bool = True,
+        keep_grad_memory: bool = True,
         costs: CostModel | None = None,
         sample: tuple[Tensor | Sequence[Tensor], Tensor | None] | None = None,
         memory_limit: float | None = None,
@@ -96,6 +104,7 @@ class Pipeline:
         self.loss_fn = loss_fn
         self.seed = seed
         self.input_first = input_first
+        self.grad_memory = GradMemory() if keep_grad_memory else None
         self._step = 0
         self._batch: int | None = None
         self.distributed, self.rank, world = _executor(executor, process_group)
@@ -199,6 +208,11 @@ class Pipeline:
             self.schedule, events, peak_memory=peaks, memory_unit="bytes", measured=True
         )
 
+    def release_grad_memory(self) -> None:
+        """Stop keeping weight-gradient memory between steps; what ``.grad`` holds stays."""
+        if self.grad_memory is not None:
+            self.grad_memory.clear()
+
     @property
     def peak_saved_bytes(self) -> list[int]:
         """Per rank: the peak bytes of saved activations in the last training step."""
@@ -253,6 +267,7 @@ class Pipeline:
             device=self.memory.step_device(),
             memory=self.memory,
             input_first=self.input_first,
+            grad_memory=self.grad_memory if training else None,
         )
         earlier = self._set_aside_shared() if training else {}
         if training:

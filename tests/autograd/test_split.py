@@ -18,7 +18,12 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from zeropipe.autograd.split import WeightGradStash, prepare_split, unprepare_split
+from zeropipe.autograd.split import (
+    WeightGradStash,
+    prepare_split,
+    unprepare_split,
+    weight_backward_together,
+)
 from zeropipe.errors import PipelineError
 
 M = TypeVar("M", bound=nn.Module)
@@ -175,6 +180,44 @@ def test_microbatches_accumulate_like_full_backward(fuse: bool) -> None:
         # Unfused W repeats autograd's arithmetic: not just close, identical.
         for (name, a), b in zip(ref.named_parameters(), got.parameters(), strict=True):
             assert torch.equal(a.grad, b.grad), name  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("make", [Stage, TiedLM])
+def test_weights_of_several_microbatches_together_equal_full_backward(
+    make: Callable[[], nn.Module],
+) -> None:
+    ref, got = _pair(make)
+    stashes = []
+    for mb in range(3):
+        x = torch.randint(0, V, (B, S)) if make is TiedLM else torch.randn(B, S, D).double()
+        g = torch.randn(B, S, V if make is TiedLM else D, dtype=torch.float64)
+        _full(ref, x, g, seed=mb)
+        stash = WeightGradStash(stage=0, microbatch=mb)
+        torch.manual_seed(mb)
+        with stash.recording(got):
+            out = got(x)
+        stash.input_backward(out, g)
+        stashes.append(stash)
+    assert isinstance(got, Stage | TiedLM)
+    assert _block(got, 0).fc1.weight.grad is None  # deferred until W
+    weight_backward_together(stashes)
+    _assert_same_grads(ref, got)
+    assert all(len(st) == 0 for st in stashes)
+    with pytest.raises(PipelineError, match="ran twice"):
+        weight_backward_together(stashes[:1])
+
+
+def test_weights_together_check_every_stash_before_consuming_any() -> None:
+    _, got = _pair(Stage)
+    ready = WeightGradStash(microbatch=0)
+    with ready.recording(got):
+        out = got(torch.randn(B, S, D, dtype=torch.float64))
+    ready.input_backward(out, torch.ones_like(out))
+    with pytest.raises(PipelineError, match="W before I"):
+        weight_backward_together([ready, WeightGradStash(microbatch=1)])
+    assert len(ready) > 0  # nothing was consumed: it can still run
+    weight_backward_together([ready])
+    assert len(ready) == 0
 
 
 def test_nbytes_is_exactly_the_deferred_inputs_and_output_grads() -> None:

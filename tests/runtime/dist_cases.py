@@ -126,6 +126,37 @@ def _grad_cases(rank: int, world: int) -> dict[str, Any]:
     }
 
 
+GROUPED = ("zbv", "zb-h1", "interleaved-zb")  # schedules with W, run with W in groups
+
+
+def _grouped_weights(rank: int, world: int) -> dict[str, Any]:
+    """W gathered in groups (run fused): the gradient case's model, m = 2p+1, two steps."""
+    out = {}
+    for name in GROUPED:
+        if not _supported(name, world, 2 * world + 1):
+            continue
+        for size in (2, 3):
+            out[f"{name}/w{size}"] = _guard(
+                functools.partial(_grouped_case, name, size, 2 * world + 1)
+            )
+    return out
+
+
+def _grouped_case(name: str, size: int, m: int) -> dict[str, Any]:
+    build, loss_fn = MODELS["tokens-tied"]
+    model = build()
+    x, y = batch_for(model, batch=2 * m + 1)
+    pipe = Pipeline(
+        model, name, microbatches=m, loss_fn=loss_fn, seed=3, timeout=TIMEOUT, group_w=size
+    )
+    steps = []
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        loss = pipe.step(x, y)
+        steps.append({"loss": loss.item(), "grads": _owned_grads(model)})
+    return {"steps": steps, "fused": len(pipe.fused_weights)}
+
+
 def _same_seed(rank: int, world: int) -> dict[str, Any]:
     model = mlp(dropout=0.5)
     x, y = batch_for(model, batch=9)
@@ -432,6 +463,7 @@ def main_cases(rank: int, world: int) -> dict[str, Any]:
     out["store"] = _guard(lambda: _store_check(rank, world))
     out["grads"] = _grad_cases(rank, world)
     out["same_seed"] = _guard(lambda: _same_seed(rank, world))
+    out["grouped"] = _guard(lambda: _grouped_weights(rank, world))
     out["tuple"] = _guard(lambda: _tuple_case(rank, world))
     out["eval_rebatch"] = _guard(lambda: _eval_and_rebatch(rank, world))
     out["shared_accumulation"] = _guard(lambda: _shared_accumulation(rank, world))

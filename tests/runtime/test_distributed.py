@@ -81,6 +81,26 @@ def test_every_generator_matches_the_reference_float64(world: int, name: str) ->
             assert seen == all_names, f"{key}: no rank has gradients for {all_names - seen}"
 
 
+@pytest.mark.parametrize("world", WORLDS)
+def test_weights_run_in_groups_give_the_reference_gradients(world: int) -> None:
+    results = dist_cases.main_results(world)
+    for rank, out in enumerate(results):
+        _no_crash(out["grouped"], f"grouped on rank {rank}")
+    keys = sorted(results[0]["grouped"])
+    assert len(keys) >= 4, keys
+    m = 2 * world + 1
+    for key in keys:
+        assert sum(out["grouped"][key]["fused"] for out in results) > 0, f"{key}: nothing fused"
+        for step in range(2):
+            ref_loss, ref = _reference("tokens-tied", m, step)
+            for rank, out in enumerate(results):
+                _no_crash(out["grouped"][key], f"{key} on rank {rank}")
+                got = out["grouped"][key]["steps"][step]
+                worst = assert_same_gradients(_as_params(got["grads"]), ref, only_owned=True)
+                assert worst <= 1e-10, (key, rank, step, worst)
+                assert abs(got["loss"] - ref_loss) <= 1e-10, (key, step)
+
+
 def test_same_seed_same_result_on_two_ranks_four_ranks_and_locally() -> None:
     runs: dict[str, dict[str, Any]] = {}
     for world in WORLDS:

@@ -74,7 +74,7 @@ from torch import Tensor, nn
 from zeropipe.autograd.grad_memory import GradMemory
 from zeropipe.errors import PipelineError
 
-__all__ = ["WeightGradStash", "prepare_split", "unprepare_split"]
+__all__ = ["WeightGradStash", "prepare_split", "unprepare_split", "weight_backward_together"]
 
 
 @dataclass(frozen=True)
@@ -245,30 +245,69 @@ class WeightGradStash:
 
         Raises :class:`PipelineError` if I has not run, or W already ran for it.
         """
+        weight_backward_together([self])
+
+    def _check_due(self) -> None:
         if not self._awaiting_weight:
             what = "W (weight_backward) ran twice" if self._weight_done else "W before I"
             raise PipelineError(
                 f"{self._where()}: {what}; weight gradients exist only after input_backward() "
                 "and are consumed by the first weight_backward()"
             )
-        # Whatever happens below, the entries are spent: a retry must not add them twice.
+
+    def _take_entries(self) -> list[_Deferred]:
+        """Hand over the deferred work for W (whose being due was checked)."""
+        # Whatever happens next, the entries are spent: a retry must not add them twice.
         entries, self._entries = self._entries, []
         self._awaiting_weight = False
         self._weight_done = True
-        # Group by parameter (a tied weight or a linear called twice has several entries) in
-        # backward order, so that each parameter is updated once, as autograd would.
-        groups = _group_by_param(entries)
-        del entries
-        with torch.no_grad():
-            for key in list(groups):
-                # Popped so that each group's tensors are freed as soon as they are used and
-                # memory falls during W instead of staying at its peak until the end.
-                param, group = groups.pop(key)
-                _accumulate(param, group, fuse=self.fuse_accumulation, memory=self.grad_memory)
-                del group
+        return entries
 
     def _where(self) -> str:
         return f"split backward (stage {self.stage}, microbatch {self.microbatch})"
+
+
+def weight_backward_together(stashes: Sequence[WeightGradStash]) -> None:
+    """W of several microbatches at once: one product per parameter over all their rows.
+
+    ``sum_k grad_output_k^T @ input_k`` is one matrix product of the stacked
+    rows, which reads and writes the weight-sized gradient once instead of
+    once per microbatch -- the dominant cost of W when microbatches are small
+    (a few rows against a large weight).  The result equals running each
+    stash's :meth:`~WeightGradStash.weight_backward` in turn, up to rounding;
+    stashes built with ``fuse_accumulation=False`` are run in turn, exactly.
+    """
+    for stash in stashes:  # all checked before any is consumed
+        stash._check_due()
+    entries = [e for stash in stashes for e in stash._take_entries()]
+    if not stashes or not entries:
+        return
+    fuse = all(stash.fuse_accumulation for stash in stashes)
+    memory = stashes[0].grad_memory
+    # Group by parameter (a tied weight, a linear called twice, the same linear in several
+    # microbatches), so that each parameter is updated once, as autograd would.
+    groups = _group_by_param(entries)
+    del entries
+    with torch.no_grad():
+        for key in list(groups):
+            # Popped so that each group's tensors are freed as soon as they are used and
+            # memory falls during W instead of staying at its peak until the end.
+            param, group = groups.pop(key)
+            _accumulate(param, _stacked(group) if fuse else group, fuse=fuse, memory=memory)
+            del group
+
+
+def _stacked(group: list[_Deferred]) -> list[_Deferred]:
+    """One entry whose rows are all of the group's (same dtypes), so W is one product."""
+    if len(group) == 1 or len({(e.input.dtype, e.grad_output.dtype) for e in group}) > 1:
+        return group
+    return [
+        _Deferred(
+            group[0].param,
+            torch.cat([_rows(e.input) for e in group]),
+            torch.cat([_rows(e.grad_output) for e in group]),
+        )
+    ]
 
 
 def _rows(t: Tensor) -> Tensor:

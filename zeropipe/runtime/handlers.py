@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from zeropipe.autograd.grad_memory import GradMemory
-from zeropipe.autograd.split import WeightGradStash
+from zeropipe.autograd.split import WeightGradStash, weight_backward_together
 from zeropipe.deps import Dependencies
 from zeropipe.errors import PipelineError
 from zeropipe.ir import Action, Kind
@@ -78,6 +78,9 @@ class StepContext:
     memory: MemoryManager | None = None  # saved-activation accounting, offload, weight homes
     input_first: bool = True  # B: input gradient first, its send posted at once
     grad_memory: GradMemory | None = None  # weight-gradient memory kept between steps
+    # W actions whose rank runs a W of the same stage next: they run together with it.
+    fused_weights: frozenset[Action] = frozenset()
+    pending_weights: dict[int, list[int]] = field(default_factory=dict)  # stage -> microbatches
     waited: dict[Kind, float] = field(default_factory=dict)  # seconds blocked in RECV_F / RECV_B
 
     def receive(self, action: Action) -> tuple[Tensor, ...]:
@@ -265,14 +268,21 @@ def _weight(ctx: StepContext, action: Action) -> None:
     state = ctx.state(s, i)
     if state.stash is None and "I" not in state.seen:
         raise PipelineError(f"{action}: no deferred weight gradients (was the forward split?)")
+    if action in ctx.fused_weights:
+        # The next compute action of this rank is a W of the same stage: both become one
+        # product per weight there, which reads and writes each weight gradient once.
+        ctx.pending_weights.setdefault(s, []).append(i)
+        return
     if ctx.memory is not None:
         ctx.memory.before_compute(s)
-    if state.stash is not None:  # None: its I had no gradient to propagate
-        state.stash.weight_backward()
-    state.stash = None
-    if ctx.memory is not None:
-        ctx.memory.after_backward(s, i, state, action.kind)
-    _release(ctx, s, i, done="W")
+    group = [*ctx.pending_weights.pop(s, []), i]
+    states = [ctx.state(s, k) for k in group]
+    weight_backward_together([st.stash for st in states if st.stash is not None])
+    for k, st in zip(group, states, strict=True):
+        st.stash = None
+        if ctx.memory is not None:
+            ctx.memory.after_backward(s, k, st, action.kind)
+        _release(ctx, s, k, done="W")
 
 
 def _send(ctx: StepContext, action: Action) -> None:

@@ -24,6 +24,7 @@ from zeropipe.autograd.split import prepare_split
 from zeropipe.costs import CostModel
 from zeropipe.deps import Dependencies, Graph
 from zeropipe.errors import PipelineError, ScheduleError
+from zeropipe.fuse import fused_weights, group_weights
 from zeropipe.ir import Kind, Schedule
 from zeropipe.lower import lower
 from zeropipe.runtime.auto_plan import resolve_auto
@@ -74,6 +75,10 @@ class Pipeline:
             CPU a fresh weight-sized allocation is paid again in page faults,
             on the critical path.  The gradient memory then stays allocated
             between steps (``release_grad_memory()`` frees it).
+        group_w: gather each rank's W of a stage in runs of this many
+            (:func:`zeropipe.fuse.group_weights`), which the runtime runs as one
+            product per weight; costs ``group_w - 1`` microbatches' W-parts of
+            memory per stage.  1 runs the schedule as given.
         costs, sample, memory_limit: for ``schedule="auto"``: search under
             ``costs``, or profile the model on one microbatch of
             ``sample=(inputs, target)``; ``memory_limit`` per rank (units of
@@ -97,6 +102,7 @@ class Pipeline:
         device: torch.device | str | None = None,
         input_first: bool = True,
         keep_grad_memory: bool = True,
+        group_w: int = 1,
         costs: CostModel | None = None,
         sample: tuple[Tensor | Sequence[Tensor], Tensor | None] | None = None,
         memory_limit: float | None = None,
@@ -132,10 +138,12 @@ class Pipeline:
                 f"schedule {compute.name!r} has {compute.num_ranks} rank(s) but the process group "
                 f"has {world}; launch {compute.num_ranks} processes or pass ranks={world}"
             )
+        compute = group_weights(compute, group_w)
         self.all_stages = _build_stages(stages, compute.num_stages, balance)
         self.schedule = lower(compute) if compute.num_ranks > 1 else compute
         self.graph: Graph = validate(self.schedule)
         self.deps: Dependencies = self.graph.deps
+        self.fused_weights = fused_weights(self.schedule)
         mine = self.schedule.stages_of(self.rank) if self.distributed else range(compute.num_stages)
         self.stages = {s: self.all_stages[s] for s in mine}
         for stage in self.stages.values():  # every backward runs through the split stash
@@ -268,6 +276,7 @@ class Pipeline:
             memory=self.memory,
             input_first=self.input_first,
             grad_memory=self.grad_memory if training else None,
+            fused_weights=self.fused_weights if training else frozenset(),
         )
         earlier = self._set_aside_shared() if training else {}
         if training:

@@ -145,6 +145,15 @@ def test_wire_is_measured_between_two_processes() -> None:
     assert "ranks 0 and 1" in how
 
 
+def test_w_run_together_is_measured_and_cheaper_than_a_second_w() -> None:
+    costs = profile(_stages(), torch.randn(B, A), warmup=1, repeat=4)
+    for c in costs.stages:
+        assert c.W_fused is not None and c.W_fused >= 0
+    # Fusing reads each weight gradient once for both: never dearer than a second W, give
+    # or take the noise of tiny stages.
+    assert sum(c.W_fused or 0 for c in costs.stages) < 1.5 * sum(c.W for c in costs.stages)
+
+
 def test_runtime_overhead_per_action_is_measured() -> None:
     costs = profile(_stages(), torch.randn(B, A), warmup=1, repeat=3)
     # The runtime's bookkeeping per action: more than nothing, less than a millisecond-scale

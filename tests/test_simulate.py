@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from tests.strategies import valid_schedules
 from zeropipe.costs import CostModel, StageCost, peak_memory
 from zeropipe.errors import ScheduleError
+from zeropipe.fuse import fused_weights, group_weights
 from zeropipe.ir import Kind, Schedule
 from zeropipe.lower import lower
 from zeropipe.schedules import generate
@@ -127,12 +128,30 @@ def test_simulated_timelines_respect_every_dependency(schedule: Schedule) -> Non
         assert all(math.isfinite(v) for v in end.values())
 
 
+def test_a_w_run_together_with_the_next_costs_w_fused() -> None:
+    grouped = group_weights(generate("zb-h1", 2, 6), 2)
+    fused = fused_weights(grouped)
+    assert fused
+    plain = CostModel.uniform(2, F=1, I=1, W=1)
+    cheap = CostModel.uniform(2, F=1, I=1, W=1, W_fused=0.25)
+    a, b = simulate(grouped, plain), simulate(grouped, cheap)
+    for evs_a, evs_b in zip(a.events, b.events, strict=True):
+        for ea, eb in zip(evs_a, evs_b, strict=True):
+            want = 0.25 if ea.action in fused else ea.end - ea.start
+            assert eb.end - eb.start == pytest.approx(want)
+    assert b.makespan < a.makespan
+    # Without W_fused a grouped schedule takes what the schedule as given takes, or longer.
+    assert a.makespan >= simulate(generate("zb-h1", 2, 6), plain).makespan - 1e-9
+
+
 def test_cost_spec_parsing() -> None:
     c = CostModel.parse("F=1,B=2,comm=0.5", 2)
     assert c.stages[0].I == 1 and c.stages[0].W == 1 and c.latency == 0.5
     c = CostModel.parse("F=2,I=3,W=1,post=0.2,overhead=0.1", 4, chunks=2)
     assert c.stages[0].F == 1.0 and c.stages[0].act == 0.5
     assert c.post == 0.2 and c.overhead == 0.1  # per action: not divided by chunks
+    assert c.stages[0].W_fused is None
+    assert CostModel.parse("W=1,I=1,W_fused=0.5", 4, chunks=2).stages[0].W_fused == 0.25
     with pytest.raises(ScheduleError, match="X=1"):
         CostModel.parse("X=1", 2)
     with pytest.raises(ScheduleError, match="not a number"):
@@ -141,7 +160,7 @@ def test_cost_spec_parsing() -> None:
 
 def test_cost_model_json_round_trip() -> None:
     c = CostModel(
-        (StageCost(F=2.0, boundary_bytes=10.0), StageCost()),
+        (StageCost(F=2.0, boundary_bytes=10.0, W_fused=0.3), StageCost()),
         latency=0.1,
         bandwidth=5.0,
         overhead=0.01,

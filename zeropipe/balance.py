@@ -169,23 +169,7 @@ def stage_costs(layers: CostModel, cut: Sequence[int]) -> CostModel:
     stages, start = [], 0
     for count in cut:
         group = layers.stages[start : start + count]
-        stages.append(
-            StageCost(
-                F=sum(c.F for c in group),
-                I=sum(c.I for c in group),
-                W=sum(c.W for c in group),
-                B=sum(c.time(Kind.B) for c in group),
-                R=sum(c.time(Kind.R) for c in group),
-                OFFLOAD=sum(c.OFFLOAD for c in group),
-                RELOAD=sum(c.RELOAD for c in group),
-                weight_copy=sum(c.weight_copy for c in group),
-                act=sum(c.act for c in group),
-                act_w=sum(c.act_w for c in group),
-                ckpt=sum(c.ckpt for c in group),
-                weights=sum(c.weights for c in group),
-                boundary_bytes=group[-1].boundary_bytes,
-            )
-        )
+        stages.append(StageCost.merged(group))
         start += count
     meta = {**layers.meta, "cut": list(cut)}
     return replace(layers, stages=tuple(stages), meta=meta)

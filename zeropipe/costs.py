@@ -4,6 +4,10 @@ Times are in any unit (the simulator only adds them); memory is in any unit
 too, by default "one microbatch's activations of one full rank's layers", so
 a rank that holds ``v`` chunks has ``act = 1/v`` per stage.
 
+``W_fused`` is what a W costs when its rank runs a W of the same stage right
+after it: the runtime does the two as one product per weight
+(:mod:`zeropipe.fuse`), which with small microbatches costs much less than two.
+
 Two costs belong to the runtime rather than to a stage: ``overhead``, added to every
 compute action (the runtime's own bookkeeping around the stage's module), and
 ``post``, the time a send or receive occupies its rank when it is posted.  With
@@ -43,6 +47,7 @@ class StageCost:
     W: float = 1.0
     B: float | None = None  # None: I + W
     R: float | None = None  # None: F
+    W_fused: float | None = None  # a W run together with the next W of the stage; None: W
     OFFLOAD: float = 0.0  # copy time of one microbatch's activations (copy stream)
     RELOAD: float = 0.0
     weight_copy: float = 0.0  # copy time of the stage's weights, each way
@@ -51,6 +56,33 @@ class StageCost:
     ckpt: float = 0.0
     weights: float = 0.0
     boundary_bytes: float = 0.0  # size of this stage's output activation (= its input grad)
+
+    @classmethod
+    def merged(cls, group: Sequence[StageCost]) -> StageCost:
+        """Consecutive stages run as one: times and memory summed, the last one's boundary."""
+
+        def total(name: str) -> float:
+            return float(sum(getattr(c, name) for c in group))
+
+        fused = None
+        if any(c.W_fused is not None for c in group):
+            fused = sum(c.W if c.W_fused is None else c.W_fused for c in group)
+        return cls(
+            F=total("F"),
+            I=total("I"),
+            W=total("W"),
+            B=sum(c.time(Kind.B) for c in group),
+            R=sum(c.time(Kind.R) for c in group),
+            W_fused=fused,
+            OFFLOAD=total("OFFLOAD"),
+            RELOAD=total("RELOAD"),
+            weight_copy=total("weight_copy"),
+            act=total("act"),
+            act_w=total("act_w"),
+            ckpt=total("ckpt"),
+            weights=total("weights"),
+            boundary_bytes=group[-1].boundary_bytes,
+        )
 
     def time(self, kind: Kind, weight_copy: bool = False) -> float:
         if kind is Kind.F:
@@ -95,6 +127,7 @@ class CostModel:
         I: float | None = None,
         W: float | None = None,
         R: float | None = None,
+        W_fused: float | None = None,
         comm: float = 0.0,
         act_w: float = 0.0,
         overhead: float = 0.0,
@@ -116,6 +149,7 @@ class CostModel:
             W=W / chunks,
             B=None if B is None else B / chunks,
             R=None if R is None else R / chunks,
+            W_fused=None if W_fused is None else W_fused / chunks,
             act=1.0 / chunks,
             act_w=act_w / chunks,
         )
@@ -126,7 +160,7 @@ class CostModel:
     @classmethod
     def parse(cls, spec: str, num_stages: int, chunks: int = 1) -> CostModel:
         """Read ``"F=1,B=2,I=1,W=1,comm=0"`` (any subset) into a uniform model."""
-        known = {"F", "B", "I", "W", "R", "comm", "act_w", "overhead", "post"}
+        known = {"F", "B", "I", "W", "R", "W_fused", "comm", "act_w", "overhead", "post"}
         values: dict[str, float] = {}
         for part in filter(None, (p.strip() for p in spec.split(","))):
             key, sep, val = part.partition("=")
@@ -152,6 +186,7 @@ class CostModel:
             I=values.get("I"),
             W=values.get("W"),
             R=values.get("R"),
+            W_fused=values.get("W_fused"),
             comm=values.get("comm", 0.0),
             act_w=values.get("act_w", 0.0),
             overhead=values.get("overhead", 0.0),

@@ -50,7 +50,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from zeropipe.autograd.split import WeightGradStash, prepare_split, unprepare_split
+from zeropipe.autograd.split import (
+    WeightGradStash,
+    prepare_split,
+    unprepare_split,
+    weight_backward_together,
+)
 from zeropipe.costs import CostModel, StageCost
 from zeropipe.errors import PipelineError
 
@@ -170,7 +175,8 @@ class _Probe:
         )
         params = {_key(t) for t in [*module.parameters(), *module.buffers()]}
         self.exclude = params | keep | _storages(inputs)
-        self.times: dict[str, list[float]] = {k: [] for k in ("F", "I", "W")}
+        self.times: dict[str, list[float]] = {k: [] for k in ("F", "I", "W", "W2")}
+        self._runs = 0
         self.act = self.act_w = 0
         self.grads: list[Tensor] | None = None
         self.out: tuple[Tensor, ...] = ()
@@ -191,8 +197,24 @@ class _Probe:
         return outs, [t for t in outs if t.requires_grad]
 
     def run(self, timed: bool) -> None:
+        """One repetition: F -> I -> W; every other one, two F -> I and their W as one."""
+        stashes = [self._forward_input(timed)]
+        if self._runs % 2:  # W of two microbatches run together (W_fused)
+            stashes.append(self._forward_input(timed))
+        self._runs += 1
+        pending = [st for st in stashes if st is not None]
+        if not pending:  # a stage with nothing to differentiate has no backward to time
+            return
+        _sync(self.device)
+        t0 = time.perf_counter()
+        weight_backward_together(pending)
+        _sync(self.device)
+        if timed:
+            self.times["W" if len(pending) == 1 else "W2"].append(time.perf_counter() - t0)
+
+    def _forward_input(self, timed: bool) -> WeightGradStash | None:
+        """F (recorded for split backward) then I, counting what the forward saved."""
         sync, clock = _sync, time.perf_counter
-        # F (recorded for split backward) -> I -> W, counting what the forward saved.
         stash = WeightGradStash()
         self._saved.clear()
         sync(self.device)
@@ -212,32 +234,34 @@ class _Probe:
             self.grads = _output_grads(roots, self.loss is not None or self.last)
             self.out = tuple(t.detach() for t in outs)
         grads = self.grads if self.loss is None else None
-        t2 = t3 = t1
-        if roots:  # a stage with nothing to differentiate has no backward to time
+        t2 = t1
+        if roots:
             stash.input_backward(roots, grads)
             sync(self.device)
             t2 = clock()
             self.act_w = max(self.act_w, stash.nbytes)
-            stash.weight_backward()
-            sync(self.device)
-            t3 = clock()
-        del outs, roots
+        del outs
         for t in self.inputs:  # a fresh microbatch's input has no gradient yet
             t.grad = None
         if timed:
-            for name, dt in (("F", t1 - t0), ("I", t2 - t1), ("W", t3 - t2)):
-                self.times[name].append(dt)
+            self.times["F"].append(t1 - t0)
+            if roots:
+                self.times["I"].append(t2 - t1)
+        return stash if roots else None
 
     def cost(self) -> tuple[StageCost, dict[str, float]]:
-        med = {k: statistics.median(v) for k, v in self.times.items()}
-        noise = {k: _iqr(v) / med[k] if med[k] > 0 else 0.0 for k, v in self.times.items()}
+        med = {k: statistics.median(v) if v else 0.0 for k, v in self.times.items()}
+        noise = {k: _iqr(v) / med[k] if med[k] > 0 else 0.0 for k, v in self.times.items() if v}
         boundary = 0 if self.last else sum(t.numel() * t.element_size() for t in self.out)
+        # What the second of two W run together adds: the pair's time less one W.
+        fused = max(med["W2"] - med["W"], 0.0) if self.times["W2"] and self.times["W"] else None
         cost = StageCost(
             F=med["F"],
             I=med["I"],
             W=med["W"],
             B=med["I"] + med["W"],
             R=med["F"],
+            W_fused=fused,
             act=float(self.act),
             act_w=float(self.act_w),
             ckpt=0.0,

@@ -19,6 +19,7 @@ from statistics import median
 
 from zeropipe.costs import CostModel, StageCost, peak_memory
 from zeropipe.deps import Graph
+from zeropipe.fuse import fused_weights
 from zeropipe.ir import COMM_KINDS, COMPUTE_KINDS, COPY_KINDS, Action, Schedule
 from zeropipe.validate import validate
 
@@ -133,6 +134,7 @@ def simulate(
     start: list[list[float]] = [[0.0] * len(a) for a in acts]
     end: list[list[float]] = [[0.0] * len(a) for a in acts]
     lane_free = [[0.0, 0.0] for _ in acts]  # compute, copy
+    fused = fused_weights(schedule)  # W run together with the next W of their stage
     for r, k in graph.order:  # program order within a rank is respected by the graph
         a = acts[r][k]
         t = start[r][k - 1] if k else 0.0
@@ -149,6 +151,9 @@ def simulate(
                 ready += costs.transfer_time(min(dep.action.stage, a.stage))
             t = max(t, ready)
         duration = costs.time(a)
+        saved = costs.stages[a.stage].W_fused if a in fused else None
+        if saved is not None:
+            duration += saved - costs.stages[a.stage].W
         # A post that costs time runs on the rank's one thread, like compute.
         if a.kind in COMPUTE_KINDS or (duration > 0 and a.kind in COMM_KINDS):
             t = max(t, lane_free[r][0])

@@ -23,6 +23,7 @@ import pytest
 from zeropipe import cli
 from zeropipe.costs import CostModel, StageCost, peak_memory
 from zeropipe.errors import ScheduleError
+from zeropipe.fuse import fused_weights
 from zeropipe.ir import Action, Kind, Schedule
 from zeropipe.schedules import GENERATORS, generate
 from zeropipe.simulate import simulate
@@ -173,6 +174,20 @@ def test_a_cheaper_fused_backward_is_considered(registered: ModuleType) -> None:
     result = search(costs, 3, 6, None)
     kinds = {a.kind for acts in result.schedule.actions for a in acts}
     assert Kind.B in kinds  # B = 1.2 beats I + W = 2: no split pays
+
+
+def test_cheap_fused_w_makes_auto_gather_w_and_beat_every_named(registered: ModuleType) -> None:
+    costs = CostModel.uniform(2, F=1, I=1, W=1, W_fused=0.2)
+    result = registered.search(costs, 2, 8, None)
+    assert "W in groups of" in result.explanation
+    assert fused_weights(result.schedule)  # the runtime will run them together
+    for name, sched in _named(2, 8):
+        c = registered.costs_for(costs, sched.num_stages)
+        assert result.timeline.makespan < simulate(sched, c).makespan, name
+    # Without W_fused no grouped candidate is made.
+    plain = registered.search(CostModel.uniform(2, F=1, I=1, W=1), 2, 8, None)
+    assert all(c.source != "grouped" for c in plain.candidates)
+    assert "W in groups" not in plain.explanation
 
 
 def test_a_limit_below_one_microbatch_needs_recompute_or_offload(registered: ModuleType) -> None:

@@ -15,6 +15,8 @@ with its own event loop (the simulator's rules, made fast)::
                                  at least ``gap`` x W), or when an F waits for W's memory
     re-timed named   each named schedule's F / I order, with its W placed anew as above
     named            each named schedule as it is, if it fits: auto is never worse
+    grouped          the verified ones again with each stage's W in groups of 2 and 4, when
+                     the costs say W run together are cheaper (``W_fused``, zeropipe.fuse)
 
 The best few by that timing are then validated (:func:`zeropipe.validate.validate`
 with the memory limit) and simulated (:func:`zeropipe.simulate.simulate`): those
@@ -40,6 +42,7 @@ from typing import Any
 
 from zeropipe.costs import CostModel, StageCost, peak_memory, per_rank
 from zeropipe.errors import ScheduleError
+from zeropipe.fuse import group_weights
 from zeropipe.ir import Action, Kind, Schedule
 from zeropipe.schedules import GENERATORS, register
 from zeropipe.schedules._list_scheduler import Policy, Step, _list_schedule, _order, _placement
@@ -73,7 +76,9 @@ def costs_for(costs: CostsLike, num_stages: int) -> CostModel | None:
         how = f"each of {n} stage(s) split into {k}"
     elif n % num_stages == 0:
         k = n // num_stages
-        stages = tuple(_merged(costs.stages[g * k : (g + 1) * k]) for g in range(num_stages))
+        stages = tuple(
+            StageCost.merged(costs.stages[g * k : (g + 1) * k]) for g in range(num_stages)
+        )
         how = f"{n} stages merged in groups of {k}"
     else:
         return None
@@ -87,6 +92,7 @@ def _scaled(c: StageCost, f: float) -> StageCost:
         W=c.W * f,
         B=None if c.B is None else c.B * f,
         R=None if c.R is None else c.R * f,
+        W_fused=None if c.W_fused is None else c.W_fused * f,
         OFFLOAD=c.OFFLOAD * f,
         RELOAD=c.RELOAD * f,
         weight_copy=c.weight_copy * f,
@@ -95,27 +101,6 @@ def _scaled(c: StageCost, f: float) -> StageCost:
         ckpt=c.ckpt * f,
         weights=c.weights * f,
         boundary_bytes=c.boundary_bytes,
-    )
-
-
-def _merged(group: Sequence[StageCost]) -> StageCost:
-    def total(name: str) -> float:
-        return float(sum(getattr(c, name) for c in group))
-
-    return StageCost(
-        F=total("F"),
-        I=total("I"),
-        W=total("W"),
-        B=sum(c.time(Kind.B) for c in group),
-        R=sum(c.time(Kind.R) for c in group),
-        OFFLOAD=total("OFFLOAD"),
-        RELOAD=total("RELOAD"),
-        weight_copy=total("weight_copy"),
-        act=total("act"),
-        act_w=total("act_w"),
-        ckpt=total("ckpt"),
-        weights=total("weights"),
-        boundary_bytes=group[-1].boundary_bytes,
     )
 
 
@@ -317,6 +302,7 @@ def search(
         cand.makespan = cand.timeline.makespan
         cand.steady = cand.timeline.steady_bubble_rate
         scored.append(cand)
+    scored += _grouped(scored, limits)
     finite = any(math.isfinite(x) for x in limits)
     if finite and (recompute or (recompute is None and not scored)):
         try:
@@ -344,7 +330,7 @@ def search(
     else:
         gain = 1 - best.makespan / best_named.makespan
         versus = f"best named {best_named.name}: {best_named.makespan:.5g}, -{gain:.1%}"
-    how = best.name if best.source == "list" else f"the named schedule {best.name}"
+    how = best.name if best.source != "named" else f"the named schedule {best.name}"
     tl = best.timeline
     seconds = time.perf_counter() - start
     explanation = (
@@ -355,6 +341,35 @@ def search(
     )
     sched = best.schedule if best.source == "list" else _renamed(best.schedule, "auto")
     return AutoResult(sched, best.costs, tl, explanation, listed, seconds)
+
+
+def _grouped(scored: Sequence[Candidate], limits: list[float]) -> list[Candidate]:
+    """The verified candidates again with each stage's W gathered in groups of 2 and 4.
+
+    Only where the costs say a W run together with the next is cheaper
+    (``W_fused``): the runtime then does each group as one product per weight.
+    """
+    out = []
+    for cand in scored:
+        stages = cand.costs.stages
+        if not any(c.W_fused is not None and c.W_fused < c.W - _EPS for c in stages):
+            continue
+        if not any(a.kind is Kind.W for acts in cand.schedule.actions for a in acts):
+            continue
+        for size in (2, 4):
+            sched = group_weights(cand.schedule, size)
+            try:
+                graph = validate(sched, memory_limit=limits, costs=cand.costs)
+            except ScheduleError:
+                continue  # holding the W-parts longer does not fit the limit
+            tl = simulate(sched, cand.costs, graph=graph)
+            name = f"{cand.name}, W in groups of {size}"
+            out.append(
+                Candidate(
+                    name, "grouped", cand.costs, tl.makespan, tl.steady_bubble_rate, tl, sched
+                )
+            )
+    return out
 
 
 def _fit(

@@ -59,6 +59,7 @@ class BenchConfig:
     microbatches: int = 8
     reps: int = 10
     warmup: int = 3
+    group_w: int = 4  # zeropipe runs W of a stage in groups of 4 where the schedule splits B
     timeout: float = 600.0
 
 
@@ -102,6 +103,7 @@ def _rank_main(rank: int, world: int, cfg: BenchConfig) -> list[dict[str, Any]]:
                 "schedule": name,
                 "ranks": world,
                 "microbatches": cfg.microbatches,
+                "group_w": cfg.group_w,
                 "zeropipe_step_s": zp,
                 "torch_step_s": th,
                 "ratio": zp / th,
@@ -162,6 +164,7 @@ def _zeropipe_step(
         loss_fn=F.mse_loss,
         ranks=world,
         executor="distributed",
+        group_w=cfg.group_w,
     )
     params = pipe.parameters()
 
@@ -217,6 +220,11 @@ def format_table(rows: list[dict[str, Any]], cfg: BenchConfig) -> str:
         f"Linear({cfg.hidden},{cfg.width}), batch {cfg.batch}, {cfg.microbatches} microbatches, "
         f"{cfg.ranks} ranks over gloo, 1 intra-op thread per rank, median of {cfg.reps} interleaved reps"
     )
+    if cfg.group_w > 1:
+        head += (
+            f"\nzeropipe gathers each stage's W in runs of {cfg.group_w} where a schedule has W "
+            "(group_w; the F/B/I order is torch's), --group-w 1 runs the schedules exactly as torch's"
+        )
     lines = [
         head,
         "",
@@ -249,6 +257,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--microbatches", type=int, default=d.microbatches)
     parser.add_argument("--reps", type=int, default=d.reps)
     parser.add_argument("--warmup", type=int, default=d.warmup)
+    parser.add_argument(
+        "--group-w",
+        type=int,
+        default=d.group_w,
+        help="zeropipe: gather each stage's W in runs of this many (1: the schedule as given)",
+    )
     parser.add_argument("--json", action="store_true", help="one JSON object per schedule per line")
 
 
@@ -264,6 +278,7 @@ def run_cli(args: argparse.Namespace) -> int:
         microbatches=args.microbatches,
         reps=args.reps,
         warmup=args.warmup,
+        group_w=args.group_w,
     )
     rows = run_bench(cfg)
     if args.json:

@@ -101,6 +101,15 @@ def test_top_saved_tensors_hooks() -> None:
         assert _compat.top_saved_tensors_hooks() == (pack, unpack)
 
 
+def test_storage_use_count_counts_views() -> None:
+    t = torch.zeros(4)
+    alone = _compat.storage_use_count(t)
+    view = t[1:]
+    assert _compat.storage_use_count(t) == alone + 1
+    del view
+    assert _compat.storage_use_count(t) == alone
+
+
 def test_cpu_has_no_streams() -> None:
     assert not _compat.streams_supported(torch.device("cpu"))
     assert not _compat.streams_supported(torch.device("meta"))

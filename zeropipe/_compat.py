@@ -26,6 +26,9 @@ What is private, and why zeropipe needs it:
 ``distributed_c10d.``              the rendezvous store every rank shares; the
 ``_get_default_store()``           distributed transport raises a failed
                                    rank's message there so peers stop waiting
+``torch._C._storage_Use_Count``    how many tensors share a storage: kept
+                                   gradient memory is reused only when no view
+                                   of it survives (autograd.grad_memory)
 =================================  ===========================================
 
 Device streams and the choice of a device / collective backend use public
@@ -143,6 +146,11 @@ def top_saved_tensors_hooks() -> tuple[Callable[..., Any], Callable[..., Any]] |
 
 
 # --- accelerator streams ----------------------------------------------------
+
+
+def storage_use_count(tensor: torch.Tensor) -> int:
+    """References to ``tensor``'s storage (each tensor or view on it holds one)."""
+    return int(torch._C._storage_Use_Count(tensor.untyped_storage()._cdata))
 
 
 def _old_api(device: torch.device) -> bool:

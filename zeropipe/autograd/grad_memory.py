@@ -28,6 +28,8 @@ import sys
 import torch
 from torch import Tensor
 
+from zeropipe._compat import storage_use_count
+
 __all__ = ["GradMemory"]
 
 
@@ -83,7 +85,7 @@ def _matches(buf: Tensor, param: Tensor) -> bool:
 def _counts(buf: Tensor) -> tuple[int, int]:
     # Python references to the tensor object, and tensors (views) sharing its storage.  The
     # layout of this function matters: _counts_when_alone calls it the same way.
-    return sys.getrefcount(buf), torch._C._storage_Use_Count(buf.untyped_storage()._cdata)
+    return sys.getrefcount(buf), storage_use_count(buf)
 
 
 def _counts_when_alone() -> tuple[int, int]:

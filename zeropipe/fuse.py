@@ -5,8 +5,9 @@ With small microbatches (a few rows against a large weight) its cost is
 reading and writing the weight-sized gradient, not the product.  When a rank
 runs two W of the same stage back to back, the runtime does them as one
 product over the rows of both (:func:`~zeropipe.autograd.split.weight_backward_together`):
-the gradient is read and written once.  The named schedules never put two W
-of a stage side by side, so :func:`group_weights` moves them there::
+the gradient is read and written once.  The named schedules put two W of a
+stage side by side only in their cooldown, so :func:`group_weights` moves them
+there::
 
     before   I0 W0 F1 I1 W1 F2 I2 W2 F3 I3 W3        (one rank, one stage)
     after    I0 F1 I1 W0 W1 F2 I2 F3 I3 W2 W3        size=2: W0 waits for W1

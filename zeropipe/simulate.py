@@ -134,7 +134,9 @@ def simulate(
     start: list[list[float]] = [[0.0] * len(a) for a in acts]
     end: list[list[float]] = [[0.0] * len(a) for a in acts]
     lane_free = [[0.0, 0.0] for _ in acts]  # compute, copy
-    fused = fused_weights(schedule)  # W run together with the next W of their stage
+    # W run together with the next W of their stage; found only when some stage prices it.
+    priced = any(c.W_fused is not None for c in costs.stages)
+    fused = fused_weights(schedule) if priced else frozenset()
     for r, k in graph.order:  # program order within a rank is respected by the graph
         a = acts[r][k]
         t = start[r][k - 1] if k else 0.0

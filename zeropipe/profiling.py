@@ -216,20 +216,28 @@ class _Probe:
         """F (recorded for split backward) then I, counting what the forward saved."""
         sync, clock = _sync, time.perf_counter
         stash = WeightGradStash()
+        # The saved bytes depend on the shapes only: counted on the first run, whose
+        # hooks (a few microseconds per saved tensor) the runtime also pays only once.
+        count = self._runs == 0
         self._saved.clear()
         sync(self.device)
         t0 = clock()
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+        with (
+            torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+            if count
+            else _nothing()
+        ):
             outs, roots = self._forward(stash)
         sync(self.device)
         t1 = clock()
-        # The runtime holds a stage's output as a communication buffer, not as an
-        # activation -- except on the last stage, whose output only the loss keeps.
-        boundary = set() if self.loss is not None else _storages(outs)
-        alive = [t for t in (ref() for ref in self._saved) if t is not None]
-        self.act = max(self.act, _distinct_bytes(alive, self.exclude | boundary))
-        del alive
-        self._saved.clear()
+        if count:
+            # The runtime holds a stage's output as a communication buffer, not as an
+            # activation -- except on the last stage, whose output only the loss keeps.
+            boundary = set() if self.loss is not None else _storages(outs)
+            alive = [t for t in (ref() for ref in self._saved) if t is not None]
+            self.act = _distinct_bytes(alive, self.exclude | boundary)
+            del alive
+            self._saved.clear()
         if self.grads is None:
             self.grads = _output_grads(roots, self.loss is not None or self.last)
             self.out = tuple(t.detach() for t in outs)

@@ -120,6 +120,66 @@ def test_saved_bytes_are_what_the_graph_keeps_beyond_weights_and_boundaries() ->
     assert pipe.memory.act[1] == 3 * 8 * 8
 
 
+def _hooked(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Record which (stage, microbatch) each tensor through SavedActivations' pack hook came from."""
+    calls: list[str] = []
+    pack = SavedActivations._pack
+
+    def counting(self: SavedActivations, t: Tensor) -> object:
+        calls.append(self.where)
+        return pack(self, t)
+
+    monkeypatch.setattr(SavedActivations, "_pack", counting)
+    return calls
+
+
+def test_saved_bytes_are_counted_once_per_input_shape_unless_always(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls = _hooked(monkeypatch)
+    model = mlp(layers=4)
+    batches = [batch_for(model, batch=b) for b in (8, 8, 12, 8)]
+    peaks: dict[str, list[tuple[int, ...]]] = {}
+    hooked: dict[str, list[int]] = {}
+    for mode in ("once", "always"):
+        pipe = Pipeline(model, "1f1b", microbatches=4, ranks=2, loss_fn=F.mse_loss,
+                        count_saved=mode)  # fmt: skip
+        peaks[mode], hooked[mode] = [], []
+        for x, y in batches:
+            calls.clear()
+            pipe.step(x, y)
+            peaks[mode].append(tuple(pipe.peak_saved_bytes))
+            hooked[mode].append(len(calls))
+    # The same counts either way, step after step; a new microbatch shape counts anew.
+    assert peaks["once"] == peaks["always"]
+    assert peaks["once"][0] == peaks["once"][1] == peaks["once"][3] < peaks["once"][2]
+    # ... but "once" hooks only the first forward of each shape.
+    assert hooked["always"][0] == hooked["always"][1] == hooked["always"][3] > 0
+    assert hooked["once"][0] == hooked["always"][0] // 4  # one microbatch per stage
+    assert hooked["once"][1] == hooked["once"][3] == 0 < hooked["once"][2]
+
+
+def test_offloaded_stages_are_hooked_on_every_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _hooked(monkeypatch)
+    model = mlp(layers=4)
+    x, y = batch_for(model, batch=8)
+    ref_loss, ref = reference(model, x, y, F.mse_loss, 4)
+    pipe = Pipeline(model, offload(generate("1f1b", 2, 4), lambda s, i: s == 0),
+                    loss_fn=F.mse_loss)  # fmt: skip
+    hooked: list[set[str]] = []
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        calls.clear()
+        assert_same_loss(pipe.step(x, y), ref_loss)
+        assert_same_gradients(model.named_parameters(), ref)
+        assert max(pipe.memory.report.host) > 0
+        hooked.append(set(calls))
+    offloaded = {f"stage 0 microbatch {i}" for i in range(4)}
+    assert hooked == [offloaded | {"stage 1 microbatch 0"}, offloaded]
+    with pytest.raises(PipelineError, match="count_saved"):
+        Pipeline(model, "1f1b", microbatches=4, ranks=2, count_saved="never")  # type: ignore[arg-type]
+
+
 CALIBRATE = {"gpipe": "gpipe", "1f1b": "1f1b", "zbv": "zbv"}
 
 

@@ -140,7 +140,7 @@ def _run_forward(
     # Every forward with grad records for split backward: I and W use it, and so
     # does B, which runs as I, the input gradient's send, then W (see _backward).
     stash = WeightGradStash(stage=s, microbatch=i, grad_memory=ctx.grad_memory) if grad else None
-    saved = ctx.memory.saving(s, i) if grad and ctx.memory is not None else None
+    saved = ctx.memory.saving(s, i, state.inputs) if grad and ctx.memory is not None else None
     last = s == ctx.last and ctx.targets is not None
     with (
         torch.set_grad_enabled(grad),

@@ -23,8 +23,8 @@ optimizers and gradient accumulators keep pointing at it), as
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Hashable, Iterable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -150,6 +150,9 @@ class SavedActivations:
         copier: Copier,
         keep: frozenset[StorageKey],
         params: dict[StorageKey, Tensor],
+        *,
+        known: int | None = None,
+        signature: Hashable = None,
     ) -> None:
         self.where = where
         self._copier = copier
@@ -158,9 +161,20 @@ class SavedActivations:
         self._live: list[weakref.ref[_Packed]] = []
         self._boundary: set[StorageKey] = set()
         self._blocks: list[_Block] = []
+        # ``known``: the bytes an earlier forward of the same signature saved; then no
+        # hooks run, nothing is tracked and nothing can be offloaded.
+        self._known = known
+        self.signature = signature  # what the caller may cache the count under
+
+    @property
+    def counted(self) -> bool:
+        """Whether this forward's saved tensors go through the hooks (not a known count)."""
+        return self._known is None
 
     def hooks(self) -> AbstractContextManager[None]:
         """The saved-tensor hooks that route this forward's saved tensors through here."""
+        if self._known is not None:
+            return nullcontext()
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _pack(self, t: Tensor) -> Any:
@@ -198,12 +212,16 @@ class SavedActivations:
 
     def seal(self, boundary: Iterable[Tensor]) -> int:
         """End of the forward: the boundary tensors stay put; return the bytes held."""
+        if self._known is not None:
+            return self._known
         self._boundary = {storage_key(t) for t in boundary if movable(t)}
         return self.nbytes
 
     @property
     def nbytes(self) -> int:
         """Bytes of saved activations on the device now (distinct storages)."""
+        if self._known is not None:
+            return self._known
         resident = distinct_bytes(
             h.tensor
             for h in self._handles()
@@ -218,6 +236,11 @@ class SavedActivations:
 
     def offload(self) -> None:
         """Copy every movable storage to host and let go of the device copy."""
+        if self._known is not None:
+            raise PipelineError(
+                f"{self.where}: this forward ran without saved-tensor hooks (its bytes were "
+                f"known), so its activations cannot be offloaded"
+            )
         groups: dict[StorageKey, list[_Packed]] = {}
         for h in self._handles():
             if h.tensor is not None and storage_key(h.tensor) not in self._boundary:

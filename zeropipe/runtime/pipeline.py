@@ -79,6 +79,13 @@ class Pipeline:
             (:func:`zeropipe.fuse.group_weights`), which the runtime runs as one
             product per weight; costs ``group_w - 1`` microbatches' W-parts of
             memory per stage.  1 runs the schedule as given.
+        count_saved: ``"once"`` (default) counts the bytes of saved activations
+            (:attr:`peak_saved_bytes`) through saved-tensor hooks the first
+            time a stage runs a forward on inputs of a given shape and dtype,
+            and reuses that count afterwards: the hooks cost a few microseconds
+            per saved tensor.  ``"always"`` hooks every forward, for models
+            whose saved bytes depend on the data, not only on the shapes.
+            Stages whose activations the schedule offloads are always hooked.
         costs, sample, memory_limit: for ``schedule="auto"``: search under
             ``costs``, or profile the model on one microbatch of
             ``sample=(inputs, target)``; ``memory_limit`` per rank (units of
@@ -103,6 +110,7 @@ class Pipeline:
         input_first: bool = True,
         keep_grad_memory: bool = True,
         group_w: int = 1,
+        count_saved: Literal["once", "always"] = "once",
         costs: CostModel | None = None,
         sample: tuple[Tensor | Sequence[Tensor], Tensor | None] | None = None,
         memory_limit: float | None = None,
@@ -166,6 +174,7 @@ class Pipeline:
             self.stages,
             self.all_stages,
             None if device is None else torch.device(device),
+            count_saved,
         )
 
     # -- public surface -------------------------------------------------------------

@@ -30,8 +30,9 @@ gloo's point-to-point works never report ``is_completed()`` and a timed-out
 ``wait(timeout)`` tears the connection down, so each pending receive or send
 is waited on by a (pooled) helper thread and the caller polls its event;
 collectives (``is_completed`` works for them) are polled directly.
-Collectives run only after a store barrier says every rank finished its
-schedule, because a collective a peer never joins cannot be cancelled.
+Collectives run only after a barrier (point-to-point, see ``_barrier``) says
+every rank finished its schedule, because a collective a peer never joins
+cannot be cancelled.
 
 gloo only, CPU tensors only: NCCL matches point-to-point messages in issue
 order and ignores tags, which this protocol relies on (see the constructor).
@@ -222,74 +223,43 @@ class _WaitPool:
 
 
 class _Pending:
-    """Works in flight, waited on without blocking the caller past a poll slice.
+    """Works in flight, waited on without blocking the caller past a slice.
 
-    With a ``pool``, a pool thread calls ``wait()`` (gloo point-to-point works
-    never report completion otherwise); without, ``is_completed()`` is polled.
-    ``labels`` say, per work, what it is and which peer it involves.
+    A pool thread calls ``wait()`` on each work in turn (gloo point-to-point
+    works never report completion otherwise, and for collectives it wakes the
+    caller sooner than polling ``is_completed()`` with backoff) and sets an
+    event the caller waits on in slices.  ``labels`` say, per work, what it is
+    and which peer it involves.
     """
 
     def __init__(
-        self, works: list[Any], labels: list[tuple[str, int | None]], pool: _WaitPool | None
+        self, works: list[Any], labels: list[tuple[str, int | None]], pool: _WaitPool
     ) -> None:
         self.works, self.labels = works, labels
         self.error: BaseException | None = None
         self.at = 0  # index of the work being waited on
-        self._pause = 5e-5
-        self._done: threading.Event | None = None
-        if pool is not None and works:
-            self._done = threading.Event()
+        self._done = threading.Event()
+        if works:
             pool.submit(self._wait_all)
+        else:
+            self._done.set()
 
     def _wait_all(self) -> None:
         try:
             for k, work in enumerate(self.works):
                 self.at = k
                 work.wait()
-        except BaseException as exc:  # handed to the polling thread
+        except BaseException as exc:  # handed to the waiting thread
             self.error = exc
         finally:
-            assert self._done is not None
             self._done.set()
 
     def finished(self, slice_s: float) -> bool:
         """Wait at most ``slice_s`` seconds; True once every work is done (or one failed)."""
-        if self._done is not None:
-            return self._done.wait(slice_s)
-        while self.at < len(self.works) and self.works[self.at].is_completed():
-            try:
-                self.works[self.at].wait()
-            except BaseException as exc:
-                self.error = exc
-                return True
-            self.at += 1
-        if self.at == len(self.works):
-            return True
-        time.sleep(min(self._pause, slice_s))
-        self._pause = min(self._pause * 2, 1e-3)
-        return False
+        return self._done.wait(slice_s)
 
     def label(self) -> tuple[str, int | None]:
         return self.labels[min(self.at, len(self.labels) - 1)]
-
-
-class _Condition:
-    """A condition polled with backoff (a store counter), waited on like :class:`_Pending`."""
-
-    def __init__(self, ready: Callable[[], bool], label: tuple[str, int | None]) -> None:
-        self.ready, self._label = ready, label
-        self.error: BaseException | None = None
-        self._pause = 5e-5
-
-    def finished(self, slice_s: float) -> bool:
-        if self.ready():
-            return True
-        time.sleep(min(self._pause, slice_s))
-        self._pause = min(self._pause * 2, 2e-3)
-        return False
-
-    def label(self) -> tuple[str, int | None]:
-        return self._label
 
 
 @dataclass
@@ -356,12 +326,13 @@ class DistributedTransport:
         # tags of a failed or finished one never collide with a later one's.
         n = self._store_call(lambda: self._store.add(f"zeropipe/{name}/pipelines{rank}", 1))
         self._key = f"zeropipe/{name}/pipeline{n}"
-        self._tag0 = ((n - 1) * max(1, len(transfers)) * _SLOTS) % (_MAX_TAG // 2)
+        # Tags: _SLOTS per transfer, then _SLOTS for the end-of-step barrier's rounds.
+        self._barrier_tags = len(transfers)
+        self._tag0 = ((n - 1) * (len(transfers) + 1) * _SLOTS) % (_MAX_TAG // 2)
         self._meta_send: dict[Action, Meta] = {}
         self._meta_recv: dict[Action, Meta] = {}
         self._recvs: dict[Action, _Recv] = {}
         self._sends: list[_Sent] = []
-        self._steps = 0
         self._broken: str | None = None  # why this transport can no longer be used
         self._relayed: BaseException | None = None  # raised on a peer's behalf
         self._lost: tuple[BaseException, dict[str, Any]] | None = None
@@ -437,8 +408,10 @@ class DistributedTransport:
         self._await(rec.payload)
         return rec.buffers
 
-    def finish_step(self) -> None:
+    def finish_step(self, loss: Tensor | None = None) -> Tensor | None:
         self._usable()
+        if loss is not None and loss.dtype not in _CODE:
+            raise PipelineError(f"the loss has dtype {loss.dtype}, which cannot be shared")
         if self._recvs:
             left = ", ".join(sorted(str(a) for a in self._recvs)[:6])
             raise PipelineError(
@@ -449,7 +422,7 @@ class DistributedTransport:
             works = [w for sent in sends for w in sent.works]
             labels = [lab for sent in sends for lab in sent.labels]
             self._await(_Pending(works, labels, self._pool))
-        self._barrier()
+        return self._barrier(loss)
 
     def reset(self) -> None:
         self._meta_send.clear()
@@ -466,32 +439,11 @@ class DistributedTransport:
             work = self._call(
                 partial(dist.all_reduce, flat, group=self._group, async_op=True), what
             )
-            self._await(_Pending([work], [(what, None)], pool=None))
+            self._await(_Pending([work], [(what, None)], self._pool))
             offset = 0
             for g in gs:
                 g.copy_(flat[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
-
-    def share_loss(self, loss: Tensor | None, owner: int) -> Tensor:
-        self._usable()
-        # float64 holds every floating loss dtype exactly; the code restores the dtype.
-        buf = torch.zeros(2, dtype=torch.float64, device=self._device)
-        if self.rank == owner:
-            if loss is None:
-                raise PipelineError(f"rank {owner} owns the last stage but computed no loss")
-            if loss.dtype not in _CODE:
-                raise PipelineError(f"the loss has dtype {loss.dtype}, which cannot be shared")
-            buf[0], buf[1] = loss.detach().double().reshape(()), _CODE[loss.dtype]
-        what = f"the loss from rank {owner}"
-        src = self._global[owner]
-        work = self._call(
-            lambda: dist.broadcast(buf, src=src, group=self._group, async_op=True), what
-        )
-        self._await(_Pending([work], [(what, owner)], pool=None))
-        if self.rank == owner:
-            assert loss is not None
-            return loss
-        return buf[0].to(_DTYPES[int(buf[1].item())])
 
     def fail(self, error: BaseException) -> None:
         if self._broken is None:
@@ -515,7 +467,7 @@ class DistributedTransport:
             pass  # the store is gone too: peers see their connections drop or time out
 
     # -- waiting -----------------------------------------------------------------
-    def _await(self, pending: _Pending | _Condition) -> None:
+    def _await(self, pending: _Pending) -> None:
         """Wait for ``pending``, failing on a peer's error, a lost peer, or the timeout."""
         start = time.monotonic()
         deadline = start + self.timeout
@@ -537,17 +489,53 @@ class DistributedTransport:
             what, peer = pending.label()
             raise self._comm_error(pending.error, what, peer)
 
-    def _barrier(self) -> None:
-        """Every rank finished this step's schedule (so the collectives after it will be joined)."""
-        self._steps += 1
-        key = f"{self._key}/arrived"
-        self._store_call(lambda: self._store.add(key, 1))
-        target = self._steps * self._world
-        arrived = _Condition(
-            lambda: self._store_call(lambda: self._store.add(key, 0)) >= target,
-            ("the other ranks to finish the step", None),
-        )
-        self._await(arrived)
+    def _barrier(self, loss: Tensor | None) -> Tensor | None:
+        """Every rank finished this step's schedule (so the collectives after it will be joined).
+
+        A dissemination barrier of point-to-point messages: in round k each rank
+        tells rank r + 2^k what it knows and hears from rank r - 2^k, so after
+        ceil(log2 W) rounds each has heard, through the others, from all.  What
+        travels is the step's loss, known at first only to the rank that owns
+        the last stage, so the loss reaches every rank with no collective of its
+        own.  The receives are waited on by the pool's threads like any other:
+        they wake the caller as soon as the message lands (a barrier polled
+        through the store woke up to a poll interval late, on the step's
+        critical path), and a peer that dies leaves only a daemon thread
+        behind, where a collective could not be given up.
+        """
+        w = self._world
+        rounds = (w - 1).bit_length()
+        # [loss known?, loss as float64 (exact for every floating dtype), dtype code]
+        known = torch.zeros(3, dtype=torch.float64, device=self._device)
+        if loss is not None:
+            known[0], known[1], known[2] = (
+                1.0,
+                loss.detach().double().reshape(()),
+                _CODE[loss.dtype],
+            )
+        heard: list[tuple[Tensor, _Pending]] = []
+        for k in range(rounds):
+            src = (self.rank - (1 << k)) % w
+            what = f"the end-of-step barrier (round {k}) from rank {src}"
+            buf = torch.empty(3, dtype=torch.float64, device=self._device)
+            work = self._p2p(dist.irecv, buf, src, self._tag(self._barrier_tags, k), what)
+            heard.append((buf, _Pending([work], [(what, src)], self._pool)))
+        told: list[Any] = []
+        labels: list[tuple[str, int | None]] = []
+        for k, (buf, pending) in enumerate(heard):
+            dst = (self.rank + (1 << k)) % w
+            what = f"the end-of-step barrier (round {k}) to rank {dst}"
+            token = known.clone()  # in flight while ``known`` may still change
+            told.append(self._p2p(dist.isend, token, dst, self._tag(self._barrier_tags, k), what))
+            labels.append((what, dst))
+            self._await(pending)
+            if buf[0] > 0 and known[0] == 0:
+                known = buf
+        if told:
+            self._await(_Pending(told, labels, self._pool))
+        if loss is not None or known[0] == 0:
+            return loss
+        return known[1].to(_DTYPES[int(known[2].item())])
 
     def _check_peers(self) -> None:
         record = None

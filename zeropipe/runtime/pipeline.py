@@ -287,6 +287,8 @@ class Pipeline:
             grad_memory=self.grad_memory if training else None,
             fused_weights=self.fused_weights if training else frozenset(),
         )
+        last_rank = schedule.placement[-1]
+        owns_last = schedule.num_stages - 1 in self.stages
         earlier = self._set_aside_shared() if training else {}
         if training:
             self.memory.begin_step(micro_inputs, targets)
@@ -299,7 +301,10 @@ class Pipeline:
                     ]
                 else:
                     self.last_events = run_local(ctx, graph)
-                self.transport.finish_step()
+                loss = None
+                if target is not None and owns_last:
+                    loss = sum((ctx.losses[i] * ctx.weights[i] for i in range(m)), torch.zeros(()))
+                loss = self.transport.finish_step(loss)
                 self.last_waits = dict(ctx.waited)
                 self.memory.end_step(publish=training)
         finally:
@@ -308,18 +313,15 @@ class Pipeline:
         if training:
             self._step += 1
             self._reduce_shared(earlier)
-        last_rank = schedule.placement[-1]
-        owns_last = schedule.num_stages - 1 in self.stages
         if target is None:
             if not owns_last:
                 return None
             outs = [ctx.outputs[i] for i in range(m)]
             cat = tuple(torch.cat([o[k] for o in outs]) for k in range(len(outs[0])))
             return cat[0] if len(cat) == 1 else cat
-        loss = None
-        if owns_last:
-            loss = sum((ctx.losses[i] * ctx.weights[i] for i in range(m)), torch.zeros(()))
-        return self.transport.share_loss(loss, last_rank)
+        if loss is None:
+            raise PipelineError(f"rank {last_rank} owns the last stage but computed no loss")
+        return loss
 
     def _set_aside_shared(self) -> dict[int, Tensor]:
         """Take shared parameters' gradients from earlier steps off them.

@@ -43,17 +43,18 @@ class Transport(Protocol):
     def wait_recv(self, action: Action) -> tuple[Tensor, ...]:
         """Block until the data of a posted receive has arrived; return it."""
 
-    def finish_step(self) -> None:
-        """Wait for every send of the step; raise if any transfer failed."""
+    def finish_step(self, loss: Tensor | None = None) -> Tensor | None:
+        """Wait for every send of the step and for every rank to end it; raise if a transfer failed.
+
+        ``loss``: the step's loss on the rank that computed it, ``None`` on the
+        others.  Returns it on every rank (``None`` if no rank had one).
+        """
 
     def reset(self) -> None:
         """Forget learnt boundary shapes (the batch size changed): learn them again."""
 
     def reduce_shared(self, grads: Sequence[Tensor]) -> None:
         """Sum, in place, the gradients of parameters shared across ranks."""
-
-    def share_loss(self, loss: Tensor | None, owner: int) -> Tensor:
-        """The step's loss on every rank (``owner`` = the rank that computed it)."""
 
     def fail(self, error: BaseException) -> None:
         """This rank's step raised ``error``: tell the peers so that they stop waiting.
@@ -87,23 +88,19 @@ class LocalTransport:
         self._posted.discard(action)
         return data
 
-    def finish_step(self) -> None:
+    def finish_step(self, loss: Tensor | None = None) -> Tensor | None:
         if self._mailbox or self._posted:
             left = sorted(str(a) for a in (*self._mailbox, *self._posted))
             self._mailbox.clear()
             self._posted.clear()
             raise PipelineError(f"step ended with transfers never consumed: {', '.join(left[:6])}")
+        return loss  # one process: the loss is already everywhere
 
     def reset(self) -> None:
         return None  # nothing is learnt: tensors are handed over as they are
 
     def reduce_shared(self, grads: Sequence[Tensor]) -> None:
         return None  # one process: shared parameters are one tensor already
-
-    def share_loss(self, loss: Tensor | None, owner: int) -> Tensor:
-        if loss is None:
-            raise PipelineError("no loss was computed on the last stage")
-        return loss
 
     def fail(self, error: BaseException) -> None:
         return None  # one process: nobody else is waiting

@@ -250,3 +250,13 @@ def test_eval_of_a_multi_output_last_stage_returns_a_tuple_and_plans_once() -> N
     plan = pipe._forward_plan()
     pipe.eval_step(x)
     assert pipe._forward_plan() is plan
+
+
+@pytest.mark.parametrize(("name", "reduced"), [("1f1b", 1), ("zbv", 0), ("interleaved-1f1b", 1)])
+def test_tied_weights_are_all_reduced_only_when_their_stages_span_ranks(
+    name: str, reduced: int
+) -> None:
+    # The embedding (first stage) and the tied head (last stage): on ranks 0 and 1 in
+    # 1f1b and interleaved-1f1b, both on rank 0 in zbv's V placement.
+    pipe = Pipeline(token_model(), name, microbatches=4, ranks=2, loss_fn=token_loss)
+    assert len(pipe.shared) == reduced

@@ -156,7 +156,7 @@ class Pipeline:
         self.stages = {s: self.all_stages[s] for s in mine}
         for stage in self.stages.values():  # every backward runs through the split stash
             prepare_split(stage.module)
-        self.shared = _shared_parameters(self.all_stages)
+        self.shared = _shared_parameters(self.all_stages, self.schedule.placement)
         self.boundary = BoundaryMeta()
         self.transport: Transport = (
             _distributed_transport(self.schedule, self.rank, process_group, timeout)
@@ -446,15 +446,19 @@ def _build_stages(
     return [Stage(s, m, None) for s, m in enumerate(modules)]
 
 
-def _shared_parameters(stages: list[Stage]) -> list[nn.Parameter]:
-    """Parameters used by more than one stage (tied embeddings), in a stable order."""
-    owners: dict[int, set[int]] = {}
+def _shared_parameters(stages: list[Stage], placement: Sequence[int]) -> list[nn.Parameter]:
+    """Parameters used by stages on more than one rank (tied embeddings), in a stable order.
+
+    A parameter whose stages all run on one rank (the first and last stage of
+    a V placement) has its whole gradient there already: it needs no all-reduce.
+    """
+    ranks: dict[int, set[int]] = {}
     params: dict[int, nn.Parameter] = {}
     for stage in stages:
         for p in stage.parameters():
-            owners.setdefault(id(p), set()).add(stage.index)
+            ranks.setdefault(id(p), set()).add(placement[stage.index])
             params.setdefault(id(p), p)
-    return [params[k] for k, o in owners.items() if len(o) > 1]
+    return [params[k] for k, r in ranks.items() if len(r) > 1]
 
 
 def _split_batch(inputs: tuple[Tensor, ...], m: int) -> tuple[list[tuple[Tensor, ...]], list[int]]:

@@ -16,6 +16,9 @@ from zeropipe.ir import Kind, Schedule
 from zeropipe.lower import lower
 from zeropipe.schedules import generate
 from zeropipe.simulate import costs_from_timeline, simulate
+from zeropipe.validate import validate
+
+RECVS = (Kind.RECV_F, Kind.RECV_B)
 
 
 def test_comm_delays_every_cross_rank_edge_and_same_rank_edges_are_free() -> None:
@@ -44,9 +47,10 @@ def test_late_receive_post_delays_the_transfer() -> None:
 
 
 def test_posts_occupy_the_rank_and_overhead_lengthens_every_compute_action() -> None:
-    # gpipe, 2 ranks, 1 microbatch (F=1, B=2), lowered: rank 0 runs 0RECV_B0 0F0 0SEND_F0
-    # 0B0, rank 1 1RECV_F0 1F0 1B0 1SEND_B0.  The critical path holds three posts.
-    s = lower(generate("gpipe", 2, 1))
+    # gpipe, 2 ranks, 1 microbatch (F=1, B=2), lowered with each RECV one compute action
+    # ahead: rank 0 runs 0RECV_B0 0F0 0SEND_F0 0B0, rank 1 1RECV_F0 1F0 1B0 1SEND_B0.
+    # The critical path holds three posts.
+    s = lower(generate("gpipe", 2, 1), ahead=1)
     base = simulate(s, CostModel.uniform(2, B=2)).makespan
     assert base == pytest.approx(6.0)
     posted = simulate(s, CostModel.uniform(2, B=2, post=0.25))
@@ -57,6 +61,26 @@ def test_posts_occupy_the_rank_and_overhead_lengthens_every_compute_action() -> 
     assert simulate(s, CostModel.uniform(2, B=2, overhead=0.1)).makespan == pytest.approx(
         base + 4 * 0.1
     )
+
+
+def test_receives_posted_before_the_first_consumer_leave_the_critical_path() -> None:
+    # Default lowering: rank 0 posts 0RECV_B0 after 0F0, while it waits for the gradient.
+    s = lower(generate("gpipe", 2, 1))
+    assert [str(a) for a in s.actions[0]] == ["0F0", "0SEND_F0", "0RECV_B0", "0B0"]
+    base = simulate(s, CostModel.uniform(2, B=2)).makespan
+    posted = simulate(s, CostModel.uniform(2, B=2, post=0.25))
+    assert posted.makespan == pytest.approx(base + 2 * 0.25)  # the two sends only
+    # Every RECV of a rank sits before its first consumer of received data.
+    for name in ("1f1b", "interleaved-1f1b", "zbv"):
+        lowered = lower(generate(name, 2, 4))
+        validate(lowered)
+        for acts in lowered.actions:
+            kinds = [a.kind for a in acts]
+            first_recv = next(k for k, kind in enumerate(kinds) if kind in RECVS)
+            last_recv = max(k for k, kind in enumerate(kinds) if kind in RECVS)
+            assert all(kind in RECVS for kind in kinds[first_recv : last_recv + 1]), name
+    with pytest.raises(ScheduleError, match="ahead"):
+        lower(generate("1f1b", 2, 4), ahead=0)
 
 
 def test_costs_read_back_from_a_timeline_replay_it() -> None:

@@ -260,3 +260,19 @@ def test_tied_weights_are_all_reduced_only_when_their_stages_span_ranks(
     # 1f1b and interleaved-1f1b, both on rank 0 in zbv's V placement.
     pipe = Pipeline(token_model(), name, microbatches=4, ranks=2, loss_fn=token_loss)
     assert len(pipe.shared) == reduced
+
+
+@pytest.mark.parametrize("ahead", [None, 1, 3])
+def test_where_receives_are_posted_changes_nothing_but_the_schedule(ahead: int | None) -> None:
+    model = mlp(layers=8)
+    x, y = batch_for(model, batch=8)
+    ref_loss, ref = reference(model, x, y, F.mse_loss, 4)
+    pipe = Pipeline(model, "interleaved-1f1b", microbatches=4, ranks=2, loss_fn=F.mse_loss,
+                    recv_ahead=ahead)  # fmt: skip
+    assert_same_loss(pipe.step(x, y), ref_loss)
+    assert_same_gradients(model.named_parameters(), ref)
+    # rank 1's first action consumes received data: with None, every RECV comes first.
+    first = str(pipe.schedule.actions[1][0])
+    recvs = sum(1 for a in pipe.schedule.actions[1] if "RECV" in str(a))
+    leading = next(k for k, a in enumerate(pipe.schedule.actions[1]) if "RECV" not in str(a))
+    assert first.startswith("1RECV_F0") and (leading == recvs) == (ahead is None)

@@ -79,6 +79,12 @@ class Pipeline:
             (:func:`zeropipe.fuse.group_weights`), which the runtime runs as one
             product per weight; costs ``group_w - 1`` microbatches' W-parts of
             memory per stage.  1 runs the schedule as given.
+        recv_ahead: where each receive is posted (:func:`zeropipe.lower.lower`):
+            ``None`` (default) posts all of a rank's receives of a step at once,
+            before its first consumer of received data, so every message
+            finds its receive posted; each buffer is then allocated for the
+            whole step.  ``k`` posts each receive ``k`` compute actions before
+            its consumer.
         count_saved: ``"once"`` (default) counts the bytes of saved activations
             (:attr:`peak_saved_bytes`) through saved-tensor hooks the first
             time a stage runs a forward on inputs of a given shape and dtype,
@@ -110,6 +116,7 @@ class Pipeline:
         input_first: bool = True,
         keep_grad_memory: bool = True,
         group_w: int = 1,
+        recv_ahead: int | None = None,
         count_saved: Literal["once", "always"] = "once",
         costs: CostModel | None = None,
         sample: tuple[Tensor | Sequence[Tensor], Tensor | None] | None = None,
@@ -148,7 +155,7 @@ class Pipeline:
             )
         compute = group_weights(compute, group_w)
         self.all_stages = _build_stages(stages, compute.num_stages, balance)
-        self.schedule = lower(compute) if compute.num_ranks > 1 else compute
+        self.schedule = lower(compute, recv_ahead) if compute.num_ranks > 1 else compute
         self.graph: Graph = validate(self.schedule)
         self.deps: Dependencies = self.graph.deps
         self.fused_weights = fused_weights(self.schedule)

@@ -271,7 +271,7 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--microbatches", type=int, default=8)
-    p.add_argument("--steps", type=int, default=8, help="runtime: timed steps per schedule")
+    p.add_argument("--steps", type=int, default=20, help="runtime: timed steps per schedule")
     p.add_argument("--timeout", type=float, default=900.0)
     return p.parse_args()
 

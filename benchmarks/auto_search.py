@@ -207,6 +207,14 @@ def _worker(rank: int, world: int, cfg: dict[str, int]) -> dict[str, Any]:
         "post": layers.post,
         "overhead": layers.overhead,
         "chunks": {k: s.num_stages // world for k, s in schedules.items()},
+        "same_as_auto": next(
+            (
+                k
+                for k, s in schedules.items()
+                if k != "auto" and s.actions == schedules["auto"].actions
+            ),
+            None,
+        ),
     }
 
 
@@ -257,6 +265,12 @@ def part_runtime(args: argparse.Namespace) -> None:
         )
     auto = out["measured"]["auto"]
     print(f"  auto / best named ({best}): {auto / named[best]:.3f}")
+    twin = out["same_as_auto"]
+    if twin is not None:
+        print(
+            f"  auto's schedule is {twin}'s, action for action: their two rows measure the "
+            f"same work, so auto / {twin} = {auto / out['measured'][twin]:.3f} is run-to-run noise"
+        )
 
 
 def _parse() -> argparse.Namespace:

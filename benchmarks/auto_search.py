@@ -193,10 +193,10 @@ def _worker(rank: int, world: int, cfg: dict[str, int]) -> dict[str, Any]:
         for name in names[shift:] + names[:shift]:
             dist.barrier()
             t0 = time.perf_counter()
-            pipes[name].step(tokens, tokens)
-            dist.barrier()
+            pipes[name].step(tokens, tokens)  # ends when every rank has ended it
+            elapsed = time.perf_counter() - t0
             if rep >= cfg["warmup"]:
-                measured[name].append(time.perf_counter() - t0)
+                measured[name].append(elapsed)
     return {
         "sequential": statistics.median(sequential) if sequential else 0.0,
         "measured": {k: statistics.median(v) for k, v in measured.items()},

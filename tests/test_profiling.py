@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -132,21 +131,18 @@ def test_target_without_loss_is_refused() -> None:
         profile(_stages(), torch.randn(B, A), target=torch.randn(B, C))
 
 
-def _profile_on_rank(rank: int, world: int) -> tuple[float, float, float, str, bool]:
+def _profile_on_rank(rank: int, world: int) -> tuple[float, float, float, str]:
     costs = profile(_stages(), torch.randn(B, A), warmup=1, repeat=3)
-    busy = world * torch.get_num_threads() >= len(os.sched_getaffinity(0))
-    return costs.latency, costs.bandwidth, costs.post, costs.meta["comm"], busy
+    return costs.latency, costs.bandwidth, costs.post, costs.meta["comm"]
 
 
 def test_wire_is_measured_between_two_processes() -> None:
     results = launch(_profile_on_rank, 2, timeout=120)
-    (lat0, bw0, post0, how, busy), (lat1, bw1, post1, _, _) = results
+    (lat0, bw0, post0, how), (lat1, bw1, post1, _) = results
     assert (lat0, bw0, post0) == (lat1, bw1, post1)  # every rank gets the same figures
     assert 0 < lat0 < 0.1 and bw0 > 1e6  # gloo on one host: well under 100 ms, over 1 MB/s
     assert 0 < post0 < 0.05  # posting costs something, and far less than a step
     assert "ranks 0 and 1" in how
-    # With no spare core the communication threads' CPU is part of each post.
-    assert ("communication threads" in how) == busy
 
 
 def test_w_run_together_is_measured_and_cheaper_than_a_second_w() -> None:

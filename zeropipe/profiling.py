@@ -31,11 +31,7 @@ pipeline of a near-empty layer), and, with two or more processes, ``post``,
 the time a send or receive takes to post right after a burst of compute (as
 in a pipeline, where it finds the caches full of other data).  The simulator
 charges both, so schedules with many small actions or many transfers are not
-taken for free.  When the ranks on a host keep all its cores busy (ranks x
-intra-op threads >= cores), ``post`` also includes the CPU time the
-communication library's own threads spend per transfer: with no spare core,
-that time comes out of some rank's compute (on the 2-rank CPU benchmark,
-gloo's thread took 2-7 ms per step).
+taken for free.
 
 The model is left as it was: gradients, RNG state, thread count and which
 linears were prepared for split backward are restored afterwards.
@@ -43,7 +39,6 @@ linears were prepared for split backward are restored afterwards.
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 import weakref
@@ -358,10 +353,7 @@ def _wire(
             _sync(device)
             if rep >= warmup:
                 rtts[tensor.numel()].append(time.perf_counter() - t0)
-    post, helpers = _post_time(group, device, warmup, repeat, costs)
-    busy = _cores_busy(group)
-    if busy:
-        post += helpers
+    post = _post_time(group, device, warmup, repeat, costs)
     result = torch.zeros(3, dtype=torch.float64, device=device)
     if rank == 0:
         latency = statistics.median(rtts[1]) / 2
@@ -378,37 +370,33 @@ def _wire(
         float(result[1]),
         float(result[2]),
         f"ping-pong between ranks 0 and 1 of {world}: 1 byte and {big} bytes; posts "
-        f"timed after compute{', with the communication threads CPU' if busy else ''}",
+        f"timed after compute",
     )
 
 
 def _post_time(
     group: Any | None, device: torch.device, warmup: int, repeat: int, costs: list[StageCost]
-) -> tuple[float, float]:
-    """Seconds to post a boundary-sized send (rank 0) or receive (rank 1), and helpers' CPU.
+) -> float:
+    """Median seconds to post a boundary-sized send (rank 0) or receive (rank 1).
 
     Each post follows a burst of matrix products, as in a pipeline, where it
     finds the caches full of the compute's data; that makes it several times
-    dearer than a post in a tight loop.  Returns the median post and the CPU
-    seconds per transfer that this process's other threads (the communication
-    library's) used meanwhile.  Other ranks return zeros.
+    dearer than a post in a tight loop.  Other ranks return 0.
     """
     dist = torch.distributed
     rank = dist.get_rank(group)
     if rank > 1:
-        return 0.0, 0.0
+        return 0.0
     size = int(max([c.boundary_bytes for c in costs] + [1]))
     buf = torch.zeros(size, dtype=torch.uint8, device=device)
     a = torch.randn(256, 1024, device=device)
     b = torch.randn(1024, 1024, device=device)
     peer = _global(group, 1 - rank)
     times = []
-    cpu = 0.0
     for rep in range(warmup + 3 * repeat):
         for _ in range(4):
             a @ b
         _sync(device)
-        all0, own0 = time.process_time(), time.thread_time()
         t0 = time.perf_counter()
         if rank == 0:
             work = dist.isend(buf, peer, group=group)
@@ -419,20 +407,7 @@ def _post_time(
         work.wait()
         if rep >= warmup:
             times.append(t1 - t0)
-            cpu += (time.process_time() - all0) - (time.thread_time() - own0)
-    return statistics.median(times), cpu / len(times)
-
-
-def _cores_busy(group: Any | None) -> bool:
-    """Whether this host's ranks, with their intra-op threads, occupy all its cores."""
-    import socket
-
-    dist = torch.distributed
-    hosts: list[str | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(hosts, socket.gethostname(), group=group)
-    here = sum(1 for h in hosts if h == socket.gethostname())
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return here * torch.get_num_threads() >= (cores or 1)
+    return statistics.median(times)
 
 
 def _global(group: Any | None, rank: int) -> int:

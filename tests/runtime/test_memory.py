@@ -176,6 +176,13 @@ def test_offloaded_stages_are_hooked_on_every_step(monkeypatch: pytest.MonkeyPat
         hooked.append(set(calls))
     offloaded = {f"stage 0 microbatch {i}" for i in range(4)}
     assert hooked == [offloaded | {"stage 1 microbatch 0"}, offloaded]
+    # Weight offload too: saved views of a parameter must follow it to the host.
+    pipe = Pipeline(model, offload_weights(generate("looped-bfs", 1, 2, chunks=2)),
+                    loss_fn=F.mse_loss)  # fmt: skip
+    for _ in range(2):
+        calls.clear()
+        pipe.step(x, y)
+    assert set(calls) == {f"stage {s} microbatch {i}" for s in range(2) for i in range(2)}
     with pytest.raises(PipelineError, match="count_saved"):
         Pipeline(model, "1f1b", microbatches=4, ranks=2, count_saved="never")  # type: ignore[arg-type]
 

@@ -28,9 +28,11 @@ block saves about twenty), which is 5-15% of a small stage's forward.  A
 forward's saved bytes depend on its inputs' shapes and dtypes, so by default
 (``count_saved="once"``) a stage is hooked the first time it runs a forward on
 inputs of a given signature, and later forwards of that signature reuse the
-count and run without hooks.  A stage whose activations the schedule offloads
-is always hooked (offload needs the handles); ``count_saved="always"`` hooks
-every forward, for models whose saved bytes depend on the data itself.
+count and run without hooks.  A stage whose activations or weights the
+schedule offloads is always hooked (offload needs the handles, and a saved
+view of an offloaded weight must not pin its device copy);
+``count_saved="always"`` hooks every forward, for models whose saved bytes
+depend on the data itself.
 
 Recompute (R).  A checkpointed F runs under ``torch.no_grad`` and keeps its
 inputs (and its outputs, to send on).  R runs the same ``Stage.forward``
@@ -172,7 +174,9 @@ class MemoryManager:
             elif device is not None:
                 stage.module.to(device)  # resident all along: on the compute device
         self._param_bytes = {s: distinct_bytes(st.parameters()) for s, st in stages.items()}
-        # Stages counted on every forward: ``count_saved="always"``, or activations offloaded.
+        # Stages hooked on every forward: ``count_saved="always"``, or stages whose
+        # activations or weights move (offload needs the handles; a saved view of an
+        # offloaded weight must not pin the device copy).
         self._always = (
             set(stages)
             if count_saved == "always"
@@ -180,7 +184,7 @@ class MemoryManager:
                 a.stage
                 for acts in schedule.actions
                 for a in acts
-                if a.kind is Kind.OFFLOAD and a.microbatch is not None
+                if a.kind in (Kind.OFFLOAD, Kind.RELOAD)
             }
         )
         # (stage, input signature) -> bytes its forward saved: kept across steps.

@@ -91,7 +91,8 @@ class Pipeline:
             and reuses that count afterwards: the hooks cost a few microseconds
             per saved tensor.  ``"always"`` hooks every forward, for models
             whose saved bytes depend on the data, not only on the shapes.
-            Stages whose activations the schedule offloads are always hooked.
+            Stages whose activations or weights the schedule offloads are always
+            hooked.
         costs, sample, memory_limit: for ``schedule="auto"``: search under
             ``costs``, or profile the model on one microbatch of
             ``sample=(inputs, target)``; ``memory_limit`` per rank (units of

@@ -93,6 +93,25 @@ def test_costs_read_back_from_a_timeline_replay_it() -> None:
     assert simulate(s, measured).makespan == pytest.approx(timeline.makespan)
 
 
+def test_costs_read_back_from_a_timeline_with_w_in_groups_replay_it() -> None:
+    # Deferred W take W_fused and the W that runs the group takes W; the medians read back
+    # must price both, or the replay of the grouped schedule comes out wrong.
+    truth = CostModel.uniform(4, F=1, I=1, W=1, W_fused=0.25)
+    # m=5 in pairs: every stage has lone W besides its pairs, so both figures come back.
+    s = lower(group_weights(generate("zbv", 2, 5), 2))
+    timeline = simulate(s, truth)
+    measured = costs_from_timeline(timeline)
+    assert [(c.W, c.W_fused) for c in measured.stages] == [(1.0, 0.25)] * 4
+    assert simulate(s, measured).makespan == pytest.approx(timeline.makespan)
+    # m=6 in threes: no lone W, so W and W_fused are each the group's time per W --
+    # which adds back up to the group's time in the replay.
+    s = lower(group_weights(generate("zbv", 2, 6), 3))
+    timeline = simulate(s, truth)
+    measured = costs_from_timeline(timeline)
+    assert [(c.W, c.W_fused) for c in measured.stages] == [(0.5, 0.5)] * 4
+    assert simulate(s, measured).makespan == pytest.approx(timeline.makespan)
+
+
 def test_bandwidth_and_boundary_bytes() -> None:
     c = CostModel((StageCost(boundary_bytes=100.0), StageCost()), latency=0.1, bandwidth=1000.0)
     assert c.transfer_time(0) == pytest.approx(0.2)

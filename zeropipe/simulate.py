@@ -192,14 +192,22 @@ def costs_from_timeline(timeline: Timeline) -> CostModel:
     """
     durations: dict[tuple[int, str], list[float]] = {}
     posts: list[float] = []
+    fused = fused_weights(timeline.schedule)
+    groups: dict[int, list[tuple[float, int]]] = {}  # stage -> (time of a W group, its size)
     for evs in timeline.events:
+        deferred, size = 0.0, 0  # W deferred into the next one: ~0 each, run with it
         for e in evs:
-            if e.lane == "compute":
-                durations.setdefault((e.action.stage, e.action.kind.value), []).append(
-                    e.end - e.start
-                )
-            elif e.action.kind in COMM_KINDS:
-                posts.append(e.end - e.start)
+            took = e.end - e.start
+            if e.lane != "compute":
+                if e.action.kind in COMM_KINDS:
+                    posts.append(took)
+            elif e.action in fused:
+                deferred, size = deferred + took, size + 1
+            elif size:
+                groups.setdefault(e.action.stage, []).append((deferred + took, size + 1))
+                deferred, size = 0.0, 0
+            else:
+                durations.setdefault((e.action.stage, e.action.kind.value), []).append(took)
 
     def med(stage: int, kind: str, default: float) -> float:
         values = durations.get((stage, kind))
@@ -210,8 +218,21 @@ def costs_from_timeline(timeline: Timeline) -> CostModel:
         f = med(s, "F", 0.0)
         b = med(s, "B", 0.0)
         i = med(s, "I", b / 2)
+        w_fused = None
+        if s in groups:
+            # W run in groups: with lone W to compare against, a fused W costs the
+            # group's time beyond one lone W, shared out; with none, both are the
+            # group's time per W (which the simulator adds back up to the group's).
+            if (s, "W") in durations:
+                lone = median(durations[(s, "W")])
+                w_fused = median(max(t - lone, 0.0) / (k - 1) for t, k in groups[s])
+            else:
+                durations[(s, "W")] = [t / k for t, k in groups[s]]
+                w_fused = median(durations[(s, "W")])
         w = med(s, "W", b / 2)
-        stages.append(StageCost(F=f, I=i, W=w, B=b if (s, "B") in durations else None))
+        stages.append(
+            StageCost(F=f, I=i, W=w, B=b if (s, "B") in durations else None, W_fused=w_fused)
+        )
     return CostModel(
         tuple(stages),
         post=median(posts) if posts else 0.0,

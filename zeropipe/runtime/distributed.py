@@ -27,9 +27,9 @@ operation, reported as "rank q stopped responding (killed?) ..."; zeropipe.launc
 also writes a dead or raising child's message to the store (FAILED_KEY).
 
 gloo's point-to-point works never report ``is_completed()`` and a timed-out
-``wait(timeout)`` tears the connection down, so each pending receive or send
-is waited on by a (pooled) helper thread and the caller polls its event;
-collectives (``is_completed`` works for them) are polled directly.
+``wait(timeout)`` tears the connection down, so each pending receive, send or
+collective is waited on by a (pooled) helper thread and the caller waits on
+its event in slices, checking for failed peers in between.
 Collectives run only after a barrier (point-to-point, see ``_barrier``) says
 every rank finished its schedule, because a collective a peer never joins
 cannot be cancelled.

@@ -81,6 +81,28 @@ def test_every_generator_matches_the_reference_float64(world: int, name: str) ->
             assert seen == all_names, f"{key}: no rank has gradients for {all_names - seen}"
 
 
+def test_three_ranks_share_the_loss_and_tied_gradients() -> None:
+    from zeropipe.runtime.launch import launch
+
+    results = launch(dist_cases.three_ranks, 3, timeout=dist_cases.LAUNCH_TIMEOUT)
+    m = 7
+    build, loss_fn = dist_cases.MODELS["tokens-tied"]
+    for dtype in (torch.float64, torch.float32):
+        model = build().to(dtype)
+        x, y = batch_for(model, batch=2 * m + 1)
+        for step in range(2):
+            ref_loss, ref = reference(model, x, y, loss_fn, m, seed=3, step=step)
+            got = [out[str(dtype)][step] for out in results]
+            assert {g["dtype"] for g in got} == {str(dtype)}  # every rank, in the model's dtype
+            assert len({g["loss"] for g in got}) == 1, got
+            assert got[0]["loss"] == pytest.approx(ref_loss.item(), rel=1e-5, abs=1e-10)
+            seen: set[str] = set()
+            for g in got:  # float64 to 1e-10, float32 allclose (the shared helper's rules)
+                assert_same_gradients(_as_params(g["grads"]), ref, only_owned=True)
+                seen |= set(g["grads"])
+            assert seen == set(dict(model.named_parameters()))
+
+
 @pytest.mark.parametrize("world", WORLDS)
 def test_weights_run_in_groups_give_the_reference_gradients(world: int) -> None:
     results = dist_cases.main_results(world)

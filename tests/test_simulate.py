@@ -63,6 +63,30 @@ def test_posts_occupy_the_rank_and_overhead_lengthens_every_compute_action() -> 
     )
 
 
+def test_priced_posts_simulate_an_unlowered_schedule_as_the_runtime_lowers_it() -> None:
+    # gpipe, 2 ranks, 1 microbatch: the default lowering puts the two sends on the
+    # critical path.  Without SEND/RECV actions in the schedule they would be missed.
+    s = generate("gpipe", 2, 1)
+    priced = CostModel.uniform(2, B=2, post=0.25)
+    t = simulate(s, priced)
+    assert t.schedule.is_lowered
+    assert t.makespan == pytest.approx(6.0 + 2 * 0.25)
+    assert t.makespan == pytest.approx(simulate(lower(s), priced).makespan)
+    # The unlowered schedule's graph, given, does not stand for the lowered one.
+    assert simulate(s, priced, graph=validate(s)).makespan == pytest.approx(t.makespan)
+    # Free posts, or one rank: simulated as given.
+    assert not simulate(s, CostModel.uniform(2, B=2)).schedule.is_lowered
+    one = generate("1f1b", 1, 2)
+    assert not simulate(one, CostModel.uniform(1, B=2, post=0.25)).schedule.is_lowered
+    # Every named schedule: the same prediction, lowered here or by the caller.
+    for name in ("1f1b", "interleaved-1f1b", "zbv", "zb-h1"):
+        sched = generate(name, 2, 4)
+        costs = CostModel.uniform(sched.num_stages, B=2, post=0.1, comm=0.05)
+        assert simulate(sched, costs).makespan == pytest.approx(
+            simulate(lower(sched), costs).makespan
+        )
+
+
 def test_receives_posted_before_the_first_consumer_leave_the_critical_path() -> None:
     # Default lowering: rank 0 posts 0RECV_B0 after 0F0, while it waits for the gradient.
     s = lower(generate("gpipe", 2, 1))

@@ -144,7 +144,10 @@ def _add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         "searched under (default: 1F1B's peak)",
     )
     parser.add_argument(
-        "--lower", action="store_true", help="insert SEND/RECV actions before simulating"
+        "--lower",
+        action="store_true",
+        help="insert SEND/RECV actions before simulating (done anyway when the costs "
+        "price posts, post > 0, as the runtime runs them)",
     )
     parser.add_argument(
         "--show", action="store_true", help="print the schedule's text form as well"
@@ -185,20 +188,20 @@ def _run_simulate(args: argparse.Namespace) -> int:
     if args.json:
         out: dict[str, Any] = dict(timeline.summary())
         out["chunks"] = _chunks(schedule)
-        out["lowered"] = schedule.is_lowered
+        out["lowered"] = timeline.schedule.is_lowered
         out["costs"] = args.costs
         out["memory_limit"] = args.memory_limit
         if explanation is not None:
             out["explanation"] = explanation
         out["files"] = written
         if args.show:
-            out["text"] = schedule.to_text()
+            out["text"] = timeline.schedule.to_text()
         print(json.dumps(out))
         return 0
     if explanation is not None:
         print(explanation)
     if args.show:
-        print(schedule.to_text())
+        print(timeline.schedule.to_text())
     width = args.width or max(40, shutil.get_terminal_size((110, 24)).columns - 10)
     print(render.render_text(timeline, width=width))
     peaks = ", ".join(f"{p:.4g}" for p in timeline.peak_memory)

@@ -21,6 +21,7 @@ from zeropipe.costs import CostModel, StageCost, peak_memory
 from zeropipe.deps import Graph
 from zeropipe.fuse import fused_weights
 from zeropipe.ir import COMM_KINDS, COMPUTE_KINDS, COPY_KINDS, Action, Schedule
+from zeropipe.lower import lower
 from zeropipe.validate import validate
 
 __all__ = ["Event", "Timeline", "simulate"]
@@ -124,11 +125,20 @@ def simulate(
     """Run ``schedule`` under ``costs`` (default: unit times, one chunk's share each).
 
     The schedule is validated first unless its ``graph`` (from ``validate``) is given.
+
+    When the costs price posting a send or receive (``post`` > 0), a schedule
+    without SEND/RECV actions that spans several ranks is simulated as the
+    runtime runs it: lowered by :func:`zeropipe.lower.lower` (the default
+    placement of ``Pipeline(recv_ahead=None)``), so that every post it will
+    make is paid.  The timeline's ``schedule`` is then the lowered one.
     """
     if costs is None:
         chunks = max(len(schedule.stages_of(r)) for r in range(schedule.num_ranks))
         costs = CostModel.uniform(schedule.num_stages, chunks=chunks)
     costs.for_stages(schedule.num_stages)
+    if costs.post > 0 and schedule.num_ranks > 1 and not schedule.is_lowered:
+        schedule = lower(schedule)
+        graph = None  # a given graph is the unlowered schedule's
     graph = graph or validate(schedule)
     acts = schedule.actions
     start: list[list[float]] = [[0.0] * len(a) for a in acts]

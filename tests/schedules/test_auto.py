@@ -79,6 +79,32 @@ def test_unit_costs_never_worse_than_named(registered: ModuleType, ranks: int) -
                 assert got <= theirs + 1e-9, where
 
 
+def test_priced_posts_count_and_auto_stays_never_worse(registered: ModuleType) -> None:
+    """With posts priced, every candidate is timed lowered, as the runtime runs it.
+
+    Two chunks per rank pay twice the posts: free posts make auto take zbv's V
+    shape, priced ones a one-chunk schedule -- and auto still beats every named one.
+    """
+    search = registered.search
+    free = search(CostModel.uniform(2), 2, 8, 4, max_chunks=2)
+    assert free.schedule.num_stages == 4
+    for post in (0.05, 0.5):
+        result = search(CostModel.uniform(2, post=post), 2, 8, 4, max_chunks=2)
+        assert result.schedule.num_stages == 2, result.explanation
+        assert result.timeline.schedule.is_lowered
+        got = simulate(result.schedule, result.costs).makespan
+        assert got == pytest.approx(result.timeline.makespan)
+        for name, sched in _named(2, 8):
+            chunks = sched.num_stages // 2
+            costs = CostModel.uniform(sched.num_stages, chunks=chunks, post=post)
+            try:
+                validate(sched, memory_limit=4, costs=costs)
+            except ScheduleError:
+                continue
+            theirs = simulate(sched, costs).makespan
+            assert got <= theirs + 1e-9, f"post={post}: auto {got} vs {name} {theirs}"
+
+
 def test_more_chunks_match_the_interleaved_schedules(registered: ModuleType) -> None:
     """With comm free, more chunks shorten the warm-up; auto follows when allowed them."""
     search = registered.search

@@ -19,7 +19,8 @@ Three parts, each printing a table (``--part`` picks one; default: all)::
               auto, each cut by measured layer time for its stage count, costs
               profiled in the same two processes (wire included); median measured
               step time beside the simulator's prediction for the same schedule
-              and costs, and pipeline efficiency = (the same work in one process)
+              and costs (lowered as the runtime runs it, so every post is paid),
+              and pipeline efficiency = (the same work in one process)
               / (2 x step time).  Goals: auto at least as fast as the best named schedule;
               prediction within 10% of the measurement for 1f1b, zbv and auto.
 

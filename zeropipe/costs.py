@@ -12,7 +12,8 @@ Two costs belong to the runtime rather than to a stage: ``overhead``, added to e
 compute action (the runtime's own bookkeeping around the stage's module), and
 ``post``, the time a send or receive occupies its rank when it is posted.  With
 ``post`` > 0 sends and receives take that time on the rank's compute lane, as
-they do on the runtime's one thread; with 0 (the default) they take none.
+they do on the runtime's one thread (a schedule without them is simulated
+lowered, see :func:`zeropipe.simulate.simulate`); with 0 (the default) they take none.
 
 Memory deltas of stage ``s`` (``act`` = kept by a full forward, ``act_w`` =
 the part W still needs after I, ``ckpt`` = kept by a checkpointed forward)::

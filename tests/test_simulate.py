@@ -72,7 +72,7 @@ def test_priced_posts_simulate_an_unlowered_schedule_as_the_runtime_lowers_it() 
     assert t.schedule.is_lowered
     assert t.makespan == pytest.approx(6.0 + 2 * 0.25)
     assert t.makespan == pytest.approx(simulate(lower(s), priced).makespan)
-    # The unlowered schedule's graph, given, does not stand for the lowered one.
+    # The unlowered schedule's graph, given, is replaced by the lowered one's.
     assert simulate(s, priced, graph=validate(s)).makespan == pytest.approx(t.makespan)
     # Free posts, or one rank: simulated as given.
     assert not simulate(s, CostModel.uniform(2, B=2)).schedule.is_lowered

@@ -136,10 +136,11 @@ def simulate(
         chunks = max(len(schedule.stages_of(r)) for r in range(schedule.num_ranks))
         costs = CostModel.uniform(schedule.num_stages, chunks=chunks)
     costs.for_stages(schedule.num_stages)
-    if costs.post > 0 and schedule.num_ranks > 1 and not schedule.is_lowered:
-        schedule = lower(schedule)
-        graph = None  # a given graph is the unlowered schedule's
     graph = graph or validate(schedule)
+    if costs.post > 0 and schedule.num_ranks > 1 and not schedule.is_lowered:
+        # Lowering a valid schedule gives a valid one: its graph needs no second validation.
+        schedule = lower(schedule)
+        graph = Graph(schedule)
     acts = schedule.actions
     start: list[list[float]] = [[0.0] * len(a) for a in acts]
     end: list[list[float]] = [[0.0] * len(a) for a in acts]

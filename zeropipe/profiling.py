@@ -58,11 +58,11 @@ from zeropipe.autograd.split import (
 )
 from zeropipe.costs import CostModel, StageCost
 from zeropipe.errors import PipelineError
+from zeropipe.runtime.offload import StorageKey, distinct_bytes, storage_key
 
 __all__ = ["profile"]
 
 LossFn = Callable[..., Tensor]
-_Key = tuple[str, int]
 
 
 def profile(
@@ -121,7 +121,7 @@ def profile(
         for probe in probes:
             cost, noise = probe.cost()
             if weights:
-                cost = replace(cost, weights=float(_param_bytes(probe.module)))
+                cost = replace(cost, weights=float(distinct_bytes(probe.module.parameters())))
             stage_costs.append(cost)
             spread.append(noise)
         overhead = _runtime_overhead(device, warmup, repeat)
@@ -162,7 +162,7 @@ class _Probe:
         module: nn.Module,
         inputs: tuple[Tensor, ...],
         loss: tuple[LossFn, Tensor | None] | None,
-        keep: set[_Key],
+        keep: set[StorageKey],
         device: torch.device,
         last: bool,
     ) -> None:
@@ -173,7 +173,7 @@ class _Probe:
             device,
             last,
         )
-        params = {_key(t) for t in [*module.parameters(), *module.buffers()]}
+        params = {storage_key(t) for t in [*module.parameters(), *module.buffers()]}
         self.exclude = params | keep | _storages(inputs)
         self.times: dict[str, list[float]] = {k: [] for k in ("F", "I", "W", "W2")}
         self._runs = 0
@@ -235,7 +235,7 @@ class _Probe:
             # activation -- except on the last stage, whose output only the loss keeps.
             boundary = set() if self.loss is not None else _storages(outs)
             alive = [t for t in (ref() for ref in self._saved) if t is not None]
-            self.act = _distinct_bytes(alive, self.exclude | boundary)
+            self.act = distinct_bytes(alive, self.exclude | boundary)
             del alive
             self._saved.clear()
         if self.grads is None:
@@ -435,27 +435,8 @@ def _leaf(t: Tensor) -> Tensor:
     return d.requires_grad_(True) if torch.is_floating_point(d) or d.is_complex() else d
 
 
-def _key(t: Tensor) -> _Key:
-    return (str(t.device), t.untyped_storage().data_ptr())
-
-
-def _storages(tensors: Sequence[Tensor | None]) -> set[_Key]:
-    return {_key(t) for t in tensors if isinstance(t, Tensor)}
-
-
-def _distinct_bytes(tensors: list[Tensor], exclude: set[_Key]) -> int:
-    seen: dict[_Key, int] = {}
-    for t in tensors:
-        if t.layout is not torch.strided or t.device.type == "meta":
-            continue
-        k = _key(t)
-        if k not in exclude:
-            seen[k] = int(t.untyped_storage().nbytes())
-    return sum(seen.values())
-
-
-def _param_bytes(module: nn.Module) -> int:
-    return _distinct_bytes(list(module.parameters()), set())
+def _storages(tensors: Sequence[Tensor | None]) -> set[StorageKey]:
+    return {storage_key(t) for t in tensors if isinstance(t, Tensor)}
 
 
 @contextmanager

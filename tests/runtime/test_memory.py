@@ -23,7 +23,7 @@ from zeropipe.errors import PipelineError
 from zeropipe.fit import checkpoint, offload, offload_weights
 from zeropipe.ir import Action, Kind, Schedule
 from zeropipe.runtime.memory import is_recomputing, measured_costs
-from zeropipe.runtime.offload import SavedActivations
+from zeropipe.runtime.offload import SavedActivations, distinct_bytes, storage_key
 from zeropipe.runtime.pipeline import Pipeline
 from zeropipe.schedules import generate
 from zeropipe.simulate import simulate
@@ -297,3 +297,13 @@ def test_copier_on_cpu_makes_real_copies_and_saved_activations_round_trip() -> N
     expected = torch.zeros(4, 3, dtype=torch.float64)
     expected[:, 1:] = 2 * (1 - torch.tanh(x.detach()[:, 1:]) ** 2)
     assert x.grad is not None and torch.allclose(x.grad, expected, rtol=0, atol=1e-14)
+
+
+def test_distinct_bytes_counts_each_storage_once_less_the_excluded() -> None:
+    base = torch.zeros(10, 4)  # 160 bytes
+    other = torch.zeros(3, dtype=torch.float64)  # 24 bytes
+    views = [base, base[2:], base.t(), other]
+    assert distinct_bytes(views) == 160 + 24
+    assert distinct_bytes(views, exclude={storage_key(base[5])}) == 24
+    # No storage of their own: a meta tensor and a sparse one count nothing.
+    assert distinct_bytes([other, torch.empty(1000, device="meta"), base.to_sparse()]) == 24

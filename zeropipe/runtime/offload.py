@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Set as AbstractSet
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
@@ -88,11 +89,20 @@ def movable(t: Tensor) -> bool:
     )
 
 
-def distinct_bytes(tensors: Iterable[Tensor]) -> int:
-    """Bytes of the distinct storages under ``tensors``."""
+def distinct_bytes(
+    tensors: Iterable[Tensor], exclude: AbstractSet[StorageKey] = frozenset()
+) -> int:
+    """Bytes of the distinct storages under ``tensors``, less those in ``exclude``.
+
+    Tensors without storage of their own (sparse, meta) count nothing.
+    """
     seen: dict[StorageKey, int] = {}
     for t in tensors:
-        seen[storage_key(t)] = _storage_nbytes(t)
+        if t.layout is not torch.strided or t.device.type == "meta":
+            continue
+        key = storage_key(t)
+        if key not in exclude:
+            seen[key] = _storage_nbytes(t)
     return sum(seen.values())
 
 

@@ -9,7 +9,9 @@ sequential time of the same work in one process / (ranks x step time), where
 "the same work" is the same microbatches run one after another: on a CPU,
 microbatch-sized matrix products are slower than whole-batch ones, a cost of
 microbatching that no schedule can remove, so the whole-batch time is printed
-beside it but not used.
+beside it but not used.  ``--runs N`` repeats the whole comparison in N fresh
+launches and summarises each schedule's ratio over them: on a shared host, step
+times move more between launches than within one.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from zeropipe.runtime.launch import launch
 from zeropipe.runtime.pipeline import Pipeline
 from zeropipe.schedules import generate
 
-__all__ = ["BenchConfig", "add_arguments", "run_bench", "run_cli"]
+__all__ = ["BenchConfig", "add_arguments", "format_spread", "format_table", "run_bench", "run_cli"]
 
 # zeropipe generator -> torch.distributed.pipelining schedule class name
 TORCH_SCHEDULES = {
@@ -63,8 +65,33 @@ class BenchConfig:
     timeout: float = 600.0
 
 
+def _check(cfg: BenchConfig) -> None:
+    """Refuse a configuration the benchmark cannot run, before any process starts."""
+    if not cfg.schedules:
+        raise ZeropipeError("--schedules is empty; name at least one schedule")
+    for flag, value, least in (
+        ("--ranks", cfg.ranks, 2),
+        ("--blocks", cfg.blocks, 1),
+        ("--width", cfg.width, 1),
+        ("--hidden", cfg.hidden, 1),
+        ("--batch", cfg.batch, 1),
+        ("--microbatches", cfg.microbatches, 1),
+        ("--reps", cfg.reps, 1),
+        ("--warmup", cfg.warmup, 0),
+        ("--group-w", cfg.group_w, 1),
+    ):
+        if value < least:
+            raise ZeropipeError(f"{flag} must be at least {least}, got {value}")
+    if cfg.batch < cfg.microbatches:
+        raise ZeropipeError(
+            f"--batch {cfg.batch} cannot be split into {cfg.microbatches} microbatches; "
+            f"give --batch >= --microbatches"
+        )
+
+
 def run_bench(cfg: BenchConfig) -> list[dict[str, Any]]:
     """One launch of ``cfg.ranks`` processes; returns one row per schedule."""
+    _check(cfg)
     for name in cfg.schedules:
         if name not in TORCH_SCHEDULES:
             raise ZeropipeError(
@@ -263,7 +290,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.group_w,
         help="zeropipe: gather each stage's W in runs of this many (1: the schedule as given)",
     )
-    parser.add_argument("--json", action="store_true", help="one JSON object per schedule per line")
+    parser.add_argument(
+        "--runs",
+        type=int,
+        default=1,
+        help="launch the whole comparison this many times, each in fresh processes, and "
+        "summarise each schedule's ratio over the runs (step times on a shared host move "
+        "between launches more than within one)",
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="one JSON object per schedule per run per line"
+    )
 
 
 def run_cli(args: argparse.Namespace) -> int:
@@ -280,10 +317,36 @@ def run_cli(args: argparse.Namespace) -> int:
         warmup=args.warmup,
         group_w=args.group_w,
     )
-    rows = run_bench(cfg)
-    if args.json:
+    if args.runs < 1:
+        raise ZeropipeError(f"--runs must be at least 1, got {args.runs}")
+    runs: list[list[dict[str, Any]]] = []
+    for k in range(args.runs):
+        rows = run_bench(cfg)
         for row in rows:
-            print(json.dumps(row))
-    else:
-        print(format_table(rows, cfg))
+            row["run"] = k
+        runs.append(rows)
+        if args.json:
+            for row in rows:
+                print(json.dumps(row), flush=True)
+        else:
+            if args.runs > 1:
+                print(("\n" if k else "") + f"run {k + 1} of {args.runs}:")
+            print(format_table(rows, cfg), flush=True)
+    if args.runs > 1 and not args.json:
+        print("\n" + format_spread(runs))
     return 0
+
+
+def format_spread(runs: list[list[dict[str, Any]]]) -> str:
+    """Each schedule's zeropipe / torch ratio in every run, and their median."""
+    lines = [
+        f"zeropipe / torch step time over {len(runs)} runs, each a fresh launch:",
+        f"{'schedule':<18}{'per run':<{7 * len(runs) + 2}}{'median':>6}",
+    ]
+    for k, row in enumerate(runs[0]):
+        ratios = [rows[k]["ratio"] for rows in runs]
+        each = " ".join(f"{r:6.2f}" for r in ratios)
+        lines.append(
+            f"{row['schedule']:<18}{each:<{7 * len(runs) + 2}}{statistics.median(ratios):>6.2f}"
+        )
+    return "\n".join(lines)

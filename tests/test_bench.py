@@ -1,0 +1,107 @@
+"""``zeropipe bench``: a real side-by-side run on a tiny model, the summary over runs, bad flags."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from zeropipe import bench, cli
+
+
+def test_a_tiny_side_by_side_run_reports_consistent_rows() -> None:
+    cfg = bench.BenchConfig(
+        schedules=("1f1b", "zbv"),
+        blocks=4,
+        width=16,
+        hidden=32,
+        batch=8,
+        microbatches=4,
+        reps=2,
+        warmup=1,
+        timeout=120.0,
+    )
+    rows = bench.run_bench(cfg)
+    assert [r["schedule"] for r in rows] == ["1f1b", "zbv"]
+    for r in rows:
+        assert r["zeropipe_step_s"] > 0 and r["torch_step_s"] > 0 and r["sequential_s"] > 0
+        assert r["ratio"] == pytest.approx(r["zeropipe_step_s"] / r["torch_step_s"])
+        assert r["efficiency"] == pytest.approx(r["sequential_s"] / (2 * r["zeropipe_step_s"]))
+        assert r["torch_efficiency"] == pytest.approx(r["sequential_s"] / (2 * r["torch_step_s"]))
+        assert (r["ranks"], r["microbatches"], r["group_w"]) == (2, 4, 4)
+    table = bench.format_table(rows, cfg)
+    assert "4 x Linear(16,32)-GELU-Linear(32,16)" in table
+    assert "1f1b" in table and "zbv" in table
+
+
+def _rows(ratios: dict[str, float]) -> list[dict[str, Any]]:
+    return [
+        {
+            "schedule": name,
+            "ranks": 2,
+            "microbatches": 8,
+            "group_w": 4,
+            "zeropipe_step_s": ratio,
+            "torch_step_s": 1.0,
+            "ratio": ratio,
+            "sequential_s": 1.0,
+            "sequential_whole_batch_s": 0.5,
+            "efficiency": 1.0 / (2 * ratio),
+            "torch_efficiency": 0.5,
+        }
+        for name, ratio in ratios.items()
+    ]
+
+
+def test_runs_relaunch_and_summarise_each_schedules_ratio(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    launched = iter(
+        [
+            _rows({"1f1b": 0.70, "zbv": 0.60}),
+            _rows({"1f1b": 0.90, "zbv": 0.50}),
+            _rows({"1f1b": 0.80, "zbv": 0.70}),
+        ]
+    )
+    calls: list[bench.BenchConfig] = []
+
+    def fake_run_bench(cfg: bench.BenchConfig) -> list[dict[str, Any]]:
+        calls.append(cfg)
+        return next(launched)
+
+    monkeypatch.setattr(bench, "run_bench", fake_run_bench)
+    assert cli.main(["bench", "--runs", "3", "--schedules", "1f1b,zbv"]) == 0
+    out = capsys.readouterr().out
+    assert len(calls) == 3  # one launch per run
+    assert "run 3 of 3:" in out
+    summary = out[out.index("over 3 runs") :].splitlines()
+    assert summary[2].split() == ["1f1b", "0.70", "0.90", "0.80", "0.80"]
+    assert summary[3].split() == ["zbv", "0.60", "0.50", "0.70", "0.60"]
+
+    launched = iter([_rows({"1f1b": 0.7}), _rows({"1f1b": 0.9})])
+    assert cli.main(["bench", "--runs", "2", "--json", "--schedules", "1f1b"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["run"], r["ratio"]) for r in lines] == [(0, 0.7), (1, 0.9)]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--reps", "0"], "--reps must be at least 1, got 0"),
+        (["--runs", "0"], "--runs must be at least 1, got 0"),
+        (["--ranks", "1"], "--ranks must be at least 2, got 1"),
+        (["--warmup", "-1"], "--warmup must be at least 0, got -1"),
+        (["--batch", "4"], "--batch 4 cannot be split into 8 microbatches"),
+        (["--schedules", ","], "--schedules is empty"),
+        (["--schedules", "zb-h1"], "no torch counterpart for 'zb-h1'"),
+        (["--blocks", "6", "--schedules", "zbv"], "--blocks 6 does not divide"),
+    ],
+)
+def test_bad_flags_fail_in_one_line_before_any_process_starts(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    assert cli.main(["bench", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert len(err.strip().splitlines()) == 1

@@ -1,4 +1,5 @@
-"""group_weights: W of a stage gathered in runs, nothing else moved, and the runtime fuses them."""
+"""group_weights: B split into I and W, W of a stage gathered in runs, nothing else moved,
+and the runtime fuses them."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from tests.gradcheck import (
     token_model,
 )
 from zeropipe.errors import ScheduleError
-from zeropipe.fuse import fused_weights, group_weights
+from zeropipe.fuse import fused_weights, group_weights, split_full_backward
 from zeropipe.ir import Action, Kind, Schedule
 from zeropipe.lower import lower
 from zeropipe.runtime.pipeline import Pipeline
@@ -24,6 +25,7 @@ from zeropipe.schedules import generate
 from zeropipe.validate import validate
 
 WITH_W = ("zb-h1", "zb-h2", "zbv", "interleaved-zb", "dualpipev")
+WITH_B = ("gpipe", "1f1b", "interleaved-1f1b")
 
 
 def _runs(schedule: Schedule) -> list[list[int]]:
@@ -51,10 +53,45 @@ def _others_before(actions: Sequence[Action], w: Action) -> int:
     return sum(1 for a in actions[: actions.index(w)] if a.kind is not Kind.W)
 
 
-@pytest.mark.parametrize("name", WITH_W)
+@pytest.mark.parametrize("name", WITH_W + WITH_B)
+def test_split_full_backward_puts_i_then_w_where_each_b_was(name: str) -> None:
+    base = generate(name, 2, 6)
+    split = split_full_backward(base)
+    validate(split)
+    assert split.name == base.name
+    for before, after in zip(base.actions, split.actions, strict=True):
+        expected = []
+        for a in before:
+            if a.kind is Kind.B:
+                expected += [
+                    Action(Kind.I, a.stage, a.microbatch),
+                    Action(Kind.W, a.stage, a.microbatch),
+                ]
+            else:
+                expected.append(a)
+        assert list(after) == expected
+    assert not any(a.kind is Kind.B for actions in split.actions for a in actions)
+
+
+def test_split_full_backward_of_a_schedule_without_b_is_that_schedule() -> None:
+    base = generate("zb-h1", 2, 4)
+    assert split_full_backward(base) is base
+
+
+def test_split_full_backward_of_a_lowered_schedule_sends_after_i() -> None:
+    split = split_full_backward(lower(generate("1f1b", 2, 4)))
+    assert split.is_lowered
+    validate(split)
+    for actions in split.actions:
+        for k, a in enumerate(actions):
+            if a.kind is Kind.SEND_B:
+                assert actions[k - 1] == Action(Kind.I, a.stage, a.microbatch)
+
+
+@pytest.mark.parametrize("name", WITH_W + WITH_B)
 @pytest.mark.parametrize("size", [2, 3, 8])
 def test_grouped_schedules_validate_and_only_w_moves_later(name: str, size: int) -> None:
-    base = generate(name, 2, 8)
+    base = split_full_backward(generate(name, 2, 8))
     grouped = group_weights(base, size)
     validate(grouped)
     assert grouped.name == f"{base.name}+w{size}"
@@ -101,7 +138,7 @@ def test_fused_weights_are_the_w_followed_by_a_w_of_their_stage() -> None:
     assert len(fused_weights(lower(generate("zb-h1", 2, 4)))) < len(fused)
 
 
-@pytest.mark.parametrize("name", ["zb-h1", "zbv", "interleaved-zb"])
+@pytest.mark.parametrize("name", ["zb-h1", "zbv", "interleaved-zb", "1f1b", "interleaved-1f1b"])
 @pytest.mark.parametrize("size", [2, 4])
 def test_pipeline_with_grouped_w_matches_the_reference(name: str, size: int) -> None:
     model = token_model(dropout=0.2)

@@ -12,6 +12,13 @@ there::
     before   I0 W0 F1 I1 W1 F2 I2 W2 F3 I3 W3        (one rank, one stage)
     after    I0 F1 I1 W0 W1 F2 I2 F3 I3 W2 W3        size=2: W0 waits for W1
 
+A full backward B is an I and its W in one action, so schedules without W
+(gpipe, 1f1b, interleaved-1f1b) gain the same way once each B is split in
+place into I then W (:func:`split_full_backward`, which ``group_weights``
+applies first)::
+
+    before   F0 B0 F1 B1                      after   F0 I0 F1 I1 W0 W1
+
 Only W move, and only later: nothing in a step depends on W, so every other
 action runs no later than before, and the rank's work shrinks by what fusion
 saves.  The price is memory: a moved W keeps its microbatch's W-part (the
@@ -29,13 +36,14 @@ from zeropipe.errors import ScheduleError
 from zeropipe.ir import COMPUTE_KINDS, Action, Kind, Schedule
 from zeropipe.lower import lower
 
-__all__ = ["fused_weights", "group_weights"]
+__all__ = ["fused_weights", "group_weights", "split_full_backward"]
 
 
 def group_weights(schedule: Schedule, size: int = 2) -> Schedule:
     """``schedule`` with each rank's W of a stage gathered in runs of ``size`` (in order).
 
-    Each group of ``size`` consecutive W of a stage (in the rank's order) is
+    Every B is first split into I then W (:func:`split_full_backward`).  Each
+    group of ``size`` consecutive W of a stage (in the rank's order) is then
     moved to where its last member was.  A lowered schedule is stripped of its
     sends and receives and lowered again.  ``size=1`` returns it unchanged.
     """
@@ -44,12 +52,40 @@ def group_weights(schedule: Schedule, size: int = 2) -> Schedule:
     if size == 1:
         return schedule
     lowered = schedule.is_lowered
-    compute = schedule.compute_only() if lowered else schedule
+    compute = split_full_backward(schedule.compute_only() if lowered else schedule)
     grouped = compute.replace_actions(
         [_group_rank(actions, size) for actions in compute.actions],
         name=f"{schedule.name}+w{size}",
     )
     return lower(grouped) if lowered else grouped
+
+
+def split_full_backward(schedule: Schedule) -> Schedule:
+    """``schedule`` with every B replaced, where it stands, by I then W of the same
+    stage and microbatch.
+
+    The runtime runs B as I then W already, so this alone changes no work and
+    no order; it lets later passes move the W.  A schedule without B is returned
+    unchanged.
+    """
+    if not any(a.kind is Kind.B for actions in schedule.actions for a in actions):
+        return schedule
+    if schedule.is_lowered:  # SEND_B would follow W; lower again to follow I
+        return lower(split_full_backward(schedule.compute_only()))
+    return schedule.replace_actions(
+        [
+            [
+                part
+                for a in actions
+                for part in (
+                    (Action(Kind.I, a.stage, a.microbatch), Action(Kind.W, a.stage, a.microbatch))
+                    if a.kind is Kind.B
+                    else (a,)
+                )
+            ]
+            for actions in schedule.actions
+        ]
+    )
 
 
 def _group_rank(actions: Sequence[Action], size: int) -> list[Action]:

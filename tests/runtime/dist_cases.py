@@ -126,7 +126,7 @@ def _grad_cases(rank: int, world: int) -> dict[str, Any]:
     }
 
 
-GROUPED = ("zbv", "zb-h1", "interleaved-zb")  # schedules with W, run with W in groups
+GROUPED = ("zbv", "zb-h1", "interleaved-zb", "1f1b", "interleaved-1f1b")  # run with W in groups
 
 
 def _grouped_weights(rank: int, world: int) -> dict[str, Any]:

@@ -75,10 +75,13 @@ class Pipeline:
             CPU a fresh weight-sized allocation is paid again in page faults,
             on the critical path.  The gradient memory then stays allocated
             between steps (``release_grad_memory()`` frees it).
-        group_w: gather each rank's W of a stage in runs of this many
-            (:func:`zeropipe.fuse.group_weights`), which the runtime runs as one
-            product per weight; costs ``group_w - 1`` microbatches' W-parts of
-            memory per stage.  1 runs the schedule as given.
+        group_w: split every B into I then W and gather each rank's W of a
+            stage in runs of this many (:func:`zeropipe.fuse.group_weights`),
+            which the runtime runs as one product per weight, reading and
+            writing each weight gradient once per run instead of once per
+            microbatch; costs up to ``group_w - 1`` microbatches' W-parts
+            (the linears' inputs and output gradients) of memory per stage.
+            1 runs the schedule as given.
         recv_ahead: where each receive is posted (:func:`zeropipe.lower.lower`):
             ``None`` (default) posts all of a rank's receives of a step at once,
             before its first consumer of received data, so every message

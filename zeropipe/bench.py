@@ -61,7 +61,7 @@ class BenchConfig:
     microbatches: int = 8
     reps: int = 10
     warmup: int = 3
-    group_w: int = 4  # zeropipe runs W of a stage in groups of 4 where the schedule splits B
+    group_w: int = 4  # zeropipe splits B into I + W and runs W of a stage in groups of 4
     timeout: float = 600.0
 
 
@@ -249,8 +249,9 @@ def format_table(rows: list[dict[str, Any]], cfg: BenchConfig) -> str:
     )
     if cfg.group_w > 1:
         head += (
-            f"\nzeropipe gathers each stage's W in runs of {cfg.group_w} where a schedule has W "
-            "(group_w; the F/B/I order is torch's), --group-w 1 runs the schedules exactly as torch's"
+            f"\nzeropipe splits each B into I then W and gathers each stage's W in runs of "
+            f"{cfg.group_w} (group_w; the F/B/I order is torch's), "
+            "--group-w 1 runs the schedules exactly as torch's"
         )
     lines = [
         head,
@@ -288,7 +289,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--group-w",
         type=int,
         default=d.group_w,
-        help="zeropipe: gather each stage's W in runs of this many (1: the schedule as given)",
+        help="zeropipe: split B into I + W and gather each stage's W in runs of this many "
+        "(1: the schedule as given)",
     )
     parser.add_argument(
         "--runs",

@@ -11,6 +11,7 @@ import pytest
 from zeropipe import checkpoint
 from zeropipe.cli import main
 from zeropipe.errors import PipelineError, ZeropipeError
+from zeropipe.ir import Kind
 from zeropipe.train import TrainConfig, train
 
 SMALL = {"width": 32, "layers": 2, "seq": 16, "batch_size": 8, "microbatches": 4, "quiet": True}
@@ -69,6 +70,7 @@ def test_loss_falls_on_the_default_model(tmp_path: Path) -> None:
         (["--batch-size", "4"], "raise the batch size"),
         (["--memory-limit", "0.1"], "raise it to at least 0.5"),
         (["--recompute", "7"], "stage(s) [7] do not exist"),
+        (["--group-w", "0"], "--group-w must be >= 1"),
     ],
 )
 def test_bad_flags_are_one_line_errors(
@@ -82,6 +84,22 @@ def test_bad_flags_are_one_line_errors(
 def test_resume_without_a_checkpoint_says_so(tmp_path: Path) -> None:
     with pytest.raises(ZeropipeError, match="no checkpoint to resume from"):
         train(TrainConfig(**SMALL, ranks=1, steps=2, out=str(tmp_path), resume=True))
+
+
+def test_group_w_gathers_w_and_trains_to_the_same_losses(tmp_path: Path) -> None:
+    cfg = TrainConfig(
+        **SMALL, ranks=2, schedule="1f1b", steps=3, group_w=2, out=str(tmp_path / "b")
+    )
+    schedule = cfg.build_schedule()
+    assert schedule.name == "1f1b+w2"
+    assert not any(a.kind is Kind.B for actions in schedule.actions for a in actions)
+    train(TrainConfig(**SMALL, ranks=1, schedule="1f1b", steps=3, out=str(tmp_path / "a")))
+    grouped = train(
+        TrainConfig(**SMALL, ranks=1, schedule="1f1b", steps=3, group_w=2, out=str(tmp_path / "b"))
+    )
+    assert grouped["group_w"] == 2
+    # Fused W sums the same products in another order: float32 rounding only.
+    assert _losses(tmp_path / "b") == pytest.approx(_losses(tmp_path / "a"), rel=1e-5)
 
 
 def test_memory_flags_change_the_peak_not_the_losses(tmp_path: Path) -> None:

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from zeropipe import checkpoint, fit
 from zeropipe.data import Corpus
 from zeropipe.errors import PipelineError, ZeropipeError
+from zeropipe.fuse import group_weights
 from zeropipe.ir import Schedule
 from zeropipe.models.gpt import GPTConfig, gpt, lm_loss
 from zeropipe.runtime.pipeline import Pipeline
@@ -62,6 +63,7 @@ class TrainConfig:
     heads: int = 4
     dropout: float = 0.0
     memory_limit: float | None = None
+    group_w: int = 1
     recompute: str | None = None
     offload: str | None = None
     device: str = "cpu"
@@ -86,6 +88,10 @@ class TrainConfig:
             )
         if self.ranks < 1 or self.microbatches < 1 or self.steps < 1 or self.batch_size < 1:
             raise ZeropipeError("--ranks, --microbatches, --steps and --batch-size must be >= 1")
+        if self.group_w < 1:
+            raise ZeropipeError(
+                f"--group-w must be >= 1 (1: the schedule as given), got {self.group_w}"
+            )
         if self.batch_size < self.microbatches:
             raise ZeropipeError(
                 f"--batch-size {self.batch_size} cannot be cut into --microbatches {self.microbatches}; "
@@ -110,12 +116,16 @@ class TrainConfig:
     def build_schedule(self) -> Schedule:
         """The schedule to train with: the generator's, plus the memory actions asked for.
 
-        ``--recompute`` / ``--offload`` checkpoint / offload the named stages
-        ('all' or indices); ``--memory-limit`` (microbatch units per rank) lets
+        ``--group-w`` gathers W first (:func:`zeropipe.fuse.group_weights`), so
+        the memory actions see the W-parts it keeps alive.  ``--recompute`` /
+        ``--offload`` checkpoint / offload the named stages ('all' or indices);
+        ``--memory-limit`` (microbatch units per rank) lets
         :func:`zeropipe.fit.fit_memory` choose, and fails in one line naming
         the smallest limit that would fit.
         """
-        schedule = generate(self.schedule, self.ranks, self.microbatches)
+        schedule = group_weights(
+            generate(self.schedule, self.ranks, self.microbatches), self.group_w
+        )
         if self.recompute is not None:
             schedule = fit.checkpoint(
                 schedule, _stage_choice(self.recompute, schedule, "--recompute")
@@ -272,6 +282,7 @@ def run_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
     final_eval = _evaluate(pipe, corpus, cfg)
     summary = {
         "schedule": cfg.schedule,
+        "group_w": cfg.group_w,
         "ranks": world,
         "steps_run": step - start,
         "last_step": step,
@@ -450,7 +461,11 @@ def _progress(record: dict[str, Any], total: int) -> None:
 
 def _print_summary(summary: dict[str, Any], out: Path) -> None:
     rows = [
-        ("schedule", summary["schedule"]),
+        (
+            "schedule",
+            summary["schedule"]
+            + (f", W in groups of {summary['group_w']}" if summary["group_w"] > 1 else ""),
+        ),
         ("ranks", summary["ranks"]),
         ("steps run", summary["steps_run"]),
         (
@@ -506,6 +521,13 @@ def add_arguments(parser: Any) -> None:
         type=float,
         default=None,
         help="per-rank activation memory limit in microbatch units; recompute/offload fill the gap",
+    )
+    parser.add_argument(
+        "--group-w",
+        type=int,
+        default=d.group_w,
+        help="split B into I + W and run each stage's W in groups of this many: faster "
+        "weight gradients for more activation memory (default 1: the schedule as given)",
     )
     parser.add_argument(
         "--recompute",

@@ -216,6 +216,17 @@ def test_cheap_fused_w_makes_auto_gather_w_and_beat_every_named(registered: Modu
     assert "W in groups" not in plain.explanation
 
 
+def test_schedules_made_of_b_are_grouped_too(registered: ModuleType) -> None:
+    # B = 1.6 beats I + W = 2, so the split-only candidates lose; with W_fused = 0.1 the
+    # named 1f1b split into I + W and gathered (I + ~W_fused per microbatch) beats its B.
+    costs = CostModel(tuple(StageCost(F=1, I=1, W=1, B=1.6, W_fused=0.1) for _ in range(2)))
+    result = registered.search(costs, 2, 8, None, max_chunks=1)
+    assert result.explanation.startswith("auto: 1f1b, W in groups of"), result.explanation
+    assert fused_weights(result.schedule)
+    named = simulate(generate("1f1b", 2, 8), costs).makespan
+    assert result.timeline.makespan < named - 1
+
+
 def test_a_limit_below_one_microbatch_needs_recompute_or_offload(registered: ModuleType) -> None:
     search = registered.search
     with pytest.raises(ScheduleError) as err:

@@ -348,13 +348,13 @@ def _grouped(scored: Sequence[Candidate], limits: list[float]) -> list[Candidate
 
     Only where the costs say a W run together with the next is cheaper
     (``W_fused``): the runtime then does each group as one product per weight.
+    Candidates made of B are grouped too (each B split into I then W first);
+    the simulation says whether that beats their fused backward.
     """
     out = []
     for cand in scored:
         stages = cand.costs.stages
         if not any(c.W_fused is not None and c.W_fused < c.W - _EPS for c in stages):
-            continue
-        if not any(a.kind is Kind.W for acts in cand.schedule.actions for a in acts):
             continue
         for size in (2, 4):
             sched = group_weights(cand.schedule, size)

@@ -81,7 +81,7 @@ class Pipeline:
             writing each weight gradient once per run instead of once per
             microbatch; costs up to ``group_w - 1`` microbatches' W-parts
             (the linears' inputs and output gradients) of memory per stage.
-            1 runs the schedule as given.
+            1 runs the schedule as given; ``"auto"`` chooses this itself.
         recv_ahead: where each receive is posted (:func:`zeropipe.lower.lower`):
             ``None`` (default) posts all of a rank's receives of a step at once,
             before its first consumer of received data, so every message
@@ -135,6 +135,13 @@ class Pipeline:
         self.distributed, self.rank, world = _executor(executor, process_group)
         self.explanation = ""
         if schedule == "auto":
+            if group_w != 1:
+                # The search already gathers W where the costs say it pays and the
+                # memory limit allows; grouping its result again would break that limit.
+                raise PipelineError(
+                    f"group_w={group_w} with schedule='auto': the auto search groups W itself "
+                    "when that is faster and fits memory_limit; leave group_w=1"
+                )
             if microbatches is None:
                 raise PipelineError("Pipeline(..., 'auto') needs microbatches=")
             count = ranks or (world if world > 1 else None)

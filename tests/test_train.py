@@ -71,6 +71,7 @@ def test_loss_falls_on_the_default_model(tmp_path: Path) -> None:
         (["--memory-limit", "0.1"], "raise it to at least 0.5"),
         (["--recompute", "7"], "stage(s) [7] do not exist"),
         (["--group-w", "0"], "--group-w must be >= 1"),
+        (["--group-w", "2", "--schedule", "auto"], "the auto search groups W itself"),
     ],
 )
 def test_bad_flags_are_one_line_errors(

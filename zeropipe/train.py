@@ -92,6 +92,10 @@ class TrainConfig:
             raise ZeropipeError(
                 f"--group-w must be >= 1 (1: the schedule as given), got {self.group_w}"
             )
+        if self.group_w > 1 and self.schedule == "auto":
+            raise ZeropipeError(
+                "--group-w with --schedule auto: the auto search groups W itself when that pays"
+            )
         if self.batch_size < self.microbatches:
             raise ZeropipeError(
                 f"--batch-size {self.batch_size} cannot be cut into --microbatches {self.microbatches}; "

@@ -66,7 +66,8 @@ def split_full_backward(schedule: Schedule) -> Schedule:
 
     The runtime runs B as I then W already, so this alone changes no work and
     no order; it lets later passes move the W.  A schedule without B is returned
-    unchanged.
+    unchanged; a lowered one is stripped of its sends and receives and lowered
+    again, so that each SEND_B follows its I.
     """
     if not any(a.kind is Kind.B for actions in schedule.actions for a in actions):
         return schedule

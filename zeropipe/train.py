@@ -115,9 +115,9 @@ class TrainConfig:
             )
         if self.device != "cpu" and not torch.device(self.device).type:
             raise ZeropipeError(f"unknown --device {self.device!r}")
-        self.planned = self.build_schedule().to_text()
+        self.planned = self.build_schedule(sched).to_text()
 
-    def build_schedule(self) -> Schedule:
+    def build_schedule(self, generated: Schedule | None = None) -> Schedule:
         """The schedule to train with: the generator's, plus the memory actions asked for.
 
         ``--group-w`` gathers W first (:func:`zeropipe.fuse.group_weights`), so
@@ -125,11 +125,12 @@ class TrainConfig:
         ``--offload`` checkpoint / offload the named stages ('all' or indices);
         ``--memory-limit`` (microbatch units per rank) lets
         :func:`zeropipe.fit.fit_memory` choose, and fails in one line naming
-        the smallest limit that would fit.
+        the smallest limit that would fit.  ``generated``: the generator's
+        schedule when the caller has it already (``auto`` searches to make it).
         """
-        schedule = group_weights(
-            generate(self.schedule, self.ranks, self.microbatches), self.group_w
-        )
+        if generated is None:
+            generated = generate(self.schedule, self.ranks, self.microbatches)
+        schedule = group_weights(generated, self.group_w)
         if self.recompute is not None:
             schedule = fit.checkpoint(
                 schedule, _stage_choice(self.recompute, schedule, "--recompute")

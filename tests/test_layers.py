@@ -1,0 +1,263 @@
+"""The package's layers, checked by parsing every import (inside functions and
+TYPE_CHECKING blocks too, where cycles like to hide).
+
+    apps        cli, train, bench, train_state, data, models/
+    planning    plan
+    runtime     runtime/
+    profiling   profiling
+    autograd    autograd/
+    torch base  _compat, device, storage
+    core        errors, ir, deps, validate, lower, fuse, fit, costs, simulate,
+                render, build, balance, schedules/   (no torch)
+
+A module may import from its own layer and the layers below it, never from a
+layer above.  docs/architecture.md describes the same table.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "zeropipe"
+
+# Order matters: lowest first.  A module's layer is that of the longest prefix listed.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    (
+        "core",
+        (
+            "zeropipe.errors",
+            "zeropipe.ir",
+            "zeropipe.deps",
+            "zeropipe.validate",
+            "zeropipe.lower",
+            "zeropipe.fuse",
+            "zeropipe.fit",
+            "zeropipe.costs",
+            "zeropipe.simulate",
+            "zeropipe.render",
+            "zeropipe.build",
+            "zeropipe.balance",
+            "zeropipe.schedules",
+        ),
+    ),
+    ("torch base", ("zeropipe._compat", "zeropipe.device", "zeropipe.storage")),
+    ("autograd", ("zeropipe.autograd",)),
+    ("profiling", ("zeropipe.profiling",)),
+    ("runtime", ("zeropipe.runtime",)),
+    ("planning", ("zeropipe.plan",)),
+    (
+        "apps",
+        (
+            "zeropipe.cli",
+            "zeropipe.__main__",
+            "zeropipe.train",
+            "zeropipe.train_state",
+            "zeropipe.bench",
+            "zeropipe.data",
+            "zeropipe.models",
+        ),
+    ),
+]
+# The package's __init__ is the public surface: it may name anything (lazily for torch).
+TOP = "zeropipe"
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _layer(module: str) -> int:
+    best, best_len = -1, -1
+    for level, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best_len:
+                best, best_len = level, len(prefix)
+    if best < 0:
+        raise AssertionError(f"{module} belongs to no layer: add it to LAYERS and the docs")
+    return best
+
+
+def _imports(module: str) -> list[tuple[str, list[str], int]]:
+    """(imported module, names imported from it, line) for every zeropipe import."""
+    path = MODULES[module]
+    tree = ast.parse(path.read_text())
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: list[tuple[str, list[str], int]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                found.append((alias.name, [], node.lineno))
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                parts = parts[: len(parts) - (node.level - 1)]
+                base = ".".join([*parts, base] if base else parts)
+            names = [a.name for a in node.names]
+            # ``from zeropipe.schedules import auto`` imports a module, not a name.
+            submodules = [n for n in names if f"{base}.{n}" in MODULES]
+            for n in submodules:
+                found.append((f"{base}.{n}", [], node.lineno))
+            rest = [n for n in names if n not in submodules]
+            if rest or not submodules:
+                found.append((base, rest, node.lineno))
+    return [(m, n, line) for m, n, line in found if m == TOP or m.startswith(TOP + ".")]
+
+
+def _resolve(name: str) -> str:
+    while name not in MODULES and "." in name:
+        name = name.rpartition(".")[0]
+    return name
+
+
+def _graph() -> dict[str, set[str]]:
+    return {
+        m: {_resolve(t) for t, _, _ in _imports(m)} - {m}
+        for m in MODULES
+        if m != TOP  # the public surface is the one place that names every layer
+    }
+
+
+def test_every_module_has_a_layer() -> None:
+    for module in MODULES:
+        if module != TOP:
+            _layer(module)
+
+
+def test_no_module_imports_a_higher_layer() -> None:
+    wrong = []
+    for module in MODULES:
+        if module == TOP:
+            continue
+        mine = _layer(module)
+        for target, _, line in _imports(module):
+            target = _resolve(target)
+            if target == TOP:
+                wrong.append(f"{module}:{line} imports the package root {TOP!r}")
+            elif _layer(target) > mine:
+                wrong.append(
+                    f"{module}:{line} ({LAYERS[mine][0]}) imports {target} "
+                    f"({LAYERS[_layer(target)][0]})"
+                )
+    assert not wrong, "layer violations:\n" + "\n".join(wrong)
+
+
+def test_no_import_cycle() -> None:
+    graph = _graph()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    assert not cycles, f"import cycles: {cycles}"
+
+
+def test_schedule_registry_does_not_import_the_generators() -> None:
+    registry = {_resolve(t) for t, _, _ in _imports("zeropipe.schedules.registry")}
+    generators = {m for m in MODULES if m.startswith("zeropipe.schedules.")} - {
+        "zeropipe.schedules.registry"
+    }
+    assert not registry & generators, f"the registry imports {sorted(registry & generators)}"
+
+
+def test_no_private_name_crosses_modules() -> None:
+    crossing = [
+        f"{module}:{line} imports {', '.join(n for n in names if n.startswith('_'))} from {target}"
+        for module in MODULES
+        for target, names, line in _imports(module)
+        if any(n.startswith("_") and not n.startswith("__") for n in names)
+    ]
+    assert not crossing, "\n".join(crossing)
+
+
+def test_core_does_not_import_torch() -> None:
+    core = [m for m in MODULES if m != TOP and _layer(m) == 0]
+    offenders = []
+    for module in core:
+        tree = ast.parse(MODULES[module].read_text())
+        for node in ast.walk(tree):
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
+            if any(n == "torch" or n.startswith("torch.") for n in names):
+                offenders.append(f"{module}:{node.lineno}")
+    assert not offenders, f"core modules import torch: {offenders}"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["schedules"],
+        ["simulate", "--schedule", "zbv", "--stages", "4", "--microbatches", "8"],
+        ["simulate", "--schedule", "auto", "--stages", "2", "--microbatches", "4"],
+    ],
+)
+def test_schedule_commands_run_without_torch(tmp_path: Path, argv: list[str]) -> None:
+    # A meta-path finder that refuses torch: as if it were not installed.
+    script = textwrap.dedent(
+        f"""
+        import sys
+        class NoTorch:
+            def find_spec(self, name, path=None, target=None):
+                if name == "torch" or name.startswith("torch."):
+                    raise ModuleNotFoundError(f"No module named {{name!r}}")
+                return None
+        sys.meta_path.insert(0, NoTorch())
+        from zeropipe.cli import main
+        code = main({argv!r})
+        assert "torch" not in sys.modules
+        sys.exit(code)
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip(), "the command printed nothing"

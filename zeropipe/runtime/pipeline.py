@@ -9,11 +9,17 @@ torch.distributed already initialised, e.g. by torchrun or zeropipe.launch):
 the same schedule, the same handlers, the same gradients.  In the
 distributed case every rank builds the whole model and calls ``step`` with
 the same batch; each keeps only the stages placed on it.
+
+The schedule comes from :func:`zeropipe.build.build_schedule` (a name is
+generated, W grouped, lowered, validated) and runs exactly as built; a plan
+searched for the model comes from :func:`zeropipe.plan.auto_plan`.  The
+runtime's own knobs are one :class:`RuntimeOptions`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -21,51 +27,31 @@ from torch import Tensor, nn
 
 from zeropipe.autograd.grad_memory import GradMemory
 from zeropipe.autograd.split import prepare_split
+from zeropipe.build import build_schedule
 from zeropipe.costs import CostModel
 from zeropipe.deps import Dependencies, Graph
 from zeropipe.errors import PipelineError, ScheduleError
-from zeropipe.fuse import fused_weights, group_weights
+from zeropipe.fuse import fused_weights
 from zeropipe.ir import Kind, Schedule
-from zeropipe.lower import lower
-from zeropipe.runtime.auto_plan import resolve_auto
 from zeropipe.runtime.executor import run_local, run_rank
 from zeropipe.runtime.handlers import BoundaryMeta, StepContext
-from zeropipe.runtime.memory import MemoryManager
+from zeropipe.runtime.memory import MemoryManager, measured_costs
 from zeropipe.runtime.rng import preserved_rng
 from zeropipe.runtime.stage import Stage, as_tuple, split_sequential
 from zeropipe.runtime.transport import LocalTransport, Transport
-from zeropipe.schedules import GENERATORS, generate
+from zeropipe.schedules import GENERATORS
 from zeropipe.simulate import Event, Timeline
-from zeropipe.validate import validate
 
-__all__ = ["Pipeline"]
+__all__ = ["Pipeline", "RuntimeOptions"]
 
 LossFn = Callable[..., Tensor]
 
 
-class Pipeline:
-    """A model cut into stages and run under a schedule.
+@dataclass(frozen=True)
+class RuntimeOptions:
+    """How the runtime executes a schedule; none of these changes the gradients.
 
-    Args:
-        stages: an ``nn.Sequential`` (cut into the schedule's stages, by
-            ``balance`` = layers per stage, or evenly) or one module per stage.
-        schedule: a :class:`~zeropipe.ir.Schedule` or a generator name
-            (``zeropipe schedules`` lists them).
-        microbatches: how many microbatches a batch is cut into (needed with a name).
-        loss_fn: ``loss_fn(output, target) -> scalar``, mean-reduced over its
-            microbatch; the step's loss weights microbatches by their size, so it
-            equals the loss of the whole batch.
-        ranks: pipeline ranks for a named schedule (default: the world size when
-            distributed, else ``len(stages) / chunks``).
-        chunks: stages per rank for a named schedule (default: the generator's).
-        seed: dropout and other randomness are seeded per (seed, step,
-            microbatch, layer), identical whatever the schedule or rank count.
-        executor: ``"local"``, ``"distributed"`` or ``"auto"`` (distributed when
-            torch.distributed is initialised with more than one process).
-        process_group: the group to run over (default: the world).
-        timeout: seconds a rank waits for a peer before failing (distributed).
-        device: where the stages compute (default: where their parameters are).
-            Needed when weight OFFLOAD/RELOAD keep the parameters on the host.
+    Attributes:
         input_first: in a full backward B, produce the stage-input gradient
             before parameter-only work (backward priority) and post its send
             from inside the backward.
@@ -74,32 +60,64 @@ class Pipeline:
             when nothing else still refers to it, instead of allocating: on a
             CPU a fresh weight-sized allocation is paid again in page faults,
             on the critical path.  The gradient memory then stays allocated
-            between steps (``release_grad_memory()`` frees it).
-        group_w: split every B into I then W and gather each rank's W of a
-            stage in runs of this many (:func:`zeropipe.fuse.group_weights`),
-            which the runtime runs as one product per weight, reading and
-            writing each weight gradient once per run instead of once per
-            microbatch; costs up to ``group_w - 1`` microbatches' W-parts
-            (the linears' inputs and output gradients) of memory per stage.
-            1 runs the schedule as given; ``"auto"`` chooses this itself.
-        recv_ahead: where each receive is posted (:func:`zeropipe.lower.lower`):
-            ``None`` (default) posts all of a rank's receives of a step at once,
-            before its first consumer of received data, so every message
-            finds its receive posted; each buffer is then allocated for the
-            whole step.  ``k`` posts each receive ``k`` compute actions before
-            its consumer.
-        count_saved: ``"once"`` (default) counts the bytes of saved activations
-            (:attr:`peak_saved_bytes`) through saved-tensor hooks the first
+            between steps (``Pipeline.release_grad_memory()`` frees it).
+        count_saved: ``"once"`` counts the bytes of saved activations
+            (``Pipeline.peak_saved_bytes``) through saved-tensor hooks the first
             time a stage runs a forward on inputs of a given shape and dtype,
             and reuses that count afterwards: the hooks cost a few microseconds
             per saved tensor.  ``"always"`` hooks every forward, for models
             whose saved bytes depend on the data, not only on the shapes.
             Stages whose activations or weights the schedule offloads are always
             hooked.
-        costs, sample, memory_limit: for ``schedule="auto"``: search under
-            ``costs``, or profile the model on one microbatch of
-            ``sample=(inputs, target)``; ``memory_limit`` per rank (units of
-            the cost model).
+        timeout: seconds a rank waits for a peer before failing (distributed).
+    """
+
+    input_first: bool = True
+    keep_grad_memory: bool = True
+    count_saved: Literal["once", "always"] = "once"
+    timeout: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.count_saved not in ("once", "always"):
+            raise PipelineError(
+                f"count_saved must be 'once' or 'always', got {self.count_saved!r}"
+            )
+        if not self.timeout > 0:
+            raise PipelineError(f"timeout must be > 0 seconds, got {self.timeout!r}")
+
+
+class Pipeline:
+    """A model cut into stages and run under a schedule.
+
+    Args:
+        stages: an ``nn.Sequential`` (cut into the schedule's stages, by
+            ``balance`` = layers per stage, or evenly) or one module per stage.
+        schedule: a :class:`~zeropipe.ir.Schedule` (compute-only, or lowered
+            and then run exactly as given) or a generator name (``zeropipe
+            schedules`` lists them).  For a schedule searched for this model,
+            use :func:`zeropipe.plan.auto_plan` and pass its ``schedule``.
+        microbatches: how many microbatches a batch is cut into (needed with a name).
+        loss_fn: ``loss_fn(output, target) -> scalar``, mean-reduced over its
+            microbatch; the step's loss weights microbatches by their size, so it
+            equals the loss of the whole batch.
+        ranks: pipeline ranks for a named schedule (default: the world size when
+            distributed, else ``len(stages) / chunks``).
+        chunks: stages per rank for a named schedule (default: the generator's).
+        group_w: split every B into I then W and gather each rank's W of a
+            stage in runs of this many (:func:`zeropipe.fuse.group_weights`),
+            which the runtime runs as one product per weight, reading and
+            writing each weight gradient once per run instead of once per
+            microbatch; costs up to ``group_w - 1`` microbatches' W-parts
+            (the linears' inputs and output gradients) of memory per stage.
+        balance: layers per stage when cutting an ``nn.Sequential``.
+        seed: dropout and other randomness are seeded per (seed, step,
+            microbatch, layer), identical whatever the schedule or rank count.
+        device: where the stages compute (default: where their parameters are).
+            Needed when weight OFFLOAD/RELOAD keep the parameters on the host.
+        executor: ``"local"``, ``"distributed"`` or ``"auto"`` (distributed when
+            torch.distributed is initialised with more than one process).
+        process_group: the group to run over (default: the world).
+        options: the runtime's knobs (:class:`RuntimeOptions`).
     """
 
     def __init__(
@@ -111,73 +129,55 @@ class Pipeline:
         *,
         ranks: int | None = None,
         chunks: int | None = None,
+        group_w: int = 1,
         balance: Sequence[int] | None = None,
         seed: int = 0,
+        device: torch.device | str | None = None,
         executor: Literal["auto", "local", "distributed"] = "auto",
         process_group: object | None = None,
-        timeout: float = 300.0,
-        device: torch.device | str | None = None,
-        input_first: bool = True,
-        keep_grad_memory: bool = True,
-        group_w: int = 1,
-        recv_ahead: int | None = None,
-        count_saved: Literal["once", "always"] = "once",
-        costs: CostModel | None = None,
-        sample: tuple[Tensor | Sequence[Tensor], Tensor | None] | None = None,
-        memory_limit: float | None = None,
+        options: RuntimeOptions | None = None,
     ) -> None:
+        self.options = options if options is not None else RuntimeOptions()
+        if not isinstance(self.options, RuntimeOptions):
+            raise PipelineError(
+                f"options must be a RuntimeOptions, got {type(self.options).__name__}"
+            )
         self.loss_fn = loss_fn
         self.seed = seed
-        self.input_first = input_first
-        self.grad_memory = GradMemory() if keep_grad_memory else None
+        self.grad_memory = GradMemory() if self.options.keep_grad_memory else None
         self._step = 0
         self._batch: int | None = None
         self.distributed, self.rank, world = _executor(executor, process_group)
-        self.explanation = ""
-        if schedule == "auto":
-            if group_w != 1:
-                # The search already gathers W where the costs say it pays and the
-                # memory limit allows; grouping its result again would break that limit.
-                raise PipelineError(
-                    f"group_w={group_w} with schedule='auto': the auto search groups W itself "
-                    "when that is faster and fits memory_limit; leave group_w=1"
-                )
-            if microbatches is None:
-                raise PipelineError("Pipeline(..., 'auto') needs microbatches=")
-            count = ranks or (world if world > 1 else None)
-            if count is None:
-                raise PipelineError("Pipeline(..., 'auto') needs ranks= (or a distributed launch)")
-            schedule, planned, self.explanation = resolve_auto(
-                stages,
-                count,
-                microbatches,
-                costs=costs,
-                sample=sample,
-                loss_fn=loss_fn,
-                memory_limit=memory_limit,
-                distributed=self.distributed,
+        if isinstance(schedule, str):
+            ranks = _named_ranks(schedule, stages, microbatches, ranks, chunks, world)
+        try:
+            self.schedule = build_schedule(
+                schedule, ranks=ranks, microbatches=microbatches, chunks=chunks, group_w=group_w
             )
-            balance = balance if balance is not None else planned
-        compute = _resolve_schedule(schedule, stages, microbatches, ranks, chunks, world)
-        if self.distributed and compute.num_ranks != world:
+        except ScheduleError as exc:
+            raise PipelineError(str(exc)) from exc
+        if self.distributed and self.schedule.num_ranks != world:
             raise PipelineError(
-                f"schedule {compute.name!r} has {compute.num_ranks} rank(s) but the process group "
-                f"has {world}; launch {compute.num_ranks} processes or pass ranks={world}"
+                f"schedule {self.schedule.name!r} has {self.schedule.num_ranks} rank(s) but the "
+                f"process group has {world}; launch {self.schedule.num_ranks} processes or pass "
+                f"ranks={world}"
             )
-        compute = group_weights(compute, group_w)
-        self.all_stages = _build_stages(stages, compute.num_stages, balance)
-        self.schedule = lower(compute, recv_ahead) if compute.num_ranks > 1 else compute
-        self.graph: Graph = validate(self.schedule)
-        self.deps: Dependencies = self.graph.deps
+        self.all_stages = _build_stages(stages, self.schedule.num_stages, balance)
+        self.deps = Dependencies(self.schedule)
+        self.graph = Graph(self.schedule, self.deps)
         self.fused_weights = fused_weights(self.schedule)
-        mine = self.schedule.stages_of(self.rank) if self.distributed else range(compute.num_stages)
+        mine = (
+            self.schedule.stages_of(self.rank)
+            if self.distributed
+            else range(self.schedule.num_stages)
+        )
         self.stages = {s: self.all_stages[s] for s in mine}
         for stage in self.stages.values():  # every backward runs through the split stash
             prepare_split(stage.module)
         self.shared = _shared_parameters(self.all_stages, self.schedule.placement)
         self.boundary = BoundaryMeta()
         self.transport: Transport = (
-            _distributed_transport(self.schedule, self.rank, process_group, timeout)
+            _distributed_transport(self.schedule, self.rank, process_group, self.options.timeout)
             if self.distributed
             else LocalTransport()
         )
@@ -192,7 +192,7 @@ class Pipeline:
             self.stages,
             self.all_stages,
             None if device is None else torch.device(device),
-            count_saved,
+            self.options.count_saved,
         )
 
     # -- public surface -------------------------------------------------------------
@@ -233,7 +233,7 @@ class Pipeline:
         """The measured timeline of the last step (this process's ranks), in seconds.
 
         ``peak_memory`` is per rank, in bytes: saved activations plus resident
-        parameters (compare with ``simulate(schedule, measured_costs(pipe, weights=True))``).
+        parameters (compare with ``simulate(pipe.schedule, pipe.measured_costs(weights=True))``).
         """
         if not self.last_events:
             raise PipelineError("no step has run yet")
@@ -242,6 +242,14 @@ class Pipeline:
         return Timeline(
             self.schedule, events, peak_memory=peaks, memory_unit="bytes", measured=True
         )
+
+    def measured_costs(self, base: CostModel | None = None, *, weights: bool = False) -> CostModel:
+        """A cost model in bytes whose memory figures are those the last step measured.
+
+        Times come from ``base`` (default: the schedule's default costs); see
+        :func:`zeropipe.runtime.memory.measured_costs`.
+        """
+        return measured_costs(self, base, weights=weights)  # MERGE: new signature from runtime branch
 
     def release_grad_memory(self) -> None:
         """Stop keeping weight-gradient memory between steps; what ``.grad`` holds stays."""
@@ -301,7 +309,7 @@ class Pipeline:
             loss_fn=self.loss_fn,
             device=self.memory.step_device(),
             memory=self.memory,
-            input_first=self.input_first,
+            input_first=self.options.input_first,
             grad_memory=self.grad_memory if training else None,
             fused_weights=self.fused_weights if training else frozenset(),
         )
@@ -402,45 +410,37 @@ def _executor(executor: str, group: object | None) -> tuple[bool, int, int]:
     return True, dist.get_rank(group), world  # type: ignore[arg-type]
 
 
-def _resolve_schedule(
-    schedule: Schedule | str,
+def _named_ranks(
+    name: str,
     stages: nn.Sequential | Sequence[nn.Module],
     microbatches: int | None,
     ranks: int | None,
     chunks: int | None,
     world: int,
-) -> Schedule:
-    if isinstance(schedule, Schedule):
-        if microbatches is not None and microbatches != schedule.microbatches:
-            raise PipelineError(
-                f"microbatches={microbatches} but the schedule is for {schedule.microbatches}"
-            )
-        return schedule.compute_only()
-    if not isinstance(schedule, str):
+) -> int:
+    """The rank count a named schedule is built for: given, the world, or stages / chunks."""
+    if name == "auto":
         raise PipelineError(
-            f"schedule must be a Schedule or a generator name, got {type(schedule).__name__}"
+            "Pipeline(..., 'auto'): plan first, then run the plan -- "
+            "plan = zeropipe.auto_plan(model, ranks, microbatches, sample=(inputs, target), "
+            "loss_fn=...) (or costs=...); Pipeline(model, plan.schedule, loss_fn=..., "
+            "balance=plan.balance)"
         )
     if microbatches is None:
-        raise PipelineError(f"Pipeline(..., {schedule!r}) needs microbatches=")
-    gen = GENERATORS.get(schedule)
+        raise PipelineError(f"Pipeline(..., {name!r}) needs microbatches=")
+    if ranks is not None:
+        return ranks
+    if world > 1:
+        return world
+    if isinstance(stages, nn.Sequential):
+        raise PipelineError("with an nn.Sequential and a schedule name, pass ranks= (and balance=)")
+    gen = GENERATORS.get(name)
     v = chunks if chunks is not None else (gen.default_chunks if gen else 1)
-    if ranks is None:
-        if world > 1:
-            ranks = world
-        elif isinstance(stages, nn.Sequential):
-            raise PipelineError(
-                "with an nn.Sequential and a schedule name, pass ranks= (and balance=)"
-            )
-        else:
-            if len(stages) % v:
-                raise PipelineError(
-                    f"{len(stages)} stage modules cannot be spread as {v} chunk(s) per rank"
-                )
-            ranks = len(stages) // v
-    try:
-        return generate(schedule, ranks, microbatches, chunks)
-    except ScheduleError as exc:
-        raise PipelineError(str(exc)) from exc
+    if len(stages) % v:
+        raise PipelineError(
+            f"{len(stages)} stage modules cannot be spread as {v} chunk(s) per rank"
+        )
+    return len(stages) // v
 
 
 def _build_stages(

@@ -1,0 +1,88 @@
+"""From a name or a schedule to the exact schedule a pipeline runs; no torch, no modules.
+
+    name ──generate──► compute schedule ──group W──► ──lower──► ──validate──► schedule
+
+:func:`build_schedule` is what :class:`~zeropipe.runtime.pipeline.Pipeline`
+calls, and what ``zeropipe train`` and ``zeropipe simulate`` call, so the
+schedule printed, simulated and drawn is the one that runs.  A schedule that
+already spells out its sends and receives is kept as given (unless W is
+regrouped or ``recv_ahead`` asks for another posting), so a hand-written or
+hand-lowered schedule runs exactly as written.
+"""
+
+from __future__ import annotations
+
+from zeropipe.errors import ScheduleError
+from zeropipe.fuse import group_weights
+from zeropipe.ir import Schedule
+from zeropipe.lower import lower
+from zeropipe.schedules import generate
+from zeropipe.validate import validate
+
+__all__ = ["build_schedule"]
+
+
+def build_schedule(
+    schedule: Schedule | str,
+    *,
+    ranks: int | None = None,
+    microbatches: int | None = None,
+    chunks: int | None = None,
+    group_w: int = 1,
+    recv_ahead: int | None = None,
+) -> Schedule:
+    """The validated schedule to run: generated, W grouped, lowered.
+
+    Args:
+        schedule: a generator name (``zeropipe schedules`` lists them) or a
+            :class:`~zeropipe.ir.Schedule`, compute-only or lowered.
+        ranks, microbatches, chunks: for a name (``chunks``: the generator's
+            default if not given).  With a Schedule, ``microbatches`` (if given)
+            must match it and ``ranks``/``chunks`` must not be given.
+        group_w: split every B into I then W and run each stage's W in runs of
+            this many (:func:`zeropipe.fuse.group_weights`); 1 keeps the schedule.
+        recv_ahead: where each receive is posted (:func:`zeropipe.lower.lower`).
+
+    Raises:
+        ScheduleError: an unknown name, values a generator cannot take, or a
+            schedule that breaks a rule (the error shows the rank x step grid).
+    """
+    if isinstance(group_w, bool) or not isinstance(group_w, int) or group_w < 1:
+        raise ScheduleError(f"group_w must be a whole number >= 1, got {group_w!r}")
+    if isinstance(schedule, str):
+        if schedule == "auto" and group_w != 1:
+            # The search already gathers W where its costs say it pays and the memory
+            # limit allows; grouping its result again could break that limit.
+            raise ScheduleError(
+                f"group_w={group_w} with the 'auto' schedule: the search groups W itself "
+                "where that is faster and fits the memory limit; leave group_w at 1",
+                rule="unsupported",
+            )
+        if ranks is None or microbatches is None:
+            raise ScheduleError(
+                f"building {schedule!r} needs ranks= and microbatches=", rule="unsupported"
+            )
+        built = generate(schedule, ranks, microbatches, chunks)
+    elif isinstance(schedule, Schedule):
+        if ranks is not None or chunks is not None:
+            raise ScheduleError(
+                "ranks= and chunks= are for a schedule name; a Schedule already has "
+                f"{schedule.num_ranks} rank(s) and {schedule.num_stages} stage(s)",
+                rule="unsupported",
+            )
+        if microbatches is not None and microbatches != schedule.microbatches:
+            raise ScheduleError(
+                f"microbatches={microbatches} but the schedule is for {schedule.microbatches}",
+                rule="unsupported",
+            )
+        built = schedule
+    else:
+        raise ScheduleError(
+            f"schedule must be a Schedule or a generator name, got {type(schedule).__name__}",
+            rule="unsupported",
+        )
+    built = group_weights(built, group_w)
+    if built.num_ranks > 1 and (recv_ahead is not None or not built.is_lowered):
+        built = lower(built, recv_ahead)
+    validate(built)
+    return built

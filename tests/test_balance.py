@@ -1,4 +1,4 @@
-"""zeropipe.balance: exact contiguous cuts, and a measured win over the uniform cut."""
+"""zeropipe.balance: exact contiguous cuts (pure arithmetic, no torch)."""
 
 from __future__ import annotations
 
@@ -6,24 +6,11 @@ import itertools
 import random
 
 import pytest
-import torch
-from torch import nn
 
-from zeropipe.balance import (
-    balance,
-    balance_by_time,
-    plan,
-    split_layers,
-    stage_costs,
-    stage_times,
-)
+from zeropipe.balance import balance, even_cut, stage_costs, stage_times
 from zeropipe.costs import CostModel, StageCost
 from zeropipe.errors import ScheduleError
 from zeropipe.ir import Kind
-from zeropipe.models import GPTConfig, gpt
-from zeropipe.models.gpt import lm_loss
-from zeropipe.profiling import profile
-from zeropipe.validate import validate
 
 
 def _cuts(n: int, parts: int) -> list[list[int]]:
@@ -91,46 +78,13 @@ def test_stage_costs_sum_layers_and_keep_the_last_boundary() -> None:
     assert costs.meta["cut"] == [2, 1]
 
 
-def _lopsided(seed: int = 0) -> nn.Sequential:
-    """Six layers, two of them (0 and 2) several times the work of the others."""
-    torch.manual_seed(seed)
-
-    def wide() -> nn.Module:
-        return nn.Sequential(nn.Linear(64, 2048), nn.GELU(), nn.Linear(2048, 64))
-
-    def narrow() -> nn.Module:
-        return nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 64))
-
-    return nn.Sequential(wide(), narrow(), wide(), narrow(), narrow(), narrow())
-
-
-def test_balancing_beats_the_uniform_cut_measured() -> None:
-    model = _lopsided()
-    x = torch.randn(64, 64)
-    cut = balance_by_time(model, x, 2, repeat=5)
-    uniform = [3, 3]  # both wide layers in stage 0
-    assert cut == [2, 4]  # one wide layer per stage
-
-    def slowest(c: list[int]) -> float:
-        costs = profile(split_layers(model, c), x, repeat=7)
-        return max(s.F + s.time(Kind.B) for s in costs.stages)
-
-    assert slowest(cut) < 0.85 * slowest(uniform)
-
-
-def test_split_layers_shares_the_layers() -> None:
-    model = _lopsided()
-    stages = split_layers(model, [3, 3])
-    assert [len(s) for s in stages] == [3, 3]
-    assert stages[1][0] is model[3]
-
-
-def test_plan_cuts_the_model_for_the_schedule_it_picks() -> None:
-    cfg = GPTConfig(layers=4, width=32, heads=2, seq=16)
-    model = gpt(cfg)
-    tokens = torch.randint(0, cfg.vocab, (4, cfg.seq), generator=torch.Generator().manual_seed(0))
-    result = plan(model, tokens, 2, 4, target=tokens, loss_fn=lm_loss, repeat=3)
-    assert sum(result.balance) == len(model)
-    assert len(result.balance) == result.schedule.num_stages
-    assert "cut" in result.explanation
-    validate(result.schedule, costs=result.costs)
+def test_even_cut_gives_the_first_stages_the_remainder() -> None:
+    assert even_cut(10, 4) == [3, 3, 2, 2]
+    assert even_cut(4, 4) == [1, 1, 1, 1]
+    for layers in range(1, 12):
+        for parts in range(1, layers + 1):
+            cut = even_cut(layers, parts)
+            assert sum(cut) == layers and max(cut) - min(cut) <= 1
+            assert cut == sorted(cut, reverse=True)
+    with pytest.raises(ScheduleError, match="at least one layer"):
+        even_cut(2, 3)

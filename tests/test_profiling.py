@@ -12,7 +12,7 @@ from torch import nn
 from zeropipe import cli
 from zeropipe.costs import CostModel
 from zeropipe.ir import Kind
-from zeropipe.profiling import profile
+from zeropipe.profiling import profile_stages
 from zeropipe.runtime.launch import launch
 from zeropipe.schedules import generate
 from zeropipe.simulate import simulate
@@ -30,7 +30,7 @@ def _stages() -> list[nn.Module]:
 
 def test_memory_is_counted_as_the_runtime_counts_it() -> None:
     stages = _stages()
-    costs = profile(stages, torch.randn(B, A), warmup=1, repeat=3)
+    costs = profile_stages(stages, torch.randn(B, A), warmup=1, repeat=3)
     f32 = 4
     # Stage 0: GELU saves the first linear's output, the second linear its input
     # (GELU's output); the stage input and output are boundary tensors, not counted.
@@ -46,7 +46,7 @@ def test_memory_is_counted_as_the_runtime_counts_it() -> None:
 
 
 def test_times_are_positive_and_split_backward_is_real() -> None:
-    costs = profile(_stages(), torch.randn(64, A), warmup=1, repeat=5)
+    costs = profile_stages(_stages(), torch.randn(64, A), warmup=1, repeat=5)
     for c in costs.stages:
         assert min(c.F, c.I, c.W, c.time(Kind.B), c.time(Kind.R)) > 0
         # W does real work (the linears' weight products): not a no-op beside I.
@@ -75,11 +75,11 @@ def test_two_profiles_agree() -> None:
             max(u, v) <= 1.5 * min(u, v) for u, v in zip(figures(a), figures(b), strict=True)
         )
 
-    first, second = profile(stages, x), profile(stages, x)
+    first, second = profile_stages(stages, x), profile_stages(stages, x)
     assert [s.act for s in first.stages] == [s.act for s in second.stages]
     assert [s.act_w for s in first.stages] == [s.act_w for s in second.stages]
     if not agree(first, second):
-        third = profile(stages, x)
+        third = profile_stages(stages, x)
         assert agree(first, third) or agree(second, third), (figures(first), figures(second))
 
 
@@ -93,7 +93,7 @@ def test_the_model_is_left_as_it_was() -> None:
     torch.manual_seed(123)
     threads = torch.get_num_threads()
     stages[1].eval()
-    profile(stages, x, warmup=0, repeat=1, threads=1)
+    profile_stages(stages, x, warmup=0, repeat=1, threads=1)
     assert torch.equal(torch.rand(3), expected_draw)  # RNG state restored
     assert torch.get_num_threads() == threads
     assert all(torch.equal(p.grad, torch.full_like(p, 3.0)) for p in stages[0].parameters())
@@ -107,7 +107,7 @@ def test_the_model_is_left_as_it_was() -> None:
 def test_loss_on_the_last_stage_and_json_round_trip(tmp_path: object) -> None:
     stages = _stages()
     target = torch.randn(B, C)
-    costs = profile(
+    costs = profile_stages(
         stages, torch.randn(B, A), target=target, loss_fn=nn.functional.mse_loss, repeat=2
     )
     # With a loss the last stage's output is held by the loss graph only: counted.
@@ -122,17 +122,17 @@ def test_loss_on_the_last_stage_and_json_round_trip(tmp_path: object) -> None:
 
 def test_an_nn_sequential_is_profiled_layer_by_layer() -> None:
     model = nn.Sequential(nn.Linear(A, H), nn.ReLU(), nn.Linear(H, C))
-    costs = profile(model, torch.randn(B, A), warmup=0, repeat=1)
+    costs = profile_stages(model, torch.randn(B, A), warmup=0, repeat=1)
     assert len(costs.stages) == 3
 
 
 def test_target_without_loss_is_refused() -> None:
     with pytest.raises(Exception, match="both target and loss_fn"):
-        profile(_stages(), torch.randn(B, A), target=torch.randn(B, C))
+        profile_stages(_stages(), torch.randn(B, A), target=torch.randn(B, C))
 
 
 def _profile_on_rank(rank: int, world: int) -> tuple[float, float, float, str]:
-    costs = profile(_stages(), torch.randn(B, A), warmup=1, repeat=3)
+    costs = profile_stages(_stages(), torch.randn(B, A), warmup=1, repeat=3)
     return costs.latency, costs.bandwidth, costs.post, costs.meta["comm"]
 
 
@@ -146,7 +146,7 @@ def test_wire_is_measured_between_two_processes() -> None:
 
 
 def test_w_run_together_is_measured_and_cheaper_than_a_second_w() -> None:
-    costs = profile(_stages(), torch.randn(B, A), warmup=1, repeat=4)
+    costs = profile_stages(_stages(), torch.randn(B, A), warmup=1, repeat=4)
     for c in costs.stages:
         assert c.W_fused is not None and c.W_fused >= 0
     # Fusing reads each weight gradient once for both: never dearer than a second W, give
@@ -154,11 +154,9 @@ def test_w_run_together_is_measured_and_cheaper_than_a_second_w() -> None:
     assert sum(c.W_fused or 0 for c in costs.stages) < 1.5 * sum(c.W for c in costs.stages)
 
 
-def test_runtime_overhead_per_action_is_measured() -> None:
-    costs = profile(_stages(), torch.randn(B, A), warmup=1, repeat=3)
-    # The runtime's bookkeeping per action: more than nothing, less than a millisecond-scale
-    # stage would take on any machine this runs on.
-    assert 0 < costs.overhead < 0.01
+def test_stage_profile_leaves_the_runtime_overhead_to_the_planning_layer() -> None:
+    costs = profile_stages(_stages(), torch.randn(B, A), warmup=1, repeat=3)
+    assert costs.overhead == 0  # zeropipe.plan.profile measures it (it needs the runtime)
     assert costs.post == 0  # one process: nothing to post
 
 

@@ -1,8 +1,9 @@
 """zeropipe: pipeline-parallel training where the backward pass is scheduled.
 
-The schedule half (IR, dependencies, validator, generators, simulator) is
-importable without torch; the runtime names (``Pipeline``, ``launch``,
-``profile``, the autograd tools) are loaded on first use.
+The schedule half (IR, dependencies, validator, generators, simulator,
+``build_schedule``) is importable without torch; the names that need torch
+(``Pipeline``, ``RuntimeOptions``, ``launch``, ``profile``, ``auto_plan``)
+are loaded on first use.  docs/architecture.md describes the layers.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from importlib import import_module
 from typing import Any
 
+from zeropipe.build import build_schedule
 from zeropipe.costs import CostModel, StageCost
 from zeropipe.errors import PipelineError, ScheduleError, ZeropipeError
 from zeropipe.ir import Action, Kind, Schedule
@@ -25,11 +27,15 @@ __all__ = [
     "Kind",
     "Pipeline",
     "PipelineError",
+    "Plan",
+    "RuntimeOptions",
     "Schedule",
     "ScheduleError",
     "StageCost",
     "Timeline",
     "ZeropipeError",
+    "auto_plan",
+    "build_schedule",
     "generate",
     "init_from_env",
     "is_recomputing",
@@ -45,10 +51,13 @@ __version__ = "0.1.0"
 # name -> module that defines it; imported on first access (these need torch).
 _LAZY = {
     "Pipeline": "zeropipe.runtime.pipeline",
+    "RuntimeOptions": "zeropipe.runtime.pipeline",
+    "Plan": "zeropipe.plan",
+    "auto_plan": "zeropipe.plan",
     "launch": "zeropipe.runtime.launch",
     "init_from_env": "zeropipe.runtime.launch",
     "is_recomputing": "zeropipe.runtime.memory",
-    "profile": "zeropipe.profiling",
+    "profile": "zeropipe.plan",
 }
 
 

@@ -13,35 +13,21 @@ binary search over the sorted candidates finds the least feasible ``T``::
     uniform       [1 1 1][8 1 1][1 1]        slowest 10
     balanced      [1 1 1][8][1 1 1 1]        slowest 8
 
-The flow from a model to a schedule, all here: :func:`layer_costs` profiles
-each layer; :func:`balance` cuts by those times; :func:`stage_costs` sums the
-layer costs into the stages' cost model; :func:`plan` does all three for
-every chunk count the auto search considers and returns the best schedule
-with the cut that goes with it.
+Everything here is arithmetic on numbers (no torch): :func:`balance` cuts by
+layer times, :func:`even_cut` by layer counts, :func:`stage_costs` sums layer
+costs into the stages' cost model.  Profiling the layers and searching a
+schedule for each cut is the planning layer's (:mod:`zeropipe.plan`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
-from typing import Any
-
-from torch import Tensor, nn
+from collections.abc import Sequence
+from dataclasses import replace
 
 from zeropipe.costs import CostModel, StageCost
-from zeropipe.errors import PipelineError, ScheduleError
-from zeropipe.ir import Kind, Schedule
+from zeropipe.errors import ScheduleError
 
-__all__ = [
-    "Plan",
-    "balance",
-    "balance_by_time",
-    "layer_costs",
-    "plan",
-    "split_layers",
-    "stage_costs",
-    "stage_times",
-]
+__all__ = ["balance", "even_cut", "stage_costs", "stage_times"]
 
 
 def balance(
@@ -139,20 +125,20 @@ def stage_times(times: Sequence[float], cut: Sequence[int]) -> list[float]:
     return out
 
 
-def split_layers(
-    model: nn.Sequential | Sequence[nn.Module], cut: Sequence[int]
-) -> list[nn.Sequential]:
-    """The model's layers in consecutive ``nn.Sequential`` stages of ``cut`` layers each."""
-    layers = list(model.children()) if isinstance(model, nn.Sequential) else list(model)
-    if sum(cut) != len(layers) or min(cut, default=0) < 1:
-        raise PipelineError(
-            f"cut {list(cut)} must be positive layer counts summing to the model's {len(layers)}"
+def even_cut(layers: int, parts: int) -> list[int]:
+    """Layers per stage when every layer counts the same: the first ``layers % parts`` get one more.
+
+    ``even_cut(10, 4) == [3, 3, 2, 2]``.
+    """
+    if parts < 1:
+        raise ScheduleError(f"parts must be >= 1, got {parts}")
+    if layers < parts:
+        raise ScheduleError(
+            f"cannot cut {layers} layer(s) into {parts} stages: each stage needs at least one "
+            f"layer; use fewer stages (ranks x chunks) or a deeper model"
         )
-    out, start = [], 0
-    for count in cut:
-        out.append(nn.Sequential(*layers[start : start + count]))
-        start += count
-    return out
+    base, extra = divmod(layers, parts)
+    return [base + (1 if s < extra else 0) for s in range(parts)]
 
 
 def stage_costs(layers: CostModel, cut: Sequence[int]) -> CostModel:
@@ -173,92 +159,3 @@ def stage_costs(layers: CostModel, cut: Sequence[int]) -> CostModel:
         start += count
     meta = {**layers.meta, "cut": list(cut)}
     return replace(layers, stages=tuple(stages), meta=meta)
-
-
-# -- from a model ---------------------------------------------------------------------------
-def layer_costs(
-    model: nn.Sequential,
-    sample: Tensor | Sequence[Tensor],
-    *,
-    target: Tensor | None = None,
-    loss_fn: Callable[..., Tensor] | None = None,
-    **options: Any,
-) -> CostModel:
-    """Profile every layer of ``model`` as its own stage (see :func:`zeropipe.profile`)."""
-    from zeropipe.profiling import profile
-
-    return profile(list(model.children()), sample, target=target, loss_fn=loss_fn, **options)
-
-
-def balance_by_time(
-    model: nn.Sequential,
-    sample: Tensor | Sequence[Tensor],
-    parts: int,
-    *,
-    target: Tensor | None = None,
-    loss_fn: Callable[..., Tensor] | None = None,
-    memory_limit: float | None = None,
-    **options: Any,
-) -> list[int]:
-    """Profile each layer (forward + full backward) and :func:`balance` the model into ``parts``.
-
-    ``memory_limit`` caps each stage's activation bytes per microbatch.
-    """
-    costs = layer_costs(model, sample, target=target, loss_fn=loss_fn, **options)
-    times = [c.F + c.time(Kind.B) for c in costs.stages]
-    memory = [c.act for c in costs.stages] if memory_limit is not None else None
-    return balance(times, parts, memory=memory, memory_limit=memory_limit)
-
-
-@dataclass
-class Plan:
-    """A schedule for a model: the cut (layers per stage), its cost model, and why."""
-
-    schedule: Schedule
-    balance: list[int]
-    costs: CostModel
-    explanation: str
-
-
-def plan(
-    model: nn.Sequential,
-    sample: Tensor | Sequence[Tensor],
-    ranks: int,
-    microbatches: int,
-    *,
-    target: Tensor | None = None,
-    loss_fn: Callable[..., Tensor] | None = None,
-    memory_limit: float | Sequence[float] | None = None,
-    layers: CostModel | None = None,
-    max_chunks: int = 2,
-    **options: Any,
-) -> Plan:
-    """Profile ``model`` layer by layer, then search schedules, each cut balanced for its stages.
-
-    For every chunk count ``v`` the search considers, the model is balanced
-    into ``ranks * v`` stages by measured forward + backward time and the
-    stages' costs are the sums of their layers'.  ``layers`` skips the
-    profiling (per-layer costs measured before); ``memory_limit`` is in bytes
-    of activations per rank; ``options`` go to :func:`zeropipe.profile`.
-    The runtime's ``schedule="auto"`` without costs calls this.
-    """
-    from zeropipe.schedules.auto import search
-
-    if layers is None:
-        layers = layer_costs(model, sample, target=target, loss_fn=loss_fn, **options)
-    times = [c.F + c.time(Kind.B) for c in layers.stages]
-    n = len(layers.stages)
-    cuts: dict[int, list[int]] = {}
-
-    def costs(num_stages: int) -> CostModel | None:
-        if num_stages > n:
-            return None  # a stage needs at least one layer
-        cuts[num_stages] = cut = balance(times, num_stages)
-        return stage_costs(layers, cut)
-
-    if n < ranks:
-        raise PipelineError(f"the model has {n} layer(s), too few for {ranks} ranks")
-    most = max(1, min(max_chunks, n // ranks))
-    result = search(costs, ranks, microbatches, memory_limit, max_chunks=most)
-    cut = cuts[result.schedule.num_stages]
-    return Plan(result.schedule, cut, result.costs, result.explanation + f"; cut {cut}")

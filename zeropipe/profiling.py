@@ -25,13 +25,13 @@ by a ping-pong (1 byte; 16 MiB or the largest boundary tensor) between ranks
 two or more processes (every rank must then call :func:`profile`); otherwise
 they stay 0 and infinite and ``meta["comm"]`` says so.
 
-Two figures belong to the runtime rather than to a stage: ``overhead``, what
-the runtime's bookkeeping adds to each compute action (measured on a one-stage
-pipeline of a near-empty layer), and, with two or more processes, ``post``,
-the time a send or receive takes to post right after a burst of compute (as
-in a pipeline, where it finds the caches full of other data).  The simulator
-charges both, so schedules with many small actions or many transfers are not
-taken for free.
+With two or more processes, ``post`` is the time a send or receive takes to
+post right after a burst of compute (as in a pipeline, where it finds the
+caches full of other data); the simulator charges it, so schedules with many
+transfers are not taken for free.  The runtime's own cost per compute action
+(``overhead``) needs the runtime, a layer above this one: it is left at 0 here
+and measured by :func:`zeropipe.plan.profile`, which users call as
+``zeropipe.profile``.
 
 The model is left as it was: gradients, RNG state, thread count and which
 linears were prepared for split backward are restored afterwards.
@@ -60,12 +60,12 @@ from zeropipe.costs import CostModel, StageCost
 from zeropipe.errors import PipelineError
 from zeropipe.runtime.offload import StorageKey, distinct_bytes, storage_key
 
-__all__ = ["profile"]
+__all__ = ["global_rank", "profile_stages", "synchronize"]
 
 LossFn = Callable[..., Tensor]
 
 
-def profile(
+def profile_stages(
     stages: Sequence[nn.Module],
     sample: Tensor | Sequence[Tensor],
     *,
@@ -76,6 +76,7 @@ def profile(
     threads: int | None = 1,
     weights: bool = False,
     process_group: Any | None = None,
+    wire: bool = True,
 ) -> CostModel:
     """Time and measure every stage of a model; return a :class:`CostModel` in bytes and seconds.
 
@@ -91,6 +92,9 @@ def profile(
         weights: also count each stage's parameter bytes as ``weights`` (then
             a memory limit must include them).
         process_group: the group whose ranks 0 and 1 measure the wire.
+        wire: measure the wire when several processes run (every rank of the
+            group must then call this); ``False`` leaves latency and bandwidth
+            unmeasured.
     """
     modules = list(stages)
     if not modules:
@@ -124,8 +128,11 @@ def profile(
                 cost = replace(cost, weights=float(distinct_bytes(probe.module.parameters())))
             stage_costs.append(cost)
             spread.append(noise)
-        overhead = _runtime_overhead(device, warmup, repeat)
-    latency, bandwidth, post, comm = _wire(process_group, device, warmup, repeat, stage_costs)
+    latency, bandwidth, post, comm = (
+        _wire(process_group, device, warmup, repeat, stage_costs)
+        if wire
+        else (0.0, float("inf"), 0.0, "not measured: wire=False")
+    )
     meta = {
         "source": "zeropipe.profile",
         "device": str(device),
@@ -141,7 +148,6 @@ def profile(
         tuple(stage_costs),
         latency,
         bandwidth,
-        overhead=overhead,
         post=post,
         unit="bytes",
         meta=meta,
@@ -205,16 +211,16 @@ class _Probe:
         pending = [st for st in stashes if st is not None]
         if not pending:  # a stage with nothing to differentiate has no backward to time
             return
-        _sync(self.device)
+        synchronize(self.device)
         t0 = time.perf_counter()
         weight_backward_together(pending)
-        _sync(self.device)
+        synchronize(self.device)
         if timed:
             self.times["W" if len(pending) == 1 else "W2"].append(time.perf_counter() - t0)
 
     def _forward_input(self, timed: bool) -> WeightGradStash | None:
         """F (recorded for split backward) then I, counting what the forward saved."""
-        sync, clock = _sync, time.perf_counter
+        sync, clock = synchronize, time.perf_counter
         stash = WeightGradStash()
         # The saved bytes depend on the shapes only: counted on the first run, whose
         # hooks (a few microseconds per saved tensor) the runtime also pays only once.
@@ -278,37 +284,6 @@ class _Probe:
         return cost, noise
 
 
-def _runtime_overhead(device: torch.device, warmup: int, repeat: int) -> float:
-    """Seconds the runtime adds to each compute action beyond the stage's own work.
-
-    A one-stage pipeline of a near-empty layer runs ``m`` microbatches (2m
-    actions); what its step takes beyond the same layer's F, I and W measured
-    bare is the runtime's bookkeeping, per action.
-    """
-    from zeropipe.runtime.pipeline import Pipeline  # the runtime imports this module
-
-    m = 8
-    layer = nn.Linear(1, 1).to(device)
-    x = torch.zeros(m, 1, device=device)
-    pipe = Pipeline(
-        [layer], "1f1b", microbatches=m, loss_fn=torch.nn.functional.mse_loss, executor="local"
-    )
-    probe = _Probe(layer, (x[:1],), (torch.nn.functional.mse_loss, x[:1]), set(), device, last=True)
-    steps = []
-    for rep in range(warmup + repeat):
-        _sync(device)
-        t0 = time.perf_counter()
-        pipe.step(x, x)
-        _sync(device)
-        if rep >= warmup:
-            steps.append(time.perf_counter() - t0)
-        layer.zero_grad(set_to_none=True)
-        probe.run(timed=rep >= warmup)
-    bare = probe.cost()[0]
-    per_action = (statistics.median(steps) - m * (bare.F + bare.I + bare.W)) / (2 * m)
-    return max(per_action, 0.0)
-
-
 def _output_grads(roots: list[Tensor], is_loss: bool) -> list[Tensor]:
     if is_loss:
         return [torch.ones_like(t) for t in roots]
@@ -338,11 +313,11 @@ def _wire(
     big = int(max([c.boundary_bytes for c in costs] + [16 << 20]))
     small_t = torch.zeros(1, dtype=torch.uint8, device=device)
     big_t = torch.zeros(big, dtype=torch.uint8, device=device)
-    peer0, peer1 = _global(group, 0), _global(group, 1)
+    peer0, peer1 = global_rank(group, 0), global_rank(group, 1)
     rtts: dict[int, list[float]] = {1: [], big: []}
     for tensor in (small_t, big_t):
         for rep in range(warmup + repeat):
-            _sync(device)
+            synchronize(device)
             t0 = time.perf_counter()
             if rank == 0:
                 dist.send(tensor, peer1, group=group)
@@ -350,7 +325,7 @@ def _wire(
             elif rank == 1:
                 dist.recv(tensor, peer0, group=group)
                 dist.send(tensor, peer0, group=group)
-            _sync(device)
+            synchronize(device)
             if rep >= warmup:
                 rtts[tensor.numel()].append(time.perf_counter() - t0)
     post = _post_time(group, device, warmup, repeat, costs)
@@ -391,12 +366,12 @@ def _post_time(
     buf = torch.zeros(size, dtype=torch.uint8, device=device)
     a = torch.randn(256, 1024, device=device)
     b = torch.randn(1024, 1024, device=device)
-    peer = _global(group, 1 - rank)
+    peer = global_rank(group, 1 - rank)
     times = []
     for rep in range(warmup + 3 * repeat):
         for _ in range(4):
             a @ b
-        _sync(device)
+        synchronize(device)
         t0 = time.perf_counter()
         if rank == 0:
             work = dist.isend(buf, peer, group=group)
@@ -410,7 +385,7 @@ def _post_time(
     return statistics.median(times)
 
 
-def _global(group: Any | None, rank: int) -> int:
+def global_rank(group: Any | None, rank: int) -> int:
     if group is None:
         return rank
     return int(torch.distributed.get_global_rank(group, rank))
@@ -424,7 +399,7 @@ def _device(modules: list[nn.Module], inputs: tuple[Tensor, ...]) -> torch.devic
     return inputs[0].device if inputs else torch.device("cpu")
 
 
-def _sync(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
     """Wait for queued kernels, so that a host timer sees their time (no-op on CPU)."""
     if device.type != "cpu" and hasattr(torch, "accelerator"):
         torch.accelerator.synchronize(device)

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from zeropipe.autograd.split import WeightGradStash
+from zeropipe.balance import even_cut
 from zeropipe.errors import PipelineError
 from zeropipe.runtime.rng import seeded
 
@@ -81,31 +82,49 @@ class Stage:
         return list(self.module.parameters())
 
 
+def split_layers(
+    model: nn.Sequential | Sequence[nn.Module], cut: Sequence[int]
+) -> list[nn.Sequential]:
+    """The model's layers in consecutive ``nn.Sequential`` stages of ``cut`` layers each."""
+    layers = list(model.children()) if isinstance(model, nn.Sequential) else list(model)
+    if sum(cut) != len(layers) or min(cut, default=0) < 1:
+        raise PipelineError(
+            f"cut {list(cut)} must be positive layer counts summing to the model's {len(layers)}"
+        )
+    out, start = [], 0
+    for count in cut:
+        out.append(nn.Sequential(*layers[start : start + count]))
+        start += count
+    return out
+
+
 def split_sequential(
     model: nn.Sequential, num_stages: int, balance: Sequence[int] | None
 ) -> list[Stage]:
-    """Cut ``model`` into ``num_stages`` consecutive slices (``balance`` = layers per stage)."""
-    layers = list(model.children())
+    """Cut ``model`` into ``num_stages`` consecutive slices (``balance`` = layers per stage).
+
+    Each stage keeps its layers' indices in the whole model, which seed their
+    randomness: the same layer draws the same dropout mask whatever the cut.
+    """
+    count = len(model)
     if balance is None:
-        if len(layers) < num_stages:
+        if count < num_stages:
             raise PipelineError(
-                f"the nn.Sequential has {len(layers)} layer(s), too few for {num_stages} stages; "
+                f"the nn.Sequential has {count} layer(s), too few for {num_stages} stages; "
                 f"use fewer stages (ranks x chunks) or a deeper model"
             )
-        base, extra = divmod(len(layers), num_stages)
-        balance = [base + (1 if s < extra else 0) for s in range(num_stages)]
+        balance = even_cut(count, num_stages)
     balance = list(balance)
-    if len(balance) != num_stages or sum(balance) != len(layers) or min(balance) < 1:
+    if len(balance) != num_stages:
         raise PipelineError(
             f"balance {balance} must give {num_stages} positive layer counts summing to the "
-            f"model's {len(layers)} layers"
+            f"model's {count} layers"
         )
-    stages, start = [], 0
-    for s, count in enumerate(balance):
-        keys = list(range(start, start + count))
-        stages.append(Stage(s, nn.Sequential(*layers[start : start + count]), keys))
-        start += count
-    return stages
+    starts = [sum(balance[:s]) for s in range(num_stages)]
+    return [
+        Stage(s, part, list(range(starts[s], starts[s] + len(part))))
+        for s, part in enumerate(split_layers(model, balance))
+    ]
 
 
 def detach_for_stage(tensors: tuple[Tensor, ...]) -> tuple[Tensor, ...]:

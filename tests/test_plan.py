@@ -1,0 +1,111 @@
+"""zeropipe.plan: profile, balance and search for a model; the runtime's overhead; auto_plan."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zeropipe.costs import CostModel
+from zeropipe.errors import PipelineError
+from zeropipe.ir import Kind
+from zeropipe.models import GPTConfig, gpt
+from zeropipe.models.gpt import lm_loss
+from zeropipe.plan import auto_plan, balance_by_time, plan_model, profile, runtime_overhead
+from zeropipe.runtime.pipeline import Pipeline
+from zeropipe.runtime.stage import split_layers
+from zeropipe.validate import validate
+
+
+def _lopsided(seed: int = 0) -> nn.Sequential:
+    """Six layers, two of them (0 and 2) several times the work of the others."""
+    torch.manual_seed(seed)
+
+    def wide() -> nn.Module:
+        return nn.Sequential(nn.Linear(64, 2048), nn.GELU(), nn.Linear(2048, 64))
+
+    def narrow() -> nn.Module:
+        return nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 64))
+
+    return nn.Sequential(wide(), narrow(), wide(), narrow(), narrow(), narrow())
+
+
+def test_balancing_beats_the_uniform_cut_measured() -> None:
+    model = _lopsided()
+    x = torch.randn(64, 64)
+    cut = balance_by_time(model, x, 2, repeat=5)
+    uniform = [3, 3]  # both wide layers in stage 0
+    assert cut == [2, 4]  # one wide layer per stage
+
+    def slowest(c: list[int]) -> float:
+        costs = profile(split_layers(model, c), x, repeat=7)
+        return max(s.F + s.time(Kind.B) for s in costs.stages)
+
+    assert slowest(cut) < 0.85 * slowest(uniform)
+
+
+def test_split_layers_shares_the_layers() -> None:
+    model = _lopsided()
+    stages = split_layers(model, [3, 3])
+    assert [len(s) for s in stages] == [3, 3]
+    assert stages[1][0] is model[3]
+
+
+def test_plan_model_cuts_the_model_for_the_schedule_it_picks() -> None:
+    cfg = GPTConfig(layers=4, width=32, heads=2, seq=16)
+    model = gpt(cfg)
+    tokens = torch.randint(0, cfg.vocab, (4, cfg.seq), generator=torch.Generator().manual_seed(0))
+    result = plan_model(model, tokens, 2, 4, target=tokens, loss_fn=lm_loss, repeat=3)
+    assert sum(result.balance) == len(model)
+    assert len(result.balance) == result.schedule.num_stages
+    assert "cut" in result.explanation
+    validate(result.schedule, costs=result.costs)
+
+
+def test_runtime_overhead_per_action_is_measured() -> None:
+    # The runtime's bookkeeping per action: more than nothing, less than a millisecond-scale
+    # stage would take on any machine this runs on.
+    assert 0 < runtime_overhead(torch.device("cpu"), warmup=1, repeat=3) < 0.01
+    costs = profile([nn.Linear(8, 8), nn.Linear(8, 8)], torch.randn(4, 8), warmup=1, repeat=3)
+    assert 0 < costs.overhead < 0.01
+    assert costs.post == 0  # one process: nothing to post
+
+
+def test_auto_plan_under_given_costs_keeps_the_callers_cut() -> None:
+    plan = auto_plan(nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)]), 2, 4,
+                     costs=CostModel.uniform(2))  # fmt: skip
+    assert plan.balance is None and plan.schedule.num_ranks == 2
+    assert plan.explanation
+    validate(plan.schedule)
+
+
+def test_auto_plan_profiles_and_its_plan_runs_with_the_reference_gradients() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(8, 8, dtype=torch.float64) for _ in range(4)])
+    x = torch.randn(8, 8, dtype=torch.float64)
+    y = torch.randn(8, 8, dtype=torch.float64)
+    plan = auto_plan(model, 2, 4, sample=(x, y), loss_fn=F.mse_loss)
+    assert plan.balance is not None and sum(plan.balance) == 4
+    pipe = Pipeline(model, plan.schedule, loss_fn=F.mse_loss, balance=plan.balance)
+    loss = pipe.step(x, y)
+    got = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    model.zero_grad()
+    expected = F.mse_loss(model(x), y)
+    expected.backward()
+    assert torch.allclose(loss, expected, rtol=0, atol=1e-12)
+    for g, p in zip(got, model.parameters(), strict=True):
+        assert torch.allclose(g, p.grad, rtol=0, atol=1e-12)  # type: ignore[arg-type]
+
+
+def test_auto_plan_refuses_what_it_cannot_plan() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    with pytest.raises(PipelineError, match="costs= .* or sample="):
+        auto_plan(model, 2, 2)
+    with pytest.raises(PipelineError, match="nn.Sequential"):
+        auto_plan([nn.Linear(2, 2), nn.Linear(2, 2)], 2, 2, sample=(torch.zeros(2, 2), None))
+
+
+def test_pipeline_points_auto_at_auto_plan() -> None:
+    with pytest.raises(PipelineError, match="auto_plan"):
+        Pipeline(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), "auto", microbatches=2, ranks=2)

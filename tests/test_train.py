@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
 import pytest
 
-from zeropipe import checkpoint
+from zeropipe import train_state
 from zeropipe.cli import main
 from zeropipe.errors import PipelineError, ZeropipeError
 from zeropipe.ir import Kind
-from zeropipe.train import TrainConfig, train
+from zeropipe.runtime.launch import launch
+from zeropipe.train import TrainConfig, train, train_rank
 
 SMALL = {"width": 32, "layers": 2, "seq": 16, "batch_size": 8, "microbatches": 4, "quiet": True}
 
@@ -29,7 +31,7 @@ def test_resume_gives_the_losses_of_an_uninterrupted_run(tmp_path: Path) -> None
     train(TrainConfig(**SMALL, steps=6, out=str(full), checkpoint_every=2))
     half = tmp_path / "half"
     train(TrainConfig(**SMALL, steps=3, out=str(half), checkpoint_every=100))
-    assert checkpoint.latest_step(half / "checkpoints") == 3
+    assert train_state.latest_step(half / "checkpoints") == 3
     summary = train(TrainConfig(**SMALL, steps=6, out=str(half), resume=True, checkpoint_every=100))
     assert summary["steps_run"] == 3
     assert _losses(half) == _losses(full)  # exactly, step by step
@@ -39,18 +41,32 @@ def test_resume_gives_the_losses_of_an_uninterrupted_run(tmp_path: Path) -> None
     assert any(e.get("ph") == "X" for e in trace["traceEvents"])
 
 
+def _rank_1_dies_saving_step_6(rank: int, world: int, cfg: TrainConfig) -> object:
+    """train_rank, but rank 1 exits abruptly (as SIGKILL would) as it starts saving step 6."""
+    if rank == 1:
+        save = train_state.save_rank
+
+        def die_at_step_6(root: Path, step: int, r: int, state: dict[str, object]) -> Path:
+            if step == 6:
+                os._exit(17)
+            return save(root, step, r, state)
+
+        train_state.save_rank = die_at_step_6  # type: ignore[assignment]  # this process only
+    return train_rank(rank, world, cfg)
+
+
 def test_killed_rank_ends_the_run_with_a_clear_message_and_the_checkpoint_loads(
     tmp_path: Path,
 ) -> None:
     cfg = TrainConfig(**SMALL, steps=8, out=str(tmp_path), checkpoint_every=2, timeout=20.0)
-    cfg.extra["die"] = [1, 4]  # rank 1 exits abruptly after its step-4 checkpoint
+    cfg.check()
     start = time.monotonic()
     with pytest.raises(PipelineError) as err:
-        train(cfg)
+        launch(_rank_1_dies_saving_step_6, 2, cfg, timeout=80, threads=1)
     assert time.monotonic() - start < 90
     assert "rank 1" in str(err.value)
-    assert checkpoint.latest_step(tmp_path / "checkpoints") == 4
-    state = checkpoint.load_rank(tmp_path / "checkpoints", 0)
+    assert train_state.latest_step(tmp_path / "checkpoints") == 4
+    state = train_state.load_rank(tmp_path / "checkpoints", 0)
     assert state["step"] == 4 and state["stages"]
 
 
@@ -71,7 +87,7 @@ def test_loss_falls_on_the_default_model(tmp_path: Path) -> None:
         (["--memory-limit", "0.1"], "raise it to at least 0.5"),
         (["--recompute", "7"], "stage(s) [7] do not exist"),
         (["--group-w", "0"], "--group-w must be >= 1"),
-        (["--group-w", "2", "--schedule", "auto"], "the auto search groups W itself"),
+        (["--group-w", "2", "--schedule", "auto"], "the search groups W itself"),
     ],
 )
 def test_bad_flags_are_one_line_errors(

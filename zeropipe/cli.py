@@ -17,11 +17,11 @@ import json
 import os
 import shutil
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from zeropipe import render, train
+from zeropipe import render
 from zeropipe.costs import CostModel
 from zeropipe.errors import ScheduleError, ZeropipeError
 from zeropipe.ir import Schedule
@@ -234,7 +234,7 @@ def _search(args: argparse.Namespace) -> tuple[Schedule, CostModel, str]:
 
 
 def _chunks(schedule: Schedule) -> int:
-    return max(len(schedule.stages_of(r)) for r in range(schedule.num_ranks))
+    return max(len(schedule.stages_of(r)) for r in range(schedule.num_ranks))  # MERGE: ir
 
 
 def _load_schedule(args: argparse.Namespace) -> Schedule:
@@ -375,11 +375,12 @@ def _run_profile(args: argparse.Namespace) -> int:
     """Profile a reference model's stages; print the costs, or write them as JSON."""
     import torch
 
-    from zeropipe.balance import balance, layer_costs, split_layers
+    from zeropipe.balance import balance, even_cut
     from zeropipe.ir import Kind
     from zeropipe.models import GPTConfig, gpt, mlp_blocks
     from zeropipe.models.gpt import lm_loss
-    from zeropipe.profiling import profile
+    from zeropipe.plan import layer_costs, profile
+    from zeropipe.runtime.stage import split_layers
 
     gen = torch.Generator().manual_seed(0)
     target: Any = None
@@ -402,8 +403,7 @@ def _run_profile(args: argparse.Namespace) -> int:
         per_layer = layer_costs(model, sample, target=target, loss_fn=loss_fn, **options)
         cut = balance([c.F + c.time(Kind.B) for c in per_layer.stages], parts)
     else:
-        base, extra = divmod(layers, parts)
-        cut = [base + (1 if s < extra else 0) for s in range(parts)]
+        cut = even_cut(layers, parts)
     costs = profile(split_layers(model, cut), sample, target=target, loss_fn=loss_fn, **options)
     costs.meta.update(
         {
@@ -443,49 +443,71 @@ def _run_profile(args: argparse.Namespace) -> int:
 
 
 def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    from zeropipe import bench
+    from zeropipe import bench  # imports torch's pipelining: only when asked
 
     bench.add_arguments(parser)
 
 
 def _run_bench(args: argparse.Namespace) -> int:
     """Benchmark zeropipe against torch.distributed.pipelining, side by side."""
-    from zeropipe import bench  # imports torch's pipelining: only when asked
+    from zeropipe import bench
 
     return bench.run_cli(args)
+
+
+# -- zeropipe train -----------------------------------------------------------------------
+def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    from zeropipe import train  # imports torch: only for this command
+
+    train.add_arguments(parser)
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    """Train a small GPT across pipeline ranks (the built-in demo on defaults)."""
+    from zeropipe import train
+
+    return train.run_cli(args)
 
 
 # -- the table and the entry point ------------------------------------------------------
 AddArguments = Callable[[argparse.ArgumentParser], None]
 Run = Callable[[argparse.Namespace], int]
 
-#: name -> (add_arguments, run); the first docstring line of ``run`` is the help.
+#: name -> (add_arguments, run); the first docstring line of ``run`` is the help.  A
+#: command's arguments are added only when it is the one run, so ``schedules`` and
+#: ``simulate`` never import torch.
 COMMANDS: dict[str, tuple[AddArguments, Run]] = {
     "schedules": (_add_schedules_arguments, _run_schedules),
     "simulate": (_add_simulate_arguments, _run_simulate),
     "profile": (_add_profile_arguments, _run_profile),
-    "train": (train.add_arguments, train.run_cli),
+    "train": (_add_train_arguments, _run_train),
     "bench": (_add_bench_arguments, _run_bench),
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(commands: Iterable[str] | None = None) -> argparse.ArgumentParser:
+    """The parser; ``commands`` limits which subcommands get their arguments (default: all)."""
+    wanted = set(COMMANDS) if commands is None else set(commands)
     parser = _Parser(
         prog=_PROG,
-        description="Pipeline-parallel schedules as data: list, validate, simulate, draw.",
+        description="Pipeline-parallel schedules as data: list, validate, simulate, draw, train.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (add_arguments, run) in COMMANDS.items():
         summary = (run.__doc__ or "").strip().splitlines()[0] if run.__doc__ else ""
         command = sub.add_parser(name, help=summary, description=summary)
-        add_arguments(command)
+        if name in wanted:
+            add_arguments(command)
         command.set_defaults(run=run)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``zeropipe`` with ``argv`` (default: ``sys.argv[1:]``); return the exit code."""
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # The first word that names a command is the command (options come after it).
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser([chosen] if chosen in COMMANDS else [])
     try:
         args = parser.parse_args(argv)
         if args.command is None:

@@ -6,7 +6,7 @@ torchrun, runs as the rank it was started as), trains the GPT of
 under the chosen schedule, and leaves in ``--out``::
 
     metrics.jsonl      one JSON object per step: step, loss, tokens_per_s, ...
-    checkpoints/       the last complete checkpoints (see zeropipe.checkpoint)
+    checkpoints/       the last complete checkpoints (see zeropipe.train_state)
     timeline.png       the planned (simulated) and measured timelines of one step
     trace.json         Chrome trace of that measured step (opens in Perfetto)
     loss.png           the loss curve
@@ -26,24 +26,25 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from zeropipe import checkpoint, fit
+from zeropipe import fit, train_state
+from zeropipe.balance import even_cut
+from zeropipe.build import build_schedule
 from zeropipe.data import Corpus
 from zeropipe.errors import PipelineError, ZeropipeError
-from zeropipe.fuse import group_weights
 from zeropipe.ir import Schedule
 from zeropipe.models.gpt import GPTConfig, gpt, lm_loss
-from zeropipe.runtime.pipeline import Pipeline
-from zeropipe.schedules import GENERATORS, generate
+from zeropipe.runtime.pipeline import Pipeline, RuntimeOptions
+from zeropipe.schedules import GENERATORS
 from zeropipe.simulate import Event, Timeline, costs_from_timeline, simulate
 
-__all__ = ["TrainConfig", "train"]
+__all__ = ["TrainConfig", "train", "train_rank"]
 
 
 @dataclass
@@ -75,7 +76,6 @@ class TrainConfig:
     timeout: float = 120.0
     trace_step: int = 10  # which step's timeline to keep (clamped to the run)
     quiet: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
     # The schedule check() built, as text: ranks reuse it instead of rebuilding
     # (with --memory-limit that means re-running fit_memory's search).
     planned: str | None = None
@@ -92,45 +92,43 @@ class TrainConfig:
             raise ZeropipeError(
                 f"--group-w must be >= 1 (1: the schedule as given), got {self.group_w}"
             )
-        if self.group_w > 1 and self.schedule == "auto":
-            raise ZeropipeError(
-                "--group-w with --schedule auto: the auto search groups W itself when that pays"
-            )
         if self.batch_size < self.microbatches:
             raise ZeropipeError(
                 f"--batch-size {self.batch_size} cannot be cut into --microbatches {self.microbatches}; "
                 f"raise the batch size or lower the microbatches"
             )
+        if self.device != "cpu" and not torch.device(self.device).type:
+            raise ZeropipeError(f"unknown --device {self.device!r}")
+        schedule = self.build_schedule()
+        layers = self.layers + 2  # embedding and head are layers of the Sequential too
+        if schedule.num_stages > layers:
+            raise ZeropipeError(
+                f"--ranks {self.ranks} with {self.schedule} needs {schedule.num_stages} stages but the model has "
+                f"{layers} layers; use fewer ranks or more --layers"
+            )
+        self.planned = schedule.to_text()
+
+    def build_schedule(self) -> Schedule:
+        """The schedule to train with: built as any pipeline's, plus the memory actions asked for.
+
+        :func:`zeropipe.build.build_schedule` generates it and gathers W
+        (``--group-w``) first, so the memory actions see the W-parts it keeps
+        alive.  ``--recompute`` / ``--offload`` checkpoint / offload the named
+        stages ('all' or indices); ``--memory-limit`` (microbatch units per
+        rank) lets :func:`zeropipe.fit.fit_memory` choose, and fails in one line
+        naming the smallest limit that would fit.
+        """
         try:
-            sched = generate(self.schedule, self.ranks, self.microbatches)
+            schedule = build_schedule(
+                self.schedule,
+                ranks=self.ranks,
+                microbatches=self.microbatches,
+                group_w=self.group_w,
+            )
         except ZeropipeError as exc:
             raise ZeropipeError(
                 f"--schedule {self.schedule} with --ranks {self.ranks}: {str(exc).splitlines()[0]}"
             ) from None
-        layers = self.layers + 2  # embedding and head are layers of the Sequential too
-        if sched.num_stages > layers:
-            raise ZeropipeError(
-                f"--ranks {self.ranks} with {self.schedule} needs {sched.num_stages} stages but the model has "
-                f"{layers} layers; use fewer ranks or more --layers"
-            )
-        if self.device != "cpu" and not torch.device(self.device).type:
-            raise ZeropipeError(f"unknown --device {self.device!r}")
-        self.planned = self.build_schedule(sched).to_text()
-
-    def build_schedule(self, generated: Schedule | None = None) -> Schedule:
-        """The schedule to train with: the generator's, plus the memory actions asked for.
-
-        ``--group-w`` gathers W first (:func:`zeropipe.fuse.group_weights`), so
-        the memory actions see the W-parts it keeps alive.  ``--recompute`` /
-        ``--offload`` checkpoint / offload the named stages ('all' or indices);
-        ``--memory-limit`` (microbatch units per rank) lets
-        :func:`zeropipe.fit.fit_memory` choose, and fails in one line naming
-        the smallest limit that would fit.  ``generated``: the generator's
-        schedule when the caller has it already (``auto`` searches to make it).
-        """
-        if generated is None:
-            generated = generate(self.schedule, self.ranks, self.microbatches)
-        schedule = group_weights(generated, self.group_w)
         if self.recompute is not None:
             schedule = fit.checkpoint(
                 schedule, _stage_choice(self.recompute, schedule, "--recompute")
@@ -176,12 +174,12 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         rank, world = init_from_env(timeout=cfg.timeout)
         if world != cfg.ranks:
             cfg.ranks = world
-        return run_rank(rank, world, cfg)
+        return train_rank(rank, world, cfg)
     if cfg.ranks == 1:
-        return run_rank(0, 1, cfg)
+        return train_rank(0, 1, cfg)
     from zeropipe.runtime.launch import launch
 
-    results = launch(run_rank, cfg.ranks, cfg, timeout=cfg.timeout * 4 + cfg.steps * 5.0, threads=1)
+    results = launch(train_rank, cfg.ranks, cfg, timeout=cfg.timeout * 4 + cfg.steps * 5.0, threads=1)
     summary: dict[str, Any] = results[0]
     return summary
 
@@ -192,16 +190,14 @@ def _balance(blocks: int, stages: int) -> list[int]:
     if stages == 1:
         return [blocks + 2]
     if blocks < stages:  # too few blocks for one each: spread every layer evenly
-        base, extra = divmod(blocks + 2, stages)
-        return [base + (1 if s < extra else 0) for s in range(stages)]
-    base, extra = divmod(blocks, stages)
-    counts = [base + (1 if s < extra else 0) for s in range(stages)]
+        return even_cut(blocks + 2, stages)
+    counts = even_cut(blocks, stages)
     counts[0] += 1
     counts[-1] += 1
     return counts
 
 
-def run_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
+def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
     """The training loop as one rank runs it (also the whole job when ranks == 1)."""
     torch.set_num_threads(1)
     out = Path(cfg.out)
@@ -225,12 +221,12 @@ def run_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
         balance=_balance(cfg.layers, schedule.num_stages),
         seed=cfg.seed,
         executor="distributed" if world > 1 else "local",
-        timeout=cfg.timeout,
+        options=RuntimeOptions(timeout=cfg.timeout),
     )
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=cfg.lr, weight_decay=0.0)
     start = 0
     if cfg.resume:
-        state = checkpoint.load_rank(ckpt_root, rank)
+        state = train_state.load_rank(ckpt_root, rank)
         for s, sd in state["stages"].items():
             pipe.stages[int(s)].module.load_state_dict(sd)
         optimizer.load_state_dict(state["optimizer"])
@@ -247,7 +243,6 @@ def run_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
     measured: Timeline | None = None
     wall0 = time.perf_counter()
     step = start
-    _maybe_die(rank, step, cfg)
     while step < cfg.steps:
         for group in optimizer.param_groups:  # linear warm-up: no early loss spikes
             group["lr"] = cfg.lr * min(1.0, (step + 1) / cfg.warmup)
@@ -279,7 +274,6 @@ def run_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
         stopping = _agree(stop.requested, world)
         if step % cfg.checkpoint_every == 0 or step == cfg.steps or stopping:
             _save(ckpt_root, step, rank, world, pipe, optimizer)
-        _maybe_die(rank, step, cfg)
         if stopping:
             if lead:
                 print(f"\nstopped at step {step}; resume with --resume", flush=True)
@@ -326,13 +320,6 @@ def _agree(flag: bool, world: int) -> bool:
     return bool(t.item())
 
 
-def _maybe_die(rank: int, step: int, cfg: TrainConfig) -> None:
-    """Test hook: ``extra={"die": [rank, step]}`` kills that rank at that step, as SIGKILL would."""
-    die = cfg.extra.get("die")
-    if die and rank == die[0] and step == die[1]:
-        os._exit(17)
-
-
 def _save(
     root: Path, step: int, rank: int, world: int, pipe: Pipeline, opt: torch.optim.Optimizer
 ) -> None:
@@ -342,11 +329,11 @@ def _save(
         "optimizer": opt.state_dict(),
         "rng": torch.get_rng_state(),
     }
-    checkpoint.save_rank(root, step, rank, state)
+    train_state.save_rank(root, step, rank, state)
     if world > 1:
         dist.barrier()
     if rank == 0:
-        checkpoint.publish(root, step, world)
+        train_state.publish(root, step, world)
 
 
 def _evaluate(pipe: Pipeline, corpus: Corpus, cfg: TrainConfig) -> float:
@@ -563,7 +550,7 @@ def add_arguments(parser: Any) -> None:
 
 def run_cli(args: Any) -> int:
     """Train a small GPT across pipeline ranks (the built-in demo on defaults)."""
-    keys = {f for f in TrainConfig.__dataclass_fields__ if f != "extra"}
+    keys = set(TrainConfig.__dataclass_fields__)
     cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in keys})
     if cfg.checkpoint_every < 1:
         raise ZeropipeError("--checkpoint-every must be >= 1")

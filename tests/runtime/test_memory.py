@@ -23,10 +23,11 @@ from zeropipe.errors import PipelineError
 from zeropipe.fit import checkpoint, offload, offload_weights
 from zeropipe.ir import Action, Kind, Schedule
 from zeropipe.runtime.memory import is_recomputing, measured_costs
-from zeropipe.runtime.offload import SavedActivations, distinct_bytes, storage_key
+from zeropipe.runtime.offload import SavedActivations
 from zeropipe.runtime.pipeline import Pipeline
 from zeropipe.schedules import generate
 from zeropipe.simulate import simulate
+from zeropipe.storage import distinct_bytes, storage_key
 
 SCHEDULES = ["gpipe", "1f1b", "zb-h1", "zbv"]
 
@@ -197,7 +198,8 @@ def test_measured_peak_is_the_simulated_peak(name: str) -> None:
     base = generate(name, 2, 4)
     calibration = Pipeline(model, base, loss_fn=token_loss)
     calibration.step(x, y)
-    costs = measured_costs(calibration)  # per stage bytes, from the plain schedule only
+    # Per stage bytes, from the plain schedule only.
+    costs = measured_costs(calibration.schedule, calibration.memory.stage_bytes())
     for mode in ("none", "R", "O", "RO", "mixed"):
         schedule = base if mode == "none" else _with(base, mode)
         pipe = Pipeline(model, schedule, loss_fn=token_loss)
@@ -206,7 +208,10 @@ def test_measured_peak_is_the_simulated_peak(name: str) -> None:
         for rank, (got, want) in enumerate(zip(pipe.peak_saved_bytes, predicted, strict=True)):
             assert abs(got - want) <= 0.10 * want, (name, mode, rank, got, want)
     # The timeline reports activations plus resident weights, as a weights-aware model predicts.
-    with_weights = simulate(pipe.schedule, measured_costs(calibration, weights=True))
+    with_weights = simulate(
+        pipe.schedule,
+        measured_costs(calibration.schedule, calibration.memory.stage_bytes(), weights=True),
+    )
     assert pipe.timeline().peak_memory == pytest.approx(with_weights.peak_memory, rel=0.10)
 
 
@@ -252,7 +257,9 @@ def test_weight_offload_on_one_rank_is_exact_and_keeps_two_stages_resident(case:
     # Four equal stages, at most two resident: the one computing and the one prefetched.
     stage_bytes = sum(p.numel() * 8 for p in pipe.stages[0].parameters())
     assert pipe.memory.report.weights == (2 * stage_bytes,)
-    predicted = simulate(pipe.schedule, measured_costs(pipe, weights=True)).peak_memory
+    predicted = simulate(
+        pipe.schedule, measured_costs(pipe.schedule, pipe.memory.stage_bytes(), weights=True)
+    ).peak_memory
     assert pipe.timeline().peak_memory == pytest.approx(predicted, rel=0.10)
     # A second step accumulates onto the offloaded gradients (seeds differ by step).
     _, ref2 = reference(model, x, y, F.mse_loss, 4, step=1)

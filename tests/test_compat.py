@@ -53,6 +53,7 @@ def test_accumulate_grad_has_the_maximum_number_and_known_name() -> None:
     acc = mul.next_functions[0][0]
     assert acc is not None
     assert acc.name() == _compat.ACCUMULATE_GRAD_NAME
+    assert _compat.is_accumulate_grad(acc) and not _compat.is_accumulate_grad(mul)
     assert _compat.get_sequence_nr(acc) == _compat.MAX_SEQUENCE_NR
 
 

@@ -79,7 +79,7 @@ from torch import Tensor, nn
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 from zeropipe import _compat
-from zeropipe.autograd.priority import _is_accumulate_grad, _original_sequence_nr
+from zeropipe.autograd.priority import original_sequence_nr
 from zeropipe.errors import ZeropipeError
 
 __all__ = [
@@ -382,13 +382,13 @@ def _find_leaves(flat: list[Tensor], inputs: tuple[Any, ...], lo: int, check: bo
         if node in seen:
             continue
         seen.add(node)
-        if _is_accumulate_grad(node):
+        if _compat.is_accumulate_grad(node):
             var = node.variable  # type: ignore[attr-defined]
             if id(var) not in own:
                 leaves.setdefault(id(var), var)
             continue
         if check:
-            nr = _original_sequence_nr(node)
+            nr = original_sequence_nr(node)
             if nr != _compat.MAX_SEQUENCE_NR and not lo <= nr < _compat.thread_sequence_nr():
                 raise ParallelMapError(
                     f"the branch's graph reaches {node.name()}, which the branch did not "

@@ -331,6 +331,8 @@ def _child(
         conn.close()
         sys.stdout.flush()
         sys.stderr.flush()
-        # Skip interpreter teardown: a collective a dead peer never joined would
-        # block the process group's destructor until its timeout.
+        # Every child ends here, its result or error already sent.  Skip interpreter
+        # teardown: a collective a dead peer never joined would block the process
+        # group's destructor until its timeout, and a transport's waiter thread still
+        # blocked on a c10d work makes a normal exit abort.
         os._exit(code)

@@ -43,7 +43,7 @@ import torch.multiprocessing as mp
 
 from zeropipe import _compat
 from zeropipe.errors import PipelineError
-from zeropipe.runtime.distributed import FAILED_KEY, failure_origin
+from zeropipe.runtime.failures import FAILED_KEY, failure_origin
 
 __all__ = ["init_from_env", "launch"]
 

@@ -27,7 +27,15 @@ from zeropipe.runtime.offload import SavedActivations
 from zeropipe.runtime.pipeline import Pipeline
 from zeropipe.schedules import generate
 from zeropipe.simulate import simulate
-from zeropipe.storage import distinct_bytes, storage_key
+from zeropipe.storage import (
+    as_bytes,
+    distinct_bytes,
+    movable,
+    same_storage,
+    storage_key,
+    storage_nbytes,
+    view_bytes,
+)
 
 SCHEDULES = ["gpipe", "1f1b", "zb-h1", "zbv"]
 
@@ -314,3 +322,17 @@ def test_distinct_bytes_counts_each_storage_once_less_the_excluded() -> None:
     assert distinct_bytes(views, exclude={storage_key(base[5])}) == 24
     # No storage of their own: a meta tensor and a sparse one count nothing.
     assert distinct_bytes([other, torch.empty(1000, device="meta"), base.to_sparse()]) == 24
+
+
+def test_storage_bytes_round_trip_through_a_view_of_any_geometry() -> None:
+    base = torch.arange(12, dtype=torch.float64)
+    view = base[2:].view(2, 5).t()  # offset, transposed: not the storage's own layout
+    assert same_storage(base, view) and not same_storage(base, base.clone())
+    assert storage_nbytes(view) == 12 * 8
+    raw = as_bytes(view)
+    assert raw.dtype is torch.uint8 and raw.numel() == 12 * 8 and same_storage(raw, base)
+    again = view_bytes(raw, view.dtype, view.storage_offset(), view.shape, view.stride())
+    assert torch.equal(again, view) and same_storage(again, base)
+    # Only plain dense tensors can be rebuilt from their bytes.
+    lazy_conj = torch.ones(2, dtype=torch.complex128).conj()  # a flag, not conjugated bytes
+    assert movable(view) and not movable(base.to_sparse()) and not movable(lazy_conj)

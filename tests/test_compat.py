@@ -53,6 +53,7 @@ def test_accumulate_grad_has_the_maximum_number_and_known_name() -> None:
     acc = mul.next_functions[0][0]
     assert acc is not None
     assert acc.name() == _compat.ACCUMULATE_GRAD_NAME
+    assert _compat.is_accumulate_grad(acc) and not _compat.is_accumulate_grad(mul)
     assert _compat.get_sequence_nr(acc) == _compat.MAX_SEQUENCE_NR
 
 
@@ -118,5 +119,5 @@ def test_cpu_has_no_streams() -> None:
 def test_device_string_only_in_compat() -> None:
     # House rule 5, for the modules that use device streams through _compat.
     root = Path(_compat.__file__).parent
-    for rel in ("autograd/parallel.py", "autograd/priority.py"):
+    for rel in ("autograd/parallel.py", "autograd/branch_pool.py", "autograd/priority.py"):
         assert "cuda" not in (root / rel).read_text().lower(), rel

@@ -29,6 +29,9 @@ What is private, and why zeropipe needs it:
 ``torch._C._storage_Use_Count``    how many tensors share a storage: kept
                                    gradient memory is reused only when no view
                                    of it survives (autograd.grad_memory)
+``Node.name()`` ==                 AccumulateGrad has no Python class; its
+``"torch::autograd::AccumulateGrad"``  C++ name is how priority and parallel
+                                   branches recognise a leaf's gradient sink
 =================================  ===========================================
 
 Device streams and the choice of a device / collective backend use public
@@ -55,6 +58,7 @@ __all__ = [
     "current_stream",
     "default_backend",
     "get_sequence_nr",
+    "is_accumulate_grad",
     "new_stream",
     "record_stream",
     "rendezvous_store",
@@ -75,6 +79,15 @@ MAX_SEQUENCE_NR = 2**64 - 1
 
 # ``Node.name()`` of the node that adds a gradient into a leaf's ``.grad``.
 ACCUMULATE_GRAD_NAME = "torch::autograd::AccumulateGrad"
+
+
+def is_accumulate_grad(node: Node) -> bool:
+    """Whether ``node`` is the one that adds a gradient into a leaf's ``.grad``.
+
+    AccumulateGrad has no Python class to test against; its C++ name is what
+    identifies it (checked on the versions above).
+    """
+    return node.name() == ACCUMULATE_GRAD_NAME
 
 
 def torch_version_checked(version: str | None = None) -> bool:

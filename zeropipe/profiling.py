@@ -58,7 +58,7 @@ from zeropipe.autograd.split import (
 )
 from zeropipe.costs import CostModel, StageCost
 from zeropipe.errors import PipelineError
-from zeropipe.runtime.offload import StorageKey, distinct_bytes, storage_key
+from zeropipe.storage import StorageKey, distinct_bytes, storage_key
 
 __all__ = ["global_rank", "profile_stages", "synchronize"]
 

@@ -17,6 +17,8 @@ from tests.gradcheck import (
     token_model,
 )
 from zeropipe.errors import PipelineError, ScheduleError
+from zeropipe.ir import Kind
+from zeropipe.runtime.handlers import HANDLERS
 from zeropipe.runtime.pipeline import Pipeline
 from zeropipe.schedules import GENERATORS, generate
 
@@ -276,3 +278,15 @@ def test_where_receives_are_posted_changes_nothing_but_the_schedule(ahead: int |
     recvs = sum(1 for a in pipe.schedule.actions[1] if "RECV" in str(a))
     leading = next(k for k, a in enumerate(pipe.schedule.actions[1]) if "RECV" not in str(a))
     assert first.startswith("1RECV_F0") and (leading == recvs) == (ahead is None)
+
+
+def test_every_action_kind_has_one_handler_and_a_missing_one_is_a_pipeline_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert set(HANDLERS) == set(Kind)
+    model = mlp()
+    x, y = batch_for(model)
+    pipe = Pipeline(model, generate("1f1b", 2, 4), loss_fn=F.mse_loss)
+    monkeypatch.delitem(HANDLERS, Kind.F)  # as if a new kind had been added without a handler
+    with pytest.raises(PipelineError, match="no handler for action kind"):
+        pipe.step(x, y)

@@ -23,10 +23,19 @@ from zeropipe.errors import PipelineError
 from zeropipe.fit import checkpoint, offload, offload_weights
 from zeropipe.ir import Action, Kind, Schedule
 from zeropipe.runtime.memory import is_recomputing, measured_costs
-from zeropipe.runtime.offload import SavedActivations, distinct_bytes, storage_key
+from zeropipe.runtime.offload import SavedActivations
 from zeropipe.runtime.pipeline import Pipeline
 from zeropipe.schedules import generate
 from zeropipe.simulate import simulate
+from zeropipe.storage import (
+    as_bytes,
+    distinct_bytes,
+    movable,
+    same_storage,
+    storage_key,
+    storage_nbytes,
+    view_bytes,
+)
 
 SCHEDULES = ["gpipe", "1f1b", "zb-h1", "zbv"]
 
@@ -197,7 +206,8 @@ def test_measured_peak_is_the_simulated_peak(name: str) -> None:
     base = generate(name, 2, 4)
     calibration = Pipeline(model, base, loss_fn=token_loss)
     calibration.step(x, y)
-    costs = measured_costs(calibration)  # per stage bytes, from the plain schedule only
+    # Per stage bytes, from the plain schedule only.
+    costs = measured_costs(calibration.schedule, calibration.memory.stage_bytes())
     for mode in ("none", "R", "O", "RO", "mixed"):
         schedule = base if mode == "none" else _with(base, mode)
         pipe = Pipeline(model, schedule, loss_fn=token_loss)
@@ -206,7 +216,10 @@ def test_measured_peak_is_the_simulated_peak(name: str) -> None:
         for rank, (got, want) in enumerate(zip(pipe.peak_saved_bytes, predicted, strict=True)):
             assert abs(got - want) <= 0.10 * want, (name, mode, rank, got, want)
     # The timeline reports activations plus resident weights, as a weights-aware model predicts.
-    with_weights = simulate(pipe.schedule, measured_costs(calibration, weights=True))
+    with_weights = simulate(
+        pipe.schedule,
+        measured_costs(calibration.schedule, calibration.memory.stage_bytes(), weights=True),
+    )
     assert pipe.timeline().peak_memory == pytest.approx(with_weights.peak_memory, rel=0.10)
 
 
@@ -252,7 +265,9 @@ def test_weight_offload_on_one_rank_is_exact_and_keeps_two_stages_resident(case:
     # Four equal stages, at most two resident: the one computing and the one prefetched.
     stage_bytes = sum(p.numel() * 8 for p in pipe.stages[0].parameters())
     assert pipe.memory.report.weights == (2 * stage_bytes,)
-    predicted = simulate(pipe.schedule, measured_costs(pipe, weights=True)).peak_memory
+    predicted = simulate(
+        pipe.schedule, measured_costs(pipe.schedule, pipe.memory.stage_bytes(), weights=True)
+    ).peak_memory
     assert pipe.timeline().peak_memory == pytest.approx(predicted, rel=0.10)
     # A second step accumulates onto the offloaded gradients (seeds differ by step).
     _, ref2 = reference(model, x, y, F.mse_loss, 4, step=1)
@@ -307,3 +322,17 @@ def test_distinct_bytes_counts_each_storage_once_less_the_excluded() -> None:
     assert distinct_bytes(views, exclude={storage_key(base[5])}) == 24
     # No storage of their own: a meta tensor and a sparse one count nothing.
     assert distinct_bytes([other, torch.empty(1000, device="meta"), base.to_sparse()]) == 24
+
+
+def test_storage_bytes_round_trip_through_a_view_of_any_geometry() -> None:
+    base = torch.arange(12, dtype=torch.float64)
+    view = base[2:].view(2, 5).t()  # offset, transposed: not the storage's own layout
+    assert same_storage(base, view) and not same_storage(base, base.clone())
+    assert storage_nbytes(view) == 12 * 8
+    raw = as_bytes(view)
+    assert raw.dtype is torch.uint8 and raw.numel() == 12 * 8 and same_storage(raw, base)
+    again = view_bytes(raw, view.dtype, view.storage_offset(), view.shape, view.stride())
+    assert torch.equal(again, view) and same_storage(again, base)
+    # Only plain dense tensors can be rebuilt from their bytes.
+    lazy_conj = torch.ones(2, dtype=torch.complex128).conj()  # a flag, not conjugated bytes
+    assert movable(view) and not movable(base.to_sparse()) and not movable(lazy_conj)

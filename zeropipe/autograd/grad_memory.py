@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from zeropipe._compat import storage_use_count
+from zeropipe.storage import storage_nbytes
 
 __all__ = ["GradMemory"]
 
@@ -47,7 +48,7 @@ class GradMemory:
     @property
     def nbytes(self) -> int:
         """Bytes held for reuse (including tensors currently in use as ``.grad``)."""
-        return sum(t.untyped_storage().nbytes() for _, t in self._held.values())
+        return sum(storage_nbytes(t) for _, t in self._held.values())
 
     def clear(self) -> None:
         """Forget every kept tensor (its memory is freed once ``.grad`` lets go too)."""

@@ -40,17 +40,14 @@ Branches must not modify their inputs in place; they are detached leaves.
 Backward works once (``retain_graph=True`` on the outer backward is not
 supported: the branches' graphs are freed) and is not differentiable again.
 
-Threads.  :class:`BranchPool` owns a thread pool.  The calling thread also
-works: it submits branches ``1..n-1``, then runs every branch nobody has
-started yet, then waits only for branches already running on other threads.
-Nested ``parallel_map`` calls on the same pool therefore cannot deadlock, at
-any depth or pool size (a wait is always for a running branch).  Without an
-explicit pool, :func:`default_branch_pool` is used: a process-wide pool that
-is created on first use under a lock -- the one piece of module state here.
-Grad mode, inference mode, autocast and the innermost ``saved_tensors_hooks``
-are thread-local in torch; they are captured in the caller and re-entered in
-each branch (autocast without its weight-cast cache, whose shared casts would
-join the branches' graphs).  Intra-op thread counts are not touched (set them yourself).
+Threads.  Branches run on a :class:`~zeropipe.autograd.branch_pool.BranchPool`
+(:mod:`zeropipe.autograd.branch_pool`: the calling thread works too, so
+nested calls cannot deadlock); without an explicit pool,
+:func:`default_branch_pool` is used.  Grad mode, inference mode, autocast
+and the innermost ``saved_tensors_hooks`` are thread-local in torch; they
+are captured in the caller and re-entered in each branch (autocast without
+its weight-cast cache, whose shared casts would join the branches' graphs).
+Intra-op thread counts are not touched (set them yourself).
 
 Accelerators.  If the branches' tensors live on a device with streams, each
 branch's forward runs on its own side stream (waiting on the caller's stream
@@ -66,21 +63,23 @@ run on a GPU yet.)
 from __future__ import annotations
 
 import functools
-import os
-import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 from zeropipe import _compat
-from zeropipe.autograd.priority import _is_accumulate_grad, _original_sequence_nr
-from zeropipe.errors import ZeropipeError
+from zeropipe.autograd.branch_pool import (
+    BranchError,
+    BranchPool,
+    ParallelMapError,
+    default_branch_pool,
+)
+from zeropipe.autograd.priority import original_sequence_nr
 
 __all__ = [
     "BranchError",
@@ -90,154 +89,6 @@ __all__ = [
     "default_branch_pool",
     "parallel_map",
 ]
-
-T = TypeVar("T")
-
-
-class ParallelMapError(ZeropipeError, ValueError):
-    """A parallel_map request is malformed, or a branch broke the branch contract."""
-
-
-class BranchError(ZeropipeError, RuntimeError):
-    """A branch raised; ``branch`` is its index (None: all branches at once), ``phase`` when."""
-
-    def __init__(self, message: str, *, branch: int | None, name: str, phase: str) -> None:
-        self.branch = branch
-        self.name = name
-        self.phase = phase
-        super().__init__(message)
-
-
-# --- the pool ---------------------------------------------------------------
-
-
-class BranchPool:
-    """Threads that run branches; the calling thread always works too (see module docstring).
-
-    ``max_workers`` defaults to one less than the number of cores, the caller
-    being the extra thread.
-
-    The executor and per-device side streams are created on first use and
-    released by :meth:`close` (a later call creates them again).  Copying or
-    pickling a pool gives a fresh, unstarted pool of the same size.
-    """
-
-    def __init__(self, max_workers: int | None = None) -> None:
-        if max_workers is not None and max_workers < 1:
-            raise ParallelMapError(f"max_workers must be >= 1, got {max_workers}")
-        # The calling thread works too, so one core per worker is one too many.
-        default = max(1, (os.cpu_count() or 2) - 1)
-        self.max_workers = max_workers if max_workers is not None else default
-        self._lock = threading.Lock()
-        self._executor: ThreadPoolExecutor | None = None
-        self._streams: dict[torch.device, list[Any]] = {}
-
-    def __reduce__(self) -> tuple[type[BranchPool], tuple[int]]:
-        return (BranchPool, (self.max_workers,))
-
-    def __enter__(self) -> BranchPool:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        """Stop the threads (after queued work) and drop cached streams."""
-        with self._lock:
-            executor, self._executor = self._executor, None
-            self._streams.clear()
-        if executor is not None:
-            executor.shutdown(wait=True)
-
-    def _get_executor(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(
-                    max_workers=self.max_workers, thread_name_prefix="zeropipe-branch"
-                )
-            return self._executor
-
-    def side_streams(self, device: torch.device, n: int) -> list[Any]:
-        """``n`` side streams on ``device``, created once and reused by later calls."""
-        with self._lock:
-            streams = self._streams.setdefault(device, [])
-            while len(streams) < n:
-                streams.append(_compat.new_stream(device))
-            return streams[:n]
-
-    def run(
-        self,
-        tasks: Sequence[Callable[[], T]],
-        *,
-        names: Sequence[str] | None = None,
-        phase: str = "run",
-    ) -> list[T]:
-        """Run ``tasks`` concurrently; results in task order.
-
-        If tasks raise, tasks not yet started are skipped, the running ones
-        finish, and :class:`BranchError` for the lowest failing index is raised.
-        """
-        n = len(tasks)
-        results: list[Any] = [None] * n
-        errors: list[BaseException | None] = [None] * n
-        claimed = [False] * n
-        done = [threading.Event() for _ in range(n)]
-        claim_lock = threading.Lock()
-        failed = threading.Event()
-
-        def attempt(i: int) -> None:
-            with claim_lock:
-                if claimed[i]:
-                    return
-                claimed[i] = True
-            try:
-                if not failed.is_set():
-                    results[i] = tasks[i]()
-            except BaseException as exc:
-                errors[i] = exc
-                failed.set()
-            finally:
-                done[i].set()
-
-        if n > 1:
-            try:
-                executor = self._get_executor()
-                for i in range(1, n):
-                    executor.submit(attempt, i)
-            except RuntimeError:
-                pass  # closed concurrently: whatever was not submitted runs below
-        for i in range(n):
-            attempt(i)
-        for d in done:
-            d.wait()
-        for i, exc in enumerate(errors):
-            if exc is not None:
-                name = names[i] if names is not None else str(i)
-                raise BranchError(
-                    f"branch {i} ({name}) failed in {phase}: {type(exc).__name__}: {exc}",
-                    branch=i,
-                    name=name,
-                    phase=phase,
-                ) from exc
-        return results
-
-
-_default_pool: BranchPool | None = None
-_default_pool_lock = threading.Lock()
-
-
-def default_branch_pool() -> BranchPool:
-    """The process-wide pool used when no pool is passed (``os.cpu_count() - 1`` workers).
-
-    Created on first use under a lock; its idle threads are joined at exit.
-    Pass an explicit :class:`BranchPool` to control size and lifetime.
-    """
-    global _default_pool
-    with _default_pool_lock:
-        if _default_pool is None:
-            _default_pool = BranchPool()
-        return _default_pool
-
 
 # --- thread-local state handed to branch threads ----------------------------
 
@@ -382,13 +233,13 @@ def _find_leaves(flat: list[Tensor], inputs: tuple[Any, ...], lo: int, check: bo
         if node in seen:
             continue
         seen.add(node)
-        if _is_accumulate_grad(node):
+        if _compat.is_accumulate_grad(node):
             var = node.variable  # type: ignore[attr-defined]
             if id(var) not in own:
                 leaves.setdefault(id(var), var)
             continue
         if check:
-            nr = _original_sequence_nr(node)
+            nr = original_sequence_nr(node)
             if nr != _compat.MAX_SEQUENCE_NR and not lo <= nr < _compat.thread_sequence_nr():
                 raise ParallelMapError(
                     f"the branch's graph reaches {node.name()}, which the branch did not "

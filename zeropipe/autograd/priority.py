@@ -98,6 +98,7 @@ __all__ = [
     "PriorityNotAppliedWarning",
     "PriorityUnsupportedError",
     "check_priority_support",
+    "original_sequence_nr",
     "predict_backward_order",
     "prioritize",
     "prioritize_outputs",
@@ -140,11 +141,7 @@ class PriorityMark:
     reason: str = ""
 
 
-# --- graph helpers (also used by zeropipe.autograd.parallel) ----------------
-
-
-def _is_accumulate_grad(node: Node) -> bool:
-    return node.name() == _compat.ACCUMULATE_GRAD_NAME
+# --- graph helpers ----------------------------------------------------------
 
 
 def _metadata(node: Node) -> dict[str, Any]:
@@ -152,8 +149,14 @@ def _metadata(node: Node) -> dict[str, Any]:
     return cast(dict[str, Any], node.metadata)
 
 
-def _original_sequence_nr(node: Node) -> int:
-    """The number the engine gave ``node`` at creation, before any mark."""
+def original_sequence_nr(node: Node) -> int:
+    """The number the engine gave ``node`` at creation, before any priority mark.
+
+    :func:`prioritize` renumbers nodes and remembers each one's original number
+    in the node's metadata; code that reasons about *when* a node was created
+    (e.g. :mod:`zeropipe.autograd.parallel`, checking which branch made it)
+    must read this, not the current sequence number.
+    """
     meta = _metadata(node)
     if _ORIGINAL_KEY in meta:
         return int(meta[_ORIGINAL_KEY])
@@ -276,7 +279,9 @@ def prioritize_toward(
     def is_goal(node: Node) -> bool:
         if node in goal_nodes:
             return True
-        return _is_accumulate_grad(node) and id(getattr(node, "variable", None)) in goal_leaves
+        return (
+            _compat.is_accumulate_grad(node) and id(getattr(node, "variable", None)) in goal_leaves
+        )
 
     reaches: dict[Node, bool] = {}
     for node in reversed(_graph_nodes(roots)):
@@ -301,14 +306,15 @@ def _mark(candidates: list[Node], *, late: bool, level: int, strict: bool) -> Pr
     nodes = [
         n
         for n in candidates
-        if not _is_accumulate_grad(n) and _compat.get_sequence_nr(n) != _compat.MAX_SEQUENCE_NR
+        if not _compat.is_accumulate_grad(n)
+        and _compat.get_sequence_nr(n) != _compat.MAX_SEQUENCE_NR
     ]
     reason = _unsupported_reason(nodes[0] if nodes else None)
     if reason is not None:
         _not_applied(reason, strict)
         return PriorityMark(False, 0, late, level, reason)
 
-    originals = [_original_sequence_nr(n) for n in nodes]
+    originals = [original_sequence_nr(n) for n in nodes]
     if late:
         # Ranks keep the marked part's own order while sitting under everything else.
         ranked = sorted(range(len(nodes)), key=lambda i: originals[i])
@@ -414,7 +420,7 @@ def _matches(node: Node, target: Tensor | Node) -> bool:
         return node is target
     if target.grad_fn is not None:
         return node is target.grad_fn
-    return _is_accumulate_grad(node) and getattr(node, "variable", None) is target
+    return _compat.is_accumulate_grad(node) and getattr(node, "variable", None) is target
 
 
 def _describe(target: Tensor | Node) -> str:

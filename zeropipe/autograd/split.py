@@ -73,6 +73,7 @@ from torch import Tensor, nn
 
 from zeropipe.autograd.grad_memory import GradMemory
 from zeropipe.errors import PipelineError
+from zeropipe.storage import distinct_bytes
 
 __all__ = ["WeightGradStash", "prepare_split", "unprepare_split", "weight_backward_together"]
 
@@ -143,12 +144,7 @@ class WeightGradStash:
         A tensor shared by several entries (one input fed to two linears, one
         gradient flowing into both) is counted once, because it is held once.
         """
-        seen: dict[tuple[str, int], int] = {}
-        for entry in self._entries:
-            for t in (entry.input, entry.grad_output):
-                storage = t.untyped_storage()
-                seen[(str(t.device), storage.data_ptr())] = storage.nbytes()
-        return sum(seen.values())
+        return distinct_bytes(t for e in self._entries for t in (e.input, e.grad_output))
 
     def __len__(self) -> int:
         """Number of deferred weight-gradient products (one per linear call)."""

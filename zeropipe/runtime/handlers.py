@@ -24,7 +24,7 @@ from zeropipe.deps import Dependencies
 from zeropipe.errors import PipelineError
 from zeropipe.ir import Action, Kind
 from zeropipe.runtime.input_first import backward_input_first
-from zeropipe.runtime.memory import MemoryManager, offload_action, recomputing, reload_action
+from zeropipe.runtime.memory import MemoryManager, recomputing
 from zeropipe.runtime.stage import MicrobatchState, Stage, detach_for_stage
 from zeropipe.runtime.transport import Transport
 
@@ -305,6 +305,39 @@ def _recv(ctx: StepContext, action: Action) -> None:
     ctx.transport.post_recv(action)
 
 
+def _offload(ctx: StepContext, action: Action) -> None:
+    """OFFLOAD: (s, i)'s saved activations, or stage s's weights, to host memory."""
+    memory = _memory(ctx, action)
+    s, i = action.stage, action.microbatch
+    if i is None:
+        _check_weights_here(memory, action)
+        memory.offload_weights(s)
+    else:
+        memory.offload_activations(s, i, ctx.state(s, i))
+
+
+def _reload(ctx: StepContext, action: Action) -> None:
+    """RELOAD: bring them back (asynchronously where the device has a copy stream)."""
+    memory = _memory(ctx, action)
+    s, i = action.stage, action.microbatch
+    if i is None:
+        _check_weights_here(memory, action)
+        memory.reload_weights(s)
+    else:
+        memory.reload_activations(s, i, ctx.state(s, i))
+
+
+def _memory(ctx: StepContext, action: Action) -> MemoryManager:
+    if ctx.memory is None:
+        raise PipelineError(f"{action}: this step has no memory manager (build it with Pipeline)")
+    return ctx.memory
+
+
+def _check_weights_here(memory: MemoryManager, action: Action) -> None:
+    if not memory.moves_weights(action.stage):
+        raise PipelineError(f"{action}: stage {action.stage} is not run by this process")
+
+
 def _mb(action: Action) -> int:
     if action.microbatch is None:
         raise PipelineError(f"{action} needs a microbatch")
@@ -336,6 +369,6 @@ HANDLERS: dict[Kind, Callable[[StepContext, Action], None]] = {
     Kind.RECV_F: _recv,
     Kind.RECV_B: _recv,
     Kind.R: _recompute,
-    Kind.OFFLOAD: offload_action,
-    Kind.RELOAD: reload_action,
+    Kind.OFFLOAD: _offload,
+    Kind.RELOAD: _reload,
 }

@@ -43,7 +43,7 @@ import torch.multiprocessing as mp
 
 from zeropipe import _compat
 from zeropipe.errors import PipelineError
-from zeropipe.runtime.distributed import FAILED_KEY, failure_origin
+from zeropipe.runtime.failures import FAILED_KEY, failure_origin
 
 __all__ = ["init_from_env", "launch"]
 
@@ -331,6 +331,8 @@ def _child(
         conn.close()
         sys.stdout.flush()
         sys.stderr.flush()
-        # Skip interpreter teardown: a collective a dead peer never joined would
-        # block the process group's destructor until its timeout.
+        # Every child ends here, its result or error already sent.  Skip interpreter
+        # teardown: a collective a dead peer never joined would block the process
+        # group's destructor until its timeout, and a transport's waiter thread still
+        # blocked on a c10d work makes a normal exit abort.
         os._exit(code)

@@ -55,7 +55,7 @@ bytes, so an offloaded stage's graph does not pin the old device copy.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, replace
@@ -67,19 +67,11 @@ from torch import Tensor
 from zeropipe.costs import CostModel
 from zeropipe.device import Copier, peak_allocated_bytes, reset_peak_bytes
 from zeropipe.errors import PipelineError
-from zeropipe.ir import Action, Kind, Schedule
-from zeropipe.runtime.offload import (
-    SavedActivations,
-    StageWeights,
-    StorageKey,
-    distinct_bytes,
-    movable,
-    storage_key,
-)
+from zeropipe.ir import Kind, Schedule
+from zeropipe.runtime.offload import SavedActivations, StageWeights
+from zeropipe.storage import StorageKey, distinct_bytes, movable, storage_key
 
 if TYPE_CHECKING:
-    from zeropipe.runtime.handlers import StepContext
-    from zeropipe.runtime.pipeline import Pipeline
     from zeropipe.runtime.stage import MicrobatchState, Stage
 
 __all__ = [
@@ -87,9 +79,7 @@ __all__ = [
     "MemoryReport",
     "is_recomputing",
     "measured_costs",
-    "offload_action",
     "recomputing",
-    "reload_action",
 ]
 
 # A flag, not a store: it carries no data, is set only for the duration of
@@ -138,8 +128,9 @@ class MemoryReport:
 class MemoryManager:
     """Per pipeline: the copy engine, the weight homes, and each step's byte accounting.
 
-    Built by :class:`~zeropipe.runtime.pipeline.Pipeline`; handed to the action
-    handlers through the step context.  Nothing here outlives the pipeline.
+    Built by :class:`~zeropipe.runtime.pipeline.Pipeline`; the action handlers
+    call it with the stage, microbatch and state they act on.  Nothing here
+    outlives the pipeline.
     """
 
     def __init__(
@@ -167,7 +158,10 @@ class MemoryManager:
         for s, stage in stages.items():
             kind = first.get(s)
             if kind is not None:
-                home = StageWeights(stage, self.copier, all_stages)
+                others = [
+                    p for other in all_stages if other is not stage for p in other.parameters()
+                ]
+                home = StageWeights(stage.parameters(), self.copier, index=s, shared=others)
                 if kind is Kind.RELOAD:
                     home.start_offloaded()
                 self.weights[s] = home
@@ -310,15 +304,27 @@ class MemoryManager:
         else:
             self._set(s, i, 0)
 
-    def offload(self, ctx: StepContext, action: Action) -> None:
-        s, i = action.stage, action.microbatch
-        if i is None:
-            home = self._weight_home(action)
-            if home.resident:  # (a repeated OFFLOAD, after a failed step, moves nothing)
-                self._weights[self.placement[s]] -= self._param_bytes[s]
-            home.offload()
-            return
-        state = ctx.state(s, i)
+    def moves_weights(self, s: int) -> bool:
+        """Whether stage ``s``'s weights are offloaded and reloaded by this process."""
+        return s in self.weights
+
+    def offload_weights(self, s: int) -> None:
+        """OFFLOAD of stage ``s``'s weights: point its parameters at their host copy."""
+        home = self._weight_home(s)
+        if home.resident:  # (a repeated OFFLOAD, after a failed step, moves nothing)
+            self._weights[self.placement[s]] -= self._param_bytes[s]
+        home.offload()
+
+    def reload_weights(self, s: int) -> None:
+        """RELOAD of stage ``s``'s weights: start copying them to the device."""
+        home = self._weight_home(s)
+        if not home.resident:
+            self._weights[self.placement[s]] += self._param_bytes[s]
+        home.reload()
+        self._peak(self.placement[s])
+
+    def offload_activations(self, s: int, i: int, state: MicrobatchState) -> None:
+        """OFFLOAD of (s, i)'s saved activations to host memory."""
         if state.saved is not None:
             state.saved.offload()
             self._host_set(s, i, state.saved.host_nbytes)
@@ -326,25 +332,17 @@ class MemoryManager:
         else:
             self._set(s, i, 0)
 
-    def reload(self, ctx: StepContext, action: Action) -> None:
-        s, i = action.stage, action.microbatch
-        if i is None:
-            home = self._weight_home(action)
-            if not home.resident:
-                self._weights[self.placement[s]] += self._param_bytes[s]
-            home.reload()
-            self._peak(self.placement[s])
-            return
-        state = ctx.state(s, i)
+    def reload_activations(self, s: int, i: int, state: MicrobatchState) -> None:
+        """RELOAD of (s, i)'s saved activations (asynchronous where there is a copy stream)."""
         if state.saved is not None:
             state.saved.reload()
             self._host_set(s, i, 0)
             self._set(s, i, state.saved.nbytes)
 
-    def _weight_home(self, action: Action) -> StageWeights:
-        home = self.weights.get(action.stage)
+    def _weight_home(self, s: int) -> StageWeights:
+        home = self.weights.get(s)
         if home is None:
-            raise PipelineError(f"{action}: stage {action.stage} is not run by this process")
+            raise PipelineError(f"stage {s}: its weights are not moved by this process")
         return home
 
     # -- the ledger ------------------------------------------------------------------------
@@ -381,32 +379,20 @@ def _device_of(stages: dict[int, Stage], offloaded: set[int]) -> torch.device:
     return torch.device("cpu")
 
 
-# --- handlers -----------------------------------------------------------------------------
-
-
-def offload_action(ctx: StepContext, action: Action) -> None:
-    """OFFLOAD: (s, i)'s saved activations, or stage s's weights, to host memory."""
-    _manager(ctx, action).offload(ctx, action)
-
-
-def reload_action(ctx: StepContext, action: Action) -> None:
-    """RELOAD: bring them back (asynchronously where the device has a copy stream)."""
-    _manager(ctx, action).reload(ctx, action)
-
-
-def _manager(ctx: StepContext, action: Action) -> MemoryManager:
-    if ctx.memory is None:
-        raise PipelineError(f"{action}: this step has no memory manager (build it with Pipeline)")
-    return ctx.memory
-
-
 # --- predicted vs measured ----------------------------------------------------------------
 
 
 def measured_costs(
-    pipeline: Pipeline, base: CostModel | None = None, *, weights: bool = False
+    schedule: Schedule,
+    stage_bytes: Mapping[int, tuple[int, int, int]],
+    base: CostModel | None = None,
+    *,
+    weights: bool = False,
 ) -> CostModel:
-    """A cost model in bytes whose memory figures are those the pipeline's last step measured.
+    """A cost model in bytes whose memory figures are those a pipeline's last step measured.
+
+    ``stage_bytes`` is :meth:`MemoryManager.stage_bytes` of the pipeline that
+    ran ``schedule``: per stage, (act, act_w, parameter bytes).
 
     Per stage ``act`` = the most bytes a full forward (F or R) saved, ``act_w``
     = the most a split-backward stash held from I to W, ``ckpt`` = 0 (a
@@ -415,13 +401,12 @@ def measured_costs(
     ``base`` (default: uniform).  Stages that never ran a full forward keep
     ``act = 0``: calibrate on a schedule without recomputation.
     """
-    schedule = pipeline.schedule
     if base is None:
         chunks = max(len(schedule.stages_of(r)) for r in range(schedule.num_ranks))
         base = CostModel.uniform(schedule.num_stages, chunks=chunks)
     base.for_stages(schedule.num_stages)
     stages = list(base.stages)
-    for s, (act, act_w, param_bytes) in pipeline.memory.stage_bytes().items():
+    for s, (act, act_w, param_bytes) in stage_bytes.items():
         stages[s] = replace(
             stages[s],
             act=float(act),

@@ -23,87 +23,27 @@ optimizers and gradient accumulators keep pointing at it), as
 from __future__ import annotations
 
 import weakref
-from collections.abc import Hashable, Iterable, Sequence
-from collections.abc import Set as AbstractSet
+from collections.abc import Hashable, Iterable
 from contextlib import AbstractContextManager, nullcontext
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from zeropipe.device import Copier, Transfer
 from zeropipe.errors import PipelineError
+from zeropipe.storage import (
+    StorageKey,
+    as_bytes,
+    distinct_bytes,
+    movable,
+    same_storage,
+    storage_key,
+    storage_nbytes,
+    view_bytes,
+)
 
-if TYPE_CHECKING:
-    from zeropipe.runtime.stage import Stage
-
-__all__ = [
-    "SavedActivations",
-    "StageWeights",
-    "StorageKey",
-    "distinct_bytes",
-    "movable",
-    "storage_key",
-]
-
-
-# --- storages ----------------------------------------------------------------------------
-
-StorageKey = tuple[torch.device, int]
-
-
-def storage_key(t: Tensor) -> StorageKey:
-    """Which storage ``t`` lives in (device and address)."""
-    return (t.device, t.untyped_storage().data_ptr())
-
-
-def _storage_nbytes(t: Tensor) -> int:
-    return int(t.untyped_storage().nbytes())
-
-
-def _as_bytes(t: Tensor) -> Tensor:
-    """The whole storage under ``t`` as a flat uint8 tensor (no copy)."""
-    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
-
-
-def _view(
-    buf: Tensor, dtype: torch.dtype, offset: int, size: Sequence[int], stride: Sequence[int]
-) -> Tensor:
-    """A ``dtype`` view with the given geometry over ``buf``'s storage (no copy)."""
-    return torch.empty(0, dtype=dtype, device=buf.device).set_(
-        buf.untyped_storage(), offset, tuple(size), tuple(stride)
-    )
-
-
-def movable(t: Tensor) -> bool:
-    """Whether ``t`` can be counted and rebuilt from its bytes (a plain dense tensor)."""
-    # Only plain dense tensors can be rebuilt from their bytes; anything else
-    # (sparse, subclasses, conjugate/negative views, meta) is kept as it is.
-    return (
-        type(t) in (Tensor, nn.Parameter)
-        and t.layout is torch.strided
-        and t.device.type != "meta"
-        and not t.is_conj()
-        and not t.is_neg()
-        and _storage_nbytes(t) > 0
-    )
-
-
-def distinct_bytes(
-    tensors: Iterable[Tensor], exclude: AbstractSet[StorageKey] = frozenset()
-) -> int:
-    """Bytes of the distinct storages under ``tensors``, less those in ``exclude``.
-
-    Tensors without storage of their own (sparse, meta) count nothing.
-    """
-    seen: dict[StorageKey, int] = {}
-    for t in tensors:
-        if t.layout is not torch.strided or t.device.type == "meta":
-            continue
-        key = storage_key(t)
-        if key not in exclude:
-            seen[key] = _storage_nbytes(t)
-    return sum(seen.values())
+__all__ = ["SavedActivations", "StageWeights"]
 
 
 # --- saved activations --------------------------------------------------------------------
@@ -142,7 +82,7 @@ class _ParamView:
         self.offset, self.size, self.stride = int(t.storage_offset()), tuple(t.shape), t.stride()
 
     def get(self) -> Tensor:
-        return _view(_as_bytes(self.param), self.dtype, self.offset, self.size, self.stride)
+        return view_bytes(as_bytes(self.param), self.dtype, self.offset, self.size, self.stride)
 
 
 class SavedActivations:
@@ -213,7 +153,7 @@ class SavedActivations:
                 f"{self.where}: the backward needs saved activations that are still on the "
                 f"host; the schedule must RELOAD them before the backward (or R)"
             )
-        return _view(self._copier.ready(block.device), *geometry)
+        return view_bytes(self._copier.ready(block.device), *geometry)
 
     def _handles(self) -> list[_Packed]:
         alive = [h for h in (ref() for ref in self._live) if h is not None]
@@ -258,7 +198,7 @@ class SavedActivations:
         for members in groups.values():
             first = members[0].tensor
             assert first is not None  # filtered above
-            block = _Block(self._copier.to_host(_as_bytes(first)), _storage_nbytes(first))
+            block = _Block(self._copier.to_host(as_bytes(first)), storage_nbytes(first))
             for h in members:
                 t = h.tensor
                 assert t is not None
@@ -291,14 +231,23 @@ class StageWeights:
     change within a step -- and copies the gradients to host.
     """
 
-    def __init__(self, stage: Stage, copier: Copier, others: Sequence[Stage]) -> None:
-        self.index = stage.index
+    def __init__(
+        self,
+        parameters: Iterable[nn.Parameter],
+        copier: Copier,
+        *,
+        index: int,
+        shared: Iterable[Tensor] = (),
+    ) -> None:
+        """``parameters``: the stage's; ``index``: the stage's, for messages; ``shared``:
+        the parameters of every other stage (a stage that shares one cannot move its own)."""
+        self.index = index
         self._copier = copier
         params: dict[int, nn.Parameter] = {}
-        for p in stage.parameters():
+        for p in parameters:
             params.setdefault(id(p), p)
-        shared = {id(p) for other in others if other is not stage for p in other.parameters()}
-        tied = [p for k, p in params.items() if k in shared]
+        others = {id(p) for p in shared}
+        tied = [p for k, p in params.items() if k in others]
         if tied:
             raise PipelineError(
                 f"stage {self.index} shares {len(tied)} parameter(s) with another stage (tied "
@@ -308,7 +257,7 @@ class StageWeights:
         for p in params.values():
             groups.setdefault(storage_key(p), []).append(p)
         self._groups = list(groups.values())
-        self.nbytes = sum(_storage_nbytes(g[0]) for g in self._groups)
+        self.nbytes = sum(storage_nbytes(g[0]) for g in self._groups)
         self.resident = True
         self._pending: list[Transfer] = []
         self._host: list[Tensor | None] = [None] * len(self._groups)
@@ -328,11 +277,11 @@ class StageWeights:
             head = group[0]
             if head.device.type == "cpu" and not self._copier.asynchronous:
                 continue
-            host = self._copier.to_host(_as_bytes(head)).tensor
+            host = self._copier.to_host(as_bytes(head)).tensor
             self._copier.synchronize()
             for p in group:
                 grad, p.grad = p.grad, None
-                p.data = _view(host, p.dtype, int(p.storage_offset()), p.shape, p.stride())
+                p.data = view_bytes(host, p.dtype, int(p.storage_offset()), p.shape, p.stride())
                 p.grad = None if grad is None else self._copier.to_host(grad).tensor
         self._copier.synchronize()
         self.resident = False
@@ -341,13 +290,15 @@ class StageWeights:
         if self.resident:
             return
         for k, group in enumerate(self._groups):
-            host = _as_bytes(group[0])
+            host = as_bytes(group[0])
             copy = self._copier.to_device(host)
             self._pending.append(copy)
             self._host[k], self._device[k] = host, copy.tensor
             for p in group:
                 grad, p.grad = p.grad, None
-                p.data = _view(copy.tensor, p.dtype, int(p.storage_offset()), p.shape, p.stride())
+                p.data = view_bytes(
+                    copy.tensor, p.dtype, int(p.storage_offset()), p.shape, p.stride()
+                )
                 if grad is not None:
                     moved = self._copier.to_device(grad)
                     self._pending.append(moved)
@@ -366,21 +317,17 @@ class StageWeights:
         self.ready()
         for k, group in enumerate(self._groups):
             host, device = self._host[k], self._device[k]
-            same = (
-                host is not None
-                and device is not None
-                and group[0].untyped_storage().data_ptr() == device.untyped_storage().data_ptr()
-            )
+            same = host is not None and device is not None and same_storage(group[0], device)
             # Weights do not change within a step: the host master is still right.
             target = (
                 host
                 if same and host is not None
-                else self._copier.to_host(_as_bytes(group[0])).tensor
+                else self._copier.to_host(as_bytes(group[0])).tensor
             )
             for p in group:
                 grad = None if p.grad is None else self._copier.to_host(p.grad).tensor
                 p.grad = None
-                p.data = _view(target, p.dtype, int(p.storage_offset()), p.shape, p.stride())
+                p.data = view_bytes(target, p.dtype, int(p.storage_offset()), p.shape, p.stride())
                 p.grad = grad
             self._host[k] = self._device[k] = None
         self.resident = False

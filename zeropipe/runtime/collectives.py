@@ -1,0 +1,94 @@
+"""What the ranks of a distributed pipeline do together at the end of a step.
+
+Collectives run only after :func:`barrier` says every rank finished its
+schedule, because a collective that a failed peer never joins cannot be
+cancelled, while the barrier's point-to-point receives are waited on like
+any other (bounded, watching for failed peers)::
+
+    finish_step:  sends done -> barrier (carries the loss to every rank)
+    after it:     all_reduce of the gradients of parameters shared across ranks
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from zeropipe.runtime.wire import DTYPES, dtype_code
+from zeropipe.runtime.works import Endpoint, Label, Pending
+
+__all__ = ["all_reduce", "barrier"]
+
+
+def barrier(
+    endpoint: Endpoint, loss: Tensor | None, tag: Callable[[int], int], device: torch.device
+) -> Tensor | None:
+    """Every rank finished this step's schedule (so the collectives after it will be joined).
+
+    A dissemination barrier of point-to-point messages: in round k each rank
+    tells rank r + 2^k what it knows and hears from rank r - 2^k, so after
+    ceil(log2 W) rounds each has heard, through the others, from all.  What
+    travels is the step's loss, known at first only to the rank that owns
+    the last stage, so the loss reaches every rank with no collective of its
+    own.  The receives are waited on by the pool's threads like any other:
+    they wake the caller as soon as the message lands (a barrier polled
+    through the store woke up to a poll interval late, on the step's
+    critical path), and a peer that dies leaves only a daemon thread
+    behind, where a collective could not be given up.
+
+    ``tag(k)`` is the tag of round k; returns the loss (None if no rank had one).
+    """
+    rank, w = endpoint.rank, endpoint.world
+    rounds = (w - 1).bit_length()
+    # [loss known?, loss as float64 (exact for every floating dtype), dtype code]
+    known = torch.zeros(3, dtype=torch.float64, device=device)
+    if loss is not None:
+        code = dtype_code(loss.dtype)
+        assert code is not None  # the caller checked
+        known[0], known[1], known[2] = (1.0, loss.detach().double().reshape(()), code)
+    heard: list[tuple[Tensor, Pending]] = []
+    for k in range(rounds):
+        src = (rank - (1 << k)) % w
+        what = f"the end-of-step barrier (round {k}) from rank {src}"
+        buf = torch.empty(3, dtype=torch.float64, device=device)
+        work = endpoint.post(dist.irecv, buf, src, tag(k), what)
+        heard.append((buf, endpoint.pending([work], [(what, src)])))
+    told: list[Any] = []
+    labels: list[Label] = []
+    for k, (buf, pending) in enumerate(heard):
+        dst = (rank + (1 << k)) % w
+        what = f"the end-of-step barrier (round {k}) to rank {dst}"
+        token = known.clone()  # in flight while ``known`` may still change
+        told.append(endpoint.post(dist.isend, token, dst, tag(k), what))
+        labels.append((what, dst))
+        endpoint.wait(pending)
+        if buf[0] > 0 and known[0] == 0:
+            known = buf
+    if told:
+        endpoint.wait(endpoint.pending(told, labels))
+    if loss is not None or known[0] == 0:
+        return loss
+    return known[1].to(DTYPES[int(known[2].item())])
+
+
+def all_reduce(endpoint: Endpoint, grads: Sequence[Tensor]) -> None:
+    """Sum ``grads`` over the group in place, one flat all-reduce per (dtype, device)."""
+    groups: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+    for g in grads:
+        groups.setdefault((g.dtype, g.device), []).append(g)
+    for gs in groups.values():
+        flat = torch.cat([g.reshape(-1) for g in gs])
+        what = "the all-reduce of shared parameters' gradients"
+        work = endpoint.call(
+            partial(dist.all_reduce, flat, group=endpoint.group, async_op=True), what
+        )
+        endpoint.wait(endpoint.pending([work], [(what, None)]))
+        offset = 0
+        for g in gs:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()

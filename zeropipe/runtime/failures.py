@@ -1,0 +1,161 @@
+"""How every rank of a distributed pipeline learns why a step died, in bounded time.
+
+A rank that fails writes why to the rendezvous store; ranks waiting on it
+look there between slices of their waits::
+
+    rank r fails  -> Pipeline calls transport.fail(exc) -> PeerFailures.record:
+                     the first failure of this pipeline is written under its key
+    peers waiting -> PeerFailures.check: error key set?  launcher's FAILED_KEY set?
+                     -> PipelineError("rank r failed: ...")
+
+A dead peer surfaces as gloo's "Connection closed/reset by peer" on a
+pending operation; :meth:`PeerFailures.error` turns that into "rank q stopped
+responding (killed?) ...", and :mod:`zeropipe.runtime.launch` also writes a
+dead or raising child's message to the store under :data:`FAILED_KEY`.
+
+Errors relayed on a peer's behalf carry the rank the failure started on
+(:func:`failure_origin`), so the launcher names the cause, not an echo.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+from zeropipe.errors import PipelineError
+
+__all__ = ["FAILED_KEY", "PeerFailures", "failure_origin"]
+
+# Written by zeropipe.launch (which hosts the store) when a process raises or dies.
+FAILED_KEY = "zeropipe/failed"
+
+# What gloo says when the process at the other end of a socket went away.
+_LOST_WORDS = ("closed by peer", "connection reset", "broken pipe", "connection refused", "EOF")
+
+
+def failure_origin(error: BaseException) -> int | None:
+    """The rank a failure started on, when ``error`` relays a peer's failure (else None)."""
+    origin = getattr(error, "zeropipe_origin", None)
+    return origin if isinstance(origin, int) else None
+
+
+def _relay(message: str, origin: int) -> PipelineError:
+    err = PipelineError(message)
+    err.zeropipe_origin = origin  # type: ignore[attr-defined]
+    return err
+
+
+def _gist(text: str) -> str:
+    """gloo's message without its source location and boilerplate advice."""
+    lines = text.strip().splitlines()
+    line = re.sub(r"^\[[^\]]*\]\s*", "", lines[0]) if lines else ""
+    return line.split(". This is typically", 1)[0]
+
+
+class PeerFailures:
+    """One rank's view of its pipeline's failures, kept in the rendezvous store.
+
+    Building one numbers the pipeline: the n-th pipeline built on each rank is
+    the same pipeline on every rank, so its store keys (and the transport's
+    tags, from :attr:`number`) never collide with those of an earlier one that
+    failed or finished.
+
+    Args:
+        rank: this process's rank in the pipeline's group.
+        store: the rendezvous store every rank shares.
+        group_name: the process group's name ("world" for the default group).
+    """
+
+    def __init__(self, rank: int, store: Any, group_name: str) -> None:
+        self.rank = rank
+        self._store = store
+        self.number: int = self.store_call(
+            lambda: store.add(f"zeropipe/{group_name}/pipelines{rank}", 1)
+        )
+        self._key = f"zeropipe/{group_name}/pipeline{self.number}"
+        self.broken: str | None = None  # why the transport can no longer be used
+        self._relayed: BaseException | None = None  # raised on a peer's behalf
+        self._lost: tuple[BaseException, dict[str, Any]] | None = None
+
+    def usable(self) -> None:
+        """Raise if a failure already broke this pipeline's transport."""
+        if self.broken is not None:
+            raise PipelineError(
+                f"this pipeline's distributed transport failed earlier ({self.broken}); its "
+                f"ranks are out of step: build a new Pipeline"
+            )
+
+    def record(self, error: BaseException) -> None:
+        """This rank failed with ``error``: mark the transport broken and tell the peers."""
+        if self.broken is None:
+            self.broken = f"{type(error).__name__}: {error}"
+        if error is self._relayed:
+            return  # a peer's failure: already in the store
+        if self._lost is not None and self._lost[0] is error:
+            record = self._lost[1]
+        else:
+            text = (
+                str(error)
+                if isinstance(error, PipelineError)
+                else f"{type(error).__name__}: {error}"
+            )
+            record = {"rank": self.rank, "message": text, "lost": False}
+        try:
+            # The first failure recorded wins: it is the cause, later ones are echoes.
+            if self._store.add(f"{self._key}/failures", 1) == 1:
+                self._store.set(f"{self._key}/error", json.dumps(record))
+        except Exception:
+            pass  # the store is gone too: peers see their connections drop or time out
+
+    def check(self) -> None:
+        """Raise the failure a peer (or the launcher) recorded, if any."""
+        record = None
+        for key in (f"{self._key}/error", FAILED_KEY):
+            if self.store_call(partial(self._store.check, [key])):
+                record = json.loads(self.store_call(partial(self._store.get, key)))
+                break
+        if record is None:
+            return
+        origin, message = int(record["rank"]), str(record["message"])
+        err = _relay(message if record.get("lost") else f"rank {origin} failed: {message}", origin)
+        self._relayed = err
+        self.broken = str(err)
+        raise err
+
+    def error(self, exc: BaseException, what: str, peer: int | None) -> PipelineError:
+        """The error to raise for ``exc``, which torch.distributed raised during ``what``."""
+        # A peer that failed cleanly recorded why before its connections closed.
+        self.check()
+        text = str(exc)
+        first = _gist(text) or type(exc).__name__
+        if any(w.lower() in text.lower() for w in _LOST_WORDS):
+            who = f"rank {peer}" if peer is not None else "a peer rank"
+            message = (
+                f"{who} stopped responding (killed?) while rank {self.rank} waited for {what} "
+                f"[{first}]"
+            )
+            err = _relay(message, peer) if peer is not None else PipelineError(message)
+            self._lost = (
+                err,
+                {"rank": -1 if peer is None else peer, "message": str(err), "lost": True},
+            )
+            return err
+        if "timed out" in text.lower():
+            return PipelineError(
+                f"rank {self.rank} timed out in torch.distributed waiting for {what} [{first}]; "
+                f"raise the process group's timeout, or a peer is stuck"
+            )
+        return PipelineError(f"rank {self.rank}: {what} failed: {type(exc).__name__}: {text}")
+
+    def store_call(self, fn: Callable[[], Any]) -> Any:
+        """Run a store operation; a lost store becomes an error that says where it lived."""
+        try:
+            return fn()
+        except Exception as exc:
+            raise PipelineError(
+                f"rank {self.rank} lost the rendezvous store ({type(exc).__name__}: {exc}); the "
+                f"process hosting it (the launcher, or rank 0 under env://) may have died"
+            ) from exc

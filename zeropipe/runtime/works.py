@@ -1,0 +1,208 @@
+"""torch.distributed works in flight, waited on without ever hanging.
+
+gloo's point-to-point works never report ``is_completed()``, and a timed-out
+``wait(timeout)`` tears the connection down.  So each pending receive, send
+or collective is waited on by a (pooled) helper thread, and the caller waits
+on that thread's event in slices, looking for failed peers in between::
+
+    Endpoint.post / call     -> a Work (a dead peer makes gloo refuse at once)
+    Endpoint.pending(works)  -> Pending: a WaitPool thread calls work.wait() on each
+    Endpoint.wait(pending)   -> slices of _CHECK_EVERY s; between them PeerFailures.check;
+                                past ``timeout`` s: PipelineError naming what and whom
+
+:class:`Endpoint` is one rank's end of the process group, shared by the
+point-to-point transfers (:mod:`zeropipe.runtime.distributed`) and the
+step-end collectives (:mod:`zeropipe.runtime.collectives`).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+from torch import Tensor
+
+from zeropipe.errors import PipelineError
+from zeropipe.runtime.failures import PeerFailures
+
+__all__ = ["Endpoint", "Label", "Pending", "WaitPool"]
+
+# How often a waiting rank looks at the store for a peer's failure (seconds).
+_CHECK_EVERY = 0.02
+
+Label = tuple[str, int | None]
+"""What a work is (for messages) and the peer rank it involves (None: a collective)."""
+
+
+class WaitPool:
+    """Daemon threads that block in ``Work.wait()`` for the polling thread, reused.
+
+    A job goes to an idle thread or, when none is idle, to a new one, so a wait
+    that completes late never delays another.  Reusing threads matters: starting
+    one per operation costs milliseconds of latency per transfer on a busy host.
+    Daemon threads, because one may stay blocked on a transfer that a failed
+    peer never completes.  Idle threads end after a while, and all of them on
+    :meth:`close` (the transport's finalizer, also run at interpreter exit): a
+    thread that has waited on a c10d work and is still alive when the process
+    exits makes it abort (torch 2.13).
+
+    Invariant: jobs queued + ``_idle`` == threads blocked in ``get``.
+    """
+
+    _IDLE_EXIT_S = 10.0
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0
+        self._threads: set[threading.Thread] = set()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        with self._lock:
+            if self._idle:
+                self._idle -= 1  # a thread blocked in get() takes this job
+                self._jobs.put(job)
+                return
+            thread = threading.Thread(
+                target=self._work, args=(job,), name="zeropipe-wait", daemon=True
+            )
+            self._threads.add(thread)
+        thread.start()
+
+    def _work(self, job: Callable[[], None] | None) -> None:
+        try:
+            while job is not None:
+                job()
+                # Drop the finished job (and the works it holds) before idling.
+                job = None
+                with self._lock:
+                    self._idle += 1
+                while job is None:
+                    try:
+                        job = self._jobs.get(timeout=self._IDLE_EXIT_S)
+                        break  # a job, or None from close()
+                    except queue.Empty:
+                        with self._lock:
+                            if self._idle:  # nothing is queued for this thread
+                                self._idle -= 1
+                                return
+        finally:
+            with self._lock:
+                self._threads.discard(threading.current_thread())
+
+    def close(self) -> None:
+        """End the idle threads now (busy ones end once their wait returns)."""
+        with self._lock:
+            count, self._idle = self._idle, 0
+            threads = list(self._threads)
+        for _ in range(count):
+            self._jobs.put(None)
+        deadline = time.monotonic() + 1.0
+        for thread in threads:
+            if thread is not threading.current_thread():  # a finalizer may run anywhere
+                thread.join(max(0.0, deadline - time.monotonic()))
+
+
+class Pending:
+    """Works in flight, waited on without blocking the caller past a slice.
+
+    A pool thread calls ``wait()`` on each work in turn (gloo point-to-point
+    works never report completion otherwise, and for collectives it wakes the
+    caller sooner than polling ``is_completed()`` with backoff) and sets an
+    event the caller waits on in slices.  ``labels`` say, per work, what it is
+    and which peer it involves.
+    """
+
+    def __init__(self, works: list[Any], labels: list[Label], pool: WaitPool) -> None:
+        self.works, self.labels = works, labels
+        self.error: BaseException | None = None
+        self.at = 0  # index of the work being waited on
+        self._done = threading.Event()
+        if works:
+            pool.submit(self._wait_all)
+        else:
+            self._done.set()
+
+    def _wait_all(self) -> None:
+        try:
+            for k, work in enumerate(self.works):
+                self.at = k
+                work.wait()
+        except BaseException as exc:  # handed to the waiting thread
+            self.error = exc
+        finally:
+            self._done.set()
+
+    def finished(self, slice_s: float) -> bool:
+        """Wait at most ``slice_s`` seconds; True once every work is done (or one failed)."""
+        return self._done.wait(slice_s)
+
+    def label(self) -> Label:
+        return self.labels[min(self.at, len(self.labels) - 1)]
+
+
+class Endpoint:
+    """One rank's end of a process group: posts operations and waits on them, bounded.
+
+    Args:
+        rank: this process's rank in ``group``.
+        group: the process group (None: the world).
+        failures: where peers' failures are looked up while waiting.
+        timeout: seconds any single wait may last before the step fails
+            (an attribute: it may be changed between steps).
+    """
+
+    def __init__(
+        self, rank: int, group: Any | None, failures: PeerFailures, timeout: float
+    ) -> None:
+        self.rank, self.group, self.failures, self.timeout = rank, group, failures, timeout
+        self.world = dist.get_world_size(group)
+        self._global = [
+            r if group is None else dist.get_global_rank(group, r) for r in range(self.world)
+        ]
+        self.pool = WaitPool()  # gloo p2p works only complete through wait()
+
+    def post(self, op: Callable[..., Any], tensor: Tensor, peer: int, tag: int, what: str) -> Any:
+        """Post ``dist.isend`` / ``dist.irecv`` of ``tensor`` with ``peer`` (a group rank)."""
+        return self.call(
+            lambda: op(tensor, self._global[peer], group=self.group, tag=tag), what, peer
+        )
+
+    def call(self, fn: Callable[[], Any], what: str, peer: int | None = None) -> Any:
+        """Post an operation; a dead peer makes gloo refuse at once: say who and why."""
+        try:
+            return fn()
+        except PipelineError:
+            raise
+        except Exception as exc:
+            raise self.failures.error(exc, what, peer) from exc
+
+    def pending(self, works: list[Any], labels: list[Label]) -> Pending:
+        """Start waiting on ``works`` in the pool (``labels``: one per work)."""
+        return Pending(works, labels, self.pool)
+
+    def wait(self, pending: Pending) -> None:
+        """Wait for ``pending``, failing on a peer's error, a lost peer, or the timeout."""
+        start = time.monotonic()
+        deadline = start + self.timeout
+        next_check = start + _CHECK_EVERY
+        while not pending.finished(min(_CHECK_EVERY, max(0.0, deadline - time.monotonic()))):
+            now = time.monotonic()
+            if now >= next_check:
+                self.failures.check()
+                next_check = now + _CHECK_EVERY
+            if now >= deadline:
+                self.failures.check()
+                what, peer = pending.label()
+                source = f" from rank {peer}" if peer is not None and " from " not in what else ""
+                raise PipelineError(
+                    f"rank {self.rank} waited {self.timeout:g} s for {what}{source} (timeout); "
+                    f"a peer is stuck or slow, or the ranks run different schedules"
+                )
+        if pending.error is not None:
+            what, peer = pending.label()
+            raise self.failures.error(pending.error, what, peer)

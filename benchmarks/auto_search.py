@@ -44,10 +44,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from zeropipe.balance import balance, layer_costs, split_layers, stage_costs
+from zeropipe.balance import balance, stage_costs
 from zeropipe.costs import CostModel
 from zeropipe.ir import Kind, Schedule
-from zeropipe.profiling import profile
+from zeropipe.plan import layer_costs, profile
+from zeropipe.runtime.stage import split_layers
 from zeropipe.schedules import GENERATORS
 from zeropipe.schedules.auto import search
 from zeropipe.simulate import simulate

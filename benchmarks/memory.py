@@ -50,7 +50,6 @@ from zeropipe.costs import CostModel, StageCost
 from zeropipe.device import is_accelerator, peak_allocated_bytes, reset_peak_bytes
 from zeropipe.fit import checkpoint, fit_memory, offload, smallest_limit
 from zeropipe.ir import COMPUTE_KINDS, Kind, Schedule
-from zeropipe.runtime.memory import measured_costs
 from zeropipe.runtime.pipeline import Pipeline
 from zeropipe.schedules import generate
 from zeropipe.simulate import simulate
@@ -125,7 +124,7 @@ def _calibrate(cfg: dict[str, Any], base: Schedule) -> CostModel:
             for e in events:
                 if e.action.kind in COMPUTE_KINDS:
                     times.setdefault((e.action.stage, e.action.kind), []).append(e.end - e.start)
-    costs = measured_costs(pipe)
+    costs = pipe.measured_costs()
     stages_cost = []
     for s, sc in enumerate(costs.stages):
         f = statistics.median(times[(s, Kind.F)])

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from zeropipe.ir import Kind
 from zeropipe.models.mlp import mlp_blocks
 from zeropipe.runtime.launch import launch
-from zeropipe.runtime.pipeline import Pipeline
+from zeropipe.runtime.pipeline import Pipeline, RuntimeOptions
 
 
 def _rank(rank: int, world: int, reps: int, schedule: str) -> dict[str, Any]:
@@ -37,7 +37,7 @@ def _rank(rank: int, world: int, reps: int, schedule: str) -> dict[str, Any]:
             loss_fn=F.mse_loss,
             ranks=world,
             executor="distributed",
-            input_first=flag,
+            options=RuntimeOptions(input_first=flag),
         )
         for flag in (True, False)
     }

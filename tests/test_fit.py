@@ -18,7 +18,6 @@ from zeropipe.fit import (
 )
 from zeropipe.ir import Action, Kind, Schedule
 from zeropipe.lower import lower
-from zeropipe.runtime.memory import measured_costs
 from zeropipe.runtime.pipeline import Pipeline
 from zeropipe.schedules import GENERATORS, generate
 from zeropipe.simulate import simulate
@@ -130,7 +129,7 @@ def test_fitted_schedules_fit_when_measured(name: str) -> None:
     base = generate(name, 2, 4)
     calibration = Pipeline(model, base, loss_fn=F.mse_loss)
     calibration.step(x, y)
-    costs = measured_costs(calibration)
+    costs = calibration.measured_costs()
     natural = max(calibration.peak_saved_bytes)
     _, ref = reference(model, x, y, F.mse_loss, 4)
     smallest = max(smallest_limit(base, costs))

@@ -16,7 +16,8 @@ from tests.gradcheck import (
     token_loss,
     token_model,
 )
-from zeropipe.errors import PipelineError, ScheduleError
+from zeropipe.build import build_schedule
+from zeropipe.errors import ScheduleError
 from zeropipe.fuse import fused_weights, group_weights, split_full_backward
 from zeropipe.ir import Action, Kind, Schedule
 from zeropipe.lower import lower
@@ -165,6 +166,7 @@ def test_grouped_w_with_recompute_still_matches() -> None:
 
 
 def test_auto_refuses_group_w_because_it_groups_w_itself() -> None:
-    model = token_model()
-    with pytest.raises(PipelineError, match=r"group_w=4 with schedule='auto'.*leave group_w=1"):
-        Pipeline(model, "auto", microbatches=4, loss_fn=token_loss, ranks=2, group_w=4)
+    with pytest.raises(
+        ScheduleError, match=r"group_w=4 with the 'auto' schedule.*leave group_w at 1"
+    ):
+        build_schedule("auto", ranks=2, microbatches=4, group_w=4)

@@ -100,9 +100,9 @@ def test_auto_plan_profiles_and_its_plan_runs_with_the_reference_gradients() -> 
 
 def test_auto_plan_refuses_what_it_cannot_plan() -> None:
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
-    with pytest.raises(PipelineError, match="costs= .* or sample="):
+    with pytest.raises(PipelineError, match=r"costs= .* or sample="):
         auto_plan(model, 2, 2)
-    with pytest.raises(PipelineError, match="nn.Sequential"):
+    with pytest.raises(PipelineError, match=r"nn\.Sequential"):
         auto_plan([nn.Linear(2, 2), nn.Linear(2, 2)], 2, 2, sample=(torch.zeros(2, 2), None))
 
 

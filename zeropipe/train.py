@@ -179,7 +179,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         return train_rank(0, 1, cfg)
     from zeropipe.runtime.launch import launch
 
-    results = launch(train_rank, cfg.ranks, cfg, timeout=cfg.timeout * 4 + cfg.steps * 5.0, threads=1)
+    results = launch(
+        train_rank, cfg.ranks, cfg, timeout=cfg.timeout * 4 + cfg.steps * 5.0, threads=1
+    )
     summary: dict[str, Any] = results[0]
     return summary
 

@@ -8,7 +8,7 @@ from torch import nn
 
 from tests.gradcheck import assert_same_gradients, batch_for, mlp, reference
 from zeropipe.autograd.grad_memory import GradMemory
-from zeropipe.runtime.pipeline import Pipeline
+from zeropipe.runtime.pipeline import Pipeline, RuntimeOptions
 
 
 def _cycle(memory: GradMemory, p: nn.Parameter) -> int:
@@ -87,7 +87,12 @@ def test_keep_grad_memory_off_allocates_every_step() -> None:
     model = mlp()
     x, y = batch_for(model, batch=8)
     pipe = Pipeline(
-        model, "1f1b", microbatches=4, loss_fn=F.mse_loss, ranks=2, keep_grad_memory=False
+        model,
+        "1f1b",
+        microbatches=4,
+        loss_fn=F.mse_loss,
+        ranks=2,
+        options=RuntimeOptions(keep_grad_memory=False),
     )
     pipe.step(x, y)
     assert pipe.grad_memory is None

@@ -41,11 +41,13 @@ from zeropipe.costs import CostModel
 from zeropipe.errors import PipelineError, ScheduleError
 from zeropipe.ir import Action, Kind
 from zeropipe.lower import lower
+from zeropipe.plan import auto_plan
 from zeropipe.runtime.distributed import DistributedTransport
-from zeropipe.runtime.pipeline import Pipeline
+from zeropipe.runtime.pipeline import Pipeline, RuntimeOptions
 from zeropipe.schedules import GENERATORS, generate
 
 TIMEOUT = 30.0  # seconds a rank waits for a peer in these cases
+OPTIONS = RuntimeOptions(timeout=TIMEOUT)
 SHORT_TIMEOUT, STALL = 1.0, 2.5  # the stalled-peer case: a wait times out, the peer wakes later
 
 MODELS: dict[str, tuple[Callable[[], nn.Sequential], Callable[..., Tensor]]] = {
@@ -109,8 +111,12 @@ def _grad_case(rank: int, world: int, name: str, model_name: str, m: int) -> dic
     model = build()
     x, y = batch_for(model, batch=2 * m + 1)
     # auto searches under given costs (each rank alike; profiling is another module's test)
-    extra: dict[str, Any] = {"costs": CostModel.uniform(world)} if name == "auto" else {}
-    pipe = Pipeline(model, name, microbatches=m, loss_fn=loss_fn, seed=3, timeout=TIMEOUT, **extra)
+    schedule = (
+        auto_plan(model, world, m, costs=CostModel.uniform(world)).schedule
+        if name == "auto"
+        else name
+    )
+    pipe = Pipeline(model, schedule, microbatches=m, loss_fn=loss_fn, seed=3, options=OPTIONS)
     steps = []
     for _ in range(steps_for(world, m)):
         model.zero_grad(set_to_none=True)
@@ -147,7 +153,7 @@ def _grouped_case(name: str, size: int, m: int) -> dict[str, Any]:
     model = build()
     x, y = batch_for(model, batch=2 * m + 1)
     pipe = Pipeline(
-        model, name, microbatches=m, loss_fn=loss_fn, seed=3, timeout=TIMEOUT, group_w=size
+        model, name, microbatches=m, loss_fn=loss_fn, seed=3, options=OPTIONS, group_w=size
     )
     steps = []
     for _ in range(2):
@@ -160,7 +166,7 @@ def _grouped_case(name: str, size: int, m: int) -> dict[str, Any]:
 def _same_seed(rank: int, world: int) -> dict[str, Any]:
     model = mlp(dropout=0.5)
     x, y = batch_for(model, batch=9)
-    pipe = Pipeline(model, "1f1b", microbatches=4, loss_fn=F.mse_loss, seed=11, timeout=TIMEOUT)
+    pipe = Pipeline(model, "1f1b", microbatches=4, loss_fn=F.mse_loss, seed=11, options=OPTIONS)
     loss = pipe.step(x, y)
     return {"loss": loss.item(), "grads": _owned_grads(model)}
 
@@ -185,7 +191,7 @@ def _shared_accumulation(rank: int, world: int) -> dict[str, Any]:
         model = token_model()
         x, y = batch_for(model, batch=8)
         ref = reference(model, x, y, token_loss, 4)[1]
-        pipe = Pipeline(model, name, microbatches=4, loss_fn=token_loss, timeout=TIMEOUT)
+        pipe = Pipeline(model, name, microbatches=4, loss_fn=token_loss, options=OPTIONS)
         pipe.step(x, y)
         pipe.step(x, y)
         if 0 in pipe.stages:
@@ -196,13 +202,12 @@ def _shared_accumulation(rank: int, world: int) -> dict[str, Any]:
 
 
 def _auto_profiled(rank: int, world: int) -> dict[str, Any]:
-    """schedule='auto' without costs: every rank profiles, rank 0's plan is used."""
+    """auto_plan without costs: every rank profiles, rank 0's plan is used."""
     model = mlp()
     x, y = batch_for(model, batch=8)
     ref_loss, ref = reference(model, x, y, F.mse_loss, 2)
-    pipe = Pipeline(
-        model, "auto", microbatches=2, loss_fn=F.mse_loss, sample=(x, y), timeout=TIMEOUT
-    )
+    plan = auto_plan(model, world, 2, sample=(x, y), loss_fn=F.mse_loss)
+    pipe = Pipeline(model, plan.schedule, loss_fn=F.mse_loss, balance=plan.balance, options=OPTIONS)
     loss = pipe.step(x, y)
     grads = _owned_grads(model)
     return {
@@ -215,7 +220,7 @@ def _auto_profiled(rank: int, world: int) -> dict[str, Any]:
 def _eval_and_rebatch(rank: int, world: int) -> dict[str, Any]:
     """eval_step, and training steps whose batch size changes (boundary shapes re-learnt)."""
     model = mlp()
-    pipe = Pipeline(model, "1f1b", microbatches=4, loss_fn=F.mse_loss, timeout=TIMEOUT)
+    pipe = Pipeline(model, "1f1b", microbatches=4, loss_fn=F.mse_loss, options=OPTIONS)
     x, y = batch_for(model, batch=8)
     with torch.no_grad():
         plain = model(x)
@@ -264,7 +269,7 @@ def _tuple_case(rank: int, world: int) -> dict[str, Any]:
     ref = _grads_by_stage(stages)
     for st in stages:
         st.zero_grad(set_to_none=True)
-    pipe = Pipeline(stages, "1f1b", microbatches=3, loss_fn=F.mse_loss, timeout=TIMEOUT)
+    pipe = Pipeline(stages, "1f1b", microbatches=3, loss_fn=F.mse_loss, options=OPTIONS)
     loss = pipe.step((x, ids), y)
     got = [(f"{s}.{n}", p) for s, m in enumerate(stages) for n, p in m.named_parameters()]
     return {
@@ -385,7 +390,7 @@ def _steps_until_failure(pipe: Pipeline, arm: Callable[[], None]) -> dict[str, A
 def _mismatch_case(rank: int, world: int) -> dict[str, Any]:
     first = _Flex()
     stages = [first, *[_Sink() for _ in range(world - 1)]]
-    pipe = Pipeline(stages, "1f1b", microbatches=4, loss_fn=F.mse_loss, timeout=TIMEOUT)
+    pipe = Pipeline(stages, "1f1b", microbatches=4, loss_fn=F.mse_loss, options=OPTIONS)
     out = _steps_until_failure(pipe, lambda: setattr(first, "extra", 1))
     try:  # a failed pipeline refuses further steps instead of mixing up messages
         pipe.step(torch.randn(8, 4), torch.randn(8, 4))
@@ -398,7 +403,7 @@ def _mismatch_case(rank: int, world: int) -> dict[str, Any]:
 def _forward_error_case(rank: int, world: int) -> dict[str, Any]:
     trap = _Trap("raise")
     stages = [nn.Linear(4, 4), trap, *[nn.Linear(4, 4) for _ in range(world - 2)]]
-    pipe = Pipeline(stages, "1f1b", microbatches=4, loss_fn=F.mse_loss, timeout=TIMEOUT)
+    pipe = Pipeline(stages, "1f1b", microbatches=4, loss_fn=F.mse_loss, options=OPTIONS)
     return _steps_until_failure(pipe, lambda: setattr(trap, "armed", True))
 
 
@@ -406,7 +411,7 @@ def _stalled_peer_case(rank: int, world: int) -> dict[str, Any]:
     """Stage 1 stalls (alive, silent) longer than the pipeline's timeout on step 2."""
     trap = _Trap("stall")
     stages = [nn.Linear(4, 4), trap, *[nn.Linear(4, 4) for _ in range(world - 2)]]
-    pipe = Pipeline(stages, "1f1b", microbatches=4, loss_fn=F.mse_loss, timeout=TIMEOUT)
+    pipe = Pipeline(stages, "1f1b", microbatches=4, loss_fn=F.mse_loss, options=OPTIONS)
     transport = pipe.transport
     assert isinstance(transport, DistributedTransport)
 
@@ -486,7 +491,7 @@ def three_ranks(rank: int, world: int) -> dict[str, Any]:
         model = build().to(dtype)
         m = 2 * world + 1
         x, y = batch_for(model, batch=2 * m + 1)
-        pipe = Pipeline(model, "1f1b", microbatches=m, loss_fn=loss_fn, seed=3, timeout=TIMEOUT)
+        pipe = Pipeline(model, "1f1b", microbatches=m, loss_fn=loss_fn, seed=3, options=OPTIONS)
         steps = []
         for _ in range(2):
             model.zero_grad(set_to_none=True)
@@ -502,7 +507,7 @@ def killed_case(rank: int, world: int) -> None:
     """Rank 1 SIGKILLs itself inside a stage's forward on the second step."""
     trap = _Trap("kill")
     stages = [nn.Linear(4, 4), trap, *[nn.Linear(4, 4) for _ in range(world - 2)]]
-    pipe = Pipeline(stages, "1f1b", microbatches=4, loss_fn=F.mse_loss, timeout=TIMEOUT)
+    pipe = Pipeline(stages, "1f1b", microbatches=4, loss_fn=F.mse_loss, options=OPTIONS)
     x, y = torch.randn(8, 4), torch.randn(8, 4)
     pipe.step(x, y)
     trap.armed = True
@@ -524,7 +529,7 @@ def raise_on_rank1(rank: int, world: int) -> str:
         microbatches=2,
         loss_fn=F.mse_loss,
         process_group=sub,
-        timeout=TIMEOUT,
+        options=OPTIONS,
     )
     if rank == 1:
         raise ValueError("bad input on rank 1")
@@ -556,7 +561,8 @@ def _torchrun_main() -> None:
     model = token_model(dropout=0.2)
     x, y = batch_for(model, batch=9)
     ref_loss, ref = reference(model, x, y, token_loss, 4, seed=5)
-    pipe = Pipeline(model, "zb-h1", microbatches=4, loss_fn=token_loss, seed=5, timeout=60)
+    pipe = Pipeline(model, "zb-h1", microbatches=4, loss_fn=token_loss, seed=5,
+                    options=RuntimeOptions(timeout=60))  # fmt: skip
     loss = pipe.step(x, y)
     worst = assert_same_gradients(model.named_parameters(), ref, only_owned=True)
     assert abs(loss.item() - ref_loss.item()) <= 1e-10, (loss.item(), ref_loss.item())

@@ -10,7 +10,7 @@ from tests.gradcheck import assert_same_gradients, batch_for, mlp, reference
 from zeropipe.autograd.priority import record_backward_order
 from zeropipe.ir import Kind
 from zeropipe.runtime.input_first import backward_input_first
-from zeropipe.runtime.pipeline import Pipeline
+from zeropipe.runtime.pipeline import Pipeline, RuntimeOptions
 from zeropipe.runtime.transport import LocalTransport
 
 
@@ -66,7 +66,8 @@ def test_pipeline_gradients_equal_and_sends_posted_early() -> None:
 
     model.zero_grad(set_to_none=True)
     sent_during_backward.clear()
-    off = Pipeline(model, "1f1b", microbatches=4, loss_fn=F.mse_loss, ranks=2, input_first=False)
+    off = Pipeline(model, "1f1b", microbatches=4, loss_fn=F.mse_loss, ranks=2,
+                   options=RuntimeOptions(input_first=False))  # fmt: skip
     off.transport = Spy()
     off.step(x, y)
     assert_same_gradients(model.named_parameters(), ref)

@@ -16,8 +16,10 @@ from tests.gradcheck import (
     token_loss,
     token_model,
 )
+from zeropipe.build import build_schedule
 from zeropipe.errors import PipelineError, ScheduleError
 from zeropipe.ir import Kind
+from zeropipe.plan import auto_plan
 from zeropipe.runtime.handlers import HANDLERS
 from zeropipe.runtime.pipeline import Pipeline
 from zeropipe.schedules import GENERATORS, generate
@@ -50,9 +52,11 @@ def test_every_generator_matches_the_reference_float64(name: str, model_name: st
             model = build(torch.float64)
             x, y = batch_for(model, batch=2 * m + 1)
             ref_loss, ref = reference(model, x, y, loss_fn, m, seed=3)
-            # auto profiles the model on the batch when given no costs
-            extra = {"sample": (x, y)} if name == "auto" else {}
-            pipe = Pipeline(model, name, microbatches=m, loss_fn=loss_fn, ranks=p, seed=3, **extra)
+            if name == "auto":  # profiled on the batch, then run as planned
+                plan = auto_plan(model, p, m, sample=(x, y), loss_fn=loss_fn)
+                pipe = Pipeline(model, plan.schedule, loss_fn=loss_fn, seed=3, balance=plan.balance)
+            else:
+                pipe = Pipeline(model, name, microbatches=m, loss_fn=loss_fn, ranks=p, seed=3)
             loss = pipe.step(x, y)
             assert_same_loss(loss, ref_loss)
             assert_same_gradients(model.named_parameters(), ref)
@@ -269,8 +273,8 @@ def test_where_receives_are_posted_changes_nothing_but_the_schedule(ahead: int |
     model = mlp(layers=8)
     x, y = batch_for(model, batch=8)
     ref_loss, ref = reference(model, x, y, F.mse_loss, 4)
-    pipe = Pipeline(model, "interleaved-1f1b", microbatches=4, ranks=2, loss_fn=F.mse_loss,
-                    recv_ahead=ahead)  # fmt: skip
+    schedule = build_schedule("interleaved-1f1b", ranks=2, microbatches=4, recv_ahead=ahead)
+    pipe = Pipeline(model, schedule, loss_fn=F.mse_loss)
     assert_same_loss(pipe.step(x, y), ref_loss)
     assert_same_gradients(model.named_parameters(), ref)
     # rank 1's first action consumes received data: with None, every RECV comes first.

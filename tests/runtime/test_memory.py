@@ -22,9 +22,9 @@ from zeropipe.device import Copier, peak_allocated_bytes
 from zeropipe.errors import PipelineError
 from zeropipe.fit import checkpoint, offload, offload_weights
 from zeropipe.ir import Action, Kind, Schedule
-from zeropipe.runtime.memory import is_recomputing, measured_costs
+from zeropipe.runtime.memory import is_recomputing
 from zeropipe.runtime.offload import SavedActivations
-from zeropipe.runtime.pipeline import Pipeline
+from zeropipe.runtime.pipeline import Pipeline, RuntimeOptions
 from zeropipe.schedules import generate
 from zeropipe.simulate import simulate
 from zeropipe.storage import (
@@ -152,7 +152,7 @@ def test_saved_bytes_are_counted_once_per_input_shape_unless_always(
     hooked: dict[str, list[int]] = {}
     for mode in ("once", "always"):
         pipe = Pipeline(model, "1f1b", microbatches=4, ranks=2, loss_fn=F.mse_loss,
-                        count_saved=mode)  # fmt: skip
+                        options=RuntimeOptions(count_saved=mode))  # fmt: skip
         peaks[mode], hooked[mode] = [], []
         for x, y in batches:
             calls.clear()
@@ -193,7 +193,7 @@ def test_offloaded_stages_are_hooked_on_every_step(monkeypatch: pytest.MonkeyPat
         pipe.step(x, y)
     assert set(calls) == {f"stage {s} microbatch {i}" for s in range(2) for i in range(2)}
     with pytest.raises(PipelineError, match="count_saved"):
-        Pipeline(model, "1f1b", microbatches=4, ranks=2, count_saved="never")  # type: ignore[arg-type]
+        RuntimeOptions(count_saved="never")  # type: ignore[arg-type]
 
 
 CALIBRATE = {"gpipe": "gpipe", "1f1b": "1f1b", "zbv": "zbv"}
@@ -207,7 +207,7 @@ def test_measured_peak_is_the_simulated_peak(name: str) -> None:
     calibration = Pipeline(model, base, loss_fn=token_loss)
     calibration.step(x, y)
     # Per stage bytes, from the plain schedule only.
-    costs = measured_costs(calibration.schedule, calibration.memory.stage_bytes())
+    costs = calibration.measured_costs()
     for mode in ("none", "R", "O", "RO", "mixed"):
         schedule = base if mode == "none" else _with(base, mode)
         pipe = Pipeline(model, schedule, loss_fn=token_loss)
@@ -218,7 +218,7 @@ def test_measured_peak_is_the_simulated_peak(name: str) -> None:
     # The timeline reports activations plus resident weights, as a weights-aware model predicts.
     with_weights = simulate(
         pipe.schedule,
-        measured_costs(calibration.schedule, calibration.memory.stage_bytes(), weights=True),
+        calibration.measured_costs(weights=True),
     )
     assert pipe.timeline().peak_memory == pytest.approx(with_weights.peak_memory, rel=0.10)
 
@@ -265,9 +265,7 @@ def test_weight_offload_on_one_rank_is_exact_and_keeps_two_stages_resident(case:
     # Four equal stages, at most two resident: the one computing and the one prefetched.
     stage_bytes = sum(p.numel() * 8 for p in pipe.stages[0].parameters())
     assert pipe.memory.report.weights == (2 * stage_bytes,)
-    predicted = simulate(
-        pipe.schedule, measured_costs(pipe.schedule, pipe.memory.stage_bytes(), weights=True)
-    ).peak_memory
+    predicted = simulate(pipe.schedule, pipe.measured_costs(weights=True)).peak_memory
     assert pipe.timeline().peak_memory == pytest.approx(predicted, rel=0.10)
     # A second step accumulates onto the offloaded gradients (seeds differ by step).
     _, ref2 = reference(model, x, y, F.mse_loss, 4, step=1)

@@ -79,9 +79,7 @@ class RuntimeOptions:
 
     def __post_init__(self) -> None:
         if self.count_saved not in ("once", "always"):
-            raise PipelineError(
-                f"count_saved must be 'once' or 'always', got {self.count_saved!r}"
-            )
+            raise PipelineError(f"count_saved must be 'once' or 'always', got {self.count_saved!r}")
         if not self.timeout > 0:
             raise PipelineError(f"timeout must be > 0 seconds, got {self.timeout!r}")
 
@@ -249,7 +247,7 @@ class Pipeline:
         Times come from ``base`` (default: the schedule's default costs); see
         :func:`zeropipe.runtime.memory.measured_costs`.
         """
-        return measured_costs(self, base, weights=weights)  # MERGE: new signature from runtime branch
+        return measured_costs(self.schedule, self.memory.stage_bytes(), base, weights=weights)
 
     def release_grad_memory(self) -> None:
         """Stop keeping weight-gradient memory between steps; what ``.grad`` holds stays."""

@@ -30,6 +30,8 @@ from zeropipe.simulate import simulate
 from zeropipe.validate import validate
 
 PAPER_ZB1P, PAPER_ZB2P = 0.1585, 0.0433
+# Importing zeropipe.schedules registered it: kept here so that a test can put it back.
+AUTO_ENTRY = GENERATORS["auto"]
 
 
 @pytest.fixture(autouse=True)
@@ -42,10 +44,12 @@ def registered() -> Iterator[ModuleType]:
     had = GENERATORS.get("auto")
     from zeropipe.schedules import auto as module
 
-    GENERATORS["auto"] = module.GENERATOR
+    GENERATORS["auto"] = AUTO_ENTRY
     yield module
     if had is None:
         GENERATORS.pop("auto", None)
+    else:
+        GENERATORS["auto"] = had
 
 
 def _named(ranks: int, m: int) -> Iterator[tuple[str, Schedule]]:

@@ -44,12 +44,12 @@ from zeropipe.costs import CostModel, StageCost, peak_memory, per_rank
 from zeropipe.errors import ScheduleError
 from zeropipe.fuse import group_weights
 from zeropipe.ir import Action, Kind, Schedule
-from zeropipe.schedules import GENERATORS, register
+from zeropipe.schedules.registry import GENERATORS, register
 from zeropipe.schedules._list_scheduler import Policy, Step, _list_schedule, _order, _placement
 from zeropipe.simulate import Timeline, simulate
 from zeropipe.validate import validate
 
-__all__ = ["GENERATOR", "AutoResult", "Candidate", "Policy", "auto_schedule", "costs_for", "search"]
+__all__ = ["AutoResult", "Candidate", "Policy", "auto_schedule", "costs_for", "search"]
 
 CostsLike = CostModel | Callable[[int], CostModel | None]
 _EPS = 1e-9
@@ -444,6 +444,3 @@ def auto(ranks: int, microbatches: int, chunks: int = 2) -> Schedule:
     """``search`` under unit costs, within 1F1B's peak, with up to ``chunks`` chunks per rank."""
     return search(CostModel.uniform(ranks), ranks, microbatches, "1f1b", max_chunks=chunks).schedule
 
-
-#: The registry entry, kept so that a registry reset can put it back.
-GENERATOR = GENERATORS["auto"]

@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from zeropipe.deps import Dependencies
@@ -61,29 +61,35 @@ class StageCost:
     @classmethod
     def merged(cls, group: Sequence[StageCost]) -> StageCost:
         """Consecutive stages run as one: times and memory summed, the last one's boundary."""
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            if f.name == "boundary_bytes":
+                values[f.name] = group[-1].boundary_bytes  # the group's output is its last's
+            elif f.name in ("B", "R"):  # None stands for a sum of others: add what each costs
+                values[f.name] = sum(c.time(Kind(f.name)) for c in group)
+            elif f.name == "W_fused":  # priced for the group if for any of its stages
+                given = any(c.W_fused is not None for c in group)
+                values[f.name] = sum(c.fused_w for c in group) if given else None
+            else:
+                values[f.name] = float(sum(getattr(c, f.name) for c in group))
+        return cls(**values)
 
-        def total(name: str) -> float:
-            return float(sum(getattr(c, name) for c in group))
+    def scaled(self, factor: float) -> StageCost:
+        """Every time and memory figure times ``factor`` (a stage cut into equal parts).
 
-        fused = None
-        if any(c.W_fused is not None for c in group):
-            fused = sum(c.W if c.W_fused is None else c.W_fused for c in group)
-        return cls(
-            F=total("F"),
-            I=total("I"),
-            W=total("W"),
-            B=sum(c.time(Kind.B) for c in group),
-            R=sum(c.time(Kind.R) for c in group),
-            W_fused=fused,
-            OFFLOAD=total("OFFLOAD"),
-            RELOAD=total("RELOAD"),
-            weight_copy=total("weight_copy"),
-            act=total("act"),
-            act_w=total("act_w"),
-            ckpt=total("ckpt"),
-            weights=total("weights"),
-            boundary_bytes=group[-1].boundary_bytes,
-        )
+        The boundary size is kept: each part still sends a whole activation.
+        """
+        values: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            keep = f.name == "boundary_bytes" or value is None
+            values[f.name] = value if keep else value * factor
+        return replace(self, **values)
+
+    @property
+    def fused_w(self) -> float:
+        """What a W costs run together with the next W of the stage (``W`` if not priced)."""
+        return self.W if self.W_fused is None else self.W_fused
 
     def time(self, kind: Kind, weight_copy: bool = False) -> float:
         if kind is Kind.F:
@@ -157,6 +163,15 @@ class CostModel:
         return cls(
             tuple(stage for _ in range(num_stages)), latency=comm, overhead=overhead, post=post
         )
+
+    @classmethod
+    def uniform_for(cls, schedule: Schedule) -> CostModel:
+        """The default costs of ``schedule``: unit times and memory per rank's worth of layers.
+
+        Each stage gets its chunk's share (:meth:`uniform` with the schedule's
+        :attr:`~zeropipe.ir.Schedule.chunks_per_rank`).
+        """
+        return cls.uniform(schedule.num_stages, chunks=schedule.chunks_per_rank)
 
     @classmethod
     def parse(cls, spec: str, num_stages: int, chunks: int = 1) -> CostModel:

@@ -337,10 +337,7 @@ def smallest_limit(schedule: Schedule, costs: CostModel | None = None) -> list[f
 
 
 def _default_costs(base: Schedule, costs: CostModel | None) -> CostModel:
-    if costs is None:
-        chunks = max(len(base.stages_of(r)) for r in range(base.num_ranks))
-        costs = CostModel.uniform(base.num_stages, chunks=chunks)
-    return costs.for_stages(base.num_stages)
+    return (costs or CostModel.uniform_for(base)).for_stages(base.num_stages)
 
 
 class _Eval:

@@ -43,8 +43,7 @@ def validate(
     _check_order(schedule, deps)
     graph = Graph(schedule, deps)
     if memory_limit is not None:
-        chunks = max(len(schedule.stages_of(r)) for r in range(schedule.num_ranks))
-        costs = costs or CostModel.uniform(schedule.num_stages, chunks=chunks)
+        costs = costs or CostModel.uniform_for(schedule)
         _check_memory(schedule, costs, deps, memory_limit)
     return graph
 

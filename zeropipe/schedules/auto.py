@@ -44,8 +44,8 @@ from zeropipe.costs import CostModel, StageCost, peak_memory, per_rank
 from zeropipe.errors import ScheduleError
 from zeropipe.fuse import group_weights
 from zeropipe.ir import Action, Kind, Schedule
-from zeropipe.schedules.registry import GENERATORS, register
 from zeropipe.schedules._list_scheduler import Policy, Step, _list_schedule, _order, _placement
+from zeropipe.schedules.registry import GENERATORS, register
 from zeropipe.simulate import Timeline, simulate
 from zeropipe.validate import validate
 
@@ -72,7 +72,7 @@ def costs_for(costs: CostsLike, num_stages: int) -> CostModel | None:
         return costs
     if num_stages % n == 0:
         k = num_stages // n
-        stages = tuple(_scaled(s, 1.0 / k) for s in costs.stages for _ in range(k))
+        stages = tuple(s.scaled(1.0 / k) for s in costs.stages for _ in range(k))
         how = f"each of {n} stage(s) split into {k}"
     elif n % num_stages == 0:
         k = n // num_stages
@@ -83,25 +83,6 @@ def costs_for(costs: CostsLike, num_stages: int) -> CostModel | None:
     else:
         return None
     return replace(costs, stages=stages, meta={**costs.meta, "derived": how})
-
-
-def _scaled(c: StageCost, f: float) -> StageCost:
-    return StageCost(
-        F=c.F * f,
-        I=c.I * f,
-        W=c.W * f,
-        B=None if c.B is None else c.B * f,
-        R=None if c.R is None else c.R * f,
-        W_fused=None if c.W_fused is None else c.W_fused * f,
-        OFFLOAD=c.OFFLOAD * f,
-        RELOAD=c.RELOAD * f,
-        weight_copy=c.weight_copy * f,
-        act=c.act * f,
-        act_w=c.act_w * f,
-        ckpt=c.ckpt * f,
-        weights=c.weights * f,
-        boundary_bytes=c.boundary_bytes,
-    )
 
 
 # -- the search -----------------------------------------------------------------------------
@@ -443,4 +424,3 @@ def auto_schedule(
 def auto(ranks: int, microbatches: int, chunks: int = 2) -> Schedule:
     """``search`` under unit costs, within 1F1B's peak, with up to ``chunks`` chunks per rank."""
     return search(CostModel.uniform(ranks), ranks, microbatches, "1f1b", max_chunks=chunks).schedule
-

@@ -91,6 +91,24 @@ class StageCost:
         """What a W costs run together with the next W of the stage (``W`` if not priced)."""
         return self.W if self.W_fused is None else self.W_fused
 
+    def held_change(self, kind: Kind, *, checkpointed: bool = False) -> float:
+        """How much memory one microbatch's ``kind`` on this stage takes (+) or frees (-).
+
+        For F, R, B, I and W (the table in the module docstring); an OFFLOAD or
+        RELOAD moves whatever its (stage, microbatch) holds, see :func:`memory_deltas`.
+        """
+        if kind is Kind.F:
+            return self.ckpt if checkpointed else self.act
+        if kind is Kind.R:
+            return self.act - self.ckpt
+        if kind is Kind.B:
+            return -self.act
+        if kind is Kind.I:
+            return -(self.act - self.act_w)
+        if kind is Kind.W:
+            return -self.act_w
+        raise ScheduleError(f"what {kind.value} holds depends on the schedule: see memory_deltas")
+
     def time(self, kind: Kind, weight_copy: bool = False) -> float:
         if kind is Kind.F:
             return self.F
@@ -227,6 +245,11 @@ class CostModel:
         """Wire time of one boundary tensor leaving (or its gradient entering) ``stage``."""
         return self.latency + self.stages[stage].boundary_bytes / self.bandwidth
 
+    def boundary_time(self, stage: int, neighbour: int) -> float:
+        """Wire time between two adjacent stages, either way: the tensor is the output of
+        the lower one (going backward, the gradient of that output)."""
+        return self.transfer_time(min(stage, neighbour))
+
     def replace_stage(self, stage: int, **changes: float) -> CostModel:
         stages = list(self.stages)
         stages[stage] = replace(stages[stage], **changes)
@@ -287,21 +310,14 @@ def memory_deltas(
             d = 0.0
             if i is None:
                 d = -c.weights if kind is Kind.OFFLOAD else c.weights
-            elif kind is Kind.F:
-                d = c.ckpt if deps.checkpointed(a.stage, i) else c.act
-                held[(a.stage, i)] = d
-            elif kind is Kind.R:
-                d = c.act - c.ckpt
-            elif kind is Kind.B:
-                d = -c.act
-            elif kind is Kind.I:
-                d = -(c.act - c.act_w)
-            elif kind is Kind.W:
-                d = -c.act_w
             elif kind is Kind.OFFLOAD:
                 d = -held.get((a.stage, i), 0.0)
             elif kind is Kind.RELOAD:
                 d = held.get((a.stage, i), 0.0)
+            elif kind in COMPUTE_KINDS:
+                d = c.held_change(kind, checkpointed=deps.checkpointed(a.stage, i))
+                if kind is Kind.F:
+                    held[(a.stage, i)] = d
             deltas.append(d)
         out.append(deltas)
     return out

@@ -156,9 +156,7 @@ def simulate(
                 if dep.via is not None:
                     rr, rk = _locate_recv(graph, r, k, dep.via)
                     ready = max(ready, start[rr][rk])
-                # The boundary tensor is the output of the lower of the two stages
-                # (or, going backward, the gradient of that output).
-                ready += costs.transfer_time(min(dep.action.stage, a.stage))
+                ready += costs.boundary_time(dep.action.stage, a.stage)
             t = max(t, ready)
         duration = costs.time(a)
         if a in fused:

@@ -44,7 +44,13 @@ from zeropipe.costs import CostModel, StageCost, peak_memory, per_rank
 from zeropipe.errors import ScheduleError
 from zeropipe.fuse import group_weights
 from zeropipe.ir import Action, Kind, Schedule
-from zeropipe.schedules._list_scheduler import Policy, Step, _list_schedule, _order, _placement
+from zeropipe.schedules.list_scheduler import (
+    Policy,
+    Step,
+    compute_order,
+    list_schedule,
+    placement_of,
+)
 from zeropipe.schedules.registry import GENERATORS, register
 from zeropipe.simulate import Timeline, simulate
 from zeropipe.validate import validate
@@ -245,15 +251,15 @@ def search(
     for label, sched, c in named_runs:
         chunks = sched.num_stages // ranks
         # Exact replay: its makespan as simulated, and whether it fits.
-        runs.append((label, "named", Policy("named", chunks), sched, c, _order(sched, True)))
+        runs.append((label, "named", Policy("named", chunks), sched, c, compute_order(sched, True)))
     for label, sched, c in named_runs:
         # Its F / I order with the W placed by the list scheduler for these costs.
-        template = _order(sched, keep_w=False)
+        template = compute_order(sched, keep_w=False)
         for gap in (0.0, 0.5, 1.0):
             policy = Policy("order", sched.num_stages // ranks, True, gap)
             runs.append((f"{label}'s F/I order, W placed anew", "list", policy, sched, c, template))
     for policy in policies if policies is not None else _policies(ranks, max_chunks, split_options):
-        place = _placement(policy.placement, ranks, policy.chunks)
+        place = placement_of(policy.placement, ranks, policy.chunks)
         derived = costs_for(costs, len(place))
         if derived is not None:
             shape = Schedule(place, [[] for _ in range(ranks)], microbatches, "auto")
@@ -263,7 +269,7 @@ def search(
         if source == "list" and listed and time.perf_counter() - start > time_budget:
             continue
         place = tuple(sched.placement)
-        plan = _list_schedule(c, place, microbatches, policy, limits, order, source == "named")
+        plan = list_schedule(c, place, microbatches, policy, limits, order, source == "named")
         if plan is None:
             continue
         steps = plan.steps if source == "list" else None

@@ -115,7 +115,9 @@ class Dependencies:
     def saved_reader(self, stage: int, mb: int) -> Action:
         """The action that reads (stage, mb)'s saved activations: R if checkpointed, else
         the backward.  A RELOAD of them must come before it."""
-        return Action(Kind.R, stage, mb) if self.checkpointed(stage, mb) else self.backward(stage, mb)
+        return (
+            Action(Kind.R, stage, mb) if self.checkpointed(stage, mb) else self.backward(stage, mb)
+        )
 
     def crosses(self, src_stage: int, dst_stage: int) -> bool:
         return self.placement[src_stage] != self.placement[dst_stage]
@@ -226,9 +228,7 @@ class Dependencies:
         s = action.stage
         up = self._upstream_stage(direction, s)
         incoming = (
-            (self.comm_pair(direction, up, s, i),)
-            if up is not None and self.crosses(up, s)
-            else ()
+            (self.comm_pair(direction, up, s, i),) if up is not None and self.crosses(up, s) else ()
         )
         down = self._downstream_stage(direction, s)
         outgoing = (

@@ -26,7 +26,7 @@ from zeropipe.errors import ScheduleError
 from zeropipe.fuse import fused_weights
 from zeropipe.ir import Action, Kind, Schedule
 from zeropipe.schedules import GENERATORS, generate
-from zeropipe.schedules.list_scheduler import compute_order, list_schedule, placement_of
+from zeropipe.schedules.list_scheduler import list_schedule, placement_of, replay
 from zeropipe.simulate import simulate
 from zeropipe.validate import validate
 
@@ -167,14 +167,10 @@ def test_fast_event_loop_times_named_schedules_as_the_simulator_does(
     registered: ModuleType,
 ) -> None:
     """The search ranks candidates with its own event loop; it must agree with simulate()."""
-    module = registered
     for seed, (ranks, m) in enumerate([(2, 3), (3, 7), (4, 8), (4, 12)]):
         for name, sched in _named(ranks, m):
             costs = _random_costs(sched.num_stages, seed)
-            order = compute_order(sched, keep_w=True)
-            plan = list_schedule(
-                costs, sched.placement, m, module.Policy(), [math.inf] * ranks, order, True
-            )
+            plan = replay(sched, costs, [math.inf] * ranks)
             assert plan is not None, name
             want = simulate(sched, costs)
             assert plan.makespan == pytest.approx(want.makespan), name

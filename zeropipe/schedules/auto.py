@@ -50,6 +50,7 @@ from zeropipe.schedules.list_scheduler import (
     compute_order,
     list_schedule,
     placement_of,
+    replay,
 )
 from zeropipe.schedules.registry import GENERATORS, register
 from zeropipe.simulate import Timeline, simulate
@@ -251,7 +252,7 @@ def search(
     for label, sched, c in named_runs:
         chunks = sched.num_stages // ranks
         # Exact replay: its makespan as simulated, and whether it fits.
-        runs.append((label, "named", Policy("named", chunks), sched, c, compute_order(sched, True)))
+        runs.append((label, "named", Policy("named", chunks), sched, c, None))
     for label, sched, c in named_runs:
         # Its F / I order with the W placed by the list scheduler for these costs.
         template = compute_order(sched, keep_w=False)
@@ -269,7 +270,10 @@ def search(
         if source == "list" and listed and time.perf_counter() - start > time_budget:
             continue
         place = tuple(sched.placement)
-        plan = list_schedule(c, place, microbatches, policy, limits, order, source == "named")
+        if source == "named":
+            plan = replay(sched, c, limits)
+        else:
+            plan = list_schedule(c, place, microbatches, policy, limits, order)
         if plan is None:
             continue
         steps = plan.steps if source == "list" else None

@@ -36,11 +36,16 @@ from zeropipe.deps import Dependencies
 from zeropipe.errors import ScheduleError
 from zeropipe.ir import Action, Kind, Schedule
 
-__all__ = ["Plan", "Policy", "Step", "compute_order", "list_schedule", "placement_of"]
+__all__ = ["Plan", "Policy", "Step", "compute_order", "list_schedule", "placement_of", "replay"]
 
 EPS = 1e-9
 Step = tuple[Kind, int, int]  # (kind, stage, microbatch)
 _TIMED = (Kind.F, Kind.B, Kind.I, Kind.W)
+# Inside a run a kind is its index in _TIMED: Enum members hash in Python code, and the
+# loop looks kinds up hundreds of thousands of times per search.
+_F, _B, _I, _W = range(4)
+_SLOT = {kind: n for n, kind in enumerate(_TIMED)}
+_Slot = tuple[int, int, int]  # (index in _TIMED, stage, microbatch)
 
 
 @dataclass(frozen=True)
@@ -125,64 +130,73 @@ def compute_order(schedule: Schedule, keep_w: bool, split: bool = True) -> list[
     return out
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class _Need:
-    """One dependency of a (kind, stage), the same for every microbatch."""
+    """One dependency of an action: its producer's kind (index in _TIMED) and stage."""
 
-    kind: Kind
+    kind: int
     stage: int
     wire: float | None  # None: on the same rank, handed over
 
 
 class _Facts:
-    """What the dependency model and the costs say about each (kind, stage), asked once."""
+    """What the dependency model and the costs say about each (kind, stage), asked once.
 
-    def __init__(self, costs: CostModel, deps: Dependencies, *, per_microbatch: bool) -> None:
-        """``per_microbatch``: the schedule's choices (B, or I + W) differ by microbatch, so
-        its dependencies are asked for each one; otherwise once per (kind, stage)."""
-        self.deps, self.costs = deps, costs
+    Dependencies are the same for every microbatch when every backward is split
+    (or none is); a replayed schedule may choose per microbatch, and is asked
+    per microbatch.
+    """
+
+    def __init__(self, costs: CostModel, deps: Dependencies, *, uniform: bool) -> None:
+        self.deps, self.costs, self.uniform = deps, costs, uniform
         placement = self.placement = tuple(deps.placement)
         n = len(placement)
-        self._per_mb: dict[Step, tuple[_Need, ...]] | None = {} if per_microbatch else None
-        self.backward = deps.backward(0, 0).kind
-        self.duration: dict[Kind, list[float]] = {}
-        self.needs: dict[Kind, list[tuple[_Need, ...]]] = {}
-        self.wakes: dict[Kind, list[tuple[int, ...]]] = {}  # ranks that receive its output
-        self.held = {k: [costs.stages[s].held_change(k) for s in range(n)] for k in _TIMED}
+        self.backward = _SLOT[deps.backward(0, 0).kind]
+        self.duration: list[list[float]] = []
+        self.needs: list[list[tuple[_Need, ...]]] = []
+        self.wakes: list[list[tuple[int, ...]]] = []  # ranks that receive its output
+        self.held = [[costs.stages[s].held_change(k) for s in range(n)] for k in _TIMED]
         for kind in _TIMED:
-            self.duration[kind], self.needs[kind], self.wakes[kind] = [], [], []
+            duration, needs, wakes = [], [], []
             for s in range(n):
                 action = Action(kind, s, 0)
                 incoming, outgoing = deps.comm_of(action)
                 posts = sum(costs.time(recv) for _, recv in incoming)
                 posts += sum(costs.time(send) for send, _ in outgoing)
-                self.duration[kind].append(costs.time(action) + posts)
-                self.wakes[kind].append(tuple(placement[r.stage] for _, r in outgoing))
-                self.needs[kind].append(self._needs(deps, costs, action))
+                duration.append(costs.time(action) + posts)
+                wakes.append(tuple(placement[recv.stage] for _, recv in outgoing))
+                needs.append(self._ask(action) if uniform else ())
+            self.duration.append(duration)
+            self.needs.append(needs)
+            self.wakes.append(wakes)
         self.wire = [
             costs.boundary_time(s, s + 1) if s + 1 < n and deps.crosses(s, s + 1) else 0.0
             for s in range(n)
         ]
         self.initial = initial_memory(deps.schedule, costs)
+        self._per_mb: dict[_Slot, tuple[_Need, ...]] = {}
 
-    def needs_of(self, kind: Kind, stage: int, mb: int) -> tuple[_Need, ...]:
-        if self._per_mb is None:
+    def needs_of(self, kind: int, stage: int, mb: int) -> tuple[_Need, ...]:
+        if self.uniform:
             return self.needs[kind][stage]
         found = self._per_mb.get((kind, stage, mb))
         if found is None:
-            found = self._per_mb[(kind, stage, mb)] = self._needs(
-                self.deps, self.costs, Action(kind, stage, mb)
-            )
+            found = self._ask(Action(_TIMED[kind], stage, mb))
+            self._per_mb[(kind, stage, mb)] = found
         return found
 
-    @staticmethod
-    def _needs(deps: Dependencies, costs: CostModel, action: Action) -> tuple[_Need, ...]:
+    def _ask(self, action: Action) -> tuple[_Need, ...]:
         out = []
-        for dep in deps.requires(action):
-            if dep.action.microbatch != action.microbatch:
-                raise ScheduleError(f"{action} depends on another microbatch's {dep.action}")
-            wire = costs.boundary_time(dep.action.stage, action.stage) if dep.transfer else None
-            out.append(_Need(dep.action.kind, dep.action.stage, wire))
+        for dep in self.deps.requires(action):
+            producer = dep.action
+            if producer.microbatch != action.microbatch or producer.kind not in _SLOT:
+                raise ScheduleError(
+                    f"the list scheduler times F, B, I and W of one microbatch at a time; "
+                    f"{action} needs {producer}",
+                    rule="unsupported",
+                )
+            wire = self.costs.boundary_time(producer.stage, action.stage) if dep.transfer else None
+            out.append(_Need(_SLOT[producer.kind], producer.stage, wire))
         return tuple(out)
 
 
@@ -193,25 +207,31 @@ def list_schedule(
     policy: Policy,
     limits: Sequence[float],
     order: Sequence[Sequence[Step]] | None = None,
-    replay: bool = False,
 ) -> Plan | None:
     """Event-driven list scheduling; ``None`` if it cannot finish within ``limits``.
 
     Without ``order`` a free rank picks among its ready actions by ``policy``.
-    With ``order`` (per rank, F and backwards of another schedule) it runs
-    those in that order and only places the W; with ``replay`` as well the
-    order holds every action and is timed as it stands (the simulator's rules).
+    With ``order`` (per rank, F and I of another schedule, from
+    :func:`compute_order`) it runs those in that order and only places the W.
     """
-    if replay:
-        if order is None:
-            raise ScheduleError("replay needs the order to replay", rule="unsupported")
-        # Its own choices (split or not) per microbatch: the rules of the schedule itself.
-        acts = [[Action(*step) for step in rank] for rank in order]
-        deps = Dependencies(Schedule(placement, acts, microbatches))
-    else:
-        deps = Dependencies.planned(placement, microbatches, split=policy.split)
-    facts = _Facts(costs.for_stages(len(placement)), deps, per_microbatch=replay)
-    return _Run(facts, microbatches, policy, limits, order, replay).run()
+    deps = Dependencies.planned(placement, microbatches, split=policy.split)
+    facts = _Facts(costs.for_stages(len(placement)), deps, uniform=True)
+    return _Run(facts, microbatches, policy, limits, order, replay=False).run()
+
+
+def replay(schedule: Schedule, costs: CostModel, limits: Sequence[float]) -> Plan | None:
+    """``schedule``'s F, B, I and W timed as they stand; ``None`` if it exceeds ``limits``.
+
+    The list scheduler's fast path to the makespan the simulator gives a
+    compute-only schedule without recompute or offload.
+    """
+    base = schedule.compute_only()
+    deps = Dependencies(base)
+    pairs = [(s, i) for s in range(base.num_stages) for i in range(base.microbatches)]
+    uniform = len({deps.split(s, i) for s, i in pairs}) == 1
+    facts = _Facts(costs.for_stages(base.num_stages), deps, uniform=uniform)
+    order = compute_order(base, keep_w=True)
+    return _Run(facts, base.microbatches, Policy(), limits, order, replay=True).run()
 
 
 class _Run:
@@ -227,15 +247,14 @@ class _Run:
         replay: bool,
     ) -> None:
         self.facts, self.m, self.policy, self.limits = facts, m, policy, limits
-        self.order, self.replay = order, replay
+        self.replay = replay
+        self.order = None if order is None else [[(_SLOT[k], s, i) for k, s, i in o] for o in order]
         place = facts.placement
         ranks = max(place) + 1
         self.local = [[s for s in range(len(place)) if place[s] == r] for r in range(ranks)]
         self.later = [[u for u in self.local[place[s]] if u > s] for s in range(len(place))]
         self.want = self._reserve()
-        self.end: dict[Kind, list[list[float]]] = {
-            k: [[-1.0] * m for _ in place] for k in _TIMED
-        }  # -1: not scheduled yet
+        self.end = [[[-1.0] * m for _ in place] for _ in _TIMED]  # -1: not scheduled yet
         self.done_f, self.done_b = [0] * len(place), [0] * len(place)
         self.mem = list(facts.initial)
         self.held_w = [0.0] * ranks  # memory the pending W of each rank still hold
@@ -245,16 +264,17 @@ class _Run:
         self.clock = [0.0] * ranks  # when each rank is next free (or last decided)
         self.free = [0.0] * ranks  # when each rank's last action ends
         self.version = [0] * ranks  # a rank's heap entries of older versions are stale
-        self.steps: list[list[Step]] = [[] for _ in range(ranks)]
+        self.steps: list[list[_Slot]] = [[] for _ in range(ranks)]
         self.starts: list[list[float]] = [[] for _ in range(ranks)]
         self.heap = [(0.0, r, r, 0) for r in range(ranks)]
         self.seq = ranks
+        self.bound = math.inf  # while a rank decides: see _choose
 
     def _reserve(self) -> list[int]:
         """Per stage, how many of its F a shallower F of its rank leaves room for."""
         f, place = self.facts, self.facts.placement
-        forward, backward = f.duration[Kind.F], f.duration[f.backward]
-        weight = f.duration[Kind.W] if self.policy.split else [0.0] * len(place)
+        forward, backward = f.duration[_F], f.duration[f.backward]
+        weight = f.duration[_W] if self.policy.split else [0.0] * len(place)
         cycle = [sum(forward[s] + backward[s] + weight[s] for s in lo) for lo in self.local]
         n = len(place)
         trip = [
@@ -271,7 +291,7 @@ class _Run:
             return [len(self.local[r]) * self.m * per_pair for r in range(ranks)]
         if self.replay:
             return [len(o) for o in self.order]
-        return [len(o) + sum(1 for k, _, _ in o if k is Kind.I) for o in self.order]  # I brings W
+        return [len(o) + sum(1 for k, _, _ in o if k == _I) for o in self.order]  # I brings W
 
     def _push(self, t: float, r: int) -> None:
         self.version[r] += 1
@@ -297,50 +317,50 @@ class _Run:
                 return None  # every rank waits on another: deadlock under this limit
         return None if any(self.left) else self._plan()
 
-    def _candidates(self, r: int) -> list[Step]:
+    def _candidates(self, r: int) -> list[_Slot]:
         if self.order is not None:
             at = self.pos[r]
             return [self.order[r][at]] if at < len(self.order[r]) else []
-        out: list[Step] = []
+        out: list[_Slot] = []
         for s in self.local[r]:
             if self.done_f[s] < self.m:
-                out.append((Kind.F, s, self.done_f[s]))
+                out.append((_F, s, self.done_f[s]))
             if self.done_b[s] < self.done_f[s]:
                 out.append((self.facts.backward, s, self.done_b[s]))
         return out
 
-    def _choose(self, r: int, t: float) -> tuple[Step | None, float, float] | None:
+    def _choose(self, r: int, t: float) -> tuple[_Slot | None, float, float] | None:
         """``(pick, when it became ready, when to decide again)``; ``None``: replay does not fit."""
         best: tuple[float, ...] | None = None
-        pick: Step | None = None
+        pick: _Slot | None = None
         since = t
         known = math.inf  # earliest known future ready time
-        bound = math.inf  # earliest possible arrival of a dependency not yet scheduled
+        self.bound = math.inf  # earliest possible arrival of a dependency not yet scheduled
         blocked_by_w = False  # an F waits for memory that deferred W hold
         limit = self.limits[r] + EPS
         for step in self._candidates(r):
-            if step[0] is Kind.F:
+            if step[0] == _F:
                 room = self._room(r, step[1])
                 if room > limit:
                     if self.replay:
                         return None
                     blocked_by_w = blocked_by_w or room - self.held_w[r] <= limit
                     continue
-            ready, bound = self._ready(step, t, bound)
+            ready = self._ready(step, t)
             if ready <= t + EPS:
                 key = self._key(step)
                 if best is None or key < best:
                     best, pick, since = key, step, ready
             elif ready < known:
                 known = ready
-        pending = self.pending[r]
+        pending, bound = self.pending[r], self.bound
         if pick is None and pending and not self.replay:
             s, i = pending[0]
             gap = min(known, bound) - t
-            if blocked_by_w or gap >= self.policy.gap * self.facts.duration[Kind.W][s] - EPS:
+            if blocked_by_w or gap >= self.policy.gap * self.facts.duration[_W][s] - EPS:
                 pending.popleft()
-                pick = (Kind.W, s, i)
-                since, _ = self._ready(pick, t, bound)
+                pick = (_W, s, i)
+                since = self._ready(pick, t)
         if pick is not None:
             return pick, since, math.inf
         # Wait: until a known arrival, or (pending W) until the earliest possible one, to
@@ -351,7 +371,7 @@ class _Run:
 
     def _room(self, r: int, s: int) -> float:
         """Memory of ``r`` after an F of ``s``, with room kept for its deeper stages' F."""
-        held_f, m = self.facts.held[Kind.F], self.m
+        held_f, m = self.facts.held[_F], self.m
         room = self.mem[r] + held_f[s]
         if self.order is None:
             for u in self.later[s]:
@@ -360,35 +380,39 @@ class _Run:
                     room += held_f[u] * min(m - done, max(1, self.want[u] - done + self.done_b[u]))
         return room
 
-    def _ready(self, step: Step, t: float, bound: float) -> tuple[float, float]:
-        """When ``step``'s inputs are there (inf: not scheduled yet), and ``bound`` lowered
-        to the earliest a cross-rank producer not yet scheduled could deliver."""
+    def _ready(self, step: _Slot, t: float) -> float:
+        """When ``step``'s inputs are there (inf: not scheduled yet).  Lowers ``bound`` to
+        the earliest a cross-rank producer not yet scheduled could deliver."""
         kind, s, i = step
         f = self.facts
         ready = 0.0
-        for need in f.needs_of(kind, s, i):
+        for need in f.needs[kind][s] if f.uniform else f.needs_of(kind, s, i):
             end = self.end[need.kind][need.stage][i]
             if end >= 0:
-                ready = max(ready, end if need.wire is None else end + need.wire)
+                arrives = end if need.wire is None else end + need.wire
+                if arrives > ready:
+                    ready = arrives
             elif need.wire is None:
-                return math.inf, bound  # its producer is still to come on this rank
+                return math.inf  # its producer is still to come on this rank
             else:
                 q = f.placement[need.stage]
                 soonest = max(self.clock[q], t) + f.duration[need.kind][need.stage] + need.wire
-                bound, ready = min(bound, soonest), math.inf
-        return ready, bound
+                if soonest < self.bound:
+                    self.bound = soonest
+                ready = math.inf
+        return ready
 
-    def _key(self, step: Step) -> tuple[float, ...]:
+    def _key(self, step: _Slot) -> tuple[float, ...]:
         """Lower runs first: the policy's order among ready actions."""
         kind, s, i = step
         first_i = self.policy.first == "I"
-        if kind is Kind.F:
+        if kind == _F:
             return (1.0 if first_i else 0.0, -s if self.policy.depth else i, s)
-        if kind is Kind.W:
+        if kind == _W:
             return (0.0, 0, 0)  # replay only: its I ran before it, here
         return (0.0 if first_i else 1.0, i, -s)
 
-    def _start(self, r: int, step: Step, since: float) -> None:
+    def _start(self, r: int, step: _Slot, since: float) -> None:
         kind, s, i = step
         f = self.facts
         # The rank may have waited past the moment this became ready (it hoped for
@@ -397,16 +421,16 @@ class _Run:
         end = t + f.duration[kind][s]
         self.end[kind][s][i] = end
         self.mem[r] += f.held[kind][s]
-        if kind is Kind.F:
+        if kind == _F:
             self.done_f[s] += 1
-        elif kind is not Kind.W:
+        elif kind != _W:
             self.done_b[s] += 1
-        if kind is Kind.W:
-            self.held_w[r] += f.held[Kind.W][s]
-        elif kind is Kind.I and not self.replay:
+        if kind == _W:
+            self.held_w[r] += f.held[_W][s]
+        elif kind == _I and not self.replay:
             self.pending[r].append((s, i))
-            self.held_w[r] -= f.held[Kind.W][s]
-        if kind is not Kind.W or self.replay:
+            self.held_w[r] -= f.held[_W][s]
+        if kind != _W or self.replay:
             self.pos[r] += 1
         self.steps[r].append(step)
         self.starts[r].append(t)
@@ -432,4 +456,5 @@ class _Run:
         makespan = max(end for _, _, end in spans)
         span, busy, _ = max(spans)  # the longest span (the busiest among equal ones)
         steady = (span - busy) / span if span > 0 else 0.0
-        return Plan(self.steps, self.starts, makespan, steady)
+        named = [[(_TIMED[k], s, i) for k, s, i in rank] for rank in self.steps]
+        return Plan(named, self.starts, makespan, steady)

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-from zeropipe.deps import Dependencies
+from zeropipe.deps import Dependencies, offloaded_at_start
 from zeropipe.errors import ScheduleError
 from zeropipe.ir import COMM_KINDS, COMPUTE_KINDS, Action, Kind, Schedule
 
@@ -329,18 +329,9 @@ def initial_memory(schedule: Schedule, costs: CostModel) -> list[float]:
     A stage whose first weight action is a RELOAD starts offloaded.
     """
     out = []
-    for rank, acts in enumerate(schedule.actions):
-        first: dict[int, Kind] = {}
-        for a in acts:
-            if a.is_weight_copy:
-                first.setdefault(a.stage, a.kind)
-        out.append(
-            sum(
-                costs.stages[s].weights
-                for s in schedule.stages_of(rank)
-                if first.get(s) is not Kind.RELOAD
-            )
-        )
+    for rank in range(schedule.num_ranks):
+        away = offloaded_at_start(schedule, rank)
+        out.append(sum(costs.stages[s].weights for s in schedule.stages_of(rank) if s not in away))
     return out
 
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from zeropipe.errors import ScheduleError
 from zeropipe.ir import COMPUTE_KINDS, Action, Kind, Schedule, format_grid
 
-__all__ = ["CommPair", "Dep", "Dependencies", "Graph"]
+__all__ = ["CommPair", "Dep", "Dependencies", "Graph", "offloaded_at_start"]
 
 CommPair = tuple[Action, Action]  # (SEND on the producer's rank, RECV on the consumer's)
 
@@ -258,6 +258,15 @@ class Dependencies:
     def uses_weights(action: Action) -> bool:
         """Whether ``action`` needs its stage's weights resident."""
         return action.kind in COMPUTE_KINDS
+
+
+def offloaded_at_start(schedule: Schedule, rank: int) -> frozenset[int]:
+    """Stages of ``rank`` whose weights start on the host: their first weight copy is a RELOAD."""
+    first: dict[int, Kind] = {}
+    for a in schedule.actions[rank]:
+        if a.is_weight_copy:
+            first.setdefault(a.stage, a.kind)
+    return frozenset(s for s, kind in first.items() if kind is Kind.RELOAD)
 
 
 class Graph:

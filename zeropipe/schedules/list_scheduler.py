@@ -38,7 +38,7 @@ from zeropipe.ir import Action, Kind, Schedule
 
 __all__ = ["Plan", "Policy", "Step", "compute_order", "list_schedule", "placement_of", "replay"]
 
-EPS = 1e-9
+_EPS = 1e-9
 Step = tuple[Kind, int, int]  # (kind, stage, microbatch)
 _TIMED = (Kind.F, Kind.B, Kind.I, Kind.W)
 # Inside a run a kind is its index in _TIMED: Enum members hash in Python code, and the
@@ -282,7 +282,7 @@ class _Run:
             for s in range(n)
         ]
         share = self.policy.reserve
-        return [1 + math.ceil(share * trip[s] / max(cycle[place[s]], EPS)) for s in range(n)]
+        return [1 + math.ceil(share * trip[s] / max(cycle[place[s]], _EPS)) for s in range(n)]
 
     def _counts(self, ranks: int) -> list[int]:
         """Actions each rank still has to start."""
@@ -337,7 +337,7 @@ class _Run:
         known = math.inf  # earliest known future ready time
         self.bound = math.inf  # earliest possible arrival of a dependency not yet scheduled
         blocked_by_w = False  # an F waits for memory that deferred W hold
-        limit = self.limits[r] + EPS
+        limit = self.limits[r] + _EPS
         for step in self._candidates(r):
             if step[0] == _F:
                 room = self._room(r, step[1])
@@ -347,7 +347,7 @@ class _Run:
                     blocked_by_w = blocked_by_w or room - self.held_w[r] <= limit
                     continue
             ready = self._ready(step, t)
-            if ready <= t + EPS:
+            if ready <= t + _EPS:
                 key = self._key(step)
                 if best is None or key < best:
                     best, pick, since = key, step, ready
@@ -357,7 +357,7 @@ class _Run:
         if pick is None and pending and not self.replay:
             s, i = pending[0]
             gap = min(known, bound) - t
-            if blocked_by_w or gap >= self.policy.gap * self.facts.duration[_W][s] - EPS:
+            if blocked_by_w or gap >= self.policy.gap * self.facts.duration[_W][s] - _EPS:
                 pending.popleft()
                 pick = (_W, s, i)
                 since = self._ready(pick, t)
@@ -367,7 +367,7 @@ class _Run:
         # decide again; else sleep until a producer on another rank wakes this one.
         if known < math.inf:
             return None, t, known
-        return None, t, bound if pending and bound > t + EPS else math.inf
+        return None, t, bound if pending and bound > t + _EPS else math.inf
 
     def _room(self, r: int, s: int) -> float:
         """Memory of ``r`` after an F of ``s``, with room kept for its deeper stages' F."""

@@ -325,7 +325,7 @@ def test_list_scheduled_plans_are_valid_and_timed_as_simulated(registered: Modul
     for _ in range(150):
         p, m = rng.randint(1, 4), rng.randint(1, 8)
         base = _random_costs(p, rng.randint(0, 10**6))
-        policy = rng.choice(module._policies(p, 3, [True, False]))
+        policy = rng.choice(module.default_policies(p, 3, [True, False]))
         place = placement_of(policy.placement, p, policy.chunks)
         costs = module.costs_for(base, len(place))
         limit = rng.choice([math.inf, rng.uniform(1.0, 4.0)])

@@ -2,8 +2,9 @@
 
 Named schedules assume equal stages and F = I = W; real models do not.  The
 search takes the model as it is -- per-stage F, I, W, B, activation memory,
-the wire -- and a per-rank memory limit, and times candidates of three kinds
-with its own event loop (the simulator's rules, made fast)::
+the wire -- and a per-rank memory limit, and times candidates of three kinds with the
+list scheduler (:mod:`zeropipe.schedules.list_scheduler`: the simulator's
+dependency and cost models, in an event loop fast enough to run hundreds of times)::
 
     list-scheduled   placements: looped with 1..v chunks per rank, V / zig-zag with an
                      even number; whenever a rank is free it picks among what is ready:
@@ -56,7 +57,15 @@ from zeropipe.schedules.registry import GENERATORS, register
 from zeropipe.simulate import Timeline, simulate
 from zeropipe.validate import validate
 
-__all__ = ["AutoResult", "Candidate", "Policy", "auto_schedule", "costs_for", "search"]
+__all__ = [
+    "AutoResult",
+    "Candidate",
+    "Policy",
+    "auto_schedule",
+    "costs_for",
+    "default_policies",
+    "search",
+]
 
 CostsLike = CostModel | Callable[[int], CostModel | None]
 _EPS = 1e-9
@@ -97,8 +106,8 @@ def costs_for(costs: CostsLike, num_stages: int) -> CostModel | None:
 class Candidate:
     """One schedule the search timed: ``source`` is ``"list"`` (list-scheduled) or ``"named"``.
 
-    ``makespan`` and ``steady`` (steady bubble rate) come from the search's own
-    event loop until the candidate is verified, then from the simulator, whose
+    ``makespan`` and ``steady`` (steady bubble rate) come from the list
+    scheduler until the candidate is verified, then from the simulator, whose
     ``timeline`` is kept.
     """
 
@@ -134,7 +143,7 @@ class AutoResult:
     seconds: float = 0.0
 
 
-def _policies(ranks: int, max_chunks: int, split_options: Sequence[bool]) -> list[Policy]:
+def default_policies(ranks: int, max_chunks: int, split_options: Sequence[bool]) -> list[Policy]:
     """The default grid of list-scheduler points, most promising first."""
     shapes = [("v", v) for v in range(2, max_chunks + 1, 2)]
     shapes += [("looped", v) for v in range(1, max_chunks + 1)]
@@ -259,7 +268,9 @@ def search(
         for gap in (0.0, 0.5, 1.0):
             policy = Policy("order", sched.num_stages // ranks, True, gap)
             runs.append((f"{label}'s F/I order, W placed anew", "list", policy, sched, c, template))
-    for policy in policies if policies is not None else _policies(ranks, max_chunks, split_options):
+    for policy in (
+        policies if policies is not None else default_policies(ranks, max_chunks, split_options)
+    ):
         place = placement_of(policy.placement, ranks, policy.chunks)
         derived = costs_for(costs, len(place))
         if derived is not None:

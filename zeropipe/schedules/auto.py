@@ -46,10 +46,10 @@ from zeropipe.errors import ScheduleError
 from zeropipe.fuse import group_weights
 from zeropipe.ir import Action, Kind, Schedule
 from zeropipe.schedules.list_scheduler import (
+    ListScheduler,
     Policy,
     Step,
     compute_order,
-    list_schedule,
     placement_of,
     replay,
 )
@@ -277,6 +277,7 @@ def search(
             shape = Schedule(place, [[] for _ in range(ranks)], microbatches, "auto")
             runs.append((policy.describe(), "list", policy, shape, derived, None))
     listed: list[Candidate] = []
+    planners: dict[tuple[tuple[int, ...], bool], ListScheduler] = {}
     for label, source, policy, sched, c, order in runs:
         if source == "list" and listed and time.perf_counter() - start > time_budget:
             continue
@@ -284,7 +285,11 @@ def search(
         if source == "named":
             plan = replay(sched, c, limits)
         else:
-            plan = list_schedule(c, place, microbatches, policy, limits, order)
+            planner = planners.get((place, policy.split))
+            if planner is None or planner.costs != c:
+                planner = ListScheduler(c, place, microbatches, split=policy.split)
+                planners[(place, policy.split)] = planner
+            plan = planner.run(policy, limits, order)
         if plan is None:
             continue
         steps = plan.steps if source == "list" else None

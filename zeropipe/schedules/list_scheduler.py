@@ -36,7 +36,16 @@ from zeropipe.deps import Dependencies
 from zeropipe.errors import ScheduleError
 from zeropipe.ir import Action, Kind, Schedule
 
-__all__ = ["Plan", "Policy", "Step", "compute_order", "list_schedule", "placement_of", "replay"]
+__all__ = [
+    "ListScheduler",
+    "Plan",
+    "Policy",
+    "Step",
+    "compute_order",
+    "list_schedule",
+    "placement_of",
+    "replay",
+]
 
 _EPS = 1e-9
 Step = tuple[Kind, int, int]  # (kind, stage, microbatch)
@@ -214,9 +223,38 @@ def list_schedule(
     With ``order`` (per rank, F and I of another schedule, from
     :func:`compute_order`) it runs those in that order and only places the W.
     """
-    deps = Dependencies.planned(placement, microbatches, split=policy.split)
-    facts = _Facts(costs.for_stages(len(placement)), deps, uniform=True)
-    return _Run(facts, microbatches, policy, limits, order, replay=False).run()
+    return ListScheduler(costs, placement, microbatches, split=policy.split).run(
+        policy, limits, order
+    )
+
+
+class ListScheduler:
+    """:func:`list_schedule` for one cost model, placement and backward form, under many
+    policies: what the dependency and cost models say is asked once, not once a run."""
+
+    def __init__(
+        self, costs: CostModel, placement: Sequence[int], microbatches: int, *, split: bool
+    ) -> None:
+        self.costs = costs.for_stages(len(placement))
+        self.placement = tuple(placement)
+        self.microbatches, self.split = microbatches, split
+        deps = Dependencies.planned(placement, microbatches, split=split)
+        self._facts = _Facts(self.costs, deps, uniform=True)
+
+    def run(
+        self,
+        policy: Policy,
+        limits: Sequence[float],
+        order: Sequence[Sequence[Step]] | None = None,
+    ) -> Plan | None:
+        """One plan under ``policy`` (see :func:`list_schedule`)."""
+        if policy.split != self.split:
+            raise ScheduleError(
+                f"this list scheduler plans {'split' if self.split else 'full'} backwards; "
+                f"the policy asks for {'split' if policy.split else 'full'} ones",
+                rule="unsupported",
+            )
+        return _Run(self._facts, self.microbatches, policy, limits, order, replay=False).run()
 
 
 def replay(schedule: Schedule, costs: CostModel, limits: Sequence[float]) -> Plan | None:

@@ -19,6 +19,7 @@ from zeropipe.errors import ScheduleError
 from zeropipe.ir import Kind
 from zeropipe.schedules import GENERATORS
 from zeropipe.schedules.list_scheduler import (
+    ListScheduler,
     Plan,
     Policy,
     compute_order,
@@ -141,3 +142,18 @@ def test_a_plan_holds_every_action_once() -> None:
 def test_unknown_placement_is_a_schedule_error() -> None:
     with pytest.raises(ScheduleError, match="placement"):
         placement_of("ring", 4, 2)
+
+
+def test_a_reused_scheduler_plans_as_a_fresh_one() -> None:
+    place = placement_of("v", 3, 2)
+    costs = CostModel.parse(COSTS["wire, W cheap, W holds memory"], 6, 2)
+    planner = ListScheduler(costs, place, 6, split=True)
+    for policy in [p for p in _policies() if p.split and p.placement == "v" and p.chunks == 2]:
+        for limit in (math.inf, 2.5):
+            again = planner.run(policy, [limit] * 3)
+            fresh = list_schedule(costs, place, 6, policy, [limit] * 3)
+            assert (again is None) == (fresh is None)
+            if again is not None and fresh is not None:
+                assert again.steps == fresh.steps and again.starts == fresh.starts
+    with pytest.raises(ScheduleError, match="full"):
+        planner.run(Policy("v", 2, split=False), [math.inf] * 3)

@@ -1,8 +1,8 @@
 """THE dependency model: what each action needs to have finished first.
 
 Every rule about data flow between actions lives here and nowhere else; the
-validator, the send/receive lowering pass and the simulator all ask this
-module.  For stage ``s`` of ``S`` and microbatch ``i``::
+validator, the send/receive lowering pass, the memory passes, the simulator
+and the auto search's list scheduler all ask this module.  For stage ``s`` of ``S`` and microbatch ``i``::
 
     F(s,i)      <- output of F(s-1,i)                      (s > 0)
     R(s,i)      <- F(s,i), RELOAD(s,i) if offloaded
@@ -31,6 +31,7 @@ are offloaded.
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -59,8 +60,11 @@ class Dep:
 class Dependencies:
     """The dependency rules, bound to one schedule's placement and choices."""
 
-    def __init__(self, schedule: Schedule, *, split: bool = False) -> None:
+    def __init__(
+        self, schedule: Schedule, *, split: bool = False, adding: Iterable[Action] = ()
+    ) -> None:
         """``split``: the backward of a (stage, microbatch) with no action yet is I + W.
+        ``adding``: actions a pass is about to insert, ruled on as if they were there.
 
         (A schedule still being built, such as the list scheduler's, says so up front.)
         """
@@ -70,10 +74,9 @@ class Dependencies:
         self.lowered = schedule.is_lowered
         self._split_default = split
         kinds: dict[tuple[int, int], set[Kind]] = {}
-        for acts in schedule.actions:
-            for a in acts:
-                if a.microbatch is not None:
-                    kinds.setdefault((a.stage, a.microbatch), set()).add(a.kind)
+        for a in itertools.chain(itertools.chain.from_iterable(schedule.actions), adding):
+            if a.microbatch is not None:
+                kinds.setdefault((a.stage, a.microbatch), set()).add(a.kind)
         self._kinds = kinds
         self._requires: dict[Action, tuple[Dep, ...]] = {}
 
@@ -85,14 +88,7 @@ class Dependencies:
 
     def with_actions(self, actions: Iterable[Action]) -> Dependencies:
         """These rules for the schedule with ``actions`` added (for passes that insert them)."""
-        out = Dependencies.__new__(Dependencies)
-        out.__dict__.update(self.__dict__)
-        out._kinds = {pair: set(kinds) for pair, kinds in self._kinds.items()}
-        out._requires = {}
-        for a in actions:
-            if a.microbatch is not None:
-                out._kinds.setdefault((a.stage, a.microbatch), set()).add(a.kind)
-        return out
+        return Dependencies(self.schedule, split=self._split_default, adding=actions)
 
     # -- what a (stage, microbatch) chose --------------------------------------
     def checkpointed(self, stage: int, mb: int) -> bool:

@@ -29,10 +29,10 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-from zeropipe.deps import Dependencies
+from zeropipe.deps import Dependencies, offloaded_at_start
 from zeropipe.errors import ScheduleError
 from zeropipe.ir import COMM_KINDS, COMPUTE_KINDS, Action, Kind, Schedule
 
@@ -61,29 +61,53 @@ class StageCost:
     @classmethod
     def merged(cls, group: Sequence[StageCost]) -> StageCost:
         """Consecutive stages run as one: times and memory summed, the last one's boundary."""
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            if f.name == "boundary_bytes":
+                values[f.name] = group[-1].boundary_bytes  # the group's output is its last's
+            elif f.name in ("B", "R"):  # None stands for a sum of others: add what each costs
+                values[f.name] = sum(c.time(Kind(f.name)) for c in group)
+            elif f.name == "W_fused":  # priced for the group if for any of its stages
+                given = any(c.W_fused is not None for c in group)
+                values[f.name] = sum(c.fused_w for c in group) if given else None
+            else:
+                values[f.name] = float(sum(getattr(c, f.name) for c in group))
+        return cls(**values)
 
-        def total(name: str) -> float:
-            return float(sum(getattr(c, name) for c in group))
+    def scaled(self, factor: float) -> StageCost:
+        """Every time and memory figure times ``factor`` (a stage cut into equal parts).
 
-        fused = None
-        if any(c.W_fused is not None for c in group):
-            fused = sum(c.W if c.W_fused is None else c.W_fused for c in group)
-        return cls(
-            F=total("F"),
-            I=total("I"),
-            W=total("W"),
-            B=sum(c.time(Kind.B) for c in group),
-            R=sum(c.time(Kind.R) for c in group),
-            W_fused=fused,
-            OFFLOAD=total("OFFLOAD"),
-            RELOAD=total("RELOAD"),
-            weight_copy=total("weight_copy"),
-            act=total("act"),
-            act_w=total("act_w"),
-            ckpt=total("ckpt"),
-            weights=total("weights"),
-            boundary_bytes=group[-1].boundary_bytes,
-        )
+        The boundary size is kept: each part still sends a whole activation.
+        """
+        values: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            keep = f.name == "boundary_bytes" or value is None
+            values[f.name] = value if keep else value * factor
+        return replace(self, **values)
+
+    @property
+    def fused_w(self) -> float:
+        """What a W costs run together with the next W of the stage (``W`` if not priced)."""
+        return self.W if self.W_fused is None else self.W_fused
+
+    def held_change(self, kind: Kind, *, checkpointed: bool = False) -> float:
+        """How much memory one microbatch's ``kind`` on this stage takes (+) or frees (-).
+
+        For F, R, B, I and W (the table in the module docstring); an OFFLOAD or
+        RELOAD moves whatever its (stage, microbatch) holds, see :func:`memory_deltas`.
+        """
+        if kind is Kind.F:
+            return self.ckpt if checkpointed else self.act
+        if kind is Kind.R:
+            return self.act - self.ckpt
+        if kind is Kind.B:
+            return -self.act
+        if kind is Kind.I:
+            return -(self.act - self.act_w)
+        if kind is Kind.W:
+            return -self.act_w
+        raise ScheduleError(f"what {kind.value} holds depends on the schedule: see memory_deltas")
 
     def time(self, kind: Kind, weight_copy: bool = False) -> float:
         if kind is Kind.F:
@@ -159,6 +183,15 @@ class CostModel:
         )
 
     @classmethod
+    def uniform_for(cls, schedule: Schedule) -> CostModel:
+        """The default costs of ``schedule``: unit times and memory per rank's worth of layers.
+
+        Each stage gets its chunk's share (:meth:`uniform` with the schedule's
+        :attr:`~zeropipe.ir.Schedule.chunks_per_rank`).
+        """
+        return cls.uniform(schedule.num_stages, chunks=schedule.chunks_per_rank)
+
+    @classmethod
     def parse(cls, spec: str, num_stages: int, chunks: int = 1) -> CostModel:
         """Read ``"F=1,B=2,I=1,W=1,comm=0"`` (any subset) into a uniform model."""
         known = {"F", "B", "I", "W", "R", "W_fused", "comm", "act_w", "overhead", "post"}
@@ -211,6 +244,11 @@ class CostModel:
     def transfer_time(self, stage: int) -> float:
         """Wire time of one boundary tensor leaving (or its gradient entering) ``stage``."""
         return self.latency + self.stages[stage].boundary_bytes / self.bandwidth
+
+    def boundary_time(self, stage: int, neighbour: int) -> float:
+        """Wire time between two adjacent stages, either way: the tensor is the output of
+        the lower one (going backward, the gradient of that output)."""
+        return self.transfer_time(min(stage, neighbour))
 
     def replace_stage(self, stage: int, **changes: float) -> CostModel:
         stages = list(self.stages)
@@ -272,21 +310,14 @@ def memory_deltas(
             d = 0.0
             if i is None:
                 d = -c.weights if kind is Kind.OFFLOAD else c.weights
-            elif kind is Kind.F:
-                d = c.ckpt if deps.checkpointed(a.stage, i) else c.act
-                held[(a.stage, i)] = d
-            elif kind is Kind.R:
-                d = c.act - c.ckpt
-            elif kind is Kind.B:
-                d = -c.act
-            elif kind is Kind.I:
-                d = -(c.act - c.act_w)
-            elif kind is Kind.W:
-                d = -c.act_w
             elif kind is Kind.OFFLOAD:
                 d = -held.get((a.stage, i), 0.0)
             elif kind is Kind.RELOAD:
                 d = held.get((a.stage, i), 0.0)
+            elif kind in COMPUTE_KINDS:
+                d = c.held_change(kind, checkpointed=deps.checkpointed(a.stage, i))
+                if kind is Kind.F:
+                    held[(a.stage, i)] = d
             deltas.append(d)
         out.append(deltas)
     return out
@@ -298,18 +329,9 @@ def initial_memory(schedule: Schedule, costs: CostModel) -> list[float]:
     A stage whose first weight action is a RELOAD starts offloaded.
     """
     out = []
-    for rank, acts in enumerate(schedule.actions):
-        first: dict[int, Kind] = {}
-        for a in acts:
-            if a.is_weight_copy:
-                first.setdefault(a.stage, a.kind)
-        out.append(
-            sum(
-                costs.stages[s].weights
-                for s in schedule.stages_of(rank)
-                if first.get(s) is not Kind.RELOAD
-            )
-        )
+    for rank in range(schedule.num_ranks):
+        away = offloaded_at_start(schedule, rank)
+        out.append(sum(costs.stages[s].weights for s in schedule.stages_of(rank) if s not in away))
     return out
 
 

@@ -1,8 +1,8 @@
 """THE dependency model: what each action needs to have finished first.
 
 Every rule about data flow between actions lives here and nowhere else; the
-validator, the send/receive lowering pass and the simulator all ask this
-module.  For stage ``s`` of ``S`` and microbatch ``i``::
+validator, the send/receive lowering pass, the memory passes, the simulator
+and the auto search's list scheduler all ask this module.  For stage ``s`` of ``S`` and microbatch ``i``::
 
     F(s,i)      <- output of F(s-1,i)                      (s > 0)
     R(s,i)      <- F(s,i), RELOAD(s,i) if offloaded
@@ -31,14 +31,17 @@ are offloaded.
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from zeropipe.errors import ScheduleError
 from zeropipe.ir import COMPUTE_KINDS, Action, Kind, Schedule, format_grid
 
-__all__ = ["Dep", "Dependencies", "Graph"]
+__all__ = ["CommPair", "Dep", "Dependencies", "Graph", "offloaded_at_start"]
+
+CommPair = tuple[Action, Action]  # (SEND on the producer's rank, RECV on the consumer's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,18 +60,35 @@ class Dep:
 class Dependencies:
     """The dependency rules, bound to one schedule's placement and choices."""
 
-    def __init__(self, schedule: Schedule) -> None:
+    def __init__(
+        self, schedule: Schedule, *, split: bool = False, adding: Iterable[Action] = ()
+    ) -> None:
+        """``split``: the backward of a (stage, microbatch) with no action yet is I + W.
+        ``adding``: actions a pass is about to insert, ruled on as if they were there.
+
+        (A schedule still being built, such as the list scheduler's, says so up front.)
+        """
         self.schedule = schedule
         self.placement = schedule.placement
         self.num_stages = schedule.num_stages
         self.lowered = schedule.is_lowered
+        self._split_default = split
         kinds: dict[tuple[int, int], set[Kind]] = {}
-        for acts in schedule.actions:
-            for a in acts:
-                if a.microbatch is not None:
-                    kinds.setdefault((a.stage, a.microbatch), set()).add(a.kind)
+        for a in itertools.chain(itertools.chain.from_iterable(schedule.actions), adding):
+            if a.microbatch is not None:
+                kinds.setdefault((a.stage, a.microbatch), set()).add(a.kind)
         self._kinds = kinds
         self._requires: dict[Action, tuple[Dep, ...]] = {}
+
+    @classmethod
+    def planned(cls, placement: Sequence[int], microbatches: int, *, split: bool) -> Dependencies:
+        """The rules for a compute-only schedule not built yet: every backward I + W or B."""
+        shape = Schedule(placement, [[] for _ in range(max(placement) + 1)], microbatches)
+        return cls(shape, split=split)
+
+    def with_actions(self, actions: Iterable[Action]) -> Dependencies:
+        """These rules for the schedule with ``actions`` added (for passes that insert them)."""
+        return Dependencies(self.schedule, split=self._split_default, adding=actions)
 
     # -- what a (stage, microbatch) chose --------------------------------------
     def checkpointed(self, stage: int, mb: int) -> bool:
@@ -79,15 +99,38 @@ class Dependencies:
 
     def split(self, stage: int, mb: int) -> bool:
         """True when (stage, mb)'s backward is split into I and W."""
-        got = self._kinds.get((stage, mb), ())
+        got = self._kinds.get((stage, mb))
+        if not got:
+            return self._split_default
         return Kind.I in got or Kind.W in got
 
     def backward(self, stage: int, mb: int) -> Action:
         """The action producing (stage, mb)'s input gradient: I if split, else B."""
         return Action(Kind.I if self.split(stage, mb) else Kind.B, stage, mb)
 
+    def saved_reader(self, stage: int, mb: int) -> Action:
+        """The action that reads (stage, mb)'s saved activations: R if checkpointed, else
+        the backward.  A RELOAD of them must come before it."""
+        return (
+            Action(Kind.R, stage, mb) if self.checkpointed(stage, mb) else self.backward(stage, mb)
+        )
+
     def crosses(self, src_stage: int, dst_stage: int) -> bool:
         return self.placement[src_stage] != self.placement[dst_stage]
+
+    def upstream(self, action: Action) -> frozenset[Action]:
+        """Every action ``action`` waits for through same-rank dependencies, transitively.
+
+        What a pass inserting ``action`` must leave before it on the rank.
+        """
+        found: set[Action] = set()
+        todo = [action]
+        while todo:
+            for dep in self.requires(todo.pop()):
+                if not dep.transfer and dep.action not in found:
+                    found.add(dep.action)
+                    todo.append(dep.action)
+        return frozenset(found)
 
     # -- the rules ---------------------------------------------------------------
     def requires(self, action: Action) -> tuple[Dep, ...]:
@@ -106,7 +149,8 @@ class Dependencies:
         if i is None:  # weight copies: residency, not data (see module doc)
             return ()
         if kind is Kind.F:
-            return self._input(Kind.F, s - 1, s, i) if s > 0 else ()
+            up = self._upstream_stage(Kind.F, s)
+            return self._input(Kind.F, up, s, i) if up is not None else ()
         if kind is Kind.R:
             return (Dep(Action(Kind.F, s, i)),) + (
                 (Dep(Action(Kind.RELOAD, s, i)),) if self.offloaded(s, i) else ()
@@ -117,8 +161,9 @@ class Dependencies:
                 deps.append(Dep(Action(Kind.R, s, i)))
             elif self.offloaded(s, i):
                 deps.append(Dep(Action(Kind.RELOAD, s, i)))
-            if s < self.num_stages - 1:
-                deps.extend(self._input(Kind.B, s + 1, s, i))
+            up = self._upstream_stage(Kind.B, s)
+            if up is not None:
+                deps.extend(self._input(Kind.B, up, s, i))
             return tuple(deps)
         if kind is Kind.W:
             return (Dep(Action(Kind.I, s, i)),)
@@ -134,9 +179,23 @@ class Dependencies:
             return ()
         raise ScheduleError(f"no dependency rule for action kind {kind}", rule="unsupported")
 
+    def _upstream_stage(self, direction: Kind, stage: int) -> int | None:
+        """The stage whose activation (F) or input gradient (B) ``stage`` consumes."""
+        up = stage - 1 if direction is Kind.F else stage + 1
+        return up if 0 <= up < self.num_stages else None
+
+    def _downstream_stage(self, direction: Kind, stage: int) -> int | None:
+        """The stage that consumes ``stage``'s activation (F) or input gradient (B)."""
+        down = stage + 1 if direction is Kind.F else stage - 1
+        return down if 0 <= down < self.num_stages else None
+
+    def _producer(self, direction: Kind, stage: int, i: int) -> Action:
+        """The action producing ``stage``'s activation (F) or input gradient (B)."""
+        return Action(Kind.F, stage, i) if direction is Kind.F else self.backward(stage, i)
+
     def _input(self, direction: Kind, src: int, dst: int, i: int) -> tuple[Dep, ...]:
         """Deps of stage ``dst`` on the activation (F) or gradient (B) from ``src``."""
-        producer = Action(Kind.F, src, i) if direction is Kind.F else self.backward(src, i)
+        producer = self._producer(direction, src, i)
         if not self.crosses(src, dst):
             return (Dep(producer),)  # same rank: handed over, nothing sent
         if not self.lowered:
@@ -150,6 +209,30 @@ class Dependencies:
         if direction is Kind.F:
             return Action(Kind.SEND_F, src, i), Action(Kind.RECV_F, dst, i)
         return Action(Kind.SEND_B, src, i), Action(Kind.RECV_B, dst, i)
+
+    def comm_of(self, action: Action) -> tuple[tuple[CommPair, ...], tuple[CommPair, ...]]:
+        """``(incoming, outgoing)``: the cross-rank transfers ``action`` consumes and produces.
+
+        Each as its (SEND, RECV) pair: lowering puts the RECV of an incoming one
+        before ``action`` and the SEND of an outgoing one after it, and each
+        post costs the rank its time.  Empty but for F, B and I.
+        """
+        i = action.microbatch
+        if i is None or action.kind not in (Kind.F, Kind.B, Kind.I):
+            return (), ()
+        direction = Kind.F if action.kind is Kind.F else Kind.B
+        s = action.stage
+        up = self._upstream_stage(direction, s)
+        incoming = (
+            (self.comm_pair(direction, up, s, i),) if up is not None and self.crosses(up, s) else ()
+        )
+        down = self._downstream_stage(direction, s)
+        outgoing = (
+            (self.comm_pair(direction, s, down, i),)
+            if down is not None and self.crosses(s, down)
+            else ()
+        )
+        return incoming, outgoing
 
     def transfers(self) -> Iterator[tuple[Kind, int, int, int]]:
         """Every boundary transfer the schedule needs: ``(direction, src, dst, mb)``."""
@@ -171,6 +254,15 @@ class Dependencies:
     def uses_weights(action: Action) -> bool:
         """Whether ``action`` needs its stage's weights resident."""
         return action.kind in COMPUTE_KINDS
+
+
+def offloaded_at_start(schedule: Schedule, rank: int) -> frozenset[int]:
+    """Stages of ``rank`` whose weights start on the host: their first weight copy is a RELOAD."""
+    first: dict[int, Kind] = {}
+    for a in schedule.actions[rank]:
+        if a.is_weight_copy:
+            first.setdefault(a.stage, a.kind)
+    return frozenset(s for s, kind in first.items() if kind is Kind.RELOAD)
 
 
 class Graph:

@@ -157,41 +157,53 @@ def _rewrite(
         for ahead in pairs.values():
             if ahead < 0:
                 raise ScheduleError(f"ahead/prefetch must be >= 0, got {ahead}")
+    new_r = {p: ahead for p, ahead in recompute.items() if not deps.checkpointed(*p)}
+    new_o = {p: prefetch for p, prefetch in offloads.items() if not deps.offloaded(*p)}
+    # The rules of the schedule as it will be: where each new action goes follows from them.
+    planned = deps.with_actions(
+        [Action(Kind.R, s, i) for s, i in new_r]
+        + [Action(kind, s, i) for s, i in new_o for kind in (Kind.OFFLOAD, Kind.RELOAD)]
+    )
     out: list[list[Action]] = []
     for acts in base.actions:
         lst = list(acts)
         stages = {a.stage for a in lst}
-        for s, i in offloads:
-            if s in stages and not deps.offloaded(s, i):
-                lst.insert(lst.index(Action(Kind.F, s, i)) + 1, Action(Kind.OFFLOAD, s, i))
-        for (s, i), ahead in recompute.items():
-            if s in stages and not deps.checkpointed(s, i):
-                _insert_before(lst, Action(Kind.R, s, i), deps.backward(s, i), ahead)
-        for (s, i), prefetch in offloads.items():
-            if s in stages and not deps.offloaded(s, i):
-                consumer = Action(Kind.R, s, i)
-                if consumer not in lst:
-                    consumer = deps.backward(s, i)
-                _insert_before(lst, Action(Kind.RELOAD, s, i), consumer, prefetch)
+        for s, i in new_o:
+            if s in stages:
+                off = Action(Kind.OFFLOAD, s, i)
+                needs = planned.upstream(off)
+                lst.insert(1 + max(k for k, a in enumerate(lst) if a in needs), off)  # after F
+        for (s, i), ahead in new_r.items():
+            if s in stages:
+                r = Action(Kind.R, s, i)
+                _insert_before(lst, r, planned.backward(s, i), ahead, planned.upstream(r))
+        for (s, i), prefetch in new_o.items():
+            if s in stages:
+                back = Action(Kind.RELOAD, s, i)
+                reader = planned.saved_reader(s, i)
+                _insert_before(lst, back, reader, prefetch, planned.upstream(back))
         out.append(lst)
     result = base.replace_actions(out)
     return lower(result) if lowered else result
 
 
-def _insert_before(lst: list[Action], new: Action, consumer: Action, ahead: int) -> None:
+def _floor(lst: Sequence[Action], new: Action, needs: frozenset[Action]) -> int:
+    """The first place ``new`` may go: after what it needs (``needs``, from the dependency
+    model) and after every weight copy of its stage, so that it does not land outside
+    the stage's weight residency."""
+    floor = 0
+    for k, a in enumerate(lst):
+        if a in needs or (a.is_weight_copy and a.stage == new.stage):
+            floor = k + 1
+    return floor
+
+
+def _insert_before(
+    lst: list[Action], new: Action, consumer: Action, ahead: int, needs: frozenset[Action]
+) -> None:
     """Put ``new`` ``ahead`` compute actions before ``consumer``, but after what it needs."""
     at = lst.index(consumer)
-    s, i = new.stage, new.microbatch
-    # Nothing that `new` depends on, or that would strand it outside its stage's
-    # weight residency, may end up after it.
-    floor = 0
-    for k in range(at):
-        a = lst[k]
-        if a.stage == s and (
-            (a.microbatch == i and a.kind in (Kind.F, Kind.OFFLOAD, Kind.RELOAD))
-            or a.is_weight_copy
-        ):
-            floor = k + 1
+    floor = _floor(lst[:at], new, needs)
     k, seen = at, 0
     while seen < ahead and k > floor:
         k -= 1
@@ -337,10 +349,7 @@ def smallest_limit(schedule: Schedule, costs: CostModel | None = None) -> list[f
 
 
 def _default_costs(base: Schedule, costs: CostModel | None) -> CostModel:
-    if costs is None:
-        chunks = max(len(base.stages_of(r)) for r in range(base.num_ranks))
-        costs = CostModel.uniform(base.num_stages, chunks=chunks)
-    return costs.for_stages(base.num_stages)
+    return (costs or CostModel.uniform_for(base)).for_stages(base.num_stages)
 
 
 class _Eval:

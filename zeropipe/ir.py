@@ -185,6 +185,11 @@ class Schedule:
         return tuple(s for s, r in enumerate(self.placement) if r == rank)
 
     @property
+    def chunks_per_rank(self) -> int:
+        """Model chunks (stages) per rank: the most any rank owns."""
+        return max(len(self.stages_of(r)) for r in range(self.num_ranks))
+
+    @property
     def is_lowered(self) -> bool:
         """True when the schedule spells out its sends and receives."""
         return any(a.kind in COMM_KINDS for acts in self.actions for a in acts)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from zeropipe.deps import Dependencies
 from zeropipe.errors import ScheduleError
-from zeropipe.ir import COMPUTE_KINDS, Action, Kind, Schedule
+from zeropipe.ir import COMPUTE_KINDS, Action, Schedule
 
 __all__ = ["lower", "strip_comm"]
 
@@ -46,12 +46,13 @@ def lower(schedule: Schedule, ahead: int | None = None) -> Schedule:
     deps = Dependencies(base)
     sends_after: dict[Action, list[Action]] = {}
     recvs_before: dict[Action, list[Action]] = {}
-    for direction, src, dst, i in deps.transfers():
-        send, recv = deps.comm_pair(direction, src, dst, i)
-        producer = Action(Kind.F, src, i) if direction is Kind.F else deps.backward(src, i)
-        consumer = Action(Kind.F, dst, i) if direction is Kind.F else deps.backward(dst, i)
-        sends_after.setdefault(producer, []).append(send)
-        recvs_before.setdefault(consumer, []).append(recv)
+    for acts in base.actions:
+        for a in acts:
+            incoming, outgoing = deps.comm_of(a)
+            if incoming:
+                recvs_before[a] = [recv for _, recv in incoming]
+            if outgoing:
+                sends_after[a] = [send for send, _ in outgoing]
     out = []
     for acts in base.actions:
         lowered: list[Action] = []

@@ -85,11 +85,6 @@ def _chunk(timeline: Timeline, event: Event) -> int:
     return stages.index(event.action.stage) if event.action.stage in stages else 0
 
 
-def _chunks(timeline: Timeline) -> int:
-    s = timeline.schedule
-    return max((len(s.stages_of(r)) for r in range(s.num_ranks)), default=1)
-
-
 def _time_unit(timeline: Timeline) -> str:
     unit = timeline.meta.get("time_unit")  # e.g. "s" when simulated from measured costs
     return str(unit) if unit else ("s" if timeline.measured else "cost units")
@@ -130,7 +125,7 @@ def render_text(timeline: Timeline, width: int = 100) -> str:
             )
     legend = [f"{_LETTERS[k]} {_NAMES[k]}" for k in _LETTERS if k in present]
     legend.append(". idle")
-    if _chunks(timeline) > 1:
+    if timeline.schedule.chunks_per_rank > 1:
         legend.append("lower case: odd chunk of its rank")
     legend.append(f"1 column = {cell:.3g} {_time_unit(timeline)}")
     lines.append("  ".join(legend))
@@ -349,7 +344,7 @@ def draw_timeline(ax: Any, timeline: Timeline, title: str | None = None) -> None
     _, _, _, Patch = _matplotlib()
     s = timeline.schedule
     t0, span = timeline.start, timeline.makespan
-    chunks = _chunks(timeline)
+    chunks = timeline.schedule.chunks_per_rank
     has_copy = [any(e.lane == "copy" for e in evs) for evs in timeline.events]
     # Width in pixels of one time unit decides which boxes get a label.
     fig = ax.figure

@@ -132,10 +132,7 @@ def simulate(
     placement of ``Pipeline(recv_ahead=None)``), so that every post it will
     make is paid.  The timeline's ``schedule`` is then the lowered one.
     """
-    if costs is None:
-        chunks = max(len(schedule.stages_of(r)) for r in range(schedule.num_ranks))
-        costs = CostModel.uniform(schedule.num_stages, chunks=chunks)
-    costs.for_stages(schedule.num_stages)
+    costs = (costs or CostModel.uniform_for(schedule)).for_stages(schedule.num_stages)
     graph = graph or validate(schedule)
     if costs.post > 0 and schedule.num_ranks > 1 and not schedule.is_lowered:
         # Lowering a valid schedule gives a valid one: its graph needs no second validation.
@@ -159,14 +156,11 @@ def simulate(
                 if dep.via is not None:
                     rr, rk = _locate_recv(graph, r, k, dep.via)
                     ready = max(ready, start[rr][rk])
-                # The boundary tensor is the output of the lower of the two stages
-                # (or, going backward, the gradient of that output).
-                ready += costs.transfer_time(min(dep.action.stage, a.stage))
+                ready += costs.boundary_time(dep.action.stage, a.stage)
             t = max(t, ready)
         duration = costs.time(a)
-        saved = costs.stages[a.stage].W_fused if a in fused else None
-        if saved is not None:
-            duration += saved - costs.stages[a.stage].W
+        if a in fused:
+            duration += costs.stages[a.stage].fused_w - costs.stages[a.stage].W
         # A post that costs time runs on the rank's one thread, like compute.
         if a.kind in COMPUTE_KINDS or (duration > 0 and a.kind in COMM_KINDS):
             t = max(t, lane_free[r][0])

@@ -19,7 +19,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from zeropipe.costs import CostModel, peak_memory, per_rank
-from zeropipe.deps import Dependencies, Graph
+from zeropipe.deps import Dependencies, Graph, offloaded_at_start
 from zeropipe.errors import ScheduleError
 from zeropipe.ir import COMM_KINDS, Action, Kind, Schedule, format_grid
 
@@ -43,8 +43,7 @@ def validate(
     _check_order(schedule, deps)
     graph = Graph(schedule, deps)
     if memory_limit is not None:
-        chunks = max(len(schedule.stages_of(r)) for r in range(schedule.num_ranks))
-        costs = costs or CostModel.uniform(schedule.num_stages, chunks=chunks)
+        costs = costs or CostModel.uniform_for(schedule)
         _check_memory(schedule, costs, deps, memory_limit)
     return graph
 
@@ -205,12 +204,7 @@ def _check_complete(schedule: Schedule, deps: Dependencies) -> None:
 def _check_order(schedule: Schedule, deps: Dependencies) -> None:
     pos = {a: (r, k) for r, acts in enumerate(schedule.actions) for k, a in enumerate(acts)}
     for r, acts in enumerate(schedule.actions):
-        offloaded: set[int] = {
-            s
-            for s in schedule.stages_of(r)
-            if next((a.kind for a in acts if a.is_weight_copy and a.stage == s), None)
-            is Kind.RELOAD
-        }
+        offloaded = set(offloaded_at_start(schedule, r))
         for k, a in enumerate(acts):
             if a.is_weight_copy:
                 (offloaded.add if a.kind is Kind.OFFLOAD else offloaded.discard)(a.stage)

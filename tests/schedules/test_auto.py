@@ -26,10 +26,13 @@ from zeropipe.errors import ScheduleError
 from zeropipe.fuse import fused_weights
 from zeropipe.ir import Action, Kind, Schedule
 from zeropipe.schedules import GENERATORS, generate
+from zeropipe.schedules.list_scheduler import list_schedule, placement_of, replay
 from zeropipe.simulate import simulate
 from zeropipe.validate import validate
 
 PAPER_ZB1P, PAPER_ZB2P = 0.1585, 0.0433
+# Importing zeropipe.schedules registered it: kept here so that a test can put it back.
+AUTO_ENTRY = GENERATORS["auto"]
 
 
 @pytest.fixture(autouse=True)
@@ -42,10 +45,12 @@ def registered() -> Iterator[ModuleType]:
     had = GENERATORS.get("auto")
     from zeropipe.schedules import auto as module
 
-    GENERATORS["auto"] = module.GENERATOR
+    GENERATORS["auto"] = AUTO_ENTRY
     yield module
     if had is None:
         GENERATORS.pop("auto", None)
+    else:
+        GENERATORS["auto"] = had
 
 
 def _named(ranks: int, m: int) -> Iterator[tuple[str, Schedule]]:
@@ -162,14 +167,11 @@ def test_fast_event_loop_times_named_schedules_as_the_simulator_does(
     registered: ModuleType,
 ) -> None:
     """The search ranks candidates with its own event loop; it must agree with simulate()."""
-    module = registered
     for seed, (ranks, m) in enumerate([(2, 3), (3, 7), (4, 8), (4, 12)]):
         for name, sched in _named(ranks, m):
             costs = _random_costs(sched.num_stages, seed)
-            order = module._order(sched, keep_w=True)
-            plan = module._list_schedule(
-                costs, sched.placement, m, module.Policy(), [math.inf] * ranks, order, True
-            )
+            plan = replay(sched, costs, [math.inf] * ranks)
+            assert plan is not None, name
             want = simulate(sched, costs)
             assert plan.makespan == pytest.approx(want.makespan), name
             assert plan.steady == pytest.approx(want.steady_bubble_rate), name
@@ -323,11 +325,11 @@ def test_list_scheduled_plans_are_valid_and_timed_as_simulated(registered: Modul
     for _ in range(150):
         p, m = rng.randint(1, 4), rng.randint(1, 8)
         base = _random_costs(p, rng.randint(0, 10**6))
-        policy = rng.choice(module._policies(p, 3, [True, False]))
-        place = module._placement(policy.placement, p, policy.chunks)
+        policy = rng.choice(module.default_policies(p, 3, [True, False]))
+        place = placement_of(policy.placement, p, policy.chunks)
         costs = module.costs_for(base, len(place))
         limit = rng.choice([math.inf, rng.uniform(1.0, 4.0)])
-        plan = module._list_schedule(costs, place, m, policy, [limit] * p)
+        plan = list_schedule(costs, place, m, policy, [limit] * p)
         if plan is None:
             continue  # this policy cannot finish under this limit; others can
         steps = [[Action(*step) for step in rank] for rank in plan.steps]

@@ -2,8 +2,9 @@
 
 Named schedules assume equal stages and F = I = W; real models do not.  The
 search takes the model as it is -- per-stage F, I, W, B, activation memory,
-the wire -- and a per-rank memory limit, and times candidates of three kinds
-with its own event loop (the simulator's rules, made fast)::
+the wire -- and a per-rank memory limit, and times candidates of three kinds with the
+list scheduler (:mod:`zeropipe.schedules.list_scheduler`: the simulator's
+dependency and cost models, in an event loop fast enough to run hundreds of times)::
 
     list-scheduled   placements: looped with 1..v chunks per rank, V / zig-zag with an
                      even number; whenever a rank is free it picks among what is ready:
@@ -44,12 +45,27 @@ from zeropipe.costs import CostModel, StageCost, peak_memory, per_rank
 from zeropipe.errors import ScheduleError
 from zeropipe.fuse import group_weights
 from zeropipe.ir import Action, Kind, Schedule
-from zeropipe.schedules import GENERATORS, register
-from zeropipe.schedules._list_scheduler import Policy, Step, _list_schedule, _order, _placement
+from zeropipe.schedules.list_scheduler import (
+    ListScheduler,
+    Policy,
+    Step,
+    compute_order,
+    placement_of,
+    replay,
+)
+from zeropipe.schedules.registry import GENERATORS, register
 from zeropipe.simulate import Timeline, simulate
 from zeropipe.validate import validate
 
-__all__ = ["GENERATOR", "AutoResult", "Candidate", "Policy", "auto_schedule", "costs_for", "search"]
+__all__ = [
+    "AutoResult",
+    "Candidate",
+    "Policy",
+    "auto_schedule",
+    "costs_for",
+    "default_policies",
+    "search",
+]
 
 CostsLike = CostModel | Callable[[int], CostModel | None]
 _EPS = 1e-9
@@ -72,7 +88,7 @@ def costs_for(costs: CostsLike, num_stages: int) -> CostModel | None:
         return costs
     if num_stages % n == 0:
         k = num_stages // n
-        stages = tuple(_scaled(s, 1.0 / k) for s in costs.stages for _ in range(k))
+        stages = tuple(s.scaled(1.0 / k) for s in costs.stages for _ in range(k))
         how = f"each of {n} stage(s) split into {k}"
     elif n % num_stages == 0:
         k = n // num_stages
@@ -85,32 +101,13 @@ def costs_for(costs: CostsLike, num_stages: int) -> CostModel | None:
     return replace(costs, stages=stages, meta={**costs.meta, "derived": how})
 
 
-def _scaled(c: StageCost, f: float) -> StageCost:
-    return StageCost(
-        F=c.F * f,
-        I=c.I * f,
-        W=c.W * f,
-        B=None if c.B is None else c.B * f,
-        R=None if c.R is None else c.R * f,
-        W_fused=None if c.W_fused is None else c.W_fused * f,
-        OFFLOAD=c.OFFLOAD * f,
-        RELOAD=c.RELOAD * f,
-        weight_copy=c.weight_copy * f,
-        act=c.act * f,
-        act_w=c.act_w * f,
-        ckpt=c.ckpt * f,
-        weights=c.weights * f,
-        boundary_bytes=c.boundary_bytes,
-    )
-
-
 # -- the search -----------------------------------------------------------------------------
 @dataclass
 class Candidate:
     """One schedule the search timed: ``source`` is ``"list"`` (list-scheduled) or ``"named"``.
 
-    ``makespan`` and ``steady`` (steady bubble rate) come from the search's own
-    event loop until the candidate is verified, then from the simulator, whose
+    ``makespan`` and ``steady`` (steady bubble rate) come from the list
+    scheduler until the candidate is verified, then from the simulator, whose
     ``timeline`` is kept.
     """
 
@@ -146,7 +143,7 @@ class AutoResult:
     seconds: float = 0.0
 
 
-def _policies(ranks: int, max_chunks: int, split_options: Sequence[bool]) -> list[Policy]:
+def default_policies(ranks: int, max_chunks: int, split_options: Sequence[bool]) -> list[Policy]:
     """The default grid of list-scheduler points, most promising first."""
     shapes = [("v", v) for v in range(2, max_chunks + 1, 2)]
     shapes += [("looped", v) for v in range(1, max_chunks + 1)]
@@ -264,25 +261,35 @@ def search(
     for label, sched, c in named_runs:
         chunks = sched.num_stages // ranks
         # Exact replay: its makespan as simulated, and whether it fits.
-        runs.append((label, "named", Policy("named", chunks), sched, c, _order(sched, True)))
+        runs.append((label, "named", Policy("named", chunks), sched, c, None))
     for label, sched, c in named_runs:
         # Its F / I order with the W placed by the list scheduler for these costs.
-        template = _order(sched, keep_w=False)
+        template = compute_order(sched, keep_w=False)
         for gap in (0.0, 0.5, 1.0):
             policy = Policy("order", sched.num_stages // ranks, True, gap)
             runs.append((f"{label}'s F/I order, W placed anew", "list", policy, sched, c, template))
-    for policy in policies if policies is not None else _policies(ranks, max_chunks, split_options):
-        place = _placement(policy.placement, ranks, policy.chunks)
+    for policy in (
+        policies if policies is not None else default_policies(ranks, max_chunks, split_options)
+    ):
+        place = placement_of(policy.placement, ranks, policy.chunks)
         derived = costs_for(costs, len(place))
         if derived is not None:
             shape = Schedule(place, [[] for _ in range(ranks)], microbatches, "auto")
             runs.append((policy.describe(), "list", policy, shape, derived, None))
     listed: list[Candidate] = []
+    planners: dict[tuple[tuple[int, ...], bool], ListScheduler] = {}
     for label, source, policy, sched, c, order in runs:
         if source == "list" and listed and time.perf_counter() - start > time_budget:
             continue
         place = tuple(sched.placement)
-        plan = _list_schedule(c, place, microbatches, policy, limits, order, source == "named")
+        if source == "named":
+            plan = replay(sched, c, limits)
+        else:
+            planner = planners.get((place, policy.split))
+            if planner is None or planner.costs != c:
+                planner = ListScheduler(c, place, microbatches, split=policy.split)
+                planners[(place, policy.split)] = planner
+            plan = planner.run(policy, limits, order)
         if plan is None:
             continue
         steps = plan.steps if source == "list" else None
@@ -443,7 +450,3 @@ def auto_schedule(
 def auto(ranks: int, microbatches: int, chunks: int = 2) -> Schedule:
     """``search`` under unit costs, within 1F1B's peak, with up to ``chunks`` chunks per rank."""
     return search(CostModel.uniform(ranks), ranks, microbatches, "1f1b", max_chunks=chunks).schedule
-
-
-#: The registry entry, kept so that a registry reset can put it back.
-GENERATOR = GENERATORS["auto"]

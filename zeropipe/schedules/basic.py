@@ -9,7 +9,7 @@ GPipe (p=2, m=3)::            1F1B (p=2, m=3)::
 from __future__ import annotations
 
 from zeropipe.ir import Action, Kind, Schedule
-from zeropipe.schedules import register
+from zeropipe.schedules.registry import register
 
 F, B = Kind.F, Kind.B
 

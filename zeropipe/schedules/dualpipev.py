@@ -34,7 +34,7 @@ from collections import Counter, deque
 
 from zeropipe.errors import ScheduleError
 from zeropipe.ir import Action, Kind, Schedule
-from zeropipe.schedules import register
+from zeropipe.schedules.registry import register
 from zeropipe.schedules.zbv import v_placement
 
 F, B, I, W = Kind.F, Kind.B, Kind.I, Kind.W

@@ -37,7 +37,7 @@ from __future__ import annotations
 from collections import deque
 
 from zeropipe.ir import Action, Kind, Schedule
-from zeropipe.schedules import register
+from zeropipe.schedules.registry import register
 
 F, B, I, W = Kind.F, Kind.B, Kind.I, Kind.W
 

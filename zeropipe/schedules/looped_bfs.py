@@ -17,7 +17,7 @@ microbatches of all ``v`` chunks), in exchange for few, large, regular steps.
 from __future__ import annotations
 
 from zeropipe.ir import Action, Kind, Schedule
-from zeropipe.schedules import register
+from zeropipe.schedules.registry import register
 
 F, B = Kind.F, Kind.B
 

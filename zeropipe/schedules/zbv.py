@@ -29,7 +29,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from zeropipe.ir import Action, Kind, Schedule
-from zeropipe.schedules import register
+from zeropipe.schedules.registry import register
 
 F, I, W = Kind.F, Kind.I, Kind.W
 

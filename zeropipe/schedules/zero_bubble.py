@@ -25,7 +25,7 @@ after its successor's, not one full backward later.
 from __future__ import annotations
 
 from zeropipe.ir import Action, Kind, Schedule
-from zeropipe.schedules import register
+from zeropipe.schedules.registry import register
 
 F, I, W = Kind.F, Kind.I, Kind.W
 

@@ -187,7 +187,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
         written["trace"] = str(render.write_chrome_trace(timeline, args.trace))
     if args.json:
         out: dict[str, Any] = dict(timeline.summary())
-        out["chunks"] = _chunks(schedule)
+        out["chunks"] = schedule.chunks_per_rank
         out["lowered"] = timeline.schedule.is_lowered
         out["costs"] = args.costs
         out["memory_limit"] = args.memory_limit
@@ -233,10 +233,6 @@ def _search(args: argparse.Namespace) -> tuple[Schedule, CostModel, str]:
     return result.schedule, result.costs, result.explanation
 
 
-def _chunks(schedule: Schedule) -> int:
-    return max(len(schedule.stages_of(r)) for r in range(schedule.num_ranks))  # MERGE: ir
-
-
 def _load_schedule(args: argparse.Namespace) -> Schedule:
     name = args.schedule or _default_schedule()
     path = Path(name)
@@ -245,7 +241,7 @@ def _load_schedule(args: argparse.Namespace) -> Schedule:
         given = {
             "--stages": (args.stages, schedule.num_ranks, "rank(s)"),
             "--microbatches": (args.microbatches, schedule.microbatches, "microbatch(es)"),
-            "--chunks": (args.chunks, _chunks(schedule), "chunk(s) per rank"),
+            "--chunks": (args.chunks, schedule.chunks_per_rank, "chunk(s) per rank"),
         }
         for flag, (want, have, what) in given.items():
             if want is not None and want != have:
@@ -296,7 +292,7 @@ def _load_costs(spec: str, schedule: Schedule | None) -> CostModel:
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ZeropipeError(f"cannot read cost file {path}: {exc}") from exc
     assert schedule is not None  # only a cost file is read without a schedule
-    return CostModel.parse(spec, schedule.num_stages, _chunks(schedule))
+    return CostModel.parse(spec, schedule.num_stages, schedule.chunks_per_rank)
 
 
 # -- zeropipe profile -------------------------------------------------------------------

@@ -402,8 +402,7 @@ def measured_costs(
     ``act = 0``: calibrate on a schedule without recomputation.
     """
     if base is None:
-        chunks = max(len(schedule.stages_of(r)) for r in range(schedule.num_ranks))
-        base = CostModel.uniform(schedule.num_stages, chunks=chunks)
+        base = CostModel.uniform_for(schedule)
     base.for_stages(schedule.num_stages)
     stages = list(base.stages)
     for s, (act, act_w, param_bytes) in stage_bytes.items():

@@ -37,8 +37,8 @@ def build_schedule(
         schedule: a generator name (``zeropipe schedules`` lists them) or a
             :class:`~zeropipe.ir.Schedule`, compute-only or lowered.
         ranks, microbatches, chunks: for a name (``chunks``: the generator's
-            default if not given).  With a Schedule, ``microbatches`` (if given)
-            must match it and ``ranks``/``chunks`` must not be given.
+            default if not given).  With a Schedule, any that are given must
+            match it.
         group_w: split every B into I then W and run each stage's W in runs of
             this many (:func:`zeropipe.fuse.group_weights`); 1 keeps the schedule.
         recv_ahead: where each receive is posted (:func:`zeropipe.lower.lower`).
@@ -64,17 +64,19 @@ def build_schedule(
             )
         built = generate(schedule, ranks, microbatches, chunks)
     elif isinstance(schedule, Schedule):
-        if ranks is not None or chunks is not None:
-            raise ScheduleError(
-                "ranks= and chunks= are for a schedule name; a Schedule already has "
-                f"{schedule.num_ranks} rank(s) and {schedule.num_stages} stage(s)",
-                rule="unsupported",
-            )
-        if microbatches is not None and microbatches != schedule.microbatches:
-            raise ScheduleError(
-                f"microbatches={microbatches} but the schedule is for {schedule.microbatches}",
-                rule="unsupported",
-            )
+        given = {"ranks": ranks, "microbatches": microbatches, "chunks": chunks}
+        has = {
+            "ranks": schedule.num_ranks,
+            "microbatches": schedule.microbatches,
+            "chunks": schedule.chunks_per_rank,
+        }
+        for key, value in given.items():
+            if value is not None and value != has[key]:
+                raise ScheduleError(
+                    f"{key}={value} but the schedule {schedule.name!r} has {has[key]}; "
+                    f"drop {key}= (a Schedule fixes it)",
+                    rule="unsupported",
+                )
         built = schedule
     else:
         raise ScheduleError(

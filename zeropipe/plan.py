@@ -114,10 +114,17 @@ def runtime_overhead(
     try:
         if threads is not None:
             torch.set_num_threads(threads)
-        bare = profile_stages(
-            [layer], x[:1], target=x[:1], loss_fn=loss_fn, warmup=warmup, repeat=repeat,
-            threads=None, wire=False,
-        ).stages[0]  # fmt: skip
+        bare_costs = profile_stages(
+            [layer],
+            x[:1],
+            target=x[:1],
+            loss_fn=loss_fn,
+            warmup=warmup,
+            repeat=repeat,
+            threads=None,  # set above, for the pipeline too
+            wire=False,
+        )
+        bare = bare_costs.stages[0]
         pipe = Pipeline([layer], "1f1b", microbatches=m, loss_fn=loss_fn, executor="local")
         steps = []
         for rep in range(warmup + repeat):

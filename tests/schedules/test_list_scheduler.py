@@ -19,8 +19,8 @@ from zeropipe.errors import ScheduleError
 from zeropipe.ir import Kind
 from zeropipe.schedules import GENERATORS
 from zeropipe.schedules.list_scheduler import (
+    ListPlan,
     ListScheduler,
-    Plan,
     Policy,
     compute_order,
     list_schedule,
@@ -68,7 +68,7 @@ def _uneven(stages: int, seed: int) -> CostModel:
     )
 
 
-def _check_against_simulator(plan: Plan, placement: tuple[int, ...], m: int, costs: CostModel,
+def _check_against_simulator(plan: ListPlan, placement: tuple[int, ...], m: int, costs: CostModel,
                              limit: float) -> None:  # fmt: skip
     schedule = plan.schedule(placement, m)
     graph = validate(schedule, memory_limit=None if math.isinf(limit) else limit, costs=costs)

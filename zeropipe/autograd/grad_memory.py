@@ -13,7 +13,7 @@ for the parameter's next gradient -- but only when nothing else can see it:
 holding ``g = p.grad`` keeps it) and no other tensor shares its storage (a
 view of it keeps it).  Otherwise it allocates a new one, exactly as autograd
 would.  The price is that the gradient memory stays allocated between steps,
-as it would on CUDA's caching allocator; ``Pipeline(keep_grad_memory=False)``
+as it would on CUDA's caching allocator; ``Pipeline(options=RuntimeOptions(keep_grad_memory=False))``
 turns this off.
 
 The "nobody else holds it" test counts references.  The counts a tensor has

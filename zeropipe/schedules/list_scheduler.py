@@ -37,8 +37,8 @@ from zeropipe.errors import ScheduleError
 from zeropipe.ir import Action, Kind, Schedule
 
 __all__ = [
+    "ListPlan",
     "ListScheduler",
-    "Plan",
     "Policy",
     "Step",
     "compute_order",
@@ -89,7 +89,7 @@ class Policy:
 
 
 @dataclass
-class Plan:
+class ListPlan:
     """A list-scheduled (or replayed) schedule: per rank, its steps and their start times."""
 
     steps: list[list[Step]]  # per rank, in start order
@@ -216,7 +216,7 @@ def list_schedule(
     policy: Policy,
     limits: Sequence[float],
     order: Sequence[Sequence[Step]] | None = None,
-) -> Plan | None:
+) -> ListPlan | None:
     """Event-driven list scheduling; ``None`` if it cannot finish within ``limits``.
 
     Without ``order`` a free rank picks among its ready actions by ``policy``.
@@ -246,7 +246,7 @@ class ListScheduler:
         policy: Policy,
         limits: Sequence[float],
         order: Sequence[Sequence[Step]] | None = None,
-    ) -> Plan | None:
+    ) -> ListPlan | None:
         """One plan under ``policy`` (see :func:`list_schedule`)."""
         if policy.split != self.split:
             raise ScheduleError(
@@ -257,7 +257,7 @@ class ListScheduler:
         return _Run(self._facts, self.microbatches, policy, limits, order, replay=False).run()
 
 
-def replay(schedule: Schedule, costs: CostModel, limits: Sequence[float]) -> Plan | None:
+def replay(schedule: Schedule, costs: CostModel, limits: Sequence[float]) -> ListPlan | None:
     """``schedule``'s F, B, I and W timed as they stand; ``None`` if it exceeds ``limits``.
 
     The list scheduler's fast path to the makespan the simulator gives a
@@ -337,7 +337,7 @@ class _Run:
         self.seq += 1
 
     # -- the loop ---------------------------------------------------------------------
-    def run(self) -> Plan | None:
+    def run(self) -> ListPlan | None:
         while self.heap:
             t, _, r, ver = heapq.heappop(self.heap)
             if ver != self.version[r]:
@@ -483,7 +483,7 @@ class _Run:
                 # It may be waiting for this: let it decide again now, knowing when it lands.
                 self._push(max(t, self.clock[q]), q)
 
-    def _plan(self) -> Plan:
+    def _plan(self) -> ListPlan:
         duration = self.facts.duration
         spans = []
         for steps, starts in zip(self.steps, self.starts, strict=True):
@@ -495,4 +495,4 @@ class _Run:
         span, busy, _ = max(spans)  # the longest span (the busiest among equal ones)
         steady = (span - busy) / span if span > 0 else 0.0
         named = [[(_TIMED[k], s, i) for k, s, i in rank] for rank in self.steps]
-        return Plan(named, self.starts, makespan, steady)
+        return ListPlan(named, self.starts, makespan, steady)

@@ -227,6 +227,28 @@ def test_core_does_not_import_torch() -> None:
     assert not offenders, f"core modules import torch: {offenders}"
 
 
+def _without_torch(argv: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    """Run ``zeropipe ARGV`` in a fresh interpreter where torch cannot be imported."""
+    script = textwrap.dedent(
+        f"""
+        import sys
+        class NoTorch:
+            def find_spec(self, name, path=None, target=None):
+                if name == "torch" or name.startswith("torch."):
+                    raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+                return None
+        sys.meta_path.insert(0, NoTorch())
+        from zeropipe.cli import main
+        code = main({argv!r})
+        assert "torch" not in sys.modules
+        sys.exit(code)
+        """
+    )
+    return subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=cwd
+    )
+
+
 @pytest.mark.parametrize(
     "argv",
     [
@@ -236,28 +258,15 @@ def test_core_does_not_import_torch() -> None:
     ],
 )
 def test_schedule_commands_run_without_torch(tmp_path: Path, argv: list[str]) -> None:
-    # A meta-path finder that refuses torch: as if it were not installed.
-    script = textwrap.dedent(
-        f"""
-        import sys
-        class NoTorch:
-            def find_spec(self, name, path=None, target=None):
-                if name == "torch" or name.startswith("torch."):
-                    raise ModuleNotFoundError(f"No module named {{name!r}}")
-                return None
-        sys.meta_path.insert(0, NoTorch())
-        from zeropipe.cli import main
-        code = main({argv!r})
-        assert "torch" not in sys.modules
-        sys.exit(code)
-        """
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
-    )
+    proc = _without_torch(argv, tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip(), "the command printed nothing"
+
+
+def test_a_command_that_needs_torch_says_so_in_one_line(tmp_path: Path) -> None:
+    proc = _without_torch(["train", "--steps", "1"], tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        "zeropipe: error: 'zeropipe train' needs PyTorch, which is not installed; install it "
+        "first (pip install torch==2.13.0, or the CPU build: see the README)"
+    )

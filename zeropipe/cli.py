@@ -503,8 +503,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # The first word that names a command is the command (options come after it).
     chosen = next((a for a in argv if not a.startswith("-")), None)
-    parser = build_parser([chosen] if chosen in COMMANDS else [])
     try:
+        parser = build_parser([chosen] if chosen in COMMANDS else [])
         args = parser.parse_args(argv)
         if args.command is None:
             raise ZeropipeError(f"choose a command: {', '.join(COMMANDS)} (see '{_PROG} --help')")
@@ -520,4 +520,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ZeropipeError, OSError) as exc:
         message = str(exc) or type(exc).__name__
         print(f"{_PROG}: error: {message}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as exc:
+        if exc.name is None or exc.name.split(".")[0] != "torch":
+            raise
+        # Only `schedules` and `simulate` work without torch.
+        print(
+            f"{_PROG}: error: '{_PROG} {chosen}' needs PyTorch, which is not installed; "
+            f"install it first (pip install torch==2.13.0, or the CPU build: see the README)",
+            file=sys.stderr,
+        )
         return 2

@@ -199,7 +199,7 @@ class _Probe:
             if self.loss is not None:
                 fn, target = self.loss
                 result = fn(outs[0] if len(outs) == 1 else outs, target)
-                return outs, [result.reshape(())]
+                return outs, [(result[0] if isinstance(result, tuple) else result).reshape(())]
         return outs, [t for t in outs if t.requires_grad]
 
     def run(self, timed: bool) -> None:

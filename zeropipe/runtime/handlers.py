@@ -24,13 +24,12 @@ from zeropipe.deps import Dependencies
 from zeropipe.errors import PipelineError
 from zeropipe.ir import Action, Kind
 from zeropipe.runtime.input_first import backward_input_first
+from zeropipe.runtime.loss import StepLoss
 from zeropipe.runtime.memory import MemoryManager, recomputing
 from zeropipe.runtime.stage import MicrobatchState, Stage, detach_for_stage
 from zeropipe.runtime.transport import Transport
 
 __all__ = ["HANDLERS", "BoundaryMeta", "StepContext"]
-
-LossFn = Callable[..., Tensor]
 
 
 class BoundaryMeta:
@@ -70,10 +69,12 @@ class StepContext:
     boundary: BoundaryMeta
     inputs: list[tuple[Tensor, ...]]  # per microbatch, into stage 0
     targets: list[Tensor] | None  # per microbatch, for the loss
-    weights: list[float]  # per microbatch: its share of the batch
-    loss_fn: LossFn | None
+    # Per microbatch: what seeds its backward, so that the step's loss and gradients are the
+    # whole batch's (see zeropipe.runtime.loss); the step's loss is sum(weights[i] * losses[i]).
+    weights: list[float]
+    loss: StepLoss | None  # None: the pipeline has no loss_fn
     device: torch.device
-    losses: dict[int, Tensor] = field(default_factory=dict)  # unweighted, per microbatch
+    losses: dict[int, Tensor] = field(default_factory=dict)  # unweighted (a sum or a mean)
     outputs: dict[int, tuple[Tensor, ...]] = field(default_factory=dict)  # eval, last stage
     memory: MemoryManager | None = None  # saved-activation accounting, offload, weight homes
     input_first: bool = True  # B: input gradient first, its send posted at once
@@ -164,13 +165,10 @@ def _run_forward(
 
 
 def _loss(ctx: StepContext, outputs: tuple[Tensor, ...], i: int) -> Tensor:
-    if ctx.loss_fn is None:
+    """Microbatch ``i``'s loss, unweighted; ``ctx.weights[i]`` makes it the batch's share."""
+    if ctx.loss is None or ctx.targets is None:
         raise PipelineError("a target was given but the pipeline has no loss_fn")
-    assert ctx.targets is not None  # the caller checked
-    loss = ctx.loss_fn(outputs[0] if len(outputs) == 1 else outputs, ctx.targets[i])
-    if not isinstance(loss, Tensor) or loss.numel() != 1:
-        raise PipelineError(f"loss_fn must return a scalar tensor, got {loss!r}")
-    return loss
+    return ctx.loss.compute(outputs[0] if len(outputs) == 1 else outputs, ctx.targets[i], i)
 
 
 def _backward(ctx: StepContext, action: Action) -> None:

@@ -18,7 +18,7 @@ runtime's own knobs are one :class:`RuntimeOptions`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -35,6 +35,7 @@ from zeropipe.fuse import fused_weights
 from zeropipe.ir import Kind, Schedule
 from zeropipe.runtime.executor import run_local, run_rank
 from zeropipe.runtime.handlers import BoundaryMeta, StepContext
+from zeropipe.runtime.loss import LossContract, LossCountFn, LossFn
 from zeropipe.runtime.memory import MemoryManager, measured_costs
 from zeropipe.runtime.rng import preserved_rng
 from zeropipe.runtime.stage import Stage, as_tuple, split_sequential
@@ -43,8 +44,6 @@ from zeropipe.schedules import GENERATORS
 from zeropipe.simulate import Event, Timeline
 
 __all__ = ["Pipeline", "RuntimeOptions"]
-
-LossFn = Callable[..., Tensor]
 
 
 @dataclass(frozen=True)
@@ -95,9 +94,20 @@ class Pipeline:
             schedules`` lists them).  For a schedule searched for this model,
             use :func:`zeropipe.plan.auto_plan` and pass its ``schedule``.
         microbatches: how many microbatches a batch is cut into (needed with a name).
-        loss_fn: ``loss_fn(output, target) -> scalar``, mean-reduced over its
-            microbatch; the step's loss weights microbatches by their size, so it
-            equals the loss of the whole batch.
+        loss_fn: ``loss_fn(output, target)``, called per microbatch; the step's
+            loss and gradients are those of the whole batch when it is one of
+            (:mod:`zeropipe.runtime.loss` says how each is weighted):
+            a torch loss module (``nn.CrossEntropyLoss(ignore_index=...,
+            weight=...)``, ``nn.MSELoss(reduction="sum")``, ...), whose items are
+            counted from the targets; a function returning ``(loss_sum, count)``,
+            with ``loss_count``; or a function returning a mean over its
+            microbatch, weighted by rows -- exact only when every row counts the
+            same number of items.  What cannot be made exact
+            (``reduction="none"``, a mean-reduced module of unknown kind) is refused.
+        loss_count: ``loss_count(target) -> count`` for a ``loss_fn`` returning
+            ``(loss_sum, count)``: the count of a microbatch's target, so that the
+            batch's total (which seeds every backward) is known before the first
+            one; each microbatch's returned count is checked against it.
         ranks: pipeline ranks for a named schedule (default: the world size when
             distributed, else ``len(stages) / chunks``).
         chunks: stages per rank for a named schedule (default: the generator's).
@@ -125,6 +135,7 @@ class Pipeline:
         microbatches: int | None = None,
         loss_fn: LossFn | None = None,
         *,
+        loss_count: LossCountFn | None = None,
         ranks: int | None = None,
         chunks: int | None = None,
         group_w: int = 1,
@@ -141,6 +152,8 @@ class Pipeline:
                 f"options must be a RuntimeOptions, got {type(self.options).__name__}"
             )
         self.loss_fn = loss_fn
+        # How microbatch losses combine into the batch's; refuses what cannot be exact.
+        self.loss = None if loss_fn is None else LossContract(loss_fn, loss_count)
         self.seed = seed
         self.grad_memory = GradMemory() if self.options.keep_grad_memory else None
         self._step = 0
@@ -283,13 +296,19 @@ class Pipeline:
         m = self.schedule.microbatches
         micro_inputs, sizes = _split_batch(as_tuple(inputs, "inputs"), m)
         batch = sum(sizes)
+        targets = None if target is None else _split_target(target, m, sizes)
         if self._batch != batch:
             self._batch = batch
             self.boundary.reset()
             self.transport.reset()
-        targets = None if target is None else list(torch.tensor_split(target, m, dim=0))
-        if targets is not None and [len(t) for t in targets] != sizes:
-            raise PipelineError(f"target has {len(target)} rows but inputs have {batch}")  # type: ignore[arg-type]
+        owns_last = self.schedule.num_stages - 1 in self.stages
+        # Only the last stage computes the loss; its rank has the whole batch's targets, so
+        # the weights (which may count items in every target) exist before any backward.
+        step_loss = (
+            self.loss.for_step(targets, sizes)
+            if self.loss is not None and targets is not None and owns_last
+            else None
+        )
         schedule, deps, graph = (
             (self.schedule, self.deps, self.graph) if training else self._forward_plan()
         )
@@ -303,8 +322,8 @@ class Pipeline:
             boundary=self.boundary,
             inputs=micro_inputs,
             targets=targets,
-            weights=[n / batch for n in sizes],
-            loss_fn=self.loss_fn,
+            weights=step_loss.weights if step_loss is not None else [n / batch for n in sizes],
+            loss=step_loss,
             device=self.memory.step_device(),
             memory=self.memory,
             input_first=self.options.input_first,
@@ -312,7 +331,6 @@ class Pipeline:
             fused_weights=self.fused_weights if training else frozenset(),
         )
         last_rank = schedule.placement[-1]
-        owns_last = schedule.num_stages - 1 in self.stages
         earlier = self._set_aside_shared() if training else {}
         if training:
             self.memory.begin_step(micro_inputs, targets)
@@ -478,6 +496,13 @@ def _shared_parameters(stages: list[Stage], placement: Sequence[int]) -> list[nn
 
 
 def _split_batch(inputs: tuple[Tensor, ...], m: int) -> tuple[list[tuple[Tensor, ...]], list[int]]:
+    for k, t in enumerate(inputs):
+        if t.dim() == 0:
+            name = "the input" if len(inputs) == 1 else f"input {k}"
+            raise PipelineError(
+                f"{name} is 0-dimensional (a scalar); the batch is cut into microbatches along "
+                f"dim 0, so give it a batch dimension (e.g. x.reshape(1) or x.unsqueeze(0))"
+            )
     batch = len(inputs[0])
     if any(len(t) != batch for t in inputs):
         raise PipelineError(f"inputs disagree on the batch size: {[len(t) for t in inputs]}")
@@ -488,6 +513,20 @@ def _split_batch(inputs: tuple[Tensor, ...], m: int) -> tuple[list[tuple[Tensor,
     parts = [torch.tensor_split(t, m, dim=0) for t in inputs]
     micro = [tuple(p[i] for p in parts) for i in range(m)]
     return micro, [len(mb[0]) for mb in micro]
+
+
+def _split_target(target: Tensor, m: int, sizes: list[int]) -> list[Tensor]:
+    if not isinstance(target, Tensor):
+        raise PipelineError(f"target must be a tensor, got {type(target).__name__}")
+    if target.dim() == 0:
+        raise PipelineError(
+            "the target is 0-dimensional (a scalar); it is cut into microbatches along dim 0 "
+            "like the inputs, so give it one row per input row (e.g. y.reshape(1))"
+        )
+    targets = list(torch.tensor_split(target, m, dim=0))
+    if [len(t) for t in targets] != sizes:
+        raise PipelineError(f"target has {len(target)} rows but inputs have {sum(sizes)}")
+    return targets
 
 
 def _forward_only(schedule: Schedule) -> Schedule:

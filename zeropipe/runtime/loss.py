@@ -1,0 +1,260 @@
+"""A step's loss normalised so that it, and its gradients, equal those of the whole batch.
+
+The batch is cut into microbatches and each one's loss is computed on its own
+on the last stage.  The step's loss is ``sum_i w_i * loss_i`` and the last
+stage's backward of microbatch ``i`` is seeded with ``w_i``, so ``w_i`` must
+be known before the first backward -- that is, from the targets, before the
+step runs (every rank receives the whole batch, so the last stage's rank can).
+What ``loss_i`` and ``w_i`` are depends on the kind of ``loss_fn``::
+
+    loss_fn                                   loss_i                   w_i
+    torch loss module, reduction="mean"       the module's sum         1 / items in the batch
+    torch loss module, reduction="sum"        the module's sum         1
+    any module with reduction="sum"           its sum                  1
+    function -> (loss_sum, count)             loss_sum                 1 / sum_j loss_count(target_j)
+      with Pipeline(loss_count=...)
+    function -> scalar (a mean)               its mean                 rows_i / rows in the batch
+
+"Items" are what the module's mean divides by: the targets not equal to
+``ignore_index`` (their class-weight sum with ``weight=``) for
+``CrossEntropyLoss`` / ``NLLLoss``, the elements for the element-wise losses,
+the rows for ``KLDivLoss(reduction="batchmean")``.  Calling the module with
+``reduction="sum"`` instead of multiplying its mean back up keeps a
+microbatch whose targets are all ignored at 0 (its mean is 0/0 = nan).
+
+The last row is exact only when every row counts the same number of items;
+anything this module cannot make exact (``reduction="none"``, a mean-reduced
+module it does not know) is refused with a :class:`PipelineError` that says
+what to pass instead.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from zeropipe.errors import PipelineError
+
+__all__ = ["LossContract", "LossCountFn", "LossFn", "StepLoss"]
+
+LossFn = Callable[..., object]  # -> a scalar Tensor, or (loss_sum, count) with loss_count
+LossCountFn = Callable[[Tensor], object]  # a microbatch's target -> its count (int or Tensor)
+
+# Mean over every element of the (output, target) pair; the target's shape must be the
+# broadcast shape, else the count taken from it would be wrong.
+_ELEMENTWISE: tuple[type[nn.Module], ...] = (
+    nn.MSELoss,
+    nn.L1Loss,
+    nn.SmoothL1Loss,
+    nn.HuberLoss,
+    nn.BCELoss,
+    nn.BCEWithLogitsLoss,
+    nn.SoftMarginLoss,
+    nn.PoissonNLLLoss,
+    nn.KLDivLoss,
+)
+_CLASSES: tuple[type[nn.Module], ...] = (nn.CrossEntropyLoss, nn.NLLLoss)
+
+Weighting = Literal["items", "sum", "count", "rows"]
+
+
+class LossContract:
+    """What ``loss_fn`` returns and how microbatches are weighted; refuses what is inexact.
+
+    Built once per pipeline.  :meth:`for_step` turns one batch's targets into
+    the step's :class:`StepLoss`.
+    """
+
+    def __init__(self, loss_fn: LossFn, loss_count: LossCountFn | None = None) -> None:
+        if not callable(loss_fn):
+            raise PipelineError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+        if loss_count is not None and not callable(loss_count):
+            raise PipelineError(f"loss_count must be callable, got {type(loss_count).__name__}")
+        self.loss_fn = loss_fn
+        self.loss_count = loss_count
+        self.weighting = _weighting(loss_fn, loss_count)
+
+    def for_step(self, targets: Sequence[Tensor], sizes: Sequence[int]) -> StepLoss:
+        """The weights of this batch's microbatches, from their targets (before any backward)."""
+        fn = self.loss_fn
+        if self.weighting == "rows":
+            batch = sum(sizes)
+            return StepLoss(self, fn, [n / batch for n in sizes], None)
+        if self.weighting == "sum":
+            return StepLoss(self, fn, [1.0] * len(sizes), None)
+        if self.weighting == "count":
+            count = self.loss_count
+            assert count is not None  # _weighting chose "count" because it was given
+            counts = [
+                _as_count(count(t), f"loss_count(target of microbatch {i})")
+                for i, t in enumerate(targets)
+            ]
+        else:
+            assert isinstance(fn, nn.Module)  # "items" is chosen for modules only
+            counts = [_items(fn, t, i) for i, t in enumerate(targets)]
+            # A copy made now sees the module's settings as they are this step; it shares
+            # the module's weights and hooks, and only its reduction differs.
+            fn = copy.copy(fn)
+            setattr(fn, "reduction", "sum")  # noqa: B010 (nn.Module's typing rejects a str)
+        total = sum(counts)
+        # A batch with nothing to count: the whole batch's mean is 0/0 = nan, and so is this.
+        share = 1.0 / total if total != 0 else math.nan
+        return StepLoss(self, fn, [share] * len(sizes), counts)
+
+
+@dataclass
+class StepLoss:
+    """One step's loss: the per-microbatch weights and how to compute each microbatch's loss.
+
+    ``weights[i]`` seeds microbatch ``i``'s backward; ``counts`` (when the
+    weighting counts items) is what each microbatch's loss sums over.
+    """
+
+    contract: LossContract
+    fn: LossFn  # what is called per microbatch
+    weights: list[float]
+    counts: list[float] | None
+
+    def compute(self, output: Tensor | tuple[Tensor, ...], target: Tensor, i: int) -> Tensor:
+        """Microbatch ``i``'s loss as the weights expect it: its sum, or its mean for "rows"."""
+        contract = self.contract
+        if contract.weighting == "items":
+            assert isinstance(self.fn, nn.Module)
+            _check_shapes(self.fn, output, target, i)
+        result = self.fn(output, target)
+        if isinstance(result, tuple):
+            return self._sum_and_count(result, i)
+        if contract.weighting == "count":
+            raise PipelineError(
+                f"microbatch {i}: with Pipeline(loss_count=...), loss_fn must return "
+                f"(loss_sum, count), got {_describe(result)}"
+            )
+        if not isinstance(result, Tensor) or result.numel() != 1:
+            raise PipelineError(
+                f"microbatch {i}: loss_fn must return a scalar tensor or (loss_sum, count), "
+                f"got {_describe(result)}"
+            )
+        return result
+
+    def _sum_and_count(self, result: tuple[object, ...], i: int) -> Tensor:
+        if self.contract.weighting != "count":
+            raise PipelineError(
+                f"microbatch {i}: loss_fn returned a tuple {_describe(result)}; a loss_fn that "
+                f"returns (loss_sum, count) needs Pipeline(loss_count=fn), fn(target) -> the "
+                f"count, so that the batch's total is known before the first backward"
+            )
+        if len(result) != 2 or not isinstance(result[0], Tensor) or result[0].numel() != 1:
+            raise PipelineError(
+                f"microbatch {i}: loss_fn must return (loss_sum, count) with loss_sum a scalar "
+                f"tensor, got {_describe(result)}"
+            )
+        got = _as_count(result[1], f"the count loss_fn returned for microbatch {i}")
+        assert self.counts is not None  # "count" weighting always has counts
+        expected = self.counts[i]
+        if not math.isclose(got, expected, rel_tol=1e-6, abs_tol=1e-9):
+            raise PipelineError(
+                f"microbatch {i}: loss_fn counted {got:g} item(s) but loss_count(target) says "
+                f"{expected:g}; they must agree (the weights were taken from loss_count)"
+            )
+        return result[0]
+
+
+def _weighting(loss_fn: LossFn, loss_count: LossCountFn | None) -> Weighting:
+    reduction = getattr(loss_fn, "reduction", None) if isinstance(loss_fn, nn.Module) else None
+    name = type(loss_fn).__name__
+    if reduction is None:
+        return "count" if loss_count is not None else "rows"
+    if loss_count is not None:
+        raise PipelineError(
+            f"loss_count= is for a loss_fn that returns (loss_sum, count); {name} has a "
+            f"reduction ({reduction!r}) and is normalised without it -- drop loss_count="
+        )
+    if reduction == "sum":
+        return "sum"
+    if reduction == "none":
+        raise PipelineError(
+            f"{name}(reduction='none') returns one loss per item, and a step needs one number: "
+            f"use reduction='mean' or 'sum', or a function returning (loss.sum(), count) with "
+            f"Pipeline(loss_count=...)"
+        )
+    known = type(loss_fn) in _CLASSES or type(loss_fn) in _ELEMENTWISE
+    if reduction in ("mean", "batchmean") and known:
+        if reduction == "batchmean" and not isinstance(loss_fn, nn.KLDivLoss):
+            raise PipelineError(f"{name}: reduction='batchmean' is KLDivLoss's only")
+        return "items"
+    raise PipelineError(
+        f"{name}(reduction={reduction!r}): zeropipe cannot tell what this loss's mean divides "
+        f"by, so the microbatches' means cannot be combined exactly; use reduction='sum', or "
+        f"a function returning (loss_sum, count) with Pipeline(loss_count=...)"
+    )
+
+
+def _items(module: nn.Module, target: Tensor, i: int) -> float:
+    """How many items ``module``'s mean divides by on ``target`` (see the module docstring)."""
+    if isinstance(module, _CLASSES):
+        if torch.is_floating_point(target):  # class probabilities: one item per position
+            classes = target.shape[1] if target.dim() >= 2 else target.numel()
+            return target.numel() / max(classes, 1)
+        kept = target[target != module.ignore_index]
+        weight = getattr(module, "weight", None)
+        if weight is not None:  # the mean is weighted: it divides by the targets' weight sum
+            if kept.numel() and not 0 <= int(kept.min()) <= int(kept.max()) < len(weight):
+                raise PipelineError(
+                    f"microbatch {i}: {type(module).__name__}: target classes must lie in "
+                    f"[0, {len(weight)}) or equal ignore_index={module.ignore_index}, got "
+                    f"{int(kept.min())}..{int(kept.max())}"
+                )
+            return float(weight[kept].sum().item())
+        return float(kept.numel())
+    if isinstance(module, nn.KLDivLoss) and module.reduction == "batchmean":
+        return float(target.shape[0]) if target.dim() > 0 else 1.0
+    return float(target.numel())
+
+
+def _check_shapes(module: nn.Module, output: object, target: Tensor, i: int) -> None:
+    """Element-wise losses count the target's elements: the pair must not broadcast wider."""
+    if not isinstance(module, _ELEMENTWISE) or not isinstance(output, Tensor):
+        return
+    shapes = [output.shape, target.shape]
+    for extra in ("weight", "pos_weight"):  # per-element weights broadcast too
+        w = getattr(module, extra, None)
+        if isinstance(w, Tensor):
+            shapes.append(w.shape)
+    try:
+        wide = torch.broadcast_shapes(*shapes)
+    except RuntimeError as exc:
+        raise PipelineError(f"microbatch {i}: {type(module).__name__}: {exc}") from None
+    if wide != target.shape:
+        raise PipelineError(
+            f"microbatch {i}: {type(module).__name__} broadcasts output {list(output.shape)} "
+            f"and target {list(target.shape)} to {list(wide)}, which mixes rows of different "
+            f"microbatches; give the output (and any weight) the target's shape"
+        )
+
+
+def _as_count(value: object, what: str) -> float:
+    if isinstance(value, Tensor):
+        if value.numel() != 1:
+            raise PipelineError(
+                f"{what} must be a number, got a tensor of shape {list(value.shape)}"
+            )
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise PipelineError(f"{what} must be a number, got {_describe(value)}")
+    if not value >= 0:
+        raise PipelineError(f"{what} must be >= 0, got {value!r}")
+    return float(value)
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, Tensor):
+        return f"a tensor of shape {list(value.shape)}"
+    if isinstance(value, tuple):
+        return "(" + ", ".join(_describe(v) for v in value) + ")"
+    return f"{type(value).__name__} {value!r}"

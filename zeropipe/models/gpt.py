@@ -101,5 +101,11 @@ def gpt(cfg: GPTConfig | None = None, *, seed: int = 0) -> nn.Sequential:
 
 
 def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
-    """Mean next-token cross-entropy."""
+    """Mean next-token cross-entropy.
+
+    Under a pipeline a scalar loss is weighted by rows, which is exact here because every
+    row of a :class:`~zeropipe.data.Corpus` batch has ``seq`` real targets.  With padded
+    targets (``-100``) it would not be: return ``(summed loss, (targets != -100).sum())``
+    and pass ``Pipeline(loss_count=...)`` (see :mod:`zeropipe.runtime.loss`).
+    """
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from zeropipe import train_state
 from zeropipe.cli import main
@@ -142,3 +143,30 @@ def test_memory_flags_change_the_peak_not_the_losses(tmp_path: Path) -> None:
         for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()
     ]
     assert max(peaks) < max(full)
+
+
+# -- one-line errors for a bad --device ----
+def _cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, list[str]]:
+    """Run ``zeropipe`` in this process: its exit code and its stderr lines."""
+    capsys.readouterr()  # what came before is not this command's
+    code = main(argv)
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+@pytest.mark.parametrize("device", ["banana", "cuda:x", ""])
+def test_a_device_torch_cannot_parse_is_a_one_line_error(
+    device: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, err = _cli(["train", "--device", device], capsys)
+    assert code == 2
+    assert len(err) == 1 and f"--device {device!r}" in err[0] and "cpu" in err[0], err
+
+
+def test_a_device_this_machine_lacks_is_a_one_line_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has the device")
+    code, err = _cli(["train", "--device", "cuda"], capsys)
+    assert code == 2
+    assert len(err) == 1 and "--device 'cuda'" in err[0] and "not available" in err[0], err

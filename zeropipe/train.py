@@ -97,8 +97,7 @@ class TrainConfig:
                 f"--batch-size {self.batch_size} cannot be cut into --microbatches {self.microbatches}; "
                 f"raise the batch size or lower the microbatches"
             )
-        if self.device != "cpu" and not torch.device(self.device).type:
-            raise ZeropipeError(f"unknown --device {self.device!r}")
+        _check_device(self.device)
         schedule = self.build_schedule()
         layers = self.layers + 2  # embedding and head are layers of the Sequential too
         if schedule.num_stages > layers:
@@ -145,6 +144,33 @@ class TrainConfig:
                     f"(microbatches of activations per rank)"
                 ) from None
         return schedule
+
+
+def _check_device(name: str) -> None:
+    """``--device`` must be one torch can parse and this machine has (one-line errors)."""
+    accel = getattr(torch, "accelerator", None)  # torch >= 2.6
+    here = accel.current_accelerator() if accel is not None and accel.is_available() else None
+    # Examples from what this machine has: the device module is the one place naming a type.
+    valid = "cpu" if here is None else f"cpu, {here.type} or {here.type}:0"
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError) as exc:
+        why = str(exc).strip().splitlines()[0] if str(exc).strip() else "not a device"
+        raise ZeropipeError(
+            f"--device {name!r} is not a device torch knows ({why}); use e.g. {valid}"
+        ) from None
+    if device.type == "cpu":
+        return
+    if device.type == "meta":
+        raise ZeropipeError(f"--device {name!r} holds no data, so nothing trains; use e.g. {valid}")
+    if here is None or here.type != device.type:
+        raise ZeropipeError(f"--device {name!r} is not available on this machine; use e.g. {valid}")
+    count = accel.device_count() if accel is not None else 0
+    if device.index is not None and device.index >= count:
+        raise ZeropipeError(
+            f"--device {name!r}: this machine has {count} {device.type} device(s), numbered from 0; "
+            f"use e.g. {valid}"
+        )
 
 
 def _stage_choice(spec: str, schedule: Schedule, flag: str) -> Callable[[int, int], bool] | None:

@@ -292,3 +292,24 @@ def test_a_device_this_machine_lacks_is_a_one_line_error(
     code, err = _cli(["train", "--device", "cuda"], capsys)
     assert code == 2
     assert len(err) == 1 and "--device 'cuda'" in err[0] and "not available" in err[0], err
+
+
+def test_resume_from_a_checkpoint_without_a_manifest_warns_and_loads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = _small_argv(tmp_path, "--ranks", "1", "--schedule", "1f1b")
+    code, err = _cli([*base, "--steps", "2"], capsys)
+    assert code == 0, err
+    root = tmp_path / "checkpoints"
+    for manifest in root.glob(f"step-*/{train_state.MANIFEST}"):  # as an older zeropipe left it
+        manifest.unlink()
+    code, err = _cli([*base, "--steps", "4", "--width", "48", "--resume"], capsys)
+    assert code == 2  # the settings could not be compared; loading the weights tells
+    assert len(err) == 2 and "unverified" in err[0], err
+    assert "does not fit this model (size mismatch for" in err[1], err
+    assert "start a new --out" in err[1], err
+    code, err = _cli([*base, "--steps", "3", "--resume"], capsys)
+    assert code == 0
+    assert len(err) == 1 and err[0].startswith("zeropipe: warning:") and "unverified" in err[0]
+    assert train_state.latest_step(root) == 3
+    assert train_state.verify(root) is not None  # what it saves next has a manifest

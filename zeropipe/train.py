@@ -386,7 +386,9 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
         except (RuntimeError, KeyError, ValueError, TypeError) as exc:
             # Settings are compared before this (check_resume); a checkpoint from before
             # they were recorded can still be of another model.
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            # load_state_dict's first line is a heading ("Error(s) in ...:"); the next says what.
+            lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+            first = next((ln for ln in lines if not ln.endswith(":")), type(exc).__name__)
             raise train_state.CheckpointError(
                 f"the checkpoint in {ckpt_root} does not fit this model ({first}); resume "
                 f"with the flags it was saved with, or start a new --out"

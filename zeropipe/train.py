@@ -14,7 +14,13 @@ under the chosen schedule, and leaves in ``--out``::
 Stopping: Ctrl-C (SIGINT) is turned into a request that all ranks agree on at
 the next step boundary; they save a checkpoint and exit.  ``--resume``
 continues from the newest complete checkpoint, reading exactly the batches
-an uninterrupted run would have read, so its losses are the same.
+an uninterrupted run would have read, so its losses are the same.  Before any
+rank starts, it checks the checkpoint's files against their sha256 and the
+settings it was saved with against the flags (:func:`check_resume`).
+
+A non-finite loss, or non-finite weights about to be saved, stop every rank
+at once without saving: ``latest`` keeps naming the last finite checkpoint,
+and :func:`train` raises one line naming the step.
 """
 
 from __future__ import annotations
@@ -715,7 +721,11 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument(
         "--offload", default=None, help="offload activations of stages: 'all' or stage indices"
     )
-    parser.add_argument("--device", default=d.device, help="device of every rank (default cpu)")
+    parser.add_argument(
+        "--device",
+        default=d.device,
+        help="device of every rank: cpu, or an accelerator this machine has (default cpu)",
+    )
     parser.add_argument(
         "--seed", type=int, default=d.seed, help="seed of data, init and dropout (default 0)"
     )
@@ -723,7 +733,11 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument(
         "--resume",
         action="store_true",
-        help="continue from the newest complete checkpoint in --out",
+        help="continue from the newest complete checkpoint in --out, after checking its files' "
+        "sha256; --schedule, --ranks, --microbatches, --batch-size, --seed, --lr, --width and "
+        "--layers must be those it was saved with, while --steps (to extend the run), "
+        "--checkpoint-every, --timeout, --quiet, --device and the memory flags "
+        "(--group-w, --recompute, --offload, --memory-limit) may change",
     )
     parser.add_argument(
         "--checkpoint-every", type=int, default=d.checkpoint_every, help="steps between checkpoints"

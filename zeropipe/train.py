@@ -390,9 +390,9 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
             torch.set_rng_state(state["rng"])
             start = int(state["step"])
         except (RuntimeError, KeyError, ValueError, TypeError) as exc:
-            # Settings are compared before this (check_resume); a checkpoint from before
-            # they were recorded can still be of another model.
-            # load_state_dict's first line is a heading ("Error(s) in ...:"); the next says what.
+            # check_resume compared the settings already, but a checkpoint from before they
+            # were recorded can still be of another model.  load_state_dict's first line is
+            # a heading ("Error(s) in ...:"); the first line under it says what differs.
             lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
             first = next((ln for ln in lines if not ln.endswith(":")), type(exc).__name__)
             raise train_state.CheckpointError(

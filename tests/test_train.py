@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import os
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
+import torch
 
 from zeropipe import train_state
 from zeropipe.cli import main
@@ -46,7 +48,7 @@ def _rank_1_dies_saving_step_6(rank: int, world: int, cfg: TrainConfig) -> objec
     if rank == 1:
         save = train_state.save_rank
 
-        def die_at_step_6(root: Path, step: int, r: int, state: dict[str, object]) -> Path:
+        def die_at_step_6(root: Path, step: int, r: int, state: dict[str, object]) -> str:
             if step == 6:
                 os._exit(17)
             return save(root, step, r, state)
@@ -142,3 +144,172 @@ def test_memory_flags_change_the_peak_not_the_losses(tmp_path: Path) -> None:
         for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()
     ]
     assert max(peaks) < max(full)
+
+
+# -- training state is safe: corrupt files, non-finite losses, changed flags, bad devices ----
+def _cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, list[str]]:
+    """Run ``zeropipe`` in this process: its exit code and its stderr lines."""
+    capsys.readouterr()  # what came before is not this command's
+    code = main(argv)
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+def _small_argv(out: Path, *extra: str) -> list[str]:
+    return [
+        "train",
+        "--width", "32", "--layers", "2", "--batch-size", "8", "--microbatches", "4",
+        "--out", str(out), "--quiet", *extra,
+    ]  # fmt: skip
+
+
+def _tensor_payload(path: Path) -> tuple[int, int]:
+    """Offset and size of the largest tensor stored in a torch.save file (a zip, stored)."""
+    with zipfile.ZipFile(path) as zf:
+        info = max(
+            (i for i in zf.infolist() if "/data/" in i.filename and i.file_size >= 64),
+            key=lambda i: i.file_size,
+        )
+    with open(path, "rb") as fh:  # the local header: 30 bytes, then the name and the extra field
+        fh.seek(info.header_offset + 26)
+        name_len, extra_len = (int.from_bytes(fh.read(2), "little") for _ in range(2))
+    return info.header_offset + 30 + name_len + extra_len, info.file_size
+
+
+def test_a_corrupt_checkpoint_is_refused_in_one_line_and_latest_stays(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, err = _cli(_small_argv(tmp_path, "--steps", "2", "--checkpoint-every", "1"), capsys)
+    assert code == 0, err
+    root = tmp_path / "checkpoints"
+    victim = root / "step-000002" / "rank1.pt"
+    offset, size = _tensor_payload(victim)
+    data = bytearray(victim.read_bytes())
+    middle = offset + size // 2 // 4 * 4  # a float32 boundary inside the tensor
+    data[middle : middle + 16] = b"\xff" * 16  # NaN bit patterns
+    victim.write_bytes(bytes(data))
+    torch.load(victim, weights_only=False)  # still a valid zip: only the checksum can tell
+    metrics = (tmp_path / "metrics.jsonl").read_text()
+    code, err = _cli(_small_argv(tmp_path, "--steps", "4", "--resume"), capsys)
+    assert code == 2
+    assert len(err) == 1 and err[0].startswith("zeropipe: error:"), err
+    assert str(victim) in err[0] and "step-000001" in err[0] and "--out" in err[0], err
+    assert train_state.latest_step(root) == 2
+    assert (tmp_path / "metrics.jsonl").read_text() == metrics
+
+
+def test_a_non_finite_loss_stops_training_before_it_is_saved(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # lr 1000 (warm-up: 50, then 100, ...) blows up on 2 ranks: step 2's loss (~8e4) is still
+    # finite but its update leaves non-finite weights (step 3's loss would be NaN).  The old
+    # code saved step 2 and moved `latest` to it.
+    argv = _small_argv(tmp_path, "--steps", "6", "--checkpoint-every", "1", "--lr", "1000")
+    code, err = _cli(argv, capsys)
+    assert code == 2
+    assert len(err) == 1 and err[0].startswith("zeropipe: error:"), err
+    assert "weights became non-finite" in err[0] and "step 2" in err[0], err
+    assert "step-000001" in err[0] and "lower --lr" in err[0], err
+    root = tmp_path / "checkpoints"
+    assert train_state.latest_step(root) == 1
+    assert not (root / "step-000002").exists()
+    assert len(_losses(tmp_path)) == 2  # step 2's finite loss is recorded, nothing after it
+
+
+def test_a_loss_that_turns_nan_in_process_names_its_step(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from zeropipe import train as train_module
+
+    calls = 0
+    real = train_module.lm_loss
+
+    def nan_from_step_3(logits: object, target: object) -> object:
+        nonlocal calls
+        loss = real(logits, target)  # type: ignore[arg-type]
+        if not torch.is_grad_enabled():  # evaluation: not a training step
+            return loss
+        calls += 1
+        return loss * float("nan") if calls > 2 * 4 else loss  # 4 microbatches a step
+
+    monkeypatch.setattr(train_module, "lm_loss", nan_from_step_3)
+    argv = _small_argv(tmp_path, "--ranks", "1", "--steps", "5", "--checkpoint-every", "1")
+    code, err = _cli(argv, capsys)
+    assert code == 2
+    assert len(err) == 1 and "loss became non-finite (nan) at step 3" in err[0], err
+    assert "step-000002" in err[0], err
+    assert train_state.latest_step(tmp_path / "checkpoints") == 2
+    assert not (tmp_path / "checkpoints" / "step-000003").exists()
+    assert len(_losses(tmp_path)) == 2
+
+
+def test_resume_with_other_flags_names_each_one_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = ["--ranks", "1", "--schedule", "1f1b"]
+    code, err = _cli(_small_argv(tmp_path, *base, "--steps", "2"), capsys)
+    assert code == 0, err
+    latest = (tmp_path / "checkpoints" / "latest").read_text()
+    cases = [
+        (["--width", "48"], ["--width 48 differs from the checkpoint's 32"]),
+        (["--schedule", "gpipe"], ["--schedule gpipe differs from the checkpoint's 1f1b"]),
+        (["--batch-size", "16"], ["--batch-size 16 differs from the checkpoint's 8"]),
+        (["--microbatches", "2"], ["--microbatches 2 differs from the checkpoint's 4"]),
+        (["--seed", "1"], ["--seed 1 differs from the checkpoint's 0"]),
+        (
+            ["--lr", "0.01", "--layers", "3"],
+            ["--lr 0.01 differs from the checkpoint's 0.003", "--layers 3 differs"],
+        ),
+    ]
+    for flags, needles in cases:
+        argv = _small_argv(tmp_path, *base, "--steps", "4", "--resume")
+        # argparse keeps the last value of a repeated flag: these override the base ones
+        code, err = _cli([*argv, *flags], capsys)
+        assert code == 2, flags
+        assert len(err) == 1 and err[0].startswith("zeropipe: error:"), err
+        assert all(n in err[0] for n in needles) and "start a new --out" in err[0], err
+        assert (tmp_path / "checkpoints" / "latest").read_text() == latest
+    # What may change: the length of the run, the checkpoint interval, the timeout, the output.
+    extend = _small_argv(tmp_path, *base, "--steps", "3", "--resume", "--checkpoint-every", "5")
+    code, err = _cli([*extend, "--timeout", "60"], capsys)
+    assert code == 0, err
+    assert train_state.latest_step(tmp_path / "checkpoints") == 3
+
+
+@pytest.mark.parametrize("device", ["banana", "cuda:x", ""])
+def test_a_device_torch_cannot_parse_is_a_one_line_error(
+    device: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, err = _cli(["train", "--device", device], capsys)
+    assert code == 2
+    assert len(err) == 1 and f"--device {device!r}" in err[0] and "cpu" in err[0], err
+
+
+def test_a_device_this_machine_lacks_is_a_one_line_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has the device")
+    code, err = _cli(["train", "--device", "cuda"], capsys)
+    assert code == 2
+    assert len(err) == 1 and "--device 'cuda'" in err[0] and "not available" in err[0], err
+
+
+def test_resume_from_a_checkpoint_without_a_manifest_warns_and_loads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = _small_argv(tmp_path, "--ranks", "1", "--schedule", "1f1b")
+    code, err = _cli([*base, "--steps", "2"], capsys)
+    assert code == 0, err
+    root = tmp_path / "checkpoints"
+    for manifest in root.glob(f"step-*/{train_state.MANIFEST}"):  # as an older zeropipe left it
+        manifest.unlink()
+    code, err = _cli([*base, "--steps", "4", "--width", "48", "--resume"], capsys)
+    assert code == 2  # the settings could not be compared; loading the weights tells
+    assert len(err) == 2 and "unverified" in err[0], err
+    assert "does not fit this model (size mismatch for" in err[1], err
+    assert "start a new --out" in err[1], err
+    code, err = _cli([*base, "--steps", "3", "--resume"], capsys)
+    assert code == 0
+    assert len(err) == 1 and err[0].startswith("zeropipe: warning:") and "unverified" in err[0]
+    assert train_state.latest_step(root) == 3
+    assert train_state.verify(root) is not None  # what it saves next has a manifest

@@ -14,7 +14,13 @@ under the chosen schedule, and leaves in ``--out``::
 Stopping: Ctrl-C (SIGINT) is turned into a request that all ranks agree on at
 the next step boundary; they save a checkpoint and exit.  ``--resume``
 continues from the newest complete checkpoint, reading exactly the batches
-an uninterrupted run would have read, so its losses are the same.
+an uninterrupted run would have read, so its losses are the same.  Before any
+rank starts, it checks the checkpoint's files against their sha256 and the
+settings it was saved with against the flags (:func:`check_resume`).
+
+A non-finite loss, or non-finite weights about to be saved, stop every rank
+at once without saving: ``latest`` keeps naming the last finite checkpoint,
+and :func:`train` raises one line naming the step.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +50,7 @@ from zeropipe.runtime.pipeline import Pipeline, RuntimeOptions
 from zeropipe.schedules import GENERATORS
 from zeropipe.simulate import Event, Timeline, costs_from_timeline, simulate
 
-__all__ = ["TrainConfig", "train", "train_rank"]
+__all__ = ["TrainConfig", "check_resume", "run_settings", "train", "train_rank"]
 
 
 @dataclass
@@ -97,8 +103,7 @@ class TrainConfig:
                 f"--batch-size {self.batch_size} cannot be cut into --microbatches {self.microbatches}; "
                 f"raise the batch size or lower the microbatches"
             )
-        if self.device != "cpu" and not torch.device(self.device).type:
-            raise ZeropipeError(f"unknown --device {self.device!r}")
+        _check_device(self.device)
         schedule = self.build_schedule()
         layers = self.layers + 2  # embedding and head are layers of the Sequential too
         if schedule.num_stages > layers:
@@ -147,6 +152,33 @@ class TrainConfig:
         return schedule
 
 
+def _check_device(name: str) -> None:
+    """``--device`` must be one torch can parse and this machine has (one-line errors)."""
+    accel = getattr(torch, "accelerator", None)  # torch >= 2.6
+    here = accel.current_accelerator() if accel is not None and accel.is_available() else None
+    # Examples from what this machine has: the device module is the one place naming a type.
+    valid = "cpu" if here is None else f"cpu, {here.type} or {here.type}:0"
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError) as exc:
+        why = str(exc).strip().splitlines()[0] if str(exc).strip() else "not a device"
+        raise ZeropipeError(
+            f"--device {name!r} is not a device torch knows ({why}); use e.g. {valid}"
+        ) from None
+    if device.type == "cpu":
+        return
+    if device.type == "meta":
+        raise ZeropipeError(f"--device {name!r} holds no data, so nothing trains; use e.g. {valid}")
+    if here is None or here.type != device.type:
+        raise ZeropipeError(f"--device {name!r} is not available on this machine; use e.g. {valid}")
+    count = accel.device_count() if accel is not None else 0
+    if device.index is not None and device.index >= count:
+        raise ZeropipeError(
+            f"--device {name!r}: this machine has {count} {device.type} device(s), numbered from 0; "
+            f"use e.g. {valid}"
+        )
+
+
 def _stage_choice(spec: str, schedule: Schedule, flag: str) -> Callable[[int, int], bool] | None:
     """'all' or '0,2': which stages a memory flag applies to."""
     if spec.strip() == "all":
@@ -166,7 +198,13 @@ def _stage_choice(spec: str, schedule: Schedule, flag: str) -> Callable[[int, in
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
-    """Run the training job; returns rank 0's summary."""
+    """Run the training job; returns rank 0's summary.
+
+    With ``resume``, the checkpoint is verified and the settings it was saved
+    with compared with ``cfg`` before any rank starts (one-line errors).  A
+    loss or weights that turn non-finite end the run, unsaved, with a
+    :class:`ZeropipeError` naming the step.
+    """
     cfg.check()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun
         from zeropipe.runtime.launch import init_from_env
@@ -174,16 +212,132 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         rank, world = init_from_env(timeout=cfg.timeout)
         if world != cfg.ranks:
             cfg.ranks = world
-        return train_rank(rank, world, cfg)
-    if cfg.ranks == 1:
-        return train_rank(0, 1, cfg)
-    from zeropipe.runtime.launch import launch
+        if cfg.resume:
+            check_resume(cfg, warn=rank == 0)
+        summary = train_rank(rank, world, cfg)
+    elif cfg.ranks == 1:
+        if cfg.resume:
+            check_resume(cfg)
+        summary = train_rank(0, 1, cfg)
+    else:
+        from zeropipe.runtime.launch import launch
 
-    results = launch(
-        train_rank, cfg.ranks, cfg, timeout=cfg.timeout * 4 + cfg.steps * 5.0, threads=1
-    )
-    summary: dict[str, Any] = results[0]
+        if cfg.resume:
+            check_resume(cfg)
+        results = launch(
+            train_rank, cfg.ranks, cfg, timeout=cfg.timeout * 4 + cfg.steps * 5.0, threads=1
+        )
+        summary = results[0]
+    if summary.get("non_finite") is not None:
+        raise ZeropipeError(_non_finite_message(summary["non_finite"], cfg))
     return summary
+
+
+# What makes a run the run it is: resuming with any of these changed would continue
+# another run (other data, other model, other optimisation), so --resume refuses.
+# The rest may change: --steps (extend a run), --checkpoint-every, --timeout, --quiet,
+# --out (a moved folder), --device, and how a step is executed (--group-w, --recompute,
+# --offload, --memory-limit), which changes memory and time, not the losses beyond
+# float rounding.  --schedule and --ranks decide which stage lives on which rank, so a
+# checkpoint's rank files only fit the layout they were saved from.
+_MUST_MATCH = (
+    "schedule",
+    "ranks",
+    "microbatches",
+    "batch_size",
+    "seed",
+    "lr",
+    "warmup",
+    "width",
+    "layers",
+    "heads",
+    "seq",
+    "dropout",
+)
+# TrainConfig fields that the command line does not set (the Python API does).
+_NOT_FLAGS = {"warmup", "heads", "seq", "dropout", "eval_batches", "trace_step", "planned"}
+
+
+def _flag(name: str) -> str:
+    return f"TrainConfig.{name}" if name in _NOT_FLAGS else "--" + name.replace("_", "-")
+
+
+def run_settings(cfg: TrainConfig) -> dict[str, Any]:
+    """The settings a checkpoint records (JSON): every field but where it lives and the plan."""
+    return {k: v for k, v in asdict(cfg).items() if k not in ("out", "resume", "planned")}
+
+
+def check_resume(cfg: TrainConfig, warn: bool = True) -> None:
+    """Verify the checkpoint ``cfg.resume`` would load, and that it was saved by this run.
+
+    Raises a one-line :class:`~zeropipe.train_state.CheckpointError` for a
+    corrupt file and a :class:`ZeropipeError` naming every setting that
+    differs from the saved one.  A checkpoint from before checksums existed
+    is loaded unverified, with a warning on stderr (``warn``).
+    """
+    root = Path(cfg.out) / "checkpoints"
+    manifest = train_state.verify(root)
+    if manifest is None:
+        if warn:
+            print(
+                f"zeropipe: warning: {root / 'latest'} names a checkpoint written before "
+                f"checkpoints carried checksums and settings: it is loaded unverified, and the "
+                f"flags are not compared with those it was saved with",
+                file=sys.stderr,
+            )
+        return
+    saved = manifest.meta.get("config")
+    if not isinstance(saved, dict):
+        raise train_state.CheckpointError(
+            f"{train_state.step_dir(root, manifest.step) / train_state.MANIFEST} records no run "
+            f"settings; resume with the zeropipe that wrote it, or start a new --out"
+        )
+    default = TrainConfig()
+    differ = []
+    for name in _MUST_MATCH:
+        now, then = getattr(cfg, name), saved.get(name, getattr(default, name))
+        if now != then:
+            differ.append((_flag(name), now, then))
+    if not differ:
+        return
+    told = ", ".join(
+        f"{flag} {now} differs from the checkpoint's {then}" for flag, now, then in differ
+    )
+    fix = " ".join(
+        f"{flag}={then}" if flag.startswith("TrainConfig") else f"{flag} {then}"
+        for flag, _, then in differ
+    )
+    layout = (
+        " (a run cannot change --schedule or --ranks yet)"
+        if {"--schedule", "--ranks"} & {flag for flag, _, _ in differ}
+        else ""
+    )
+    raise ZeropipeError(
+        f"--resume: {told}{layout}; pass {fix} or start a new --out "
+        f"(checkpoint {train_state.step_dir(root, manifest.step)})"
+    )
+
+
+def _non_finite_message(event: dict[str, Any], cfg: TrainConfig) -> str:
+    root = Path(cfg.out) / "checkpoints"
+    step = event["step"]
+    if event["what"] == "loss":
+        what = f"the training loss became non-finite ({event['loss']}) at step {step}"
+    else:
+        what = (
+            f"the weights became non-finite in the update of step {step} "
+            f"(its loss, {event['loss']:.4g}, was still finite)"
+        )
+    latest = train_state.latest_step(root)
+    kept = (
+        f"{root / 'latest'} still names {train_state.step_dir(root, latest).name}"
+        if latest is not None
+        else f"no checkpoint was saved in {root}"
+    )
+    return (
+        f"{what}; stopped without saving it: {kept}. Resuming would repeat it (resume is "
+        f"exact): lower --lr (it is {cfg.lr:g}) and start a new --out"
+    )
 
 
 def _balance(blocks: int, stages: int) -> list[int]:
@@ -229,11 +383,22 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
     start = 0
     if cfg.resume:
         state = train_state.load_rank(ckpt_root, rank)
-        for s, sd in state["stages"].items():
-            pipe.stages[int(s)].module.load_state_dict(sd)
-        optimizer.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["rng"])
-        start = int(state["step"])
+        try:
+            for s, sd in state["stages"].items():
+                pipe.stages[int(s)].module.load_state_dict(sd)
+            optimizer.load_state_dict(state["optimizer"])
+            torch.set_rng_state(state["rng"])
+            start = int(state["step"])
+        except (RuntimeError, KeyError, ValueError, TypeError) as exc:
+            # check_resume compared the settings already, but a checkpoint from before they
+            # were recorded can still be of another model.  load_state_dict's first line is
+            # a heading ("Error(s) in ...:"); the first line under it says what differs.
+            lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+            first = next((ln for ln in lines if not ln.endswith(":")), type(exc).__name__)
+            raise train_state.CheckpointError(
+                f"the checkpoint in {ckpt_root} does not fit this model ({first}); resume "
+                f"with the flags it was saved with, or start a new --out"
+            ) from None
     if lead:
         out.mkdir(parents=True, exist_ok=True)
         _trim_metrics(out / "metrics.jsonl", start)
@@ -245,6 +410,7 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
     measured: Timeline | None = None
     wall0 = time.perf_counter()
     step = start
+    non_finite: dict[str, Any] | None = None  # why and where training stopped short
     while step < cfg.steps:
         for group in optimizer.param_groups:  # linear warm-up: no early loss spikes
             group["lr"] = cfg.lr * min(1.0, (step + 1) / cfg.warmup)
@@ -258,11 +424,18 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
         if step == trace_step:
             measured = _gather_timeline(pipe, world)
         step += 1
-        losses.append(loss.item())
+        value = loss.item()
+        # The loss is the same on every rank; agreeing on it anyway keeps every rank on
+        # the same path even if one saw it differently.  One all-reduce for both flags.
+        stopping, diverged = _agree([stop.requested, not math.isfinite(value)], world)
+        if diverged:  # saving now would make a checkpoint no run should resume from
+            non_finite = {"what": "loss", "step": step, "loss": value}
+            break
+        losses.append(value)
         peak = _peak_bytes(pipe)
         record = {
             "step": step,
-            "loss": loss.item(),
+            "loss": value,
             "tokens_per_s": tokens / elapsed,
             "step_s": elapsed,
             "bubble_rate": bubble,
@@ -273,14 +446,17 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
                 fh.write(json.dumps(record) + "\n")
             if not cfg.quiet:
                 _progress(record, cfg.steps)
-        stopping = _agree(stop.requested, world)
         if step % cfg.checkpoint_every == 0 or step == cfg.steps or stopping:
-            _save(ckpt_root, step, rank, world, pipe, optimizer)
+            # A finite loss can still be followed by an update that overflowed.
+            if _agree([not _weights_finite(pipe)], world)[0]:
+                non_finite = {"what": "weights", "step": step, "loss": value}
+                break
+            _save(ckpt_root, step, rank, world, pipe, optimizer, cfg)
         if stopping:
             if lead:
                 print(f"\nstopped at step {step}; resume with --resume", flush=True)
             break
-    final_eval = _evaluate(pipe, corpus, cfg)
+    final_eval = _evaluate(pipe, corpus, cfg) if non_finite is None else math.nan
     summary = {
         "schedule": cfg.schedule,
         "group_w": cfg.group_w,
@@ -292,12 +468,13 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
         "final_train_loss": losses[-1] if losses else math.nan,
         "wall_s": time.perf_counter() - wall0,
         "interrupted": stop.requested,
+        "non_finite": non_finite,
     }
     if lead:
         if not cfg.quiet:
             print()
         _write_pictures(out, pipe, measured, losses, start)
-        if not cfg.quiet:
+        if not cfg.quiet and non_finite is None:  # train() reports a non-finite stop
             _print_summary(summary, out)
     return summary
 
@@ -314,16 +491,27 @@ class _StopRequest:
         self.requested = True
 
 
-def _agree(flag: bool, world: int) -> bool:
+def _agree(flags: list[bool], world: int) -> list[bool]:
+    """Each flag, true on every rank if it is true on any."""
     if world == 1:
-        return flag
-    t = torch.tensor([1 if flag else 0])
+        return flags
+    t = torch.tensor([1 if f else 0 for f in flags])
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
+    return [bool(v) for v in t.tolist()]
+
+
+def _weights_finite(pipe: Pipeline) -> bool:
+    return all(bool(torch.isfinite(p).all()) for p in pipe.parameters())
 
 
 def _save(
-    root: Path, step: int, rank: int, world: int, pipe: Pipeline, opt: torch.optim.Optimizer
+    root: Path,
+    step: int,
+    rank: int,
+    world: int,
+    pipe: Pipeline,
+    opt: torch.optim.Optimizer,
+    cfg: TrainConfig,
 ) -> None:
     state = {
         "step": step,
@@ -331,11 +519,14 @@ def _save(
         "optimizer": opt.state_dict(),
         "rng": torch.get_rng_state(),
     }
-    train_state.save_rank(root, step, rank, state)
-    if world > 1:
-        dist.barrier()
+    digest = train_state.save_rank(root, step, rank, state)
+    digests = [digest]
+    if world > 1:  # also the barrier: once it returns, every rank's file is in place
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, digest)
+        digests = [str(d) for d in gathered]
     if rank == 0:
-        train_state.publish(root, step, world)
+        train_state.publish(root, step, digests, {"config": run_settings(cfg)})
 
 
 def _evaluate(pipe: Pipeline, corpus: Corpus, cfg: TrainConfig) -> float:
@@ -397,11 +588,10 @@ def _write_pictures(
 
 
 def _loss_png(out: Path, start: int) -> None:
-    rows = [
-        json.loads(line)
-        for line in (out / "metrics.jsonl").read_text().splitlines()
-        if line.strip()
-    ]
+    path = out / "metrics.jsonl"
+    if not path.exists():  # the first step's loss was non-finite: nothing to draw
+        return
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -531,7 +721,11 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument(
         "--offload", default=None, help="offload activations of stages: 'all' or stage indices"
     )
-    parser.add_argument("--device", default=d.device, help="device of every rank (default cpu)")
+    parser.add_argument(
+        "--device",
+        default=d.device,
+        help="device of every rank: cpu, or an accelerator this machine has (default cpu)",
+    )
     parser.add_argument(
         "--seed", type=int, default=d.seed, help="seed of data, init and dropout (default 0)"
     )
@@ -539,7 +733,11 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument(
         "--resume",
         action="store_true",
-        help="continue from the newest complete checkpoint in --out",
+        help="continue from the newest complete checkpoint in --out, after checking its files' "
+        "sha256; --schedule, --ranks, --microbatches, --batch-size, --seed, --lr, --width and "
+        "--layers must be those it was saved with, while --steps (to extend the run), "
+        "--checkpoint-every, --timeout, --quiet, --device and the memory flags "
+        "(--group-w, --recompute, --offload, --memory-limit) may change",
     )
     parser.add_argument(
         "--checkpoint-every", type=int, default=d.checkpoint_every, help="steps between checkpoints"

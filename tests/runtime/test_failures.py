@@ -13,12 +13,17 @@ import time
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
 
 from tests.runtime import dist_cases
 from zeropipe.errors import PipelineError
+from zeropipe.ir import Action, Kind
 from zeropipe.runtime import launch as launch_module
 from zeropipe.runtime.launch import init_from_env, launch
+from zeropipe.runtime.pipeline import Pipeline
 
 WORLDS = (2, 4)
 
@@ -78,13 +83,39 @@ def test_transport_checks_learnt_shapes_on_the_sender(world: int) -> None:
 def test_exception_in_a_stage_forward_fails_every_rank_with_its_message(world: int) -> None:
     outs = _case(world, "forward_error")
     own = outs[1]["error"]
-    assert own is not None and own.startswith("rank 1 failed at step "), own
-    assert own.endswith("(1F0): ValueError: boom from stage 1"), own
+    # the second call to step (the pipeline counts from 0) and the action's place in
+    # rank 1's list, each named as what it is
+    assert own is not None and re.fullmatch(
+        r"rank 1 failed in training step 1 at action 1F0 \(position \d+ of its schedule\): "
+        r"ValueError: boom from stage 1",
+        own,
+    ), own
     for rank, out in enumerate(outs):
         if rank != 1:
             assert out["error"] == f"rank 1 failed: {own}", (rank, out)
         # noticed through the store within a few polls, far inside the 30 s timeout
         assert out["seconds"] < dist_cases.TIMEOUT / 3, (rank, out)
+
+
+def test_an_error_in_a_stage_names_the_training_step_and_the_action_position() -> None:
+    trap = dist_cases._Trap("raise")
+    pipe = Pipeline([nn.Linear(4, 4), trap], "1f1b", microbatches=4, loss_fn=F.mse_loss, ranks=2)
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    pipe.step(x, y)
+    pipe.step(x, y)
+    trap.armed = True
+    position = pipe.schedule.actions[1].index(Action(Kind.F, 1, 0))
+    with pytest.raises(PipelineError) as err:
+        pipe.step(x, y)
+    assert str(err.value) == (
+        f"rank 1 failed in training step 2 at action 1F0 (position {position} of its "
+        f"schedule): ValueError: boom from stage 1"
+    )
+    with pytest.raises(PipelineError) as err:
+        pipe.eval_step(x)
+    assert str(err.value).startswith(
+        "rank 1 failed in an evaluation step (after 2 training steps) at action 1F0 (position "
+    ), err.value
 
 
 @pytest.mark.parametrize("world", WORLDS)

@@ -538,6 +538,20 @@ def raise_on_rank1(rank: int, world: int) -> str:
     return "unreachable"
 
 
+def train_forever(rank: int, world: int, folder: str) -> None:
+    """Train until killed; after the first step, write this process's pid to ``folder``."""
+    stages = [nn.Linear(4, 4) for _ in range(world)]
+    pipe = Pipeline(stages, "1f1b", microbatches=4, loss_fn=F.mse_loss, options=OPTIONS)
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    pipe.step(x, y)
+    path = os.path.join(folder, f"rank{rank}.pid")
+    with open(path + ".tmp", "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(path + ".tmp", path)  # whole, or not there yet
+    while True:
+        pipe.step(x, y)
+
+
 def sleep_forever(rank: int, world: int) -> None:
     time.sleep(600)
 

@@ -8,8 +8,13 @@ rank, a raising rank and a hung launch need launches of their own.
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import os
 import re
+import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,6 +31,7 @@ from zeropipe.runtime.launch import init_from_env, launch
 from zeropipe.runtime.pipeline import Pipeline
 
 WORLDS = (2, 4)
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _case(world: int, name: str) -> list[Any]:
@@ -196,6 +202,84 @@ def test_launch_reports_the_raising_rank_tells_its_peers_and_ends_the_rest() -> 
     # rank 2 never talks to anyone: only the launcher can end it
     assert msg.endswith("rank(s) [2] had not finished 3 s after the failure and were terminated")
     assert time.monotonic() - start < 60
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie nobody reaped is not: orphans go to a pid 1 that may never reap)."""
+    if Path("/proc/self/stat").exists():
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except FileNotFoundError:
+            return False
+        return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_ranks_end_silently_when_their_launcher_is_killed(tmp_path: Path) -> None:
+    code = (
+        "import sys\n"
+        "from tests.runtime import dist_cases\n"
+        "from zeropipe.runtime.launch import launch\n"
+        "launch(dist_cases.train_forever, 2, sys.argv[1], timeout=300)\n"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", code, str(tmp_path)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 150
+        files = [tmp_path / f"rank{r}.pid" for r in range(2)]
+        while not all(f.exists() for f in files):
+            assert launcher.poll() is None, launcher.communicate()
+            assert time.monotonic() < deadline, "the ranks never finished a first step"
+            time.sleep(0.2)
+        pids = [int(f.read_text()) for f in files]
+        assert all(_alive(pid) for pid in pids)  # training, in a loop that never ends
+        launcher.kill()
+        launcher.wait(30)
+        killed = time.monotonic()
+        while any(_alive(pid) for pid in pids) and time.monotonic() < killed + 20:
+            time.sleep(0.05)
+        took = time.monotonic() - killed
+        # EOF once the ranks, which share the launcher's stderr, are gone too
+        out, err = launcher.communicate(timeout=30)
+    finally:
+        launcher.kill()
+        for pid in pids:
+            if _alive(pid):
+                os.kill(pid, 9)
+    assert not [pid for pid in pids if _alive(pid)], "ranks outlived their launcher by 20 s"
+    assert took < 5, took
+    # no C++ store warnings with stack traces, no Python tracebacks: nothing at all
+    assert "TCPStore" not in err and "frame #" not in err and "Traceback" not in err, err
+    assert out == "", out
+
+
+def test_a_rank_ends_when_its_launchers_pipe_closes_where_the_kernel_cannot_watch() -> None:
+    ctx = mp.get_context("spawn")
+    watched, lifeline = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=launch_module._wait_for_eof, args=(watched,), daemon=True)
+    child.start()
+    watched.close()
+    try:
+        child.join(1.0)
+        assert child.is_alive()  # the launcher's end is open: it waits
+        lifeline.close()  # as the launcher's death would
+        child.join(20)
+        assert child.exitcode == 1, child.exitcode
+    finally:
+        if child.is_alive():
+            child.kill()
 
 
 def test_launch_timeout_kills_everything_and_says_so() -> None:

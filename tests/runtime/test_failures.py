@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from zeropipe.ir import Action, Kind
 from zeropipe.runtime import launch as launch_module
 from zeropipe.runtime.launch import init_from_env, launch
 from zeropipe.runtime.pipeline import Pipeline
+from zeropipe.runtime.works import WaitPool
 
 WORLDS = (2, 4)
 ROOT = Path(__file__).resolve().parents[2]
@@ -280,6 +282,23 @@ def test_a_rank_ends_when_its_launchers_pipe_closes_where_the_kernel_cannot_watc
     finally:
         if child.is_alive():
             child.kill()
+
+
+def test_wait_pool_counts_the_waits_still_blocked() -> None:
+    # what decides, at exit, whether a rank can finalize normally
+    pool = WaitPool()
+    release = threading.Event()
+    pool.submit(release.wait)
+    pool.submit(lambda: None)
+    deadline = time.monotonic() + 10
+    while pool.busy > 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pool.busy == 1
+    release.set()
+    while pool.busy and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pool.busy == 0
+    pool.close()
 
 
 def test_launch_timeout_kills_everything_and_says_so() -> None:

@@ -17,15 +17,15 @@ The parent hosts the rendezvous store (a TCPStore on a free port of
                          waiting for the failed rank fail at once
     overall timeout   -> everything is killed, and the error says so
 
-and the children watch the parent: when the launcher dies (killed, or the
-job scheduler ended it) its rendezvous store dies with it, so they stop at
-once, silently, instead of training on until the store's loss fails them
-with C++ stack traces (Linux: the kernel kills them with the launcher,
-``PR_SET_PDEATHSIG``; elsewhere a thread sees the launcher's end of a pipe close).
-
 and raises one :class:`PipelineError` naming the rank where the failure
-started, with the other ranks' errors beneath.  Under torchrun, call
-:func:`init_from_env` instead.
+started, with the other ranks' errors beneath.  The children watch the
+parent in turn: when the launcher dies (killed, or ended by a job
+scheduler) the rendezvous store dies with it, so they end at once, silently,
+instead of training on until the lost store fails them with C++ stack traces
+(Linux: the kernel kills them with the launcher, ``PR_SET_PDEATHSIG``;
+elsewhere a thread sees the launcher's end of a pipe close).
+
+Under torchrun, call :func:`init_from_env` instead.
 """
 
 from __future__ import annotations

@@ -16,9 +16,11 @@ step-end collectives (:mod:`zeropipe.runtime.collectives`).
 
 A failed step leaves pool threads blocked in ``Work.wait()`` on transfers a
 peer will never complete, and such a thread aborts the process ("terminate
-called without an active exception") if it wakes while the interpreter
-finalizes (pybind11 re-takes the GIL in a noexcept destructor and the
-finalizing interpreter ends the thread by unwinding it).  So at exit::
+called without an active exception", seen with torch 2.13 on Python 3.11)
+if it wakes while the interpreter finalizes: on its way back from C++ it
+re-takes the GIL, and a finalizing interpreter ends the thread there by
+unwinding a stack that cannot be unwound.  It wakes when the peer's process
+ends and its connections close.  So at exit::
 
     no wait blocked              -> a normal exit
     this rank failed on its own  -> flush, os._exit(1) at once: its error is printed,

@@ -368,6 +368,7 @@ def _end_with_parent(parent: int, lifeline: Connection) -> None:
     if _kill_with_parent():
         if os.getppid() != parent:  # it died before the request was made
             os._exit(1)
+        lifeline.close()  # the kernel watches instead
         return
     threading.Thread(
         target=_wait_for_eof, args=(lifeline,), name="zeropipe-launcher-watch", daemon=True

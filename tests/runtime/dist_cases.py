@@ -8,9 +8,10 @@ reference gradients once.  A case that crashes inside a rank is returned as
 its traceback, so one broken case does not hide the others.  The failure
 cases run last: each poisons only its own pipeline (own store keys and tags).
 
-Run as a module under torchrun it is the torchrun test's script::
+Run as a module under torchrun it is the torchrun tests' script (``raise``: rank 1
+raises inside a step, and the exception ends the process)::
 
-    python -m torch.distributed.run --nproc-per-node 2 ... -m tests.runtime.dist_cases
+    python -m torch.distributed.run --nproc-per-node 2 ... -m tests.runtime.dist_cases [raise]
 """
 
 from __future__ import annotations
@@ -537,6 +538,20 @@ def raise_on_rank1(rank: int, world: int) -> str:
     return "unreachable"
 
 
+def train_forever(rank: int, world: int, folder: str) -> None:
+    """Train until killed; after the first step, write this process's pid to ``folder``."""
+    stages = [nn.Linear(4, 4) for _ in range(world)]
+    pipe = Pipeline(stages, "1f1b", microbatches=4, loss_fn=F.mse_loss, options=OPTIONS)
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    pipe.step(x, y)
+    path = os.path.join(folder, f"rank{rank}.pid")
+    with open(path + ".tmp", "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(path + ".tmp", path)  # whole, or not there yet
+    while True:
+        pipe.step(x, y)
+
+
 def sleep_forever(rank: int, world: int) -> None:
     time.sleep(600)
 
@@ -573,5 +588,20 @@ def _torchrun_main() -> None:
     dist.destroy_process_group()
 
 
+def _torchrun_raise() -> None:
+    """Rank 1 raises inside its second step; the exception is left to end the process."""
+    from zeropipe.runtime.launch import init_from_env
+
+    torch.set_num_threads(1)
+    init_from_env(timeout=60)
+    trap = _Trap("raise")
+    pipe = Pipeline([nn.Linear(4, 4), trap], "1f1b", microbatches=4, loss_fn=F.mse_loss,
+                    options=RuntimeOptions(timeout=60))  # fmt: skip
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    pipe.step(x, y)
+    trap.armed = dist.get_rank() == 1
+    pipe.step(x, y)
+
+
 if __name__ == "__main__":
-    _torchrun_main()
+    {"raise": _torchrun_raise}.get(sys.argv[1] if len(sys.argv) > 1 else "", _torchrun_main)()

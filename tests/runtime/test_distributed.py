@@ -210,7 +210,8 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_torchrun_runs_a_pipeline_with_the_reference_gradients() -> None:
+def _torchrun(*args: str) -> subprocess.CompletedProcess[str]:
+    """``dist_cases`` (with ``args``) on two ranks under torchrun, bounded."""
     cmd = [
         sys.executable,
         "-m",
@@ -225,20 +226,44 @@ def test_torchrun_runs_a_pipeline_with_the_reference_gradients() -> None:
         "0",
         "-m",
         "tests.runtime.dist_cases",
+        *args,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     try:
-        done = subprocess.run(
+        return subprocess.run(
             cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=150, check=False
         )
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"torchrun did not finish within 150 s:\n{exc.stdout!r}\n{exc.stderr!r}")
+
+
+def test_torchrun_runs_a_pipeline_with_the_reference_gradients() -> None:
+    done = _torchrun()
     log = done.stdout + done.stderr
     assert done.returncode == 0, log
     # Two processes share stdout, so lines may interleave: match numbers strictly.
     lines = re.findall(r"rank (\d)/2 ok worst=([-+.0-9e]+) loss=([-+.0-9e]+)", done.stdout)
     assert sorted(r for r, _, _ in lines) == ["0", "1"], log
     assert len({loss for _, _, loss in lines}) == 1, lines
+
+
+def test_under_torchrun_a_raising_rank_is_the_root_cause_and_its_peer_exits_cleanly() -> None:
+    done = _torchrun("raise")
+    log = done.stdout + done.stderr
+    assert done.returncode != 0, log
+    # the survivor relays the cause's message ...
+    relayed = (
+        "[rank0]: zeropipe.errors.PipelineError: rank 1 failed: rank 1 failed in training step "
+        "1 at action 1F0"
+    )
+    assert relayed in log, log
+    # ... and ends without a C++ abort, after rank 1: torchrun names rank 1 the cause
+    assert "terminate called" not in log and "SIGABRT" not in log, log
+    root = log.split("Root Cause (first observed failure):", 1)[-1]
+    assert re.search(r"rank\s*: 1 \(local_rank: 1\)\s+exitcode\s*: 1 ", root), log
+    exits = dict(re.findall(r"rank\s*: (\d) \(local_rank: \d\)\s+exitcode\s*: (-?\d+)", log))
+    # 1: it exited on its own; -15: torchrun ended it (SIGTERM) once rank 1 had failed
+    assert exits.get("0") in ("1", "-15"), (exits, log)
 
 
 def test_distributed_transport_needs_an_initialised_process_group() -> None:

@@ -8,19 +8,32 @@ rank, a raising rank and a hung launch need launches of their own.
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import os
 import re
+import subprocess
+import sys
+import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
 
 from tests.runtime import dist_cases
 from zeropipe.errors import PipelineError
+from zeropipe.ir import Action, Kind
 from zeropipe.runtime import launch as launch_module
 from zeropipe.runtime.launch import init_from_env, launch
+from zeropipe.runtime.pipeline import Pipeline
+from zeropipe.runtime.works import WaitPool
 
 WORLDS = (2, 4)
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _case(world: int, name: str) -> list[Any]:
@@ -78,13 +91,39 @@ def test_transport_checks_learnt_shapes_on_the_sender(world: int) -> None:
 def test_exception_in_a_stage_forward_fails_every_rank_with_its_message(world: int) -> None:
     outs = _case(world, "forward_error")
     own = outs[1]["error"]
-    assert own is not None and own.startswith("rank 1 failed at step "), own
-    assert own.endswith("(1F0): ValueError: boom from stage 1"), own
+    # the second call to step (the pipeline counts from 0) and the action's place in
+    # rank 1's list, each named as what it is
+    assert own is not None and re.fullmatch(
+        r"rank 1 failed in training step 1 at action 1F0 \(position \d+ of its schedule\): "
+        r"ValueError: boom from stage 1",
+        own,
+    ), own
     for rank, out in enumerate(outs):
         if rank != 1:
             assert out["error"] == f"rank 1 failed: {own}", (rank, out)
         # noticed through the store within a few polls, far inside the 30 s timeout
         assert out["seconds"] < dist_cases.TIMEOUT / 3, (rank, out)
+
+
+def test_an_error_in_a_stage_names_the_training_step_and_the_action_position() -> None:
+    trap = dist_cases._Trap("raise")
+    pipe = Pipeline([nn.Linear(4, 4), trap], "1f1b", microbatches=4, loss_fn=F.mse_loss, ranks=2)
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    pipe.step(x, y)
+    pipe.step(x, y)
+    trap.armed = True
+    position = pipe.schedule.actions[1].index(Action(Kind.F, 1, 0))
+    with pytest.raises(PipelineError) as err:
+        pipe.step(x, y)
+    assert str(err.value) == (
+        f"rank 1 failed in training step 2 at action 1F0 (position {position} of its "
+        f"schedule): ValueError: boom from stage 1"
+    )
+    with pytest.raises(PipelineError) as err:
+        pipe.eval_step(x)
+    assert str(err.value).startswith(
+        "rank 1 failed in an evaluation step (after 2 training steps) at action 1F0 (position "
+    ), err.value
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -165,6 +204,101 @@ def test_launch_reports_the_raising_rank_tells_its_peers_and_ends_the_rest() -> 
     # rank 2 never talks to anyone: only the launcher can end it
     assert msg.endswith("rank(s) [2] had not finished 3 s after the failure and were terminated")
     assert time.monotonic() - start < 60
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie nobody reaped is not: orphans go to a pid 1 that may never reap)."""
+    if Path("/proc/self/stat").exists():
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except FileNotFoundError:
+            return False
+        return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_ranks_end_silently_when_their_launcher_is_killed(tmp_path: Path) -> None:
+    code = (
+        "import sys\n"
+        "from tests.runtime import dist_cases\n"
+        "from zeropipe.runtime.launch import launch\n"
+        "launch(dist_cases.train_forever, 2, sys.argv[1], timeout=300)\n"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", code, str(tmp_path)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 150
+        files = [tmp_path / f"rank{r}.pid" for r in range(2)]
+        while not all(f.exists() for f in files):
+            assert launcher.poll() is None, launcher.communicate()
+            assert time.monotonic() < deadline, "the ranks never finished a first step"
+            time.sleep(0.2)
+        pids = [int(f.read_text()) for f in files]
+        assert all(_alive(pid) for pid in pids)  # training, in a loop that never ends
+        launcher.kill()
+        launcher.wait(30)
+        killed = time.monotonic()
+        while any(_alive(pid) for pid in pids) and time.monotonic() < killed + 20:
+            time.sleep(0.05)
+        took = time.monotonic() - killed
+        # EOF once the ranks, which share the launcher's stderr, are gone too
+        out, err = launcher.communicate(timeout=30)
+    finally:
+        launcher.kill()
+        for pid in pids:
+            if _alive(pid):
+                os.kill(pid, 9)
+    assert not [pid for pid in pids if _alive(pid)], "ranks outlived their launcher by 20 s"
+    assert took < 5, took
+    # no C++ store warnings with stack traces, no Python tracebacks: nothing at all
+    assert "TCPStore" not in err and "frame #" not in err and "Traceback" not in err, err
+    assert out == "", out
+
+
+def test_a_rank_ends_when_its_launchers_pipe_closes_where_the_kernel_cannot_watch() -> None:
+    ctx = mp.get_context("spawn")
+    watched, lifeline = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=launch_module._wait_for_eof, args=(watched,), daemon=True)
+    child.start()
+    watched.close()
+    try:
+        child.join(1.0)
+        assert child.is_alive()  # the launcher's end is open: it waits
+        lifeline.close()  # as the launcher's death would
+        child.join(20)
+        assert child.exitcode == 1, child.exitcode
+    finally:
+        if child.is_alive():
+            child.kill()
+
+
+def test_wait_pool_counts_the_waits_still_blocked() -> None:
+    # what decides, at exit, whether a rank can finalize normally
+    pool = WaitPool()
+    release = threading.Event()
+    pool.submit(release.wait)
+    pool.submit(lambda: None)
+    deadline = time.monotonic() + 10
+    while pool.busy > 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pool.busy == 1
+    release.set()
+    while pool.busy and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pool.busy == 0
+    pool.close()
 
 
 def test_launch_timeout_kills_everything_and_says_so() -> None:

@@ -32,9 +32,21 @@ def _run(ctx: StepContext, rank: int, step: int, action: Action) -> Event:
         raise
     except Exception as exc:
         raise PipelineError(
-            f"rank {rank} failed at step {step} ({action}): {type(exc).__name__}: {exc}"
+            f"rank {rank} failed in {_which_step(ctx)} at action {action} (position {step} of "
+            f"its schedule): {type(exc).__name__}: {exc}"
         ) from exc
     return Event(rank, step, action, start, time.perf_counter())
+
+
+def _which_step(ctx: StepContext) -> str:
+    """The pipeline's step, named apart from the action's position in the schedule.
+
+    Both count from 0: the step as the pipeline numbers it (its seeds use the
+    same number), the position as the schedule's text and timelines do.
+    """
+    if ctx.training:
+        return f"training step {ctx.step}"
+    return f"an evaluation step (after {ctx.step} training steps)"
 
 
 def run_local(ctx: StepContext, graph: Graph) -> list[list[Event]]:

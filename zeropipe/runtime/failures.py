@@ -80,6 +80,11 @@ class PeerFailures:
         self._relayed: BaseException | None = None  # raised on a peer's behalf
         self._lost: tuple[BaseException, dict[str, Any]] | None = None
 
+    @property
+    def peer_failed(self) -> bool:
+        """True once this rank stopped because a peer failed or went away (not on its own)."""
+        return self._relayed is not None or self._lost is not None
+
     def usable(self) -> None:
         """Raise if a failure already broke this pipeline's transport."""
         if self.broken is not None:

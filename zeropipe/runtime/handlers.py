@@ -25,7 +25,7 @@ from zeropipe.errors import PipelineError
 from zeropipe.ir import Action, Kind
 from zeropipe.runtime.input_first import backward_input_first
 from zeropipe.runtime.loss import StepLoss
-from zeropipe.runtime.memory import MemoryManager, recomputing
+from zeropipe.runtime.memory import MemoryManager, kept_buffers, recomputing
 from zeropipe.runtime.stage import MicrobatchState, Stage, detach_for_stage
 from zeropipe.runtime.transport import Transport
 
@@ -124,10 +124,14 @@ def _forward(ctx: StepContext, action: Action) -> None:
 
 
 def _recompute(ctx: StepContext, action: Action) -> None:
-    """R: the checkpointed forward again, with grad, the same seeds, and the split stash."""
+    """R: the checkpointed forward again, with grad, the same seeds, and the split stash.
+
+    F already updated the stage's buffers (running statistics) for this
+    microbatch; R puts them back as it found them.
+    """
     s, i = action.stage, _mb(action)
     state = ctx.state(s, i)
-    with recomputing():
+    with recomputing(), kept_buffers(ctx.stages[s].module):
         _run_forward(ctx, s, i, state, grad=True, recompute=True)
 
 

@@ -18,18 +18,26 @@ The parent hosts the rendezvous store (a TCPStore on a free port of
     overall timeout   -> everything is killed, and the error says so
 
 and raises one :class:`PipelineError` naming the rank where the failure
-started, with the other ranks' errors beneath.  Under torchrun, call
-:func:`init_from_env` instead.
+started, with the other ranks' errors beneath.  The children watch the
+parent in turn: when the launcher dies (killed, or ended by a job
+scheduler) the rendezvous store dies with it, so they end at once, silently,
+instead of training on until the lost store fails them with C++ stack traces
+(Linux: the kernel kills them with the launcher, ``PR_SET_PDEATHSIG``;
+elsewhere a thread sees the launcher's end of a pipe close).
+
+Under torchrun, call :func:`init_from_env` instead.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import pickle
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -46,6 +54,8 @@ from zeropipe.errors import PipelineError
 from zeropipe.runtime.failures import FAILED_KEY, failure_origin
 
 __all__ = ["init_from_env", "launch"]
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>: the signal a process gets when its parent ends
 
 
 def launch(
@@ -79,25 +89,30 @@ def launch(
         wait_for_workers=False,
     )
     ctx = mp.get_context("spawn")
-    procs, conns = [], []
+    procs, conns, lifelines = [], [], []
     try:
         for rank in range(nprocs):
             reader, writer = ctx.Pipe(duplex=False)
+            # Never written to: the child's end reads EOF once this process has ended.
+            watched, lifeline = ctx.Pipe(duplex=False)
             proc = ctx.Process(
                 target=_child,
                 args=(rank, nprocs, store.port, backend, timeout, threads, fn, args, writer),
+                kwargs={"parent": os.getpid(), "lifeline": watched},
                 name=f"zeropipe-rank{rank}",
                 daemon=True,
             )
             proc.start()
             writer.close()
+            watched.close()
             procs.append(proc)
             conns.append(reader)
+            lifelines.append(lifeline)
         return _watch(procs, conns, store, timeout, grace)
     finally:
         for proc in procs:
             _stop(proc)
-        for conn in conns:
+        for conn in (*conns, *lifelines):
             conn.close()
 
 
@@ -294,9 +309,13 @@ def _child(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     conn: Connection,
+    *,
+    parent: int,
+    lifeline: Connection,
 ) -> None:
     code = 0
     try:
+        _end_with_parent(parent, lifeline)
         torch.set_num_threads(threads)
         os.environ.update(
             RANK=str(rank),
@@ -336,3 +355,46 @@ def _child(
         # group's destructor until its timeout, and a transport's waiter thread still
         # blocked on a c10d work makes a normal exit abort.
         os._exit(code)
+
+
+def _end_with_parent(parent: int, lifeline: Connection) -> None:
+    """End this process as soon as the launcher (pid ``parent``) is gone.
+
+    The launcher hosts the rendezvous store: without it this rank can only
+    fail, and it would do so at its next store access, through C++ warnings
+    with stack traces, or train on until then.  Ended silently: nobody is
+    left to report to, and the launcher's own end is what the user saw.
+    """
+    if _kill_with_parent():
+        if os.getppid() != parent:  # it died before the request was made
+            os._exit(1)
+        lifeline.close()  # the kernel watches instead
+        return
+    threading.Thread(
+        target=_wait_for_eof, args=(lifeline,), name="zeropipe-launcher-watch", daemon=True
+    ).start()
+
+
+def _kill_with_parent() -> bool:
+    """Linux: ask the kernel to SIGKILL this process when its parent ends; False elsewhere.
+
+    A signal from the kernel ends the process even while it is blocked in C++
+    (a collective, a store call) and before a store call that the parent's
+    end fails has printed anything.  It follows the parent *thread* that
+    started the process: the one running :func:`launch`, alive until the
+    ranks have finished.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)) == 0
+    except (OSError, AttributeError):  # no libc symbol table to read, or no prctl in it
+        return False
+
+
+def _wait_for_eof(lifeline: Connection) -> None:
+    """The fallback watch: the launcher never writes to ``lifeline``; EOF means it ended."""
+    with contextlib.suppress(EOFError, OSError):
+        lifeline.recv_bytes()
+    os._exit(1)

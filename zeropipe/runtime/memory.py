@@ -39,8 +39,11 @@ inputs (and its outputs, to send on).  R runs the same ``Stage.forward``
 again with grad enabled.  RNG restoration needs no saved state: the runtime
 seeds every layer's forward from ``(seed, step, microbatch, layer)``
 (:mod:`zeropipe.runtime.rng`), so the recomputation draws the same dropout
-masks as the forward did.  While R runs, :func:`is_recomputing` is true so
-layers can skip side effects (running statistics, counters).  With split
+masks as the forward did.  Buffers a forward updates (BatchNorm's running
+statistics, counters) are put back after R (:func:`kept_buffers`), so a
+recomputed microbatch counts once, as in the model run without a pipeline;
+:func:`is_recomputing` is also true while R runs, for layers with other side
+effects (logging, external state).  With split
 backward R records into the (stage, microbatch)'s weight-gradient stash, so
 one recomputation serves both I and W.
 
@@ -62,7 +65,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from zeropipe.costs import CostModel
 from zeropipe.device import Copier, peak_allocated_bytes, reset_peak_bytes
@@ -78,6 +81,7 @@ __all__ = [
     "MemoryManager",
     "MemoryReport",
     "is_recomputing",
+    "kept_buffers",
     "measured_costs",
     "recomputing",
 ]
@@ -102,6 +106,33 @@ def recomputing() -> Iterator[None]:
         yield
     finally:
         _RECOMPUTING.reset(token)
+
+
+@contextmanager
+def kept_buffers(module: nn.Module) -> Iterator[None]:
+    """Leave ``module``'s buffers (values and objects) as the block found them.
+
+    R runs a forward that F already ran: its buffer updates would count the
+    microbatch twice.  Every buffer is copied (there is no cheap way to know
+    which ones a forward touches; they are small next to the activations R
+    rebuilds) and put back through ``.data``, so that the restore is not an
+    in-place change for autograd: BatchNorm saves its running statistics for
+    backward, and its kernel updates them without bumping their version, so
+    a visible copy would fail R's own backward.  A buffer the block rebound
+    to a new tensor gets its old object back.  No buffers: nothing is done.
+    """
+    kept = [
+        (owner, name, buf, buf.detach().clone())
+        for owner in module.modules()  # per owner, to undo a rebinding
+        for name, buf in owner.named_buffers(recurse=False)
+    ]
+    try:
+        yield
+    finally:
+        for owner, name, buf, copy in kept:
+            if getattr(owner, name, None) is not buf:
+                setattr(owner, name, buf)
+            buf.data.copy_(copy)
 
 
 # --- accounting ---------------------------------------------------------------------------

@@ -13,13 +13,34 @@ on that thread's event in slices, looking for failed peers in between::
 :class:`Endpoint` is one rank's end of the process group, shared by the
 point-to-point transfers (:mod:`zeropipe.runtime.distributed`) and the
 step-end collectives (:mod:`zeropipe.runtime.collectives`).
+
+A failed step leaves pool threads blocked in ``Work.wait()`` on transfers a
+peer will never complete, and such a thread aborts the process ("terminate
+called without an active exception", seen with torch 2.13 on Python 3.11)
+if it wakes while the interpreter finalizes: on its way back from C++ it
+re-takes the GIL, and a finalizing interpreter ends the thread there by
+unwinding a stack that cannot be unwound.  It wakes when the peer's process
+ends and its connections close.  So at exit::
+
+    no wait blocked              -> a normal exit
+    this rank failed on its own  -> flush, os._exit(1) at once: its error is printed,
+                                    its peers learn of it from the store
+    it relays a peer's failure   -> wait (bounded) for the failed peer's process to end,
+                                    which fails the blocked waits, plus a moment, then
+                                    exit normally: a supervisor polling the processes
+                                    (torchrun) sees the cause end first and names it
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import os
 import queue
+import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +54,11 @@ __all__ = ["Endpoint", "Label", "Pending", "WaitPool"]
 
 # How often a waiting rank looks at the store for a peer's failure (seconds).
 _CHECK_EVERY = 0.02
+# At exit, how long a rank relaying a peer's failure waits for that peer's process to
+# end (it ends its own blocked waits), and how long it then stays: longer than
+# torchrun's default 0.1 s poll, so that torchrun sees the cause end alone.
+_EXIT_WAIT_S = 5.0
+_EXIT_AFTER_PEER_S = 1.0
 
 Label = tuple[str, int | None]
 """What a work is (for messages) and the peer rank it involves (None: a collective)."""
@@ -51,18 +77,33 @@ class WaitPool:
     exits makes it abort (torch 2.13).
 
     Invariant: jobs queued + ``_idle`` == threads blocked in ``get``.
+
+    Args:
+        failures: whether this rank failed on its own or relays a peer's
+            failure, which decides how the process exits with waits still
+            blocked (see the module's docstring).
     """
 
     _IDLE_EXIT_S = 10.0
 
-    def __init__(self) -> None:
+    def __init__(self, failures: PeerFailures | None = None) -> None:
+        self.failures = failures
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._idle = 0
+        self._busy = 0  # jobs submitted and not finished: waits possibly blocked in c10d
         self._threads: set[threading.Thread] = set()
+        _POOLS.add(self)
+
+    @property
+    def busy(self) -> int:
+        """Waits submitted and not finished yet."""
+        with self._lock:
+            return self._busy
 
     def submit(self, job: Callable[[], None]) -> None:
         with self._lock:
+            self._busy += 1
             if self._idle:
                 self._idle -= 1  # a thread blocked in get() takes this job
                 self._jobs.put(job)
@@ -76,11 +117,14 @@ class WaitPool:
     def _work(self, job: Callable[[], None] | None) -> None:
         try:
             while job is not None:
-                job()
-                # Drop the finished job (and the works it holds) before idling.
-                job = None
-                with self._lock:
-                    self._idle += 1
+                try:
+                    job()
+                finally:
+                    # Drop the finished job (and the works it holds) before idling.
+                    job = None
+                    with self._lock:
+                        self._busy -= 1
+                        self._idle += 1
                 while job is None:
                     try:
                         job = self._jobs.get(timeout=self._IDLE_EXIT_S)
@@ -105,6 +149,33 @@ class WaitPool:
         for thread in threads:
             if thread is not threading.current_thread():  # a finalizer may run anywhere
                 thread.join(max(0.0, deadline - time.monotonic()))
+
+
+# Every pool alive, for the exit below; a pool lives as long as one of its threads.
+_POOLS: weakref.WeakSet[WaitPool] = weakref.WeakSet()
+
+
+def _exit_with_blocked_waits() -> None:
+    """At interpreter exit: make sure no pool thread wakes from a c10d wait during finalization."""
+    blocked = [pool for pool in list(_POOLS) if pool.busy]
+    if not blocked:
+        return
+    if all(pool.failures is not None and pool.failures.peer_failed for pool in blocked):
+        deadline = time.monotonic() + _EXIT_WAIT_S
+        while any(pool.busy for pool in blocked) and time.monotonic() < deadline:
+            time.sleep(_CHECK_EVERY)
+        if not any(pool.busy for pool in blocked):
+            time.sleep(_EXIT_AFTER_PEER_S)
+            return
+    # The error is already printed (an uncaught exception is, before atexit runs); the
+    # status cannot be read here, and waits left blocked mean a step failed: 1.
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(AttributeError, OSError, ValueError):  # none, closed, broken
+            stream.flush()
+    os._exit(1)
+
+
+atexit.register(_exit_with_blocked_waits)
 
 
 class Pending:
@@ -164,7 +235,7 @@ class Endpoint:
         self._global = [
             r if group is None else dist.get_global_rank(group, r) for r in range(self.world)
         ]
-        self.pool = WaitPool()  # gloo p2p works only complete through wait()
+        self.pool = WaitPool(failures)  # gloo p2p works only complete through wait()
 
     def post(self, op: Callable[..., Any], tensor: Tensor, peer: int, tag: int, what: str) -> Any:
         """Post ``dist.isend`` / ``dist.irecv`` of ``tensor`` with ``peer`` (a group rank)."""

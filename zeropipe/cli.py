@@ -287,9 +287,9 @@ def _load_costs(spec: str, schedule: Schedule | None) -> CostModel:
     if spec and path.is_file():
         try:
             return CostModel.from_json(path.read_text())
-        except ZeropipeError:
-            raise
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        except ScheduleError as exc:
+            raise ScheduleError(f"cost file {path}: {exc}", rule=exc.rule) from exc
+        except UnicodeDecodeError as exc:
             raise ZeropipeError(f"cannot read cost file {path}: {exc}") from exc
     assert schedule is not None  # only a cost file is read without a schedule
     return CostModel.parse(spec, schedule.num_stages, schedule.chunks_per_rank)

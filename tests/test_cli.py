@@ -293,3 +293,14 @@ def test_python_dash_m_zeropipe_simulate_with_defaults() -> None:
 def test_matplotlib_is_imported_only_to_draw() -> None:
     code = "import sys, zeropipe.cli; sys.exit('matplotlib' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], timeout=120, check=False).returncode == 0
+
+
+def test_many_ranks_draw_a_capped_grid_and_peak_line(capsys) -> None:
+    argv = ["simulate", "--schedule", "1f1b", "--stages", "70", "--microbatches", "2"]
+    code, out, _ = run(capsys, *argv, "--width", "40")
+    assert code == 0
+    assert sum(line.startswith("rank ") for line in out.splitlines()) == 64
+    assert "... 6 more ranks not drawn; --json / --trace have them all" in out
+    [peaks] = [line for line in out.splitlines() if line.startswith("peak memory")]
+    assert peaks.count(",") == 64 and peaks.endswith("... 6 more (highest of all: 2)")
+    assert len(run_json(capsys, *argv[1:])["peak_memory"]) == 70  # --json has every rank

@@ -179,6 +179,7 @@ _DROP = object()
         (_json(placement=[]), "at least one stage"),
         (_json(actions={"0": []}), "'actions' must be a list"),
         (_json(actions=[["0F0", 3], []]), "rank 0: action 3 is not a string"),
+        (_json(actions=[["0F0", None], []]), "rank 0: action None is not a string"),
         (_json(actions=[["0Q0"], []]), "cannot read action '0Q0'"),
         (_json(actions=[["0F0", "0B0"], ["1F0", "3F0"]]), "action 3F0 on rank 1: stage 3 is not"),
         (_json(format="other"), "not a zeropipe schedule"),

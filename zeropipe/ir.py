@@ -125,6 +125,8 @@ class Action:
     @classmethod
     def parse(cls, text: str) -> Action:
         """Read the canonical form (``2F0``, ``1SEND_B3``, ``0RELOAD``)."""
+        if not isinstance(text, str):
+            raise ScheduleError(f"an action is text such as '2F0', got {text!r:.40}", rule="syntax")
         match = _ACTION_RE.match(text.strip())
         if match is None:
             kinds = ", ".join(k.value for k in Kind)
@@ -363,12 +365,12 @@ class Schedule:
             )
         parsed = []
         for rank, acts in enumerate(actions):
-            bad = next((a for a in acts if not isinstance(a, str)), None)
-            if bad is not None:
-                raise ScheduleError(
-                    f"rank {rank}: action {bad!r:.40} is not a string such as '2F0'",
-                    rule="syntax",
-                )
+            for a in acts:
+                if not isinstance(a, str):
+                    raise ScheduleError(
+                        f"rank {rank}: action {a!r:.40} is not a string such as '2F0'",
+                        rule="syntax",
+                    )
             parsed.append(tuple(Action.parse(a) for a in acts))
         schedule = cls(
             placement=tuple(_integer("placement", r) for r in placement),

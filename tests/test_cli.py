@@ -304,3 +304,10 @@ def test_many_ranks_draw_a_capped_grid_and_peak_line(capsys) -> None:
     [peaks] = [line for line in out.splitlines() if line.startswith("peak memory")]
     assert peaks.count(",") == 64 and peaks.endswith("... 6 more (highest of all: 2)")
     assert len(run_json(capsys, *argv[1:])["peak_memory"]) == 70  # --json has every rank
+
+
+def test_costs_too_large_to_add_up_end_in_one_line(capsys) -> None:
+    code, out, err = run(capsys, "simulate", "--costs", "F=1e308", "--width", "40")
+    assert code == 2 and out == ""
+    [line] = err.splitlines()
+    assert line.startswith("zeropipe: error: the simulated times add up past the largest float")

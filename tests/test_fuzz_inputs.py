@@ -24,6 +24,7 @@ from tests.strategies import valid_schedules
 from zeropipe.costs import CostModel, StageCost
 from zeropipe.errors import ZeropipeError
 from zeropipe.ir import Schedule
+from zeropipe.schedules import generate
 from zeropipe.simulate import simulate
 from zeropipe.validate import validate
 
@@ -131,7 +132,9 @@ _cost_keys = st.sampled_from(
 _cost_numbers = st.one_of(
     st.floats(allow_nan=True, allow_infinity=True).map(repr),
     st.integers(-5, 5).map(str),
-    st.sampled_from(["nan", "inf", "-inf", "1e400", "-0", "", "x", "1_0", " 2 "]),
+    st.sampled_from(
+        ["nan", "inf", "-inf", "1e400", "1e308", "5e-324", "-0", "", "x", "1_0", " 2 "]
+    ),
 )
 
 
@@ -148,10 +151,17 @@ _cost_numbers = st.one_of(
 )
 def test_cost_specs(spec: str, stages: int, chunks: int) -> None:
     try:
-        model = CostModel.parse(spec, stages, chunks)
+        model = CostModel.parse(spec, stages * chunks, chunks)
     except ZeropipeError:
         return
     _assert_sane(model)
+    schedule = generate("interleaved-1f1b" if chunks > 1 else "1f1b", stages, 4, chunks)
+    try:
+        timeline = simulate(schedule, model)
+    except ZeropipeError:  # finite figures whose sums overflow
+        return
+    assert all(e.end >= e.start >= 0 for evs in timeline.events for e in evs)
+    assert math.isfinite(timeline.makespan) and 0 <= timeline.bubble_rate <= 1
 
 
 _stage_fields = [f for f in StageCost.__dataclass_fields__]

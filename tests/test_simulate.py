@@ -310,3 +310,12 @@ def _padded_zbv(ranks: int, microbatches: int) -> list[list[Action]]:
 def test_zbv_is_the_padded_and_trimmed_schedule(ranks: int, microbatches: int) -> None:
     schedule = generate("zbv", ranks, microbatches)
     assert [list(acts) for acts in schedule.actions] == _padded_zbv(ranks, microbatches)
+
+
+def test_finite_costs_whose_sums_overflow_are_a_schedule_error() -> None:
+    schedule = generate("1f1b", 4, 8)
+    with pytest.raises(ScheduleError, match="past the largest float") as info:
+        simulate(schedule, CostModel.parse("F=1e308", 4))
+    assert info.value.rule == "costs"
+    tiny = simulate(schedule, CostModel.parse("F=5e-324,I=5e-324,W=0", 4))
+    assert tiny.makespan > 0  # small is fine

@@ -91,6 +91,20 @@ class Action:
     def __hash__(self) -> int:
         return self._hash
 
+    def __eq__(self, other: object) -> bool:
+        # Written out rather than generated: a dict lookup of an equal but distinct
+        # Action (the dependency model makes new ones) ends here, a million times for
+        # a big schedule, and the generated one builds two tuples each time.
+        if other.__class__ is not Action:
+            return NotImplemented
+        o: Action = other  # narrowed by the class check above
+        return (
+            self._hash == o._hash
+            and self.kind is o.kind
+            and self.stage == o.stage
+            and self.microbatch == o.microbatch
+        )
+
     def __post_init__(self) -> None:
         if not isinstance(self.kind, Kind):
             raise ScheduleError(f"action kind must be a zeropipe.Kind, got {self.kind!r}")

@@ -143,6 +143,11 @@ def test_simulate_writes_plot_and_trace(tmp_path: Path, capsys) -> None:
         (["simulate", "--schedule", "missing.json"], ["missing.json does not exist"]),
         (["simulate", "--costs", "F=1,Q=2"], ["'Q=2'"]),
         (["simulate", "--costs", "F=fast"], ["cost F is not a number"]),
+        (["simulate", "--costs", "F=-1"], ["F = -1.0 must be finite and >= 0"]),
+        (["simulate", "--costs", "comm=-5"], ["comm = -5.0 must be finite and >= 0"]),
+        (["simulate", "--costs", "F=nan"], ["F = nan must be finite"]),
+        (["simulate", "--costs", "F=inf"], ["F = inf must be finite"]),
+        (["simulate", "--schedule", "auto", "--costs", "F=-1"], ["F = -1.0 must be"]),
         (
             ["simulate", "--schedule", "1f1b", "--memory-limit", "2"],
             ["rank 0 holds 4", "limit of 2"],
@@ -182,6 +187,30 @@ def test_memory_error_shows_the_grid_after_the_line(capsys) -> None:
         ("[1, 2]", ".json", ["expected a JSON object"]),
         ("0F0,0B0\n1F0,(1B0;1F1)\n", ".csv", ["no zeropipe equivalent"]),
         ("0F0,0F1\n1F0,1B0\n", ".csv", ["has no backward: add 0B0"]),
+        (
+            '{"format": "zeropipe-schedule", "microbatches": "two", "placement": [0],'
+            ' "actions": [["0F0", "0B0"]]}',
+            ".json",
+            ["bad.json", "microbatches must be an integer, got 'two'"],
+        ),
+        (
+            '{"format": "zeropipe-schedule", "microbatches": 1, "placement": [0],'
+            ' "actions": [["0F0", "1B0"]]}',
+            ".json",
+            ["action 1B0 on rank 0: stage 1 is not in the placement (stages 0-0)"],
+        ),
+        (
+            '{"format": "zeropipe-schedule", "placement": [0], "actions": [["0F0"]]}',
+            ".json",
+            ["lacks field 'microbatches'"],
+        ),
+        ("0F0,0B0\n1F0,3F0,1B0\n", ".csv", ["action 3F0 on rank 1", "stage(s) [2]"]),
+        (
+            "microbatches: 1\nplacement: 0 1\nrank 0: 0F0 0B0\nrank 1: 1F0 3F0 1B0\n",
+            ".txt",
+            ["action 3F0 on rank 1: stage 3 is not in the placement (stages 0-1)"],
+        ),
+        ("microbatches: two\nplacement: 0\nrank 0: 0F0 0B0\n", ".txt", ["'two'"]),
     ],
 )
 def test_bad_schedule_files(tmp_path: Path, capsys, content: str, suffix: str, names) -> None:
@@ -192,6 +221,25 @@ def test_bad_schedule_files(tmp_path: Path, capsys, content: str, suffix: str, n
     for name in names:
         assert name in err.splitlines()[0]
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("F", -1, "stage 2: F = -1 must be finite and >= 0"),
+        ("W_fused", -0.5, "stage 2: W_fused = -0.5 must be"),
+        ("boundary_bytes", "big", "stage 2: boundary_bytes = 'big' is not a number"),
+    ],
+)
+def test_bad_cost_file_ends_in_one_line(tmp_path: Path, capsys, field, value, message) -> None:
+    data = CostModel.uniform(4).to_dict()
+    data["stages"][2][field] = value
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps(data))
+    code, out, err = run(capsys, "simulate", "--schedule", "1f1b", "--costs", str(path))
+    assert code == 2 and out == ""
+    [line] = err.splitlines()
+    assert line.startswith(f"zeropipe: error: cost file {path}: {message}")
 
 
 def test_file_contradicting_a_flag(tmp_path: Path, capsys) -> None:
@@ -245,3 +293,21 @@ def test_python_dash_m_zeropipe_simulate_with_defaults() -> None:
 def test_matplotlib_is_imported_only_to_draw() -> None:
     code = "import sys, zeropipe.cli; sys.exit('matplotlib' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], timeout=120, check=False).returncode == 0
+
+
+def test_many_ranks_draw_a_capped_grid_and_peak_line(capsys) -> None:
+    argv = ["simulate", "--schedule", "1f1b", "--stages", "70", "--microbatches", "2"]
+    code, out, _ = run(capsys, *argv, "--width", "40")
+    assert code == 0
+    assert sum(line.startswith("rank ") for line in out.splitlines()) == 64
+    assert "... 6 more ranks not drawn; --json / --trace have them all" in out
+    [peaks] = [line for line in out.splitlines() if line.startswith("peak memory")]
+    assert peaks.count(",") == 64 and peaks.endswith("... 6 more (highest of all: 2)")
+    assert len(run_json(capsys, *argv[1:])["peak_memory"]) == 70  # --json has every rank
+
+
+def test_costs_too_large_to_add_up_end_in_one_line(capsys) -> None:
+    code, out, err = run(capsys, "simulate", "--costs", "F=1e308", "--width", "40")
+    assert code == 2 and out == ""
+    [line] = err.splitlines()
+    assert line.startswith("zeropipe: error: the simulated times add up past the largest float")

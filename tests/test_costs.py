@@ -54,3 +54,127 @@ def test_boundary_time_is_the_lower_stages_output_either_way() -> None:
         bandwidth=100.0,
     )
     assert costs.boundary_time(0, 1) == costs.boundary_time(1, 0) == 0.5 + 1.0
+
+
+# -- bad numbers fail where the model is built, naming the field, stage and value -----
+_BAD = [-1.0, -1e-9, float("nan"), float("inf"), float("-inf")]
+_FIELDS = [f.name for f in dataclasses.fields(StageCost)]
+
+
+@pytest.mark.parametrize("name", _FIELDS)
+@pytest.mark.parametrize("value", _BAD)
+def test_stage_cost_rejects_negative_and_non_finite_figures(name: str, value: float) -> None:
+    with pytest.raises(ScheduleError, match=rf"^{name} = .* must be finite and >= 0"):
+        StageCost(**{name: value})
+
+
+@pytest.mark.parametrize("value", ["1", True, [1.0]])
+def test_stage_cost_rejects_what_is_not_a_number(value: object) -> None:
+    with pytest.raises(ScheduleError, match=r"F = .* is not a number"):
+        StageCost(F=value)  # type: ignore[arg-type]
+
+
+def test_optional_figures_may_be_none_and_zero_is_fine() -> None:
+    stage = StageCost(F=0, I=0, W=0, B=None, R=None, W_fused=None, act=0)
+    assert stage.time(Kind.B) == 0 and stage.fused_w == 0
+    with pytest.raises(ScheduleError, match="act = None is not a number"):
+        StageCost(act=None)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"latency": -1.0}, "latency = -1.0 must be finite and >= 0"),
+        ({"post": float("nan")}, "post = nan must be finite"),
+        ({"overhead": float("inf")}, "overhead = inf must be finite"),
+        ({"bandwidth": 0.0}, "bandwidth = 0.0 must be > 0"),
+        ({"bandwidth": -3.0}, "bandwidth = -3.0 must be > 0"),
+        ({"bandwidth": float("nan")}, "bandwidth = nan must be > 0"),
+    ],
+)
+def test_cost_model_rejects_bad_wire_and_runtime_figures(changes, message: str) -> None:
+    with pytest.raises(ScheduleError, match=message):
+        dataclasses.replace(CostModel.uniform(2), **changes)
+
+
+def test_infinite_bandwidth_is_an_instant_wire() -> None:
+    model = dataclasses.replace(CostModel.uniform(2, comm=0.5), bandwidth=float("inf"))
+    assert model.boundary_time(0, 1) == 0.5
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("F=-1", "F = -1.0 must be finite and >= 0"),
+        ("comm=-5", "comm = -5.0 must be finite and >= 0"),
+        ("F=nan", "F = nan must be finite"),
+        ("F=inf", "F = inf must be finite"),
+        ("I=1,W=-0.5", "W = -0.5 must be"),
+        ("B=1e400", "B = inf must be"),
+        ("W_fused=-1", "W_fused = -1.0 must be"),
+        ("overhead=nan", "overhead = nan"),
+        ("post=-1", "post = -1.0"),
+        ("act_w=-2", "act_w = -2.0"),
+    ],
+)
+def test_parse_rejects_impossible_costs_naming_the_spec(spec: str, message: str) -> None:
+    with pytest.raises(ScheduleError, match=message) as info:
+        CostModel.parse(spec, 4, chunks=2)
+    assert repr(spec) in str(info.value)
+
+
+def test_from_json_names_the_stage_of_a_bad_figure() -> None:
+    data = CostModel.uniform(4).to_dict()
+    data["stages"][2]["F"] = -1
+    with pytest.raises(ScheduleError, match=r"^stage 2: F = -1 must be finite and >= 0$"):
+        CostModel.from_dict(data)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("{", "not valid JSON"),
+        ("[1]", "not a zeropipe cost model"),
+        ('{"format": "zeropipe-costs"}', "needs 'stages'"),
+        ('{"format": "zeropipe-costs", "stages": [1]}', "stage 0: expected an object"),
+        ('{"format": "zeropipe-costs", "stages": [{"Q": 1}]}', "stage 0: unknown field"),
+        ('{"format": "zeropipe-costs", "stages": [{"F": "1"}]}', "stage 0: F = '1' is not"),
+        ('{"format": "zeropipe-costs", "stages": [{"F": NaN}]}', "stage 0: F = nan"),
+        ('{"format": "zeropipe-costs", "stages": [], "latency": "x"}', "latency = 'x'"),
+        ('{"format": "zeropipe-costs", "stages": [], "bandwidth": 0}', "bandwidth = 0.0"),
+        ('{"format": "zeropipe-costs", "stages": [], "meta": 3}', "'meta' must be"),
+    ],
+)
+def test_malformed_cost_json_is_a_schedule_error(text: str, message: str) -> None:
+    with pytest.raises(ScheduleError, match=message):
+        CostModel.from_json(text)
+
+
+def test_round_trip_through_json_still_works() -> None:
+    model = CostModel.uniform(3, comm=0.25, W_fused=0.5, post=0.1)
+    assert CostModel.from_json(model.to_json()) == model
+
+
+def test_replace_stage_checks_the_new_figures_and_names_the_stage() -> None:
+    model = CostModel.uniform(3)
+    assert model.replace_stage(1, F=2.0).stages[1].F == 2.0
+    with pytest.raises(ScheduleError, match=r"^stage 1: F = -2.0 must be finite"):
+        model.replace_stage(1, F=-2.0)
+    with pytest.raises(ScheduleError, match="no stage 3"):
+        model.replace_stage(3, F=1.0)
+    with pytest.raises(ScheduleError, match=r"unknown field.*Q"):
+        model.replace_stage(0, Q=1.0)
+
+
+def test_uniform_reports_the_value_given_not_its_share_per_chunk() -> None:
+    with pytest.raises(ScheduleError, match=r"^F = -4 must be"):
+        CostModel.uniform(2, chunks=4, F=-4)
+    with pytest.raises(ScheduleError, match="chunks must be an integer >= 1"):
+        CostModel.uniform(2, chunks=0)
+
+
+def test_scaled_and_merged_check_their_input() -> None:
+    with pytest.raises(ScheduleError, match=r"scale factor = -1\.0"):
+        StageCost().scaled(-1.0)
+    with pytest.raises(ScheduleError, match="at least one stage"):
+        StageCost.merged([])

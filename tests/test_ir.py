@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 from hypothesis import given, settings
 
@@ -142,3 +145,101 @@ def test_actions_survive_pickling_into_another_process() -> None:
             check=True,
         )
         assert out.stdout.decode().split() == ["f", "w"]
+
+
+# -- malformed input is a ScheduleError that names what is wrong -------------------------
+def _json(**changes: object) -> str:
+    data: dict[str, object] = {
+        "format": "zeropipe-schedule",
+        "microbatches": 1,
+        "placement": [0, 1],
+        "actions": [["0F0", "0B0"], ["1F0", "1B0"]],
+    }
+    data.update(changes)
+    return json.dumps({k: v for k, v in data.items() if v is not _DROP})
+
+
+_DROP = object()
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (_json(microbatches="two"), "microbatches must be an integer, got 'two'"),
+        (_json(microbatches=[2]), "microbatches must be an integer"),
+        (_json(microbatches=1.5), "microbatches must be an integer"),
+        (_json(microbatches=0), "microbatches must be >= 1"),
+        (_json(microbatches=-3), "microbatches must be >= 1"),
+        (_json(microbatches=_DROP), "lacks field 'microbatches'"),
+        (_json(actions=_DROP), "lacks field 'actions'"),
+        (_json(placement="0 1"), "'placement' must be a list"),
+        (_json(placement=[0, "x"]), "placement must be an integer, got 'x'"),
+        (_json(placement=[0, None]), "placement must be an integer, got None"),
+        (_json(placement=[0, 5]), "names rank(s) [5]"),
+        (_json(placement=[]), "at least one stage"),
+        (_json(actions={"0": []}), "'actions' must be a list"),
+        (_json(actions=[["0F0", 3], []]), "rank 0: action 3 is not a string"),
+        (_json(actions=[["0F0", None], []]), "rank 0: action None is not a string"),
+        (_json(actions=[["0Q0"], []]), "cannot read action '0Q0'"),
+        (_json(actions=[["0F0", "0B0"], ["1F0", "3F0"]]), "action 3F0 on rank 1: stage 3 is not"),
+        (_json(format="other"), "not a zeropipe schedule"),
+        ("[1, 2]", "not a zeropipe schedule"),
+        ("{", "not valid JSON"),
+        ("[" * 100_000, "not valid JSON"),
+    ],
+)
+def test_malformed_schedule_json_is_a_schedule_error(text: str, message: str) -> None:
+    with pytest.raises(ScheduleError) as info:
+        Schedule.from_json(text)
+    assert message in str(info.value)
+
+
+def test_stage_beyond_the_placement_names_the_action_in_every_reader() -> None:
+    want = "action 3F0 on rank 1: stage 3 is not in the placement (stages 0-1)"
+    text = "microbatches: 1\nplacement: 0 1\nrank 0: 0F0 0B0\nrank 1: 1F0 3F0 1B0\n"
+    with pytest.raises(ScheduleError, match=re.escape(want)) as info:
+        Schedule.from_text(text)
+    assert info.value.actions == ("3F0",) and info.value.rule == "range"
+    with pytest.raises(ScheduleError, match=re.escape(want)):
+        Schedule.from_torch_csv("0F0,0B0\n1F0,3F0,1B0\n", placement=[0, 1])
+    # Placement inferred: the gap (stage 2) is reported along with the action past it.
+    with pytest.raises(ScheduleError, match=r"action 3F0 on rank 1 .* stage\(s\) \[2\]"):
+        Schedule.from_torch_csv("0F0,0B0\n1F0,3F0,1B0\n")
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("microbatches: two\nplacement: 0\nrank 0: 0F0 0B0\n", "got 'two'"),
+        ("microbatches: 0\nplacement: 0\nrank 0: 0F0 0B0\n", "microbatches must be >= 1"),
+        ("microbatches: 1\nplacement: 0 x\nrank 0: 0F0 0B0\n", "placement must be an integer"),
+        ("microbatches: 1\nplacement: -1\nrank 0: 0F0\n", "names rank(s) [-1]"),
+        ("microbatches: 1\nrank 0: 0F0\n", "no 'placement:' line"),
+        ("microbatches: 1\nplacement: 0\n", "at least one rank"),
+        ("microbatches: 1\nplacement: 0\nrank 1: 0F0\n", "expected 0..0"),
+    ],
+)
+def test_malformed_schedule_text_is_a_schedule_error(text: str, message: str) -> None:
+    with pytest.raises(ScheduleError) as info:
+        Schedule.from_text(text)
+    assert message in str(info.value)
+
+
+def test_oversized_csv_field_is_a_schedule_error() -> None:
+    with pytest.raises(ScheduleError, match="cannot read torch CSV"):
+        Schedule.from_torch_csv('"' + "0F0" * 100_000 + '"\n')
+
+
+def test_constructor_rejects_what_is_not_an_action_or_an_integer() -> None:
+    with pytest.raises(ScheduleError, match="is not an Action"):
+        Schedule((0,), [["0F0"]], 1)  # type: ignore[list-item]
+    with pytest.raises(ScheduleError, match="microbatches must be an integer"):
+        Schedule((0,), [[]], "1")  # type: ignore[arg-type]
+    with pytest.raises(ScheduleError, match="one sequence of Actions per rank"):
+        Schedule((0,), 5, 1)  # type: ignore[arg-type]
+
+
+def test_stages_of_is_built_once_and_matches_the_placement() -> None:
+    sched = Schedule((0, 1, 1, 0), [[], []], 1)
+    assert [sched.stages_of(r) for r in range(3)] == [(0, 3), (1, 2), ()]
+    assert sched.chunks_per_rank == 2

@@ -208,3 +208,40 @@ def test_png_without_matplotlib_says_how_to_install(tmp_path, monkeypatch, tiny)
     with pytest.raises(ZeropipeError, match=r"pip install 'zeropipe\[plot\]'"):
         render_png(tiny, tmp_path / "t.png")
     assert not (tmp_path / "t.png").exists()
+
+
+# -- many ranks: a capped grid, drawn in time linear in ranks ----------------------------
+class _CountingList(list[Event]):
+    """A rank's events that count how often anything walks through them."""
+
+    walks = 0
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        _CountingList.walks += 1
+        return super().__iter__()
+
+
+def test_grid_draws_at_most_max_ranks_rows_and_says_how_many_are_left(tiny: Timeline) -> None:
+    timeline = simulate(generate("1f1b", 70, 2))
+    text = render_text(timeline, width=60)
+    assert len(_rows(text, "rank ")) == 64
+    assert _rows(text, "rank ")[-1].startswith("rank 63 ")
+    assert "... 6 more ranks not drawn; --json / --trace have them all" in text
+    one_more = render_text(timeline, width=60, max_ranks=69)
+    assert "... 1 more rank not drawn" in one_more
+    assert "not drawn" not in render_text(timeline, width=60, max_ranks=70)
+    assert "not drawn" not in render_text(tiny, width=60)
+    with pytest.raises(ZeropipeError, match="max_ranks >= 1"):
+        render_text(tiny, max_ranks=0)
+
+
+@pytest.mark.parametrize("ranks", [200, 400])
+def test_grid_walks_each_ranks_events_a_bounded_number_of_times(ranks: int) -> None:
+    timeline = simulate(generate("1f1b", ranks, 2))
+    timeline.events = [_CountingList(evs) for evs in timeline.events]
+    _CountingList.walks = 0
+    render_text(timeline, width=40)
+    # The header's figures (makespan, bubble rates) walk every rank a few times and
+    # each drawn row its own rank once more: linear.  Walking every rank for each
+    # row (as the grid once did, to find the start time) is quadratic and fails this.
+    assert _CountingList.walks <= 12 * ranks + 8 * 64

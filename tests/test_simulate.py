@@ -12,7 +12,7 @@ from tests.strategies import valid_schedules
 from zeropipe.costs import CostModel, StageCost, peak_memory
 from zeropipe.errors import ScheduleError
 from zeropipe.fuse import fused_weights, group_weights
-from zeropipe.ir import Kind, Schedule
+from zeropipe.ir import Action, Kind, Schedule
 from zeropipe.lower import lower
 from zeropipe.schedules import generate
 from zeropipe.simulate import costs_from_timeline, simulate
@@ -240,3 +240,82 @@ def test_cost_model_json_round_trip() -> None:
 def test_cost_model_stage_count_mismatch_is_reported() -> None:
     with pytest.raises(ScheduleError, match="2 stage"):
         simulate(generate("1f1b", 3, 3), CostModel.uniform(2))
+
+
+# -- many ranks ---------------------------------------------------------------------------
+def test_zbv_builds_only_the_actions_it_keeps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ZB-V pads to 2p - 1 microbatches; building the padding made it quadratic in ranks."""
+    import zeropipe.schedules.zbv as zbv_module
+
+    built = []
+
+    def counting_action(*args: object) -> Action:
+        built.append(args)
+        return Action(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(zbv_module, "Action", counting_action)
+    ranks, microbatches = 300, 4
+    schedule = zbv_module.zbv(ranks, microbatches)
+    kept = sum(len(acts) for acts in schedule.actions)
+    assert kept == ranks * 2 * microbatches * 3  # F, I, W of two chunks per microbatch
+    assert len(built) == kept
+
+
+def _padded_zbv(ranks: int, microbatches: int) -> list[list[Action]]:
+    """ZB-V as first written: built for max(m, 2p - 1) microbatches, then trimmed."""
+    from collections import Counter
+
+    F, I, W = Kind.F, Kind.I, Kind.W
+    fill = max(microbatches, 2 * ranks - 1)
+    out = []
+    for rank in range(ranks):
+        a, b = rank, 2 * ranks - 1 - rank
+        done: Counter[tuple[Kind, int]] = Counter()
+        acts: list[Action] = []
+
+        def put(kind: Kind, stage: int) -> None:
+            acts.append(Action(kind, stage, done[kind, stage]))  # noqa: B023
+            done[kind, stage] += 1  # noqa: B023
+
+        for _ in range(2 * (ranks - rank) - 1):
+            put(F, a)
+        for _ in range(rank):
+            put(F, b)
+            put(F, a)
+        for _ in range(ranks - rank):
+            put(F, b)
+            put(I, b)
+            put(W, b)
+        while done[F, b] < done[F, a] or done[F, a] < fill:
+            if done[F, a] < fill:
+                put(F, a)
+            for kind, stage in ((I, a), (W, a), (F, b), (I, b), (W, b)):
+                put(kind, stage)
+        for _ in range(rank):
+            put(I, a)
+            put(I, b)
+        for _ in range(ranks - rank):
+            put(I, a)
+            put(W, a)
+        while done[W, b] < done[I, b]:
+            put(W, b)
+        while done[W, a] < done[I, a]:
+            put(W, a)
+        out.append([x for x in acts if (x.microbatch or 0) < microbatches])
+    return out
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("microbatches", [1, 2, 4, 9, 15, 16, 17, 40])
+def test_zbv_is_the_padded_and_trimmed_schedule(ranks: int, microbatches: int) -> None:
+    schedule = generate("zbv", ranks, microbatches)
+    assert [list(acts) for acts in schedule.actions] == _padded_zbv(ranks, microbatches)
+
+
+def test_finite_costs_whose_sums_overflow_are_a_schedule_error() -> None:
+    schedule = generate("1f1b", 4, 8)
+    with pytest.raises(ScheduleError, match="past the largest float") as info:
+        simulate(schedule, CostModel.parse("F=1e308", 4))
+    assert info.value.rule == "costs"
+    tiny = simulate(schedule, CostModel.parse("F=5e-324,I=5e-324,W=0", 4))
+    assert tiny.makespan > 0  # small is fine

@@ -204,7 +204,12 @@ def _run_simulate(args: argparse.Namespace) -> int:
         print(timeline.schedule.to_text())
     width = args.width or max(40, shutil.get_terminal_size((110, 24)).columns - 10)
     print(render.render_text(timeline, width=width))
-    peaks = ", ".join(f"{p:.4g}" for p in timeline.peak_memory)
+    # As many ranks as the grid drew: a line of ten thousand numbers helps no one.
+    shown = timeline.peak_memory[: render.MAX_RANKS]
+    peaks = ", ".join(f"{p:.4g}" for p in shown)
+    hidden = len(timeline.peak_memory) - len(shown)
+    if hidden > 0:
+        peaks += f", ... {hidden:,} more (highest of all: {max(timeline.peak_memory):.4g})"
     print(f"peak memory per rank (unit: {timeline.memory_unit}): {peaks}")
     for what, path in written.items():
         print(f"wrote {what}: {path}")
@@ -287,9 +292,9 @@ def _load_costs(spec: str, schedule: Schedule | None) -> CostModel:
     if spec and path.is_file():
         try:
             return CostModel.from_json(path.read_text())
-        except ZeropipeError:
-            raise
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        except ScheduleError as exc:
+            raise ScheduleError(f"cost file {path}: {exc}", rule=exc.rule) from exc
+        except UnicodeDecodeError as exc:
             raise ZeropipeError(f"cannot read cost file {path}: {exc}") from exc
     assert schedule is not None  # only a cost file is read without a schedule
     return CostModel.parse(spec, schedule.num_stages, schedule.chunks_per_rank)

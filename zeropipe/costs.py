@@ -58,9 +58,21 @@ class StageCost:
     weights: float = 0.0
     boundary_bytes: float = 0.0  # size of this stage's output activation (= its input grad)
 
+    def __post_init__(self) -> None:
+        # Checked here, not where the numbers are read, so that every way of building
+        # one (a spec string, a JSON file, replace(), scaled(), merged(), profiling)
+        # is covered: a negative or NaN time gives a timeline that is not a timeline.
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None and f.name in _OPTIONAL:
+                continue
+            _check_number(f.name, value)
+
     @classmethod
     def merged(cls, group: Sequence[StageCost]) -> StageCost:
         """Consecutive stages run as one: times and memory summed, the last one's boundary."""
+        if not group:
+            raise ScheduleError("StageCost.merged needs at least one stage to merge")
         values: dict[str, Any] = {}
         for f in fields(cls):
             if f.name == "boundary_bytes":
@@ -79,6 +91,7 @@ class StageCost:
 
         The boundary size is kept: each part still sends a whole activation.
         """
+        _check_number("scale factor", factor)
         values: dict[str, Any] = {}
         for f in fields(self):
             value = getattr(self, f.name)
@@ -125,6 +138,43 @@ class StageCost:
         return 0.0  # sends and receives take no time on the rank itself
 
 
+_OPTIONAL = frozenset({"B", "R", "W_fused"})  # None stands for a sum of other figures
+
+
+def _is_number(value: object) -> bool:
+    # bool is an int to Python but never a cost; numbers.Real would admit Decimal etc.
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_number(name: str, value: object, *, positive: bool = False, inf: bool = False) -> None:
+    """Raise ScheduleError unless ``value`` is a real number that is finite (or ``inf``
+    where allowed) and >= 0 (> 0 with ``positive``); the message names it and says why."""
+    if not _is_number(value):
+        raise ScheduleError(
+            f"{name} = {value!r} is not a number; give a finite number >= 0", rule="costs"
+        )
+    x = float(value)  # type: ignore[arg-type]  # _is_number checked it
+    finite = math.isfinite(x) or (inf and x == math.inf)
+    if not finite or x < 0 or (positive and x == 0):
+        if positive:
+            want = "> 0 (inf for an instant wire)" if inf else "finite and > 0"
+        else:
+            want = "finite and >= 0"
+        raise ScheduleError(f"{name} = {value!r} must be {want}", rule="costs")
+
+
+def _as_float(name: str, value: object) -> float:
+    """``value`` as a float if it is a number (its range is __post_init__'s to check)."""
+    if not _is_number(value):
+        raise ScheduleError(f"{name} = {value!r} is not a number", rule="costs")
+    return float(value)  # type: ignore[arg-type]  # _is_number checked it
+
+
+def _in_stage(stage: int, exc: ScheduleError) -> ScheduleError:
+    """``exc`` with the stage it is about in front of its message."""
+    return ScheduleError(f"stage {stage}: {exc}", rule=exc.rule)
+
+
 @dataclass(frozen=True)
 class CostModel:
     """Per-stage costs plus the wire: a transfer takes ``latency + bytes / bandwidth``.
@@ -140,6 +190,18 @@ class CostModel:
     post: float = 0.0
     unit: str = "microbatch"  # what memory numbers count: "microbatch" or "bytes"
     meta: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        stages = tuple(self.stages)
+        for n, stage in enumerate(stages):
+            if not isinstance(stage, StageCost):
+                raise ScheduleError(
+                    f"stage {n}: expected a StageCost, got {type(stage).__name__}", rule="costs"
+                )
+        object.__setattr__(self, "stages", stages)
+        for name in ("latency", "overhead", "post"):
+            _check_number(name, getattr(self, name))
+        _check_number("bandwidth", self.bandwidth, positive=True, inf=True)
 
     @classmethod
     def uniform(
@@ -162,8 +224,16 @@ class CostModel:
 
         Given only ``B``, I and W split it evenly; given I and W, ``B = I + W``.
         """
-        if chunks < 1:
-            raise ScheduleError(f"chunks must be >= 1, got {chunks}")
+        if not isinstance(num_stages, int) or isinstance(num_stages, bool) or num_stages < 0:
+            raise ScheduleError(f"num_stages must be an integer >= 0, got {num_stages!r}")
+        if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
+            raise ScheduleError(f"chunks must be an integer >= 1, got {chunks!r}")
+        # Checked as given, so the message shows the user's number, not its share per chunk.
+        given = {"F": F, "B": B, "I": I, "W": W, "R": R, "W_fused": W_fused}
+        given |= {"comm": comm, "act_w": act_w, "overhead": overhead, "post": post}
+        for name, value in given.items():
+            if value is not None:
+                _check_number(name, value)
         if I is None and W is None:
             I = W = (B if B is not None else 2.0) / 2
         elif I is None or W is None:
@@ -212,6 +282,15 @@ class CostModel:
         elif "I" in values or "W" in values:
             values.setdefault("I", 1.0)
             values.setdefault("W", 1.0)
+        try:
+            return cls._uniform_from_spec(values, num_stages, chunks)
+        except ScheduleError as exc:  # say which spec the bad number came from
+            raise ScheduleError(f"cost spec {spec!r}: {exc}", rule=exc.rule) from None
+
+    @classmethod
+    def _uniform_from_spec(
+        cls, values: dict[str, float], num_stages: int, chunks: int
+    ) -> CostModel:
         return cls.uniform(
             num_stages,
             chunks=chunks,
@@ -250,9 +329,23 @@ class CostModel:
         the lower one (going backward, the gradient of that output)."""
         return self.transfer_time(min(stage, neighbour))
 
-    def replace_stage(self, stage: int, **changes: float) -> CostModel:
+    def replace_stage(self, stage: int, **changes: Any) -> CostModel:
+        """This model with some figures of one stage changed (checked like any StageCost)."""
+        if not 0 <= stage < len(self.stages):
+            raise ScheduleError(
+                f"replace_stage: no stage {stage} in a cost model of {len(self.stages)} stage(s)"
+            )
+        unknown = sorted(set(changes) - {f.name for f in fields(StageCost)})
+        if unknown:
+            raise ScheduleError(
+                f"replace_stage: unknown field(s) {', '.join(unknown)}; "
+                f"known: {', '.join(f.name for f in fields(StageCost))}"
+            )
         stages = list(self.stages)
-        stages[stage] = replace(stages[stage], **changes)
+        try:
+            stages[stage] = replace(stages[stage], **changes)
+        except ScheduleError as exc:
+            raise _in_stage(stage, exc) from None
         return replace(self, stages=tuple(stages))
 
     # -- JSON ------------------------------------------------------------------
@@ -274,24 +367,59 @@ class CostModel:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CostModel:
-        if data.get("format") != "zeropipe-costs":
+        """Read :meth:`to_dict`'s form; anything malformed is a ScheduleError naming it."""
+        if not isinstance(data, dict) or data.get("format") != "zeropipe-costs":
             raise ScheduleError(
-                "not a zeropipe cost model: field 'format' must be 'zeropipe-costs'"
+                "not a zeropipe cost model: field 'format' must be 'zeropipe-costs'",
+                rule="syntax",
             )
+        raw_stages = data.get("stages")
+        if not isinstance(raw_stages, list):
+            raise ScheduleError(
+                "cost model JSON needs 'stages': a list with one object per stage, "
+                f"got {type(raw_stages).__name__}",
+                rule="syntax",
+            )
+        known = {f.name for f in fields(StageCost)}
+        stages = []
+        for n, raw in enumerate(raw_stages):
+            if not isinstance(raw, dict):
+                raise ScheduleError(
+                    f"stage {n}: expected an object of costs, got {type(raw).__name__}",
+                    rule="syntax",
+                )
+            unknown = sorted(str(k) for k in set(raw) - known)
+            if unknown:
+                raise ScheduleError(
+                    f"stage {n}: unknown field(s) {', '.join(unknown)}; "
+                    f"known: {', '.join(sorted(known))}",
+                    rule="syntax",
+                )
+            try:
+                stages.append(StageCost(**raw))
+            except ScheduleError as exc:
+                raise _in_stage(n, exc) from None
         bandwidth = data.get("bandwidth")
+        meta = data.get("meta", {})
+        if not isinstance(meta, dict):
+            raise ScheduleError(f"cost model 'meta' must be an object, got {meta!r}", rule="syntax")
         return cls(
-            stages=tuple(StageCost(**s) for s in data["stages"]),
-            latency=float(data.get("latency", 0.0)),
-            bandwidth=math.inf if bandwidth is None else float(bandwidth),
-            overhead=float(data.get("overhead", 0.0)),
-            post=float(data.get("post", 0.0)),
+            stages=tuple(stages),
+            latency=_as_float("latency", data.get("latency", 0.0)),
+            bandwidth=math.inf if bandwidth is None else _as_float("bandwidth", bandwidth),
+            overhead=_as_float("overhead", data.get("overhead", 0.0)),
+            post=_as_float("post", data.get("post", 0.0)),
             unit=str(data.get("unit", "microbatch")),
-            meta=dict(data.get("meta", {})),
+            meta=dict(meta),
         )
 
     @classmethod
     def from_json(cls, text: str) -> CostModel:
-        return cls.from_dict(json.loads(text))
+        try:
+            data = json.loads(text)
+        except ValueError as exc:  # JSONDecodeError, and RecursionError's cousins
+            raise ScheduleError(f"cost model is not valid JSON: {exc}", rule="syntax") from None
+        return cls.from_dict(data)
 
 
 def memory_deltas(

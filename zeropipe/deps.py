@@ -311,22 +311,24 @@ class Graph:
 
     def _topological_order(self) -> list[tuple[int, int]]:
         acts = self.schedule.actions
-        waiting = {
-            (r, k): len(p)
-            for r, rank_preds in enumerate(self.preds)
-            for k, p in enumerate(rank_preds)
-        }
-        succs: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        # Nodes numbered rank by rank (node of (r, k) = first[r] + k), so that the
+        # bookkeeping is lists of ints rather than dicts keyed by tuples.
+        first: list[int] = []
+        nodes: list[tuple[int, int]] = []
         for r, rank_preds in enumerate(self.preds):
-            for k, preds in enumerate(rank_preds):
-                for pr, pk, _ in preds:
-                    succs.setdefault((pr, pk), []).append((r, k))
-        ready = [n for n, c in waiting.items() if c == 0]
+            first.append(len(nodes))
+            nodes.extend((r, k) for k in range(len(rank_preds)))
+        waiting = [len(p) for rank_preds in self.preds for p in rank_preds]
+        succs: list[list[int]] = [[] for _ in nodes]
+        for n, preds in enumerate(p for rank_preds in self.preds for p in rank_preds):
+            for pr, pk, _ in preds:
+                succs[first[pr] + pk].append(n)
+        ready = [n for n, c in enumerate(waiting) if c == 0]
         order: list[tuple[int, int]] = []
         while ready:
             node = ready.pop()
-            order.append(node)
-            for nxt in succs.get(node, ()):
+            order.append(nodes[node])
+            for nxt in succs[node]:
                 waiting[nxt] -= 1
                 if waiting[nxt] == 0:
                     ready.append(nxt)

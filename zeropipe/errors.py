@@ -19,7 +19,8 @@ class ScheduleError(ZeropipeError, ValueError):
 
     ``rule`` is a short machine-readable name of the broken rule (``"missing"``,
     ``"duplicate"``, ``"order"``, ``"placement"``, ``"deadlock"``, ``"memory"``,
-    ``"unsupported"``, ...); ``actions`` are the culprits in canonical text form.
+    ``"unsupported"``, ``"costs"`` for an impossible cost figure, ...); ``actions`` are
+    the culprits in canonical text form.
     """
 
     def __init__(

@@ -27,6 +27,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import operator
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -90,6 +91,20 @@ class Action:
     def __hash__(self) -> int:
         return self._hash
 
+    def __eq__(self, other: object) -> bool:
+        # Written out rather than generated: a dict lookup of an equal but distinct
+        # Action (the dependency model makes new ones) ends here, a million times for
+        # a big schedule, and the generated one builds two tuples each time.
+        if other.__class__ is not Action:
+            return NotImplemented
+        o: Action = other  # narrowed by the class check above
+        return (
+            self._hash == o._hash
+            and self.kind is o.kind
+            and self.stage == o.stage
+            and self.microbatch == o.microbatch
+        )
+
     def __post_init__(self) -> None:
         if not isinstance(self.kind, Kind):
             raise ScheduleError(f"action kind must be a zeropipe.Kind, got {self.kind!r}")
@@ -124,6 +139,8 @@ class Action:
     @classmethod
     def parse(cls, text: str) -> Action:
         """Read the canonical form (``2F0``, ``1SEND_B3``, ``0RELOAD``)."""
+        if not isinstance(text, str):
+            raise ScheduleError(f"an action is text such as '2F0', got {text!r:.40}", rule="syntax")
         match = _ACTION_RE.match(text.strip())
         if match is None:
             kinds = ", ".join(k.value for k in Kind)
@@ -153,10 +170,28 @@ class Schedule:
     _index: dict[Action, tuple[int, int]] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
+    _stages: tuple[tuple[int, ...], ...] = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "placement", tuple(int(r) for r in self.placement))
-        object.__setattr__(self, "actions", tuple(tuple(a) for a in self.actions))
+        object.__setattr__(self, "placement", _integers("placement", self.placement))
+        try:
+            actions = tuple(tuple(a) for a in self.actions)
+        except TypeError:
+            raise ScheduleError(
+                f"actions must be one sequence of Actions per rank, got {self.actions!r:.80}",
+                rule="syntax",
+            ) from None
+        for rank, acts in enumerate(actions):
+            for a in acts:
+                if not isinstance(a, Action):
+                    raise ScheduleError(
+                        f"rank {rank}: {a!r:.40} is not an Action (use Action.parse('2F0'))",
+                        rule="syntax",
+                    )
+        object.__setattr__(self, "actions", actions)
+        mb = self.microbatches
+        if not isinstance(mb, int) or isinstance(mb, bool):
+            raise ScheduleError(f"microbatches must be an integer, got {mb!r:.40}", rule="syntax")
         if not self.placement:
             raise ScheduleError("a schedule needs at least one stage (placement is empty)")
         if self.microbatches < 1:
@@ -182,12 +217,36 @@ class Schedule:
 
     def stages_of(self, rank: int) -> tuple[int, ...]:
         """Stages owned by ``rank``, in increasing order."""
-        return tuple(s for s, r in enumerate(self.placement) if r == rank)
+        if not self._stages:
+            # Built once for all ranks: callers ask rank by rank, and a scan of the
+            # placement per call made every per-rank loop quadratic in ranks.
+            by_rank: list[list[int]] = [[] for _ in self.actions]
+            for s, r in enumerate(self.placement):
+                by_rank[r].append(s)
+            object.__setattr__(self, "_stages", tuple(tuple(b) for b in by_rank))
+        return self._stages[rank] if 0 <= rank < len(self._stages) else ()
 
     @property
     def chunks_per_rank(self) -> int:
         """Model chunks (stages) per rank: the most any rank owns."""
         return max(len(self.stages_of(r)) for r in range(self.num_ranks))
+
+    def check_stages(self) -> None:
+        """Raise ScheduleError naming the first action whose stage is not in the placement.
+
+        The readers call it so that a file naming a stage it does not place fails
+        at the action, before the validator's rules are reached.
+        """
+        stages = self.num_stages
+        for rank, acts in enumerate(self.actions):
+            for a in acts:
+                if a.stage >= stages:
+                    raise ScheduleError(
+                        f"action {a} on rank {rank}: stage {a.stage} is not in the placement "
+                        f"(stages 0-{stages - 1}); add it to the placement or fix the action",
+                        rule="range",
+                        actions=(str(a),),
+                    )
 
     @property
     def is_lowered(self) -> bool:
@@ -273,12 +332,14 @@ class Schedule:
                 f"schedule text lists ranks {sorted(ranks)}; expected 0..{len(ranks) - 1}",
                 rule="syntax",
             )
-        return cls(
-            placement=tuple(int(t) for t in header["placement"].split()),
+        schedule = cls(
+            placement=tuple(_integer("placement", t) for t in header["placement"].split()),
             actions=tuple(tuple(ranks[r]) for r in range(len(ranks))),
-            microbatches=int(header["microbatches"]),
+            microbatches=_integer("microbatches", header["microbatches"]),
             name=header.get("name", "custom"),
         )
+        schedule.check_stages()
+        return schedule
 
     # -- JSON ------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -296,24 +357,51 @@ class Schedule:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Schedule:
-        if data.get("format") != "zeropipe-schedule":
+        """Read :meth:`to_dict`'s form; anything malformed is a ScheduleError naming it."""
+        if not isinstance(data, dict) or data.get("format") != "zeropipe-schedule":
             raise ScheduleError(
                 "not a zeropipe schedule: JSON field 'format' must be 'zeropipe-schedule'",
                 rule="syntax",
             )
-        try:
-            return cls(
-                placement=tuple(data["placement"]),
-                actions=tuple(tuple(Action.parse(s) for s in acts) for acts in data["actions"]),
-                microbatches=int(data["microbatches"]),
-                name=str(data.get("name", "custom")),
+        for needed in ("placement", "actions", "microbatches"):
+            if needed not in data:
+                raise ScheduleError(f"schedule JSON lacks field '{needed}'", rule="syntax")
+        placement, actions = data["placement"], data["actions"]
+        if not isinstance(placement, list):
+            raise ScheduleError(
+                f"schedule JSON 'placement' must be a list of ranks, got {placement!r:.40}",
+                rule="syntax",
             )
-        except KeyError as exc:
-            raise ScheduleError(f"schedule JSON lacks field {exc}", rule="syntax") from None
+        if not isinstance(actions, list) or not all(isinstance(a, list) for a in actions):
+            raise ScheduleError(
+                "schedule JSON 'actions' must be a list with one list of action strings per rank",
+                rule="syntax",
+            )
+        parsed = []
+        for rank, acts in enumerate(actions):
+            for a in acts:
+                if not isinstance(a, str):
+                    raise ScheduleError(
+                        f"rank {rank}: action {a!r:.40} is not a string such as '2F0'",
+                        rule="syntax",
+                    )
+            parsed.append(tuple(Action.parse(a) for a in acts))
+        schedule = cls(
+            placement=tuple(_integer("placement", r) for r in placement),
+            actions=tuple(parsed),
+            microbatches=_integer("microbatches", data["microbatches"]),
+            name=str(data.get("name", "custom")),
+        )
+        schedule.check_stages()
+        return schedule
 
     @classmethod
     def from_json(cls, text: str) -> Schedule:
-        return cls.from_dict(json.loads(text))
+        try:
+            data = json.loads(text)
+        except (ValueError, RecursionError) as exc:  # too deep a nesting is RecursionError
+            raise ScheduleError(f"schedule is not valid JSON: {exc}", rule="syntax") from None
+        return cls.from_dict(data)
 
     # -- torch.distributed.pipelining CSV ----------------------------------------
     def to_torch_csv(self) -> str:
@@ -346,7 +434,10 @@ class Schedule:
         name: str = "torch-csv",
     ) -> Schedule:
         """Read torch's CSV; placement and microbatch count are inferred if not given."""
-        rows = [row for row in csv.reader(io.StringIO(text)) if any(c.strip() for c in row)]
+        try:
+            rows = [row for row in csv.reader(io.StringIO(text)) if any(c.strip() for c in row)]
+        except csv.Error as exc:  # e.g. a field over csv's size limit
+            raise ScheduleError(f"cannot read torch CSV: {exc}", rule="syntax") from None
         actions: list[list[Action]] = []
         owner: dict[int, int] = {}
         for rank, row in enumerate(rows):
@@ -367,15 +458,47 @@ class Schedule:
         if placement is None:
             if sorted(owner) != list(range(len(owner))):
                 missing = sorted(set(range(max(owner, default=-1) + 1)) - set(owner))
+                # Name an action past the gap: usually the typo is there, not in the gap.
+                rank, beyond = next(
+                    (r, a) for r, acts in enumerate(actions) for a in acts if a.stage > missing[0]
+                )
                 raise ScheduleError(
-                    f"cannot infer placement: stage(s) {missing} have no actions; pass placement=",
+                    f"cannot infer placement: action {beyond} on rank {rank} names stage "
+                    f"{beyond.stage}, but stage(s) {missing} have no actions; fix the action "
+                    f"or pass placement=",
                     rule="placement",
+                    actions=(str(beyond),),
                 )
             placement = [owner[s] for s in range(len(owner))]
         if microbatches is None:
             mbs = [a.microbatch for acts in actions for a in acts if a.microbatch is not None]
             microbatches = max(mbs, default=0) + 1
-        return cls(tuple(placement), tuple(tuple(a) for a in actions), microbatches, name)
+        schedule = cls(tuple(placement), tuple(tuple(a) for a in actions), microbatches, name)
+        schedule.check_stages()
+        return schedule
+
+
+def _integer(what: str, value: object) -> int:
+    """``value`` as an int: an int, or text of one; anything else is a ScheduleError."""
+    if isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            pass
+    elif not isinstance(value, bool):
+        try:
+            return operator.index(value)  # type: ignore[arg-type]  # numpy ints too; 1.5 not
+        except TypeError:
+            pass
+    raise ScheduleError(f"{what} must be an integer, got {value!r:.40}", rule="syntax")
+
+
+def _integers(what: str, values: Iterable[object]) -> tuple[int, ...]:
+    try:
+        items = tuple(values)
+    except TypeError:  # not iterable, whatever the annotation says
+        raise ScheduleError(f"{what} must be a sequence of integers, got {values!r:.40}") from None
+    return tuple(_integer(what, v) for v in items)
 
 
 _TORCH_ONLY = ("UNSHARD", "RESHARD", "REDUCE_GRAD", "OVERLAP_F_B")

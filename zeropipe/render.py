@@ -34,6 +34,7 @@ from zeropipe.simulate import Event, Timeline
 
 __all__ = [
     "KIND_COLORS",
+    "MAX_RANKS",
     "draw_timeline",
     "render_png",
     "render_pngs",
@@ -74,6 +75,9 @@ KIND_COLORS: dict[Kind, str] = {
     Kind.RELOAD: "#edc948",
 }
 
+#: Rank rows the terminal grid draws at most (the JSON summary and traces have all).
+MAX_RANKS = 64
+
 _LANES = ("compute", "copy", "comm")
 _LABEL_WIDTH = 9  # "rank 12  "
 
@@ -95,16 +99,21 @@ def _percent(x: float) -> str:
 
 
 # -- terminal grid ---------------------------------------------------------------
-def render_text(timeline: Timeline, width: int = 100) -> str:
+def render_text(timeline: Timeline, width: int = 100, max_ranks: int = MAX_RANKS) -> str:
     """A rank x time grid of ``width`` columns with a header, a time ruler and a legend.
 
     A rank with OFFLOAD/RELOAD actions gets a second row, ``copy``, for its
     copy stream; copies too short for a cell still mark the cell they start in.
+    Only the first ``max_ranks`` ranks are drawn (a line says how many are not):
+    thousands of rows are no picture, and drawing them is most of the time spent.
     """
     if width < 10:
         raise ZeropipeError(f"render_text needs width >= 10 columns, got {width}")
+    if max_ranks < 1:
+        raise ZeropipeError(f"render_text needs max_ranks >= 1, got {max_ranks}")
     s = timeline.schedule
-    t0, span = timeline.start, timeline.makespan
+    t0, t1 = timeline.start, timeline.end  # each a pass over every event: once, not per row
+    span = t1 - t0
     cell = span / width if span > 0 else 1.0
     lines = [
         f"{s.name}: {s.num_ranks} ranks, {s.num_stages} stages, {s.microbatches} microbatches "
@@ -114,15 +123,22 @@ def render_text(timeline: Timeline, width: int = 100) -> str:
         *_ruler(t0, span, width),
     ]
     present: set[Kind] = set()
-    for rank, events in enumerate(timeline.events):
+    for rank, events in enumerate(timeline.events[:max_ranks]):
         compute = [e for e in events if e.lane == "compute"]
         copy = [e for e in events if e.lane == "copy"]
         present.update(e.action.kind for e in compute + copy)
-        lines.append(f"{f'rank {rank}':<{_LABEL_WIDTH}}" + _row(timeline, compute, cell, width))
+        lines.append(f"{f'rank {rank}':<{_LABEL_WIDTH}}" + _row(timeline, t0, compute, cell, width))
         if copy:
             lines.append(
-                f"{'  copy':<{_LABEL_WIDTH}}" + _row(timeline, copy, cell, width, keep_short=True)
+                f"{'  copy':<{_LABEL_WIDTH}}"
+                + _row(timeline, t0, copy, cell, width, keep_short=True)
             )
+    hidden = timeline.num_ranks - max_ranks
+    if hidden > 0:
+        lines.append(
+            f"... {hidden:,} more rank{'s' if hidden > 1 else ''} not drawn; "
+            f"--json / --trace have them all"
+        )
     legend = [f"{_LETTERS[k]} {_NAMES[k]}" for k in _LETTERS if k in present]
     legend.append(". idle")
     if timeline.schedule.chunks_per_rank > 1:
@@ -159,10 +175,14 @@ def _nice_step(at_least: float) -> float:
 
 
 def _row(
-    timeline: Timeline, events: list[Event], cell: float, width: int, keep_short: bool = False
+    timeline: Timeline,
+    t0: float,
+    events: list[Event],
+    cell: float,
+    width: int,
+    keep_short: bool = False,
 ) -> str:
     """One lane of one rank: each column shows the event that fills most of it."""
-    t0 = timeline.start
     overlap: list[dict[int, float]] = [{} for _ in range(width)]
     for n, e in enumerate(events):
         lo, hi = (e.start - t0) / cell, (e.end - t0) / cell

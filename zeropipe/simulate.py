@@ -14,11 +14,13 @@ both the send and (in a lowered schedule) the receive have been posted.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from statistics import median
 
 from zeropipe.costs import CostModel, StageCost, peak_memory
 from zeropipe.deps import Graph
+from zeropipe.errors import ScheduleError
 from zeropipe.fuse import fused_weights
 from zeropipe.ir import COMM_KINDS, COMPUTE_KINDS, COPY_KINDS, Action, Schedule
 from zeropipe.lower import lower
@@ -169,6 +171,14 @@ def simulate(
             t = max(t, lane_free[r][1])
             lane_free[r][1] = t + duration
         start[r][k], end[r][k] = t, t + duration
+    finish = max((max(e) for e in end if e), default=0.0)
+    if not math.isfinite(finish):
+        # Every figure is finite (CostModel checks), but their sums can still overflow.
+        raise ScheduleError(
+            f"the simulated times add up past the largest float ({finish}): the costs are "
+            f"too large to simulate; scale them down (e.g. seconds, not nanoseconds)",
+            rule="costs",
+        )
     events = [
         [Event(r, k, a, start[r][k], end[r][k]) for k, a in enumerate(rank_acts)]
         for r, rank_acts in enumerate(acts)

@@ -26,7 +26,6 @@ ScheduleZBVZeroBubble).  Peak activation memory per rank matches 1F1B's.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
 
 from zeropipe.ir import Action, Kind, Schedule
 from zeropipe.schedules.registry import register
@@ -39,34 +38,49 @@ def v_placement(ranks: int) -> tuple[int, ...]:
     return tuple(range(ranks)) + tuple(reversed(range(ranks)))
 
 
-def _trim(actions: Sequence[Sequence[Action]], microbatches: int) -> list[list[Action]]:
-    """Every rank's list without the actions of the padding microbatches.
+def _rank_order(rank: int, ranks: int, fill: int, keep: int) -> list[Action]:
+    """Rank ``rank``'s list built for ``fill`` microbatches, holding only the first ``keep``.
 
-    Safe for any valid padded schedule: a kept action depends only on actions
-    of its own microbatch, and dropping nodes from a rank's chain adds no edge.
+    The padding microbatches (``keep`` and up) are counted but never built, and
+    rounds of the pattern that hold none of the kept ones are skipped in one
+    step: a rank's list then costs O(``keep``) rather than O(``fill``) = O(ranks),
+    which made the whole schedule quadratic in ranks.  Dropping the padding is
+    safe for a valid padded schedule: a kept action depends only on actions of
+    its own microbatch, and dropping nodes from a rank's chain adds no edge.
     """
-    return [[a for a in acts if (a.microbatch or 0) < microbatches] for acts in actions]
-
-
-def _rank_order(rank: int, ranks: int, fill: int) -> list[Action]:
     a, b = rank, 2 * ranks - 1 - rank
     done: Counter[tuple[Kind, int]] = Counter()
     acts: list[Action] = []
 
-    def put(kind: Kind, stage: int) -> None:
-        acts.append(Action(kind, stage, done[kind, stage]))
-        done[kind, stage] += 1
+    def put(kind: Kind, stage: int, times: int = 1) -> None:
+        first = done[kind, stage]
+        acts.extend(Action(kind, stage, i) for i in range(first, min(first + times, keep)))
+        done[kind, stage] = first + times
 
-    for _ in range(2 * (ranks - rank) - 1):
-        put(F, a)
-    for _ in range(rank):
-        put(F, b)
-        put(F, a)
-    for _ in range(ranks - rank):
-        put(F, b)
-        put(I, b)
-        put(W, b)
+    def rounds(times: int, *pattern: tuple[Kind, int]) -> None:
+        for n in range(times):
+            if all(done[p] >= keep for p in pattern):  # only padding from here on
+                for p in pattern:
+                    done[p] += times - n
+                return
+            for kind, stage in pattern:
+                put(kind, stage)
+
+    put(F, a, 2 * (ranks - rank) - 1)
+    rounds(rank, (F, b), (F, a))
+    rounds(ranks - rank, (F, b), (I, b), (W, b))
+    steady = ((F, a), (I, a), (W, a), (F, b), (I, b), (W, b))
     while done[F, b] < done[F, a] or done[F, a] < fill:
+        if all(done[p] >= keep for p in steady):
+            # The rounds left, in closed form: F(a) stops at fill, the rest go on
+            # until F(b) has caught up with F(a).
+            fa, fb = done[F, a], done[F, b]
+            left = max(0, fill - fa)
+            n = max(left, fa + left - fb)
+            done[F, a] += left
+            for p in steady[1:]:
+                done[p] += n
+            break
         if done[F, a] < fill:
             put(F, a)
         put(I, a)
@@ -74,16 +88,10 @@ def _rank_order(rank: int, ranks: int, fill: int) -> list[Action]:
         put(F, b)
         put(I, b)
         put(W, b)
-    for _ in range(rank):
-        put(I, a)
-        put(I, b)
-    for _ in range(ranks - rank):
-        put(I, a)
-        put(W, a)
-    while done[W, b] < done[I, b]:
-        put(W, b)
-    while done[W, a] < done[I, a]:
-        put(W, a)
+    rounds(rank, (I, a), (I, b))
+    rounds(ranks - rank, (I, a), (W, a))
+    put(W, b, max(0, done[I, b] - done[W, b]))
+    put(W, a, max(0, done[I, a] - done[W, a]))
     return acts
 
 
@@ -95,5 +103,5 @@ def _rank_order(rank: int, ranks: int, fill: int) -> list[Action]:
 )
 def zbv(ranks: int, microbatches: int, chunks: int = 2) -> Schedule:
     fill = max(microbatches, 2 * ranks - 1)
-    acts = _trim([_rank_order(r, ranks, fill) for r in range(ranks)], microbatches)
+    acts = [_rank_order(r, ranks, fill, microbatches) for r in range(ranks)]
     return Schedule(v_placement(ranks), acts, microbatches, "zbv")

@@ -32,7 +32,7 @@ from zeropipe.balance import balance, stage_costs
 from zeropipe.costs import CostModel
 from zeropipe.errors import PipelineError
 from zeropipe.ir import Kind, Schedule
-from zeropipe.profiling import global_rank, profile_stages, synchronize
+from zeropipe.profiling import StageProbe, global_rank, profile_stages, synchronize
 from zeropipe.runtime.pipeline import Pipeline
 from zeropipe.schedules.auto import auto_schedule, search
 
@@ -114,19 +114,11 @@ def runtime_overhead(
     try:
         if threads is not None:
             torch.set_num_threads(threads)
-        bare_costs = profile_stages(
-            [layer],
-            x[:1],
-            target=x[:1],
-            loss_fn=loss_fn,
-            warmup=warmup,
-            repeat=repeat,
-            threads=None,  # set above, for the pipeline too
-            wire=False,
-        )
-        bare = bare_costs.stages[0]
         pipe = Pipeline([layer], "1f1b", microbatches=m, loss_fn=loss_fn, executor="local")
+        probe = StageProbe(layer, (x[:1],), (loss_fn, x[:1]), set(), device, last=True)
         steps = []
+        # The bare layer's repetitions interleave with the pipeline's, so that load on a
+        # shared machine shifts both alike instead of one median.
         for rep in range(warmup + repeat):
             synchronize(device)
             t0 = time.perf_counter()
@@ -135,8 +127,10 @@ def runtime_overhead(
             if rep >= warmup:
                 steps.append(time.perf_counter() - t0)
             layer.zero_grad(set_to_none=True)
+            probe.run(timed=rep >= warmup)
     finally:
         torch.set_num_threads(old_threads)
+    bare = probe.cost()[0]
     per_action = (statistics.median(steps) - m * (bare.F + bare.I + bare.W)) / (2 * m)
     return max(per_action, 0.0)
 

@@ -60,7 +60,7 @@ from zeropipe.costs import CostModel, StageCost
 from zeropipe.errors import PipelineError
 from zeropipe.storage import StorageKey, distinct_bytes, storage_key
 
-__all__ = ["global_rank", "profile_stages", "synchronize"]
+__all__ = ["StageProbe", "global_rank", "profile_stages", "synchronize"]
 
 LossFn = Callable[..., Tensor]
 
@@ -109,13 +109,13 @@ def profile_stages(
     stage_costs: list[StageCost] = []
     spread: list[dict[str, float]] = []
     with _restored(modules, device, threads):
-        probes: list[_Probe] = []
+        probes: list[StageProbe] = []
         x: tuple[Tensor, ...] = inputs
         for s, module in enumerate(modules):  # the first repetition feeds the next stage
             last = s == len(modules) - 1
             leaves = x if s == 0 else tuple(_leaf(t) for t in x)
             loss = (loss_fn, target) if last and loss_fn is not None else None
-            probe = _Probe(module, leaves, loss, keep, device, last)
+            probe = StageProbe(module, leaves, loss, keep, device, last)
             probe.run(timed=warmup == 0)
             probes.append(probe)
             x = probe.out
@@ -155,12 +155,16 @@ def profile_stages(
 
 
 # -- one stage ----------------------------------------------------------------------------
-class _Probe:
+class StageProbe:
     """One stage's measurements; :meth:`run` does one repetition of all of them.
 
     Repetitions of the stages are interleaved (stage 0, 1, ..., 0, 1, ...), so
     that a burst of load on a shared machine spreads over every stage's
-    samples instead of shifting one stage's median.
+    samples instead of shifting one stage's median; :meth:`cost` gives the
+    medians.  The module must be prepared for split backward
+    (:func:`zeropipe.autograd.split.prepare_split`).  Public so that a caller
+    timing something else (the planning layer's runtime overhead) can
+    interleave its own repetitions with a probe's.
     """
 
     def __init__(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -145,13 +146,16 @@ def test_wire_is_measured_between_two_processes() -> None:
     assert "ranks 0 and 1" in how
 
 
-def test_w_run_together_is_measured_and_cheaper_than_a_second_w() -> None:
-    costs = profile_stages(_stages(), torch.randn(B, A), warmup=1, repeat=4)
-    for c in costs.stages:
-        assert c.W_fused is not None and c.W_fused >= 0
-    # Fusing reads each weight gradient once for both: never dearer than a second W, give
-    # or take the noise of tiny stages.
-    assert sum(c.W_fused or 0 for c in costs.stages) < 1.5 * sum(c.W for c in costs.stages)
+def test_w_run_together_is_measured_when_paired_runs_were_timed() -> None:
+    # Every other repetition runs two W of a stage as one; W_fused is what the second adds.
+    # Whether it is cheaper than a W of its own is a timing claim, shown by
+    # benchmarks/split_backward.py, not asserted here.
+    paired = profile_stages(_stages(), torch.randn(B, A), warmup=1, repeat=4)
+    for c in paired.stages:
+        assert c.W_fused is not None and math.isfinite(c.W_fused) and c.W_fused >= 0
+    # warmup=0, repeat=1: the one timed repetition runs a W alone, so nothing is paired.
+    single = profile_stages(_stages(), torch.randn(B, A), warmup=0, repeat=1)
+    assert all(c.W_fused is None for c in single.stages)
 
 
 def test_stage_profile_leaves_the_runtime_overhead_to_the_planning_layer() -> None:

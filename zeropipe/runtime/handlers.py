@@ -312,7 +312,6 @@ def _offload(ctx: StepContext, action: Action) -> None:
     memory = _memory(ctx, action)
     s, i = action.stage, action.microbatch
     if i is None:
-        _check_weights_here(memory, action)
         memory.offload_weights(s)
     else:
         memory.offload_activations(s, i, ctx.state(s, i))
@@ -323,7 +322,6 @@ def _reload(ctx: StepContext, action: Action) -> None:
     memory = _memory(ctx, action)
     s, i = action.stage, action.microbatch
     if i is None:
-        _check_weights_here(memory, action)
         memory.reload_weights(s)
     else:
         memory.reload_activations(s, i, ctx.state(s, i))
@@ -333,11 +331,6 @@ def _memory(ctx: StepContext, action: Action) -> MemoryManager:
     if ctx.memory is None:
         raise PipelineError(f"{action}: this step has no memory manager (build it with Pipeline)")
     return ctx.memory
-
-
-def _check_weights_here(memory: MemoryManager, action: Action) -> None:
-    if not memory.moves_weights(action.stage):
-        raise PipelineError(f"{action}: stage {action.stage} is not run by this process")
 
 
 def _mb(action: Action) -> int:

@@ -172,8 +172,6 @@ class MemoryManager:
         device: torch.device | None = None,
         count_saved: Literal["once", "always"] = "once",
     ) -> None:
-        if count_saved not in ("once", "always"):
-            raise PipelineError(f"count_saved must be 'once' or 'always', got {count_saved!r}")
         self.placement = schedule.placement
         self.num_ranks = schedule.num_ranks
         self.stages = stages
@@ -335,10 +333,6 @@ class MemoryManager:
         else:
             self._set(s, i, 0)
 
-    def moves_weights(self, s: int) -> bool:
-        """Whether stage ``s``'s weights are offloaded and reloaded by this process."""
-        return s in self.weights
-
     def offload_weights(self, s: int) -> None:
         """OFFLOAD of stage ``s``'s weights: point its parameters at their host copy."""
         home = self._weight_home(s)
@@ -373,7 +367,10 @@ class MemoryManager:
     def _weight_home(self, s: int) -> StageWeights:
         home = self.weights.get(s)
         if home is None:
-            raise PipelineError(f"stage {s}: its weights are not moved by this process")
+            raise PipelineError(
+                f"stage {s}: its weights are not offloaded by this process (it does not run "
+                f"stage {s}, or the schedule has no weight OFFLOAD/RELOAD for it)"
+            )
         return home
 
     # -- the ledger ------------------------------------------------------------------------

@@ -12,7 +12,14 @@ from zeropipe.errors import PipelineError
 from zeropipe.ir import Kind
 from zeropipe.models import GPTConfig, gpt
 from zeropipe.models.gpt import lm_loss
-from zeropipe.plan import auto_plan, balance_by_time, plan_model, profile, runtime_overhead
+from zeropipe.plan import (
+    auto_plan,
+    balance_by_time,
+    layer_costs,
+    plan_model,
+    profile,
+    runtime_overhead,
+)
 from zeropipe.runtime.pipeline import Pipeline
 from zeropipe.runtime.stage import split_layers
 from zeropipe.validate import validate
@@ -31,18 +38,18 @@ def _lopsided(seed: int = 0) -> nn.Sequential:
     return nn.Sequential(wide(), narrow(), wide(), narrow(), narrow(), narrow())
 
 
-def test_balancing_beats_the_uniform_cut_measured() -> None:
+def test_balancing_puts_one_wide_layer_in_each_stage_measured() -> None:
+    # The wide layers take about 20 times the work of the narrow ones, so the measured cut
+    # cannot depend on timing noise; how much faster the balanced pipeline runs is shown by
+    # benchmarks, never by a timed unit test.
     model = _lopsided()
     x = torch.randn(64, 64)
-    cut = balance_by_time(model, x, 2, repeat=5)
-    uniform = [3, 3]  # both wide layers in stage 0
-    assert cut == [2, 4]  # one wide layer per stage
+    assert balance_by_time(model, x, 2, repeat=5) == [2, 4]
 
-    def slowest(c: list[int]) -> float:
-        costs = profile(split_layers(model, c), x, repeat=7)
-        return max(s.F + s.time(Kind.B) for s in costs.stages)
-
-    assert slowest(cut) < 0.85 * slowest(uniform)
+    # On the measured per-layer costs, the balanced cut's slowest stage beats the uniform one's.
+    costs = layer_costs(model, x, repeat=3)
+    times = [c.F + c.time(Kind.B) for c in costs.stages]
+    assert max(sum(times[:2]), sum(times[2:])) < max(sum(times[:3]), sum(times[3:]))
 
 
 def test_split_layers_shares_the_layers() -> None:

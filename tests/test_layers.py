@@ -42,6 +42,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "zeropipe.simulate",
             "zeropipe.render",
             "zeropipe.build",
+            "zeropipe.message_order",
             "zeropipe.balance",
             "zeropipe.schedules",
         ),

@@ -41,6 +41,7 @@ that needs special casing appears in this file alone (house rule 5).
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -254,6 +255,23 @@ def bind_device(local_rank: int) -> torch.device:
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
     return torch.device("cpu")
+
+
+def abort_group(group: Any | None) -> None:
+    """Abort ``group``'s communicators so that no operation of it can hang the process.
+
+    ``distributed_c10d._abort_process_group`` is private (torch 2.11 to 2.13
+    have it); without it, or on a backend that cannot abort (gloo, whose
+    waits this package bounds itself), nothing is done.
+    """
+    from torch.distributed import distributed_c10d
+
+    abort = getattr(distributed_c10d, "_abort_process_group", None)
+    if abort is None or str(torch.distributed.get_backend(group)) != "nccl":
+        return
+    # Already aborted, or torn down by the watchdog: nothing is left to hang.
+    with contextlib.suppress(Exception):
+        abort(group)
 
 
 def default_backend(device: torch.device) -> str:

@@ -26,7 +26,12 @@ __all__ = ["all_reduce", "barrier"]
 
 
 def barrier(
-    endpoint: Endpoint, loss: Tensor | None, tag: Callable[[int], int], device: torch.device
+    endpoint: Endpoint,
+    loss: Tensor | None,
+    tag: Callable[[int], int],
+    device: torch.device,
+    *,
+    batched: bool = False,
 ) -> Tensor | None:
     """Every rank finished this step's schedule (so the collectives after it will be joined).
 
@@ -42,6 +47,10 @@ def barrier(
     behind, where a collective could not be given up.
 
     ``tag(k)`` is the tag of round k; returns the loss (None if no rank had one).
+    ``batched``: each round's send and receive are one ``batch_isend_irecv``,
+    issued only after the round before completed, for backends that match
+    messages in issue order and let a posted receive hold back later
+    operations (NCCL); otherwise every round's receive is posted up front.
     """
     rank, w = endpoint.rank, endpoint.world
     rounds = (w - 1).bit_length()
@@ -51,6 +60,22 @@ def barrier(
         code = dtype_code(loss.dtype)
         assert code is not None  # the caller checked
         known[0], known[1], known[2] = (1.0, loss.detach().double().reshape(()), code)
+    if batched:
+        for k in range(rounds):
+            src, dst = (rank - (1 << k)) % w, (rank + (1 << k)) % w
+            buf = torch.empty(3, dtype=torch.float64, device=device)
+            ops = [
+                dist.P2POp(
+                    dist.isend, known.clone(), endpoint.global_rank(dst), endpoint.group, tag(k)
+                ),
+                dist.P2POp(dist.irecv, buf, endpoint.global_rank(src), endpoint.group, tag(k)),
+            ]
+            what = f"the end-of-step barrier (round {k}) with ranks {dst} and {src}"
+            works = endpoint.call(partial(dist.batch_isend_irecv, ops), what, src)
+            endpoint.wait(endpoint.pending(works, [(what, src)] * len(works)))
+            if buf[0] > 0 and known[0] == 0:
+                known = buf
+        return _shared_loss(loss, known)
     heard: list[tuple[Tensor, Pending]] = []
     for k in range(rounds):
         src = (rank - (1 << k)) % w
@@ -71,6 +96,10 @@ def barrier(
             known = buf
     if told:
         endpoint.wait(endpoint.pending(told, labels))
+    return _shared_loss(loss, known)
+
+
+def _shared_loss(loss: Tensor | None, known: Tensor) -> Tensor | None:
     if loss is not None or known[0] == 0:
         return loss
     return known[1].to(DTYPES[int(known[2].item())])

@@ -27,8 +27,7 @@ order and ignores tags, which this protocol relies on (see the constructor).
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,13 +35,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from zeropipe import _compat
 from zeropipe.deps import Dependencies
 from zeropipe.errors import PipelineError
 from zeropipe.ir import Action, Kind, Schedule
+from zeropipe.message_order import receiver_of
 from zeropipe.runtime import collectives
-from zeropipe.runtime.failures import PeerFailures
-from zeropipe.runtime.transport import matching_recv
 from zeropipe.runtime.wire import (
     HEADER_LEN,
     SLOTS,
@@ -53,7 +50,7 @@ from zeropipe.runtime.wire import (
     encode_header,
     meta_of,
 )
-from zeropipe.runtime.works import Endpoint, Label, Pending
+from zeropipe.runtime.works import Label, Pending, connect
 
 __all__ = ["DistributedTransport"]
 
@@ -94,8 +91,6 @@ class DistributedTransport:
     ) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise PipelineError("DistributedTransport needs torch.distributed initialised")
-        if timeout <= 0:
-            raise PipelineError(f"timeout must be positive, got {timeout}")
         self.rank = rank
         self._placement = schedule.placement
         backend = str(dist.get_backend(group))
@@ -104,9 +99,9 @@ class DistributedTransport:
             # pair, and a posted receive blocks that pair's stream: the header protocol
             # and out-of-order posts here need gloo's tagged, independent messages.
             raise PipelineError(
-                f"DistributedTransport runs over gloo, but the process group uses {backend!r}; "
-                f"pass process_group=torch.distributed.new_group(backend='gloo') (NCCL "
-                f"point-to-point needs ordered, batched transfers, not implemented yet)"
+                f"DistributedTransport (p2p='tagged') runs over gloo, but the process group "
+                f"uses {backend!r}; use OrderedTransport (Pipeline(p2p='ordered'), the default "
+                f"on {backend})"
             )
         self._device = torch.device("cpu")
         transfers = [
@@ -114,10 +109,8 @@ class DistributedTransport:
             for d, src, dst, i in Dependencies(schedule).transfers()
         ]
         self._transfer = {recv: t for t, recv in enumerate(transfers)}
-        name = str(getattr(group, "group_name", "world")) if group is not None else "world"
-        self._failures = PeerFailures(rank, _compat.rendezvous_store(), name)
-        self._endpoint = Endpoint(rank, group, self._failures, float(timeout))
-        weakref.finalize(self, self._endpoint.pool.close)
+        self._endpoint = connect(rank, group, timeout)
+        self._failures = self._endpoint.failures
         # Tags: SLOTS per transfer, then SLOTS for the end-of-step barrier's rounds.  The
         # n-th pipeline built on each rank is the same pipeline: the tags of a failed or
         # finished one never collide with a later one's.
@@ -128,6 +121,7 @@ class DistributedTransport:
         self._meta_recv: dict[Action, Meta] = {}
         self._recvs: dict[Action, _Recv] = {}
         self._sends: list[_Sent] = []
+        self._signature: Hashable = None
 
     @property
     def timeout(self) -> float:
@@ -139,9 +133,15 @@ class DistributedTransport:
         self._endpoint.timeout = float(seconds)
 
     # -- the Transport protocol ------------------------------------------------------
+    def start_step(self, schedule: Schedule, signature: Hashable) -> None:
+        # Shapes are learnt per transfer, not per signature: a new one learns them again.
+        if signature != self._signature:
+            self._signature = signature
+            self.reset()
+
     def send(self, action: Action, tensors: tuple[Tensor, ...]) -> None:
         self._failures.usable()
-        recv = matching_recv(action)
+        recv = receiver_of(action)
         t = self._transfer_of(recv)
         peer = self._placement[recv.stage]
         got = meta_of(tensors)

@@ -125,6 +125,12 @@ class Pipeline:
         executor: ``"local"``, ``"distributed"`` or ``"auto"`` (distributed when
             torch.distributed is initialised with more than one process).
         process_group: the group to run over (default: the world).
+        p2p: how boundary tensors cross processes: ``"ordered"`` issues every
+            message in one order both ends agree on, in ``batch_isend_irecv``
+            groups (:mod:`zeropipe.runtime.ordered`; the only mode NCCL can
+            run); ``"tagged"`` matches messages by tag in any order (gloo only,
+            :mod:`zeropipe.runtime.distributed`); ``"auto"``: ordered on NCCL,
+            tagged on gloo, where it measured faster (docs/benchmarks.md).
         options: the runtime's knobs (:class:`RuntimeOptions`).
     """
 
@@ -144,8 +150,11 @@ class Pipeline:
         device: torch.device | str | None = None,
         executor: Literal["auto", "local", "distributed"] = "auto",
         process_group: object | None = None,
+        p2p: Literal["auto", "ordered", "tagged"] = "auto",
         options: RuntimeOptions | None = None,
     ) -> None:
+        if p2p not in ("auto", "ordered", "tagged"):
+            raise PipelineError(f"p2p must be 'auto', 'ordered' or 'tagged', got {p2p!r}")
         self.options = options if options is not None else RuntimeOptions()
         if not isinstance(self.options, RuntimeOptions):
             raise PipelineError(
@@ -157,7 +166,7 @@ class Pipeline:
         self.seed = seed
         self.grad_memory = GradMemory() if self.options.keep_grad_memory else None
         self._step = 0
-        self._batch: int | None = None
+        self._signature: tuple[object, ...] | None = None
         self.distributed, self.rank, world = _executor(executor, process_group)
         if isinstance(schedule, str):
             ranks = _named_ranks(schedule, stages, microbatches, ranks, chunks, world)
@@ -188,7 +197,9 @@ class Pipeline:
         self.shared = _shared_parameters(self.all_stages, self.schedule.placement)
         self.boundary = BoundaryMeta()
         self.transport: Transport = (
-            _distributed_transport(self.schedule, self.rank, process_group, self.options.timeout)
+            _distributed_transport(
+                self.schedule, self.rank, process_group, self.options.timeout, p2p, device
+            )
             if self.distributed
             else LocalTransport()
         )
@@ -297,10 +308,12 @@ class Pipeline:
         micro_inputs, sizes = _split_batch(as_tuple(inputs, "inputs"), m)
         batch = sum(sizes)
         targets = None if target is None else _split_target(target, m, sizes)
-        if self._batch != batch:
-            self._batch = batch
+        # Boundary shapes follow from the shapes of the step's inputs: learnt again when
+        # those change (every rank sees the same batch, so every rank agrees).
+        signature = _signature(micro_inputs, target)
+        if self._signature != signature:
+            self._signature = signature
             self.boundary.reset()
-            self.transport.reset()
         owns_last = self.schedule.num_stages - 1 in self.stages
         # Only the last stage computes the loss; its rank has the whole batch's targets, so
         # the weights (which may count items in every target) exist before any backward.
@@ -312,6 +325,7 @@ class Pipeline:
         schedule, deps, graph = (
             (self.schedule, self.deps, self.graph) if training else self._forward_plan()
         )
+        self.transport.start_step(schedule, signature)
         ctx = StepContext(
             step=self._step,
             seed=self.seed,
@@ -537,9 +551,34 @@ def _forward_only(schedule: Schedule) -> Schedule:
     )
 
 
-def _distributed_transport(
-    schedule: Schedule, rank: int, group: object | None, timeout: float
-) -> Transport:
-    from zeropipe.runtime.distributed import DistributedTransport
+def _signature(micro_inputs: list[tuple[Tensor, ...]], target: Tensor | None) -> tuple[object, ...]:
+    """The shapes and dtypes of a step's microbatches and target (what boundary shapes follow)."""
+    first, last = micro_inputs[0], micro_inputs[-1]
+    meta = tuple((t.dtype, tuple(t.shape)) for t in (*first, *last))
+    return (meta, None if target is None else (target.dtype, tuple(target.shape)))
 
+
+def _distributed_transport(
+    schedule: Schedule,
+    rank: int,
+    group: object | None,
+    timeout: float,
+    p2p: str,
+    device: torch.device | str | None,
+) -> Transport:
+    import torch.distributed as dist
+
+    from zeropipe.runtime.distributed import DistributedTransport
+    from zeropipe.runtime.ordered import OrderedTransport
+
+    backend = str(dist.get_backend(group))  # type: ignore[arg-type]
+    if p2p == "tagged" and backend != "gloo":
+        raise PipelineError(
+            f"p2p='tagged' runs over gloo only, but the process group uses {backend!r}: "
+            f"{backend} matches messages in issue order and ignores tags; use p2p='ordered' "
+            f"(or the default, 'auto')"
+        )
+    if p2p == "ordered" or backend != "gloo":
+        where = None if device is None else torch.device(device)
+        return OrderedTransport(schedule, rank, group=group, timeout=timeout, device=where)
     return DistributedTransport(schedule, rank, group=group, timeout=timeout)

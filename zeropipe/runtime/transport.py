@@ -9,30 +9,27 @@ process): a send drops the tensors in the matching receive's mailbox.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Protocol
 
 from torch import Tensor
 
-from zeropipe.deps import Dependencies
 from zeropipe.errors import PipelineError
-from zeropipe.ir import Action, Kind
+from zeropipe.ir import Action, Schedule
+from zeropipe.message_order import receiver_of
 
-__all__ = ["LocalTransport", "Transport", "matching_recv"]
-
-
-def matching_recv(send: Action) -> Action:
-    """The RECV that receives what ``send`` sends (SEND_F(s,i) -> RECV_F(s+1,i))."""
-    assert send.microbatch is not None
-    if send.kind is Kind.SEND_F:
-        return Dependencies.comm_pair(Kind.F, send.stage, send.stage + 1, send.microbatch)[1]
-    if send.kind is Kind.SEND_B:
-        return Dependencies.comm_pair(Kind.B, send.stage, send.stage - 1, send.microbatch)[1]
-    raise PipelineError(f"{send} is not a send")
+__all__ = ["LocalTransport", "Transport"]
 
 
 class Transport(Protocol):
     """What the runtime needs from a communication backend."""
+
+    def start_step(self, schedule: Schedule, signature: Hashable) -> None:
+        """A step of ``schedule`` begins; ``signature`` names the shapes of its inputs.
+
+        Boundary shapes follow from the signature: a transport may learn them
+        on the first step of a signature and rely on them on later ones.
+        """
 
     def send(self, action: Action, tensors: tuple[Tensor, ...]) -> None:
         """Post ``action`` (a SEND_F/SEND_B) without waiting for it to complete."""
@@ -70,8 +67,11 @@ class LocalTransport:
         self._mailbox: dict[Action, tuple[Tensor, ...]] = {}
         self._posted: set[Action] = set()
 
+    def start_step(self, schedule: Schedule, signature: Hashable) -> None:
+        return None  # tensors are handed over as they are: nothing to learn
+
     def send(self, action: Action, tensors: tuple[Tensor, ...]) -> None:
-        self._mailbox[matching_recv(action)] = tensors
+        self._mailbox[receiver_of(action)] = tensors
 
     def post_recv(self, action: Action) -> None:
         self._posted.add(action)

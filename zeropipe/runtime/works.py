@@ -47,13 +47,16 @@ from typing import Any
 import torch.distributed as dist
 from torch import Tensor
 
+from zeropipe import _compat
 from zeropipe.errors import PipelineError
 from zeropipe.runtime.failures import PeerFailures
 
-__all__ = ["Endpoint", "Label", "Pending", "WaitPool"]
+__all__ = ["Endpoint", "Label", "Pending", "WaitPool", "connect"]
 
 # How often a waiting rank looks at the store for a peer's failure (seconds).
 _CHECK_EVERY = 0.02
+# How often the end of a step on an accelerator polls its operations for completion (seconds).
+_POLL_S = 0.0002
 # At exit, how long a rank relaying a peer's failure waits for that peer's process to
 # end (it ends its own blocked waits), and how long it then stays: longer than
 # torchrun's default 0.1 s poll, so that torchrun sees the cause end alone.
@@ -237,6 +240,10 @@ class Endpoint:
         ]
         self.pool = WaitPool(failures)  # gloo p2p works only complete through wait()
 
+    def global_rank(self, peer: int) -> int:
+        """The world rank of ``peer``, a rank of this endpoint's group."""
+        return self._global[peer]
+
     def post(self, op: Callable[..., Any], tensor: Tensor, peer: int, tag: int, what: str) -> Any:
         """Post ``dist.isend`` / ``dist.irecv`` of ``tensor`` with ``peer`` (a group rank)."""
         return self.call(
@@ -277,3 +284,43 @@ class Endpoint:
         if pending.error is not None:
             what, peer = pending.label()
             raise self.failures.error(pending.error, what, peer)
+
+    def wait_polled(self, works: list[Any], labels: list[Label]) -> None:
+        """Wait for ``works`` by polling ``is_completed()`` (NCCL: no thread blocks in them).
+
+        On a peer's failure or past the timeout the group's communicator is
+        aborted first: an NCCL operation whose peer is gone never completes,
+        and a process cannot exit while one is pending.
+        """
+        deadline = time.monotonic() + self.timeout
+        for work, (what, peer) in zip(works, labels, strict=True):
+            while not work.is_completed():
+                try:
+                    self.failures.check()
+                except PipelineError:
+                    _compat.abort_group(self.group)
+                    raise
+                if time.monotonic() >= deadline:
+                    _compat.abort_group(self.group)
+                    source = (
+                        f" from rank {peer}" if peer is not None and " from " not in what else ""
+                    )
+                    raise PipelineError(
+                        f"rank {self.rank} waited {self.timeout:g} s for {what}{source} "
+                        f"(timeout); a peer is stuck or slow, or the ranks run different "
+                        f"schedules; the communicator was aborted"
+                    )
+                time.sleep(_POLL_S)
+
+
+def connect(rank: int, group: Any | None, timeout: float) -> Endpoint:
+    """This rank's :class:`Endpoint` for a new pipeline on ``group`` (numbered in the store)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise PipelineError("a distributed transport needs torch.distributed initialised")
+    if timeout <= 0:
+        raise PipelineError(f"timeout must be positive, got {timeout}")
+    name = str(getattr(group, "group_name", "world")) if group is not None else "world"
+    failures = PeerFailures(rank, _compat.rendezvous_store(), name)
+    endpoint = Endpoint(rank, group, failures, float(timeout))
+    weakref.finalize(endpoint, endpoint.pool.close)
+    return endpoint

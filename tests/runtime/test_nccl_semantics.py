@@ -39,6 +39,7 @@ TIMEOUT = 30.0
 WIDTH = 8
 # (batch, sequence length) of each step: both change, then the first comes back.
 STEPS = ((11, 3), (13, 5), (11, 3))
+PLAIN = ("gpipe", "1f1b", "zbv", "interleaved-zb")  # also run over plain gloo
 
 
 def _supported(name: str, world: int, m: int) -> bool:
@@ -121,6 +122,11 @@ def nccl_cases(rank: int, world: int) -> dict[str, Any]:
                 functools.partial(_run, schedule, world, m, "ordered", TIMEOUT, **kw)
             )
         out["calls"] = emulation.calls
+    # And on gloo as it is (tags kept, receives independent, a work waited on once).
+    for name in PLAIN:
+        if _supported(name, world, 2 * world + 1):
+            run = functools.partial(_run, name, world, 2 * world + 1, "ordered", TIMEOUT)
+            out[f"plain/{name}"] = _guard(run)
     return out
 
 
@@ -139,7 +145,9 @@ def _results(world: int) -> list[dict[str, Any]]:
 @pytest.mark.parametrize("world", WORLDS)
 def test_every_schedule_is_exact_under_nccl_semantics(world: int) -> None:
     results = _results(world)
-    names = list(schedules(world))
+    names = list(schedules(world)) + [
+        f"plain/{n}" for n in PLAIN if _supported(n, world, 2 * world + 1)
+    ]
     assert len(names) >= len(GENERATORS) - 2  # every generator that supports this world
     for rank, out in enumerate(results):
         assert out["calls"] > 0, "the emulation was never used"

@@ -138,8 +138,9 @@ class OrderedTransport:
         self._ready: dict[Action, tuple[Tensor, ...]] = {}
         self._received: dict[Action, _Received] = {}
         self._posted: set[Action] = set()
-        self._in_flight: list[Any] = []
-        self._in_flight_labels: list[Label] = []
+        # Operations issued and not yet waited on, by id: a gloo work must be waited on
+        # exactly once (a second wait on a completed receive blocks).
+        self._in_flight: dict[int, tuple[Any, Label]] = {}
         self._keep: list[Tensor] = []
 
     @property
@@ -205,6 +206,7 @@ class OrderedTransport:
                 work.wait()  # the current stream waits; the host does not
         else:
             self._endpoint.wait(self._endpoint.pending(got.works, got.labels))
+            self._waited(got.works)
         return got.buffers
 
     def finish_step(self, loss: Tensor | None = None) -> Tensor | None:
@@ -213,7 +215,8 @@ class OrderedTransport:
             raise PipelineError(f"the loss has dtype {loss.dtype}, which cannot be shared")
         try:
             self._check_step_complete()
-            works, labels = self._in_flight, self._in_flight_labels
+            works = [w for w, _ in self._in_flight.values()]
+            labels = [lab for _, lab in self._in_flight.values()]
             if works:
                 if self._on_device:
                     self._endpoint.wait_polled(works, labels)
@@ -317,8 +320,9 @@ class OrderedTransport:
         what, peer = labels[0]
         works = self._endpoint.call(lambda: dist.batch_isend_irecv(ops), what, peer)
         works = [w for w in works if w is not None]
-        self._in_flight += works
-        self._in_flight_labels += labels if len(works) == len(labels) else labels[:1] * len(works)
+        per_op = len(works) == len(labels)
+        for k, work in enumerate(works):
+            self._in_flight[id(work)] = (work, labels[k] if per_op else labels[0])
         return works
 
     def _wait_now(self, works: list[Any], labels: list[Label]) -> None:
@@ -327,6 +331,11 @@ class OrderedTransport:
             self._endpoint.wait_polled(works, labels[-1:] * len(works))
         else:
             self._endpoint.wait(self._endpoint.pending(works, labels[-1:] * len(works)))
+        self._waited(works)
+
+    def _waited(self, works: list[Any]) -> None:
+        for work in works:
+            self._in_flight.pop(id(work), None)
 
     def _check_step_complete(self) -> None:
         if self._cursor < len(self._plan.sequence):
@@ -346,7 +355,7 @@ class OrderedTransport:
         self._ready.clear()
         self._received.clear()
         self._posted.clear()
-        self._in_flight, self._in_flight_labels, self._keep = [], [], []
+        self._in_flight, self._keep = {}, []
 
 
 def _sender_stage(recv: Action) -> int:

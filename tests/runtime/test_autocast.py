@@ -45,7 +45,7 @@ def assert_bf16_gradients(model: nn.Module, ref: dict[str, Tensor], split: bool)
             assert torch.allclose(p.grad, r, rtol=1e-5, atol=1e-6), name
 
 
-def _splits(name: str) -> bool:
+def splits(name: str) -> bool:
     sched = generate(name, 2, 4)
     return any(a.kind is Kind.I for acts in sched.actions for a in acts)
 
@@ -60,7 +60,7 @@ def test_every_schedule_under_bf16_autocast_matches_the_autocast_reference(name:
     pipe = Pipeline(model, name, microbatches=4, loss_fn=F.mse_loss, ranks=2, options=BF16)
     model.zero_grad(set_to_none=True)
     assert_same_loss(pipe.step(x, y), ref_loss)
-    assert_bf16_gradients(model, ref, split=_splits(name))
+    assert_bf16_gradients(model, ref, split=splits(name))
 
 
 def test_recompute_runs_under_autocast_too() -> None:

@@ -42,6 +42,8 @@ def test_resident_weights_stay_under_a_cap_smaller_than_the_model(prefetch: int)
 
     schedule = offload_weights(generate("looped-bfs", 1, 4, chunks=STAGES), prefetch=prefetch)
     pipe = Pipeline(model, schedule, loss_fn=F.mse_loss)
+    # Gradient memory kept between steps would pin every stage's gradient on the device.
+    assert pipe.grad_memory is None
     for step in range(2):
         model.zero_grad(set_to_none=True)
         _, ref_step = reference(model, x, y, F.mse_loss, 4, step=step)

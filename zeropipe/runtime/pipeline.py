@@ -224,6 +224,10 @@ class Pipeline:
             self.device,
             self.options.count_saved,
         )
+        if self.memory.weights:
+            # A gradient kept for reuse would hold, on the device, the memory that weight
+            # offload frees: every offloaded stage's gradients at once.
+            self.grad_memory = None
 
     # -- public surface -------------------------------------------------------------
     @property

@@ -72,3 +72,16 @@ def test_the_example_trains_with_a_quarter_of_the_weights_resident() -> None:
     words = lines[-1].split()
     resident, total = int(words[-5]), int(words[-3])
     assert resident * 4 == total, lines[-1]  # 2 of 8 stages
+
+
+def test_the_offload_benchmark_runs_on_cpu() -> None:
+    # A smoke run (no timing is judged): the table has every variant and a ratio each.
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "offload.py"
+    args = ["--reps", "1", "--stages", "2", "--layers", "1", "--hidden", "16", "--rows", "4"]
+    out = subprocess.run(
+        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = {line.split("  ")[0].strip(): line for line in out.stdout.splitlines()[2:]}
+    assert set(rows) == {"resident", "W-offload p1", "W-offload p0", "A-offload p1"}, out.stdout
+    assert rows["resident"].split()[2] == "1.000"

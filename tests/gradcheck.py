@@ -105,17 +105,25 @@ def reference(
     microbatches: int,
     seed: int = 0,
     step: int = 0,
+    autocast: torch.dtype | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Loss and gradients of the plain model; ``model``'s own ``.grad`` is left untouched."""
+    """Loss and gradients of the plain model; ``model``'s own ``.grad`` is left untouched.
+
+    ``autocast``: each microbatch's forward and loss run under ``torch.autocast`` to that
+    dtype on the model's device type, its backward outside it (as the pipeline does);
+    rounding then depends on the microbatch, so the model is run microbatch by microbatch.
+    """
     saved = {n: (None if p.grad is None else p.grad.clone()) for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     state = torch.random.get_rng_state()
     try:
-        if not has_dropout(model):
+        first = next(model.parameters())
+        device = first.device
+        if not has_dropout(model) and autocast is None:
             loss = loss_fn(model(x), y)
             loss.backward()
         else:
-            total = torch.zeros((), dtype=torch.float64)
+            total = torch.zeros((), dtype=first.dtype, device=device)
             for i, (xi, yi) in enumerate(
                 zip(
                     torch.tensor_split(x, microbatches),
@@ -123,11 +131,14 @@ def reference(
                     strict=True,
                 )
             ):
-                h = xi
-                for k, layer in enumerate(model.children()):
-                    seeded(seed, step, i, 1_000_003 + k, torch.device("cpu"))
-                    h = layer(h)
-                li = loss_fn(h, yi) * (len(xi) / len(x))
+                with torch.autocast(device.type, dtype=autocast or torch.bfloat16,
+                                    enabled=autocast is not None):  # fmt: skip
+                    h = xi
+                    for k, layer in enumerate(model.children()):
+                        seeded(seed, step, i, 1_000_003 + k, device)
+                        h = layer(h)
+                    li = loss_fn(h, yi)
+                li = li * (len(xi) / len(x))
                 li.backward()
                 total = total + li.detach()
             loss = total

@@ -39,6 +39,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
+from zeropipe.device import autocast
 from zeropipe.errors import PipelineError
 
 __all__ = ["LossContract", "LossCountFn", "LossFn", "StepLoss"]
@@ -71,13 +72,22 @@ class LossContract:
     the step's :class:`StepLoss`.
     """
 
-    def __init__(self, loss_fn: LossFn, loss_count: LossCountFn | None = None) -> None:
+    def __init__(
+        self,
+        loss_fn: LossFn,
+        loss_count: LossCountFn | None = None,
+        *,
+        autocast: torch.dtype | None = None,
+    ) -> None:
+        """``autocast``: the dtype ``loss_fn`` runs under ``torch.autocast`` in (as the
+        stages' forward does), so a loss autocast keeps in float32 is computed in float32."""
         if not callable(loss_fn):
             raise PipelineError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
         if loss_count is not None and not callable(loss_count):
             raise PipelineError(f"loss_count must be callable, got {type(loss_count).__name__}")
         self.loss_fn = loss_fn
         self.loss_count = loss_count
+        self.autocast = autocast
         self.weighting = _weighting(loss_fn, loss_count)
 
     def for_step(self, targets: Sequence[Tensor], sizes: Sequence[int]) -> StepLoss:
@@ -127,7 +137,9 @@ class StepLoss:
         if contract.weighting == "items":
             assert isinstance(self.fn, nn.Module)
             _check_shapes(self.fn, output, target, i)
-        result = self.fn(output, target)
+        first = output[0] if isinstance(output, tuple) else output
+        with autocast(first.device, contract.autocast):
+            result = self.fn(output, target)
         if isinstance(result, tuple):
             return self._sum_and_count(result, i)
         if contract.weighting == "count":

@@ -30,6 +30,7 @@ from zeropipe.autograd.split import prepare_split
 from zeropipe.build import build_schedule
 from zeropipe.costs import CostModel
 from zeropipe.deps import Dependencies, Graph
+from zeropipe.device import check_autocast, make_current, resolve_device, single_device
 from zeropipe.errors import PipelineError, ScheduleError
 from zeropipe.fuse import fused_weights
 from zeropipe.ir import Kind, Schedule
@@ -48,7 +49,7 @@ __all__ = ["Pipeline", "RuntimeOptions"]
 
 @dataclass(frozen=True)
 class RuntimeOptions:
-    """How the runtime executes a schedule; none of these changes the gradients.
+    """How the runtime executes a schedule; none but ``autocast`` changes the gradients.
 
     Attributes:
         input_first: in a full backward B, produce the stage-input gradient
@@ -69,14 +70,22 @@ class RuntimeOptions:
             Stages whose activations or weights the schedule offloads are always
             hooked.
         timeout: seconds a rank waits for a peer before failing (distributed).
+        autocast: ``torch.bfloat16`` runs every stage's forward, its recompute
+            and the loss under ``torch.autocast`` (on the compute device's type);
+            the backward runs outside it, as torch recommends.  Parameters and
+            their ``.grad`` keep their dtype (float32).  ``None``: no autocast.
+            Unlike the other options, this one changes the arithmetic (as
+            autocast does in a model run without a pipeline).
     """
 
     input_first: bool = True
     keep_grad_memory: bool = True
     count_saved: Literal["once", "always"] = "once"
     timeout: float = 300.0
+    autocast: torch.dtype | None = None
 
     def __post_init__(self) -> None:
+        check_autocast(self.autocast)
         if self.count_saved not in ("once", "always"):
             raise PipelineError(f"count_saved must be 'once' or 'always', got {self.count_saved!r}")
         if not self.timeout > 0:
@@ -120,8 +129,12 @@ class Pipeline:
         balance: layers per stage when cutting an ``nn.Sequential``.
         seed: dropout and other randomness are seeded per (seed, step,
             microbatch, layer), identical whatever the schedule or rank count.
-        device: where the stages compute (default: where their parameters are).
+        device: where the stages compute; the stages this process runs are moved
+            there.  Default: GPU number ``LOCAL_RANK`` on an NCCL process group, else
+            where their parameters are (which must then be one device).  A device
+            type alone (no index) means index ``LOCAL_RANK`` (0 when unset).
             Needed when weight OFFLOAD/RELOAD keep the parameters on the host.
+            Inputs and targets given to ``step`` are moved to it.
         executor: ``"local"``, ``"distributed"`` or ``"auto"`` (distributed when
             torch.distributed is initialised with more than one process).
         process_group: the group to run over (default: the world).
@@ -162,7 +175,11 @@ class Pipeline:
             )
         self.loss_fn = loss_fn
         # How microbatch losses combine into the batch's; refuses what cannot be exact.
-        self.loss = None if loss_fn is None else LossContract(loss_fn, loss_count)
+        self.loss = (
+            None
+            if loss_fn is None
+            else LossContract(loss_fn, loss_count, autocast=self.options.autocast)
+        )
         self.seed = seed
         self.grad_memory = GradMemory() if self.options.keep_grad_memory else None
         self._step = 0
@@ -192,8 +209,10 @@ class Pipeline:
             else range(self.schedule.num_stages)
         )
         self.stages = {s: self.all_stages[s] for s in mine}
+        self.device = _compute_device(device, self.distributed, process_group, self.stages)
         for stage in self.stages.values():  # every backward runs through the split stash
             prepare_split(stage.module)
+            stage.autocast = self.options.autocast
         self.shared = _shared_parameters(self.all_stages, self.schedule.placement)
         self.boundary = BoundaryMeta()
         self.transport: Transport = (
@@ -213,9 +232,13 @@ class Pipeline:
             self.schedule,
             self.stages,
             self.all_stages,
-            None if device is None else torch.device(device),
+            self.device,
             self.options.count_saved,
         )
+        if self.memory.weights:
+            # A gradient kept for reuse would hold, on the device, the memory that weight
+            # offload frees: every offloaded stage's gradients at once.
+            self.grad_memory = None
 
     # -- public surface -------------------------------------------------------------
     @property
@@ -305,6 +328,10 @@ class Pipeline:
         self, inputs: Tensor | Sequence[Tensor], target: Tensor | None, training: bool
     ) -> Tensor | tuple[Tensor, ...] | None:
         m = self.schedule.microbatches
+        if self.device is not None:  # the caller's batch, on the device the stages compute on
+            inputs = tuple(t.to(self.device) for t in as_tuple(inputs, "inputs"))
+            if isinstance(target, Tensor):
+                target = target.to(self.device)
         micro_inputs, sizes = _split_batch(as_tuple(inputs, "inputs"), m)
         batch = sum(sizes)
         targets = None if target is None else _split_target(target, m, sizes)
@@ -416,6 +443,34 @@ class Pipeline:
             before = earlier.get(id(p))
             if before is not None and id(p) in owned and p.grad is not None:
                 p.grad = before.add_(p.grad)
+
+
+def _compute_device(
+    device: torch.device | str | None,
+    distributed: bool,
+    group: object | None,
+    stages: dict[int, Stage],
+) -> torch.device | None:
+    """Where this process's stages compute (None: where their parameters are, one device).
+
+    An NCCL group implies GPU number ``LOCAL_RANK`` (:func:`zeropipe.device.resolve_device`),
+    made the process's current device so that NCCL and the kernels agree on it.
+    """
+    backend = None
+    if distributed:
+        import torch.distributed as dist
+
+        backend = str(dist.get_backend(group))  # type: ignore[arg-type]
+    resolved = resolve_device(device, backend)
+    if resolved is None:
+        names = ", ".join(str(s) for s in sorted(stages))
+        single_device(
+            (p.device for st in stages.values() for p in st.parameters()),
+            f"the parameters of stage(s) {names}",
+        )
+    elif distributed:
+        make_current(resolved)
+    return resolved
 
 
 def _executor(executor: str, group: object | None) -> tuple[bool, int, int]:

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from zeropipe.autograd.split import WeightGradStash
 from zeropipe.balance import even_cut
+from zeropipe.device import autocast
 from zeropipe.errors import PipelineError
 from zeropipe.runtime.rng import seeded
 
@@ -65,8 +66,18 @@ class Stage:
         # One key per child layer (Sequential slice) or None: one key for the stage.
         self.layer_keys = tuple(layer_keys) if layer_keys is not None else None
         self.state: dict[int, MicrobatchState] = {}
+        # The dtype F and R compute in under torch.autocast (None: none); the pipeline
+        # sets it from RuntimeOptions.autocast.  The backward runs outside autocast.
+        self.autocast: torch.dtype | None = None
 
     def forward(
+        self, inputs: tuple[Tensor, ...], seed: int, step: int, mb: int, device: torch.device
+    ) -> tuple[Tensor, ...]:
+        """The module on ``inputs`` (F and R both come here), seeded and under autocast."""
+        with autocast(device, self.autocast):
+            return self._forward(inputs, seed, step, mb, device)
+
+    def _forward(
         self, inputs: tuple[Tensor, ...], seed: int, step: int, mb: int, device: torch.device
     ) -> tuple[Tensor, ...]:
         if self.layer_keys is None:

@@ -217,7 +217,7 @@ class Pipeline:
         self.boundary = BoundaryMeta()
         self.transport: Transport = (
             _distributed_transport(
-                self.schedule, self.rank, process_group, self.options.timeout, p2p, device
+                self.schedule, self.rank, process_group, self.options.timeout, p2p, self.device
             )
             if self.distributed
             else LocalTransport()
@@ -619,7 +619,7 @@ def _distributed_transport(
     group: object | None,
     timeout: float,
     p2p: str,
-    device: torch.device | str | None,
+    device: torch.device | None,
 ) -> Transport:
     import torch.distributed as dist
 
@@ -634,6 +634,5 @@ def _distributed_transport(
             f"(or the default, 'auto')"
         )
     if p2p == "ordered" or backend != "gloo":
-        where = None if device is None else torch.device(device)
-        return OrderedTransport(schedule, rank, group=group, timeout=timeout, device=where)
+        return OrderedTransport(schedule, rank, group=group, timeout=timeout, device=device)
     return DistributedTransport(schedule, rank, group=group, timeout=timeout)

@@ -29,8 +29,8 @@ import argparse
 import json
 import statistics
 import time
-from itertools import pairwise
 from collections.abc import Callable
+from itertools import pairwise
 
 import torch
 import torch.nn.functional as F

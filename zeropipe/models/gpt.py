@@ -94,7 +94,9 @@ def gpt(cfg: GPTConfig | None = None, *, seed: int = 0) -> nn.Sequential:
     torch.manual_seed(seed)
     try:
         embed = Embed(cfg)
-        model = nn.Sequential(embed, *[Block(cfg) for _ in range(cfg.layers)], Head(embed, cfg.tied))
+        model = nn.Sequential(
+            embed, *[Block(cfg) for _ in range(cfg.layers)], Head(embed, cfg.tied)
+        )
         for name, p in model.named_parameters():
             if name.endswith("weight") and p.dim() == 2:
                 nn.init.normal_(p, std=0.02)

@@ -361,13 +361,16 @@ def format_table(rows: list[dict[str, Any]], cfg: BenchConfig) -> str:
     """One table per model: step times, their ratio, and each library's efficiency."""
     group_w = default_group_w() if cfg.group_w is None else cfg.group_w
     setting = "Pipeline's defaults" if cfg.group_w is None else f"--group-w {cfg.group_w}"
+    how = (
+        f"each B split into I then W, each stage's W gathered in runs of {group_w} (group_w; "
+        "the F/B/I order is torch's)"
+        if group_w > 1
+        else "the schedules exactly as torch's (group_w 1)"
+    )
     head = (
         f"zeropipe vs torch.distributed.pipelining: {cfg.microbatches} microbatches, {cfg.ranks} "
         f"ranks over gloo, 1 intra-op thread per rank, median of {cfg.reps} interleaved reps\n"
-        f"zeropipe runs {setting}: each B split into I then W, each stage's W gathered in runs "
-        f"of {group_w} (group_w; the F/B/I order is torch's)"
-        if group_w > 1
-        else f"zeropipe runs {setting}: the schedules exactly as torch's (group_w 1)"
+        f"zeropipe runs {setting}: {how}"
     )
     lines = [head]
     for model in cfg.models:

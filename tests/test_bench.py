@@ -1,4 +1,4 @@
-"""``zeropipe bench``: a real side-by-side run on a tiny model, the summary over runs, bad flags."""
+"""``zeropipe bench``: real side-by-side runs on tiny models, the summary over runs, bad flags."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from zeropipe import bench, cli
 def test_a_tiny_side_by_side_run_reports_consistent_rows() -> None:
     cfg = bench.BenchConfig(
         schedules=("1f1b", "zbv"),
+        models=("mlp",),
         blocks=4,
         width=16,
         hidden=32,
@@ -29,15 +30,46 @@ def test_a_tiny_side_by_side_run_reports_consistent_rows() -> None:
         assert r["ratio"] == pytest.approx(r["zeropipe_step_s"] / r["torch_step_s"])
         assert r["efficiency"] == pytest.approx(r["sequential_s"] / (2 * r["zeropipe_step_s"]))
         assert r["torch_efficiency"] == pytest.approx(r["sequential_s"] / (2 * r["torch_step_s"]))
-        assert (r["ranks"], r["microbatches"], r["group_w"]) == (2, 4, 4)
+        # The bench runs Pipeline's own default group_w, and says so.
+        assert (r["ranks"], r["microbatches"], r["group_w"]) == (2, 4, bench.default_group_w())
     table = bench.format_table(rows, cfg)
     assert "4 x Linear(16,32)-GELU-Linear(32,16)" in table
     assert "1f1b" in table and "zbv" in table
+    assert "Pipeline's defaults" in table
+
+
+def test_both_models_are_benched_and_reported() -> None:
+    cfg = bench.BenchConfig(
+        schedules=("1f1b",),
+        blocks=2,
+        width=8,
+        hidden=16,
+        batch=4,
+        layers=2,
+        d_model=16,
+        heads=2,
+        seq=4,
+        vocab=11,
+        tf_batch=4,
+        microbatches=2,
+        reps=1,
+        warmup=0,
+        timeout=120.0,
+    )
+    assert cfg.models == ("mlp", "transformer")  # both by default
+    rows = bench.run_bench(cfg)
+    assert [(r["model"], r["schedule"]) for r in rows] == [("mlp", "1f1b"), ("transformer", "1f1b")]
+    for r in rows:
+        assert r["efficiency"] == pytest.approx(r["sequential_s"] / (2 * r["zeropipe_step_s"]))
+    table = bench.format_table(rows, cfg)
+    assert "2 x Linear(8,16)-GELU-Linear(16,8)" in table
+    assert "transformer: embedding, 2 pre-LN blocks (width 16, 2 heads)" in table
 
 
 def _rows(ratios: dict[str, float]) -> list[dict[str, Any]]:
     return [
         {
+            "model": "mlp",
             "schedule": name,
             "ranks": 2,
             "microbatches": 8,
@@ -76,8 +108,8 @@ def test_runs_relaunch_and_summarise_each_schedules_ratio(
     assert len(calls) == 3  # one launch per run
     assert "run 3 of 3:" in out
     summary = out[out.index("over 3 runs") :].splitlines()
-    assert summary[2].split() == ["1f1b", "0.70", "0.90", "0.80", "0.80"]
-    assert summary[3].split() == ["zbv", "0.60", "0.50", "0.70", "0.60"]
+    assert summary[2].split() == ["mlp", "1f1b", "0.70", "0.90", "0.80", "0.80"]
+    assert summary[3].split() == ["mlp", "zbv", "0.60", "0.50", "0.70", "0.60"]
 
     launched = iter([_rows({"1f1b": 0.7}), _rows({"1f1b": 0.9})])
     assert cli.main(["bench", "--runs", "2", "--json", "--schedules", "1f1b"]) == 0
@@ -92,10 +124,16 @@ def test_runs_relaunch_and_summarise_each_schedules_ratio(
         (["--runs", "0"], "--runs must be at least 1, got 0"),
         (["--ranks", "1"], "--ranks must be at least 2, got 1"),
         (["--warmup", "-1"], "--warmup must be at least 0, got -1"),
-        (["--batch", "4"], "--batch 4 cannot be split into 8 microbatches"),
+        (["--model", "mlp", "--batch", "4"], "--batch 4 cannot be split into 8 microbatches"),
         (["--schedules", ","], "--schedules is empty"),
         (["--schedules", "zb-h1"], "no torch counterpart for 'zb-h1'"),
         (["--blocks", "6", "--schedules", "zbv"], "--blocks 6 does not divide"),
+        (
+            ["--model", "transformer", "--layers", "1", "--schedules", "zbv"],
+            "the transformer has 3",
+        ),
+        (["--model", "transformer", "--d-model", "30"], "--d-model 30 must be a multiple"),
+        (["--model", "transformer", "--tf-batch", "4"], "--tf-batch 4 cannot be split"),
     ],
 )
 def test_bad_flags_fail_in_one_line_before_any_process_starts(

@@ -1,22 +1,31 @@
 """``zeropipe bench``: zeropipe and torch.distributed.pipelining side by side, same work.
 
-Both libraries run the same model (blocks of Linear-GELU-Linear), the same
-batch and microbatches, in the same processes over the same gloo group, with
-repetitions interleaved (zeropipe step, torch step, zeropipe step, ...), one
-intra-op thread per rank.  Per schedule it reports the median step time of
-each (the slowest rank's wall time), their ratio, and pipeline efficiency =
-sequential time of the same work in one process / (ranks x step time), where
-"the same work" is the same microbatches run one after another: on a CPU,
-microbatch-sized matrix products are slower than whole-batch ones, a cost of
-microbatching that no schedule can remove, so the whole-batch time is printed
-beside it but not used.  ``--runs N`` repeats the whole comparison in N fresh
-launches and summarises each schedule's ratio over them: on a shared host, step
-times move more between launches than within one.
+Two models (``--model mlp|transformer|both``, default both):
+
+    mlp          blocks of Linear-GELU-Linear
+    transformer  token embedding, pre-LN attention + MLP blocks, LM head (its own
+                 weight, not tied), next-token cross-entropy
+
+Both libraries run the same model, the same batch and microbatches, in the
+same processes over the same gloo group, with repetitions interleaved
+(zeropipe step, torch step, zeropipe step, ...), one intra-op thread per rank,
+and the same cut into stages.  zeropipe runs with ``Pipeline``'s defaults --
+what a user gets -- unless ``--group-w`` overrides one.  Per schedule it
+reports the median step time of each (the slowest rank's wall time), their
+ratio, and pipeline efficiency = sequential time of the same work in one
+process / (ranks x step time), where "the same work" is the same microbatches
+run one after another: on a CPU, microbatch-sized matrix products are slower
+than whole-batch ones, a cost of microbatching that no schedule can remove, so
+the whole-batch time is printed beside it but not used.  ``--runs N`` repeats
+the whole comparison in N fresh launches and summarises each schedule's ratio
+over them: on a shared host, step times move more between launches than
+within one.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import statistics
 import time
@@ -27,15 +36,28 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
+from zeropipe.balance import even_cut
 from zeropipe.errors import ZeropipeError
+from zeropipe.models.gpt import GPTConfig, gpt, lm_loss
 from zeropipe.models.mlp import mlp_blocks
 from zeropipe.runtime.launch import launch
 from zeropipe.runtime.pipeline import Pipeline
 from zeropipe.schedules import generate
 
-__all__ = ["BenchConfig", "add_arguments", "format_spread", "format_table", "run_bench", "run_cli"]
+__all__ = [
+    "MODELS",
+    "BenchConfig",
+    "Workload",
+    "add_arguments",
+    "default_group_w",
+    "format_spread",
+    "format_table",
+    "run_bench",
+    "run_cli",
+    "workload",
+]
 
 # zeropipe generator -> torch.distributed.pipelining schedule class name
 TORCH_SCHEDULES = {
@@ -50,47 +72,132 @@ TORCH_SCHEDULES = {
 DEFAULT_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zbv", "interleaved-zb")
 
 
+MODELS = ("mlp", "transformer")
+
+
 @dataclass
 class BenchConfig:
     schedules: tuple[str, ...] = DEFAULT_SCHEDULES
+    models: tuple[str, ...] = MODELS
     ranks: int = 2
+    # mlp
     blocks: int = 8
     width: int = 512
     hidden: int = 2048
     batch: int = 64
+    # transformer (batch in sequences of ``seq`` tokens)
+    layers: int = 6
+    d_model: int = 256
+    heads: int = 4
+    seq: int = 64
+    vocab: int = 1024
+    tf_batch: int = 16
     microbatches: int = 8
     reps: int = 10
     warmup: int = 3
-    group_w: int = 4  # zeropipe splits B into I + W and runs W of a stage in groups of 4
+    group_w: int | None = None  # None: Pipeline's default, what a user gets
     timeout: float = 600.0
+
+
+def default_group_w() -> int:
+    """``Pipeline``'s own default, which the bench runs unless ``--group-w`` is given."""
+    default = inspect.signature(Pipeline).parameters["group_w"].default
+    return int(default)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One model of the comparison: how to build it, its batch, its loss, its name."""
+
+    name: str
+    title: str
+    build: Callable[[], nn.Sequential]
+    inputs: Tensor
+    targets: Tensor
+    loss_fn: Callable[[Tensor, Tensor], Tensor]
+    batch: int
+
+
+def workload(model: str, cfg: BenchConfig) -> Workload:
+    """The named model at ``cfg``'s sizes, with a batch seeded the same on every rank."""
+    g = torch.Generator().manual_seed(0)
+    if model == "mlp":
+        return Workload(
+            "mlp",
+            f"{cfg.blocks} x Linear({cfg.width},{cfg.hidden})-GELU-Linear({cfg.hidden},{cfg.width}), "
+            f"batch {cfg.batch}",
+            lambda: mlp_blocks(cfg.blocks, cfg.width, cfg.hidden),
+            torch.randn(cfg.batch, cfg.width, generator=g),
+            torch.randn(cfg.batch, cfg.width, generator=g),
+            F.mse_loss,
+            cfg.batch,
+        )
+    gcfg = GPTConfig(
+        vocab=cfg.vocab,
+        seq=cfg.seq,
+        width=cfg.d_model,
+        heads=cfg.heads,
+        layers=cfg.layers,
+        dropout=0.0,
+        tied=False,
+    )
+    tokens = torch.randint(cfg.vocab, (cfg.tf_batch, cfg.seq + 1), generator=g)
+    return Workload(
+        "transformer",
+        f"transformer: embedding, {cfg.layers} pre-LN blocks (width {cfg.d_model}, {cfg.heads} "
+        f"heads), LM head ({cfg.vocab} tokens), batch {cfg.tf_batch} x {cfg.seq} tokens",
+        lambda: gpt(gcfg),
+        tokens[:, :-1].contiguous(),
+        tokens[:, 1:].contiguous(),
+        lm_loss,
+        cfg.tf_batch,
+    )
+
+
+def _layers(cfg: BenchConfig, model: str) -> int:
+    return cfg.blocks if model == "mlp" else cfg.layers + 2
 
 
 def _check(cfg: BenchConfig) -> None:
     """Refuse a configuration the benchmark cannot run, before any process starts."""
     if not cfg.schedules:
         raise ZeropipeError("--schedules is empty; name at least one schedule")
+    if not cfg.models or any(m not in MODELS for m in cfg.models):
+        raise ZeropipeError(f"--model must be one of {', '.join(MODELS)} or both")
     for flag, value, least in (
         ("--ranks", cfg.ranks, 2),
         ("--blocks", cfg.blocks, 1),
         ("--width", cfg.width, 1),
         ("--hidden", cfg.hidden, 1),
         ("--batch", cfg.batch, 1),
+        ("--layers", cfg.layers, 1),
+        ("--d-model", cfg.d_model, 1),
+        ("--heads", cfg.heads, 1),
+        ("--seq", cfg.seq, 1),
+        ("--vocab", cfg.vocab, 2),
+        ("--tf-batch", cfg.tf_batch, 1),
         ("--microbatches", cfg.microbatches, 1),
         ("--reps", cfg.reps, 1),
         ("--warmup", cfg.warmup, 0),
-        ("--group-w", cfg.group_w, 1),
+        ("--group-w", 1 if cfg.group_w is None else cfg.group_w, 1),
     ):
         if value < least:
             raise ZeropipeError(f"{flag} must be at least {least}, got {value}")
-    if cfg.batch < cfg.microbatches:
-        raise ZeropipeError(
-            f"--batch {cfg.batch} cannot be split into {cfg.microbatches} microbatches; "
-            f"give --batch >= --microbatches"
-        )
+    if "transformer" in cfg.models and cfg.d_model % cfg.heads:
+        raise ZeropipeError(f"--d-model {cfg.d_model} must be a multiple of --heads {cfg.heads}")
+    for flag, batch, model in (
+        ("--batch", cfg.batch, "mlp"),
+        ("--tf-batch", cfg.tf_batch, "transformer"),
+    ):
+        if model in cfg.models and batch < cfg.microbatches:
+            raise ZeropipeError(
+                f"{flag} {batch} cannot be split into {cfg.microbatches} microbatches; "
+                f"give {flag} >= --microbatches"
+            )
 
 
 def run_bench(cfg: BenchConfig) -> list[dict[str, Any]]:
-    """One launch of ``cfg.ranks`` processes; returns one row per schedule."""
+    """One launch of ``cfg.ranks`` processes; returns one row per model and schedule."""
     _check(cfg)
     for name in cfg.schedules:
         if name not in TORCH_SCHEDULES:
@@ -98,9 +205,14 @@ def run_bench(cfg: BenchConfig) -> list[dict[str, Any]]:
                 f"no torch counterpart for {name!r}; compare one of {', '.join(TORCH_SCHEDULES)}"
             )
         chunks = generate(name, cfg.ranks, cfg.microbatches).num_stages
-        if cfg.blocks % chunks:
+        if "mlp" in cfg.models and cfg.blocks % chunks:
             raise ZeropipeError(
                 f"{name} on {cfg.ranks} ranks needs {chunks} stages; --blocks {cfg.blocks} does not divide"
+            )
+        if "transformer" in cfg.models and cfg.layers + 2 < chunks:
+            raise ZeropipeError(
+                f"{name} on {cfg.ranks} ranks needs {chunks} stages; the transformer has "
+                f"{cfg.layers + 2} layers (--layers {cfg.layers}, embedding and head)"
             )
     results: list[list[dict[str, Any]]] = launch(
         _rank_main, cfg.ranks, cfg, timeout=cfg.timeout, threads=1
@@ -109,37 +221,38 @@ def run_bench(cfg: BenchConfig) -> list[dict[str, Any]]:
 
 
 def _rank_main(rank: int, world: int, cfg: BenchConfig) -> list[dict[str, Any]]:
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(cfg.batch, cfg.width, generator=g)
-    y = torch.randn(cfg.batch, cfg.width, generator=g)
-    sequential, whole_batch = _sequential_time(rank, cfg, x, y)
     rows = []
-    for name in cfg.schedules:
-        ours = _zeropipe_step(name, rank, world, cfg, x, y)
-        theirs = _torch_step(name, rank, world, cfg, x, y)
-        for _ in range(cfg.warmup):
-            ours()
-            theirs()
-        t_ours, t_theirs = [], []
-        for _ in range(cfg.reps):  # interleaved, so drift hits both alike
-            t_ours.append(_timed(ours))
-            t_theirs.append(_timed(theirs))
-        zp, th = statistics.median(t_ours), statistics.median(t_theirs)
-        rows.append(
-            {
-                "schedule": name,
-                "ranks": world,
-                "microbatches": cfg.microbatches,
-                "group_w": cfg.group_w,
-                "zeropipe_step_s": zp,
-                "torch_step_s": th,
-                "ratio": zp / th,
-                "sequential_s": sequential,
-                "sequential_whole_batch_s": whole_batch,
-                "efficiency": sequential / (world * zp),
-                "torch_efficiency": sequential / (world * th),
-            }
-        )
+    group_w = default_group_w() if cfg.group_w is None else cfg.group_w
+    for model in cfg.models:
+        work = workload(model, cfg)
+        sequential, whole_batch = _sequential_time(rank, cfg, work)
+        for name in cfg.schedules:
+            ours = _zeropipe_step(name, world, cfg, work)
+            theirs = _torch_step(name, rank, world, cfg, work)
+            for _ in range(cfg.warmup):
+                ours()
+                theirs()
+            t_ours, t_theirs = [], []
+            for _ in range(cfg.reps):  # interleaved, so drift hits both alike
+                t_ours.append(_timed(ours))
+                t_theirs.append(_timed(theirs))
+            zp, th = statistics.median(t_ours), statistics.median(t_theirs)
+            rows.append(
+                {
+                    "model": model,
+                    "schedule": name,
+                    "ranks": world,
+                    "microbatches": cfg.microbatches,
+                    "group_w": group_w,
+                    "zeropipe_step_s": zp,
+                    "torch_step_s": th,
+                    "ratio": zp / th,
+                    "sequential_s": sequential,
+                    "sequential_whole_batch_s": whole_batch,
+                    "efficiency": sequential / (world * zp),
+                    "torch_efficiency": sequential / (world * th),
+                }
+            )
     return rows
 
 
@@ -153,9 +266,7 @@ def _timed(step: Callable[[], None]) -> float:
     return float(t.item())
 
 
-def _sequential_time(
-    rank: int, cfg: BenchConfig, x: torch.Tensor, y: torch.Tensor
-) -> tuple[float, float]:
+def _sequential_time(rank: int, cfg: BenchConfig, work: Workload) -> tuple[float, float]:
     """Median forward+backward time in one process: (the same microbatches, the whole batch).
 
     The first is the same work the pipelines do -- the same microbatch-sized
@@ -163,15 +274,16 @@ def _sequential_time(
     shows what microbatching itself costs on this machine.
     """
     value = torch.zeros(2, dtype=torch.float64)
+    x, y = work.inputs, work.targets
     dist.barrier()
     if rank == 0:  # the other ranks wait at the broadcast, leaving the cores alone
-        model = mlp_blocks(cfg.blocks, cfg.width, cfg.hidden)
+        model = work.build()
         for slot, parts in enumerate((cfg.microbatches, 1)):
             times = []
             for k in range(cfg.warmup + cfg.reps):
                 t0 = time.perf_counter()
                 for xi, yi in zip(x.tensor_split(parts), y.tensor_split(parts), strict=True):
-                    (F.mse_loss(model(xi), yi) * (len(xi) / len(x))).backward()
+                    (work.loss_fn(model(xi), yi) * (len(xi) / len(x))).backward()
                 if k >= cfg.warmup:
                     times.append(time.perf_counter() - t0)
                 model.zero_grad(set_to_none=True)
@@ -180,20 +292,20 @@ def _sequential_time(
     return float(value[0].item()), float(value[1].item())
 
 
-def _zeropipe_step(
-    name: str, rank: int, world: int, cfg: BenchConfig, x: torch.Tensor, y: torch.Tensor
-) -> Callable[[], None]:
-    model = mlp_blocks(cfg.blocks, cfg.width, cfg.hidden)
+def _zeropipe_step(name: str, world: int, cfg: BenchConfig, work: Workload) -> Callable[[], None]:
+    # Every setting the comparison does not fix is Pipeline's default.
+    group_w = default_group_w() if cfg.group_w is None else cfg.group_w
     pipe = Pipeline(
-        model,
+        work.build(),
         name,
         microbatches=cfg.microbatches,
-        loss_fn=F.mse_loss,
+        loss_fn=work.loss_fn,
         ranks=world,
         executor="distributed",
-        group_w=cfg.group_w,
+        group_w=group_w,
     )
     params = pipe.parameters()
+    x, y = work.inputs, work.targets
 
     def step() -> None:
         pipe.step(x, y)
@@ -204,18 +316,19 @@ def _zeropipe_step(
 
 
 def _torch_step(
-    name: str, rank: int, world: int, cfg: BenchConfig, x: torch.Tensor, y: torch.Tensor
+    name: str, rank: int, world: int, cfg: BenchConfig, work: Workload
 ) -> Callable[[], None]:
     from torch.distributed import pipelining
 
     schedule = generate(name, world, cfg.microbatches)  # same placement as zeropipe's
     num_stages = schedule.num_stages
-    per_stage = cfg.blocks // num_stages
-    blocks = list(mlp_blocks(cfg.blocks, cfg.width, cfg.hidden).children())
+    layers = list(work.build().children())
+    cut = even_cut(len(layers), num_stages)  # the cut Pipeline makes of an nn.Sequential
+    starts = [sum(cut[:s]) for s in range(num_stages)]
     mine = schedule.stages_of(rank)
     stages = [
         pipelining.PipelineStage(
-            nn.Sequential(*blocks[s * per_stage : (s + 1) * per_stage]),
+            nn.Sequential(*layers[starts[s] : starts[s] + cut[s]]),
             s,
             num_stages,
             torch.device("cpu"),
@@ -224,9 +337,12 @@ def _torch_step(
     ]
     cls = getattr(pipelining, TORCH_SCHEDULES[name])
     multi = name not in ("gpipe", "1f1b")
-    sched = cls(stages if multi else stages[0], n_microbatches=cfg.microbatches, loss_fn=F.mse_loss)
+    sched = cls(
+        stages if multi else stages[0], n_microbatches=cfg.microbatches, loss_fn=work.loss_fn
+    )
     first, last = 0 in mine, num_stages - 1 in mine
     params = [p for st in stages for p in st.submod.parameters()]
+    x, y = work.inputs, work.targets
 
     def step() -> None:
         args = (x,) if first else ()
@@ -242,32 +358,39 @@ def _torch_step(
 
 # -- output -----------------------------------------------------------------------
 def format_table(rows: list[dict[str, Any]], cfg: BenchConfig) -> str:
-    head = (
-        f"zeropipe vs torch.distributed.pipelining: {cfg.blocks} x Linear({cfg.width},{cfg.hidden})-GELU-"
-        f"Linear({cfg.hidden},{cfg.width}), batch {cfg.batch}, {cfg.microbatches} microbatches, "
-        f"{cfg.ranks} ranks over gloo, 1 intra-op thread per rank, median of {cfg.reps} interleaved reps"
+    """One table per model: step times, their ratio, and each library's efficiency."""
+    group_w = default_group_w() if cfg.group_w is None else cfg.group_w
+    setting = "Pipeline's defaults" if cfg.group_w is None else f"--group-w {cfg.group_w}"
+    how = (
+        f"each B split into I then W, each stage's W gathered in runs of {group_w} (group_w; "
+        "the F/B/I order is torch's)"
+        if group_w > 1
+        else "the schedules exactly as torch's (group_w 1)"
     )
-    if cfg.group_w > 1:
-        head += (
-            f"\nzeropipe splits each B into I then W and gathers each stage's W in runs of "
-            f"{cfg.group_w} (group_w; the F/B/I order is torch's), "
-            "--group-w 1 runs the schedules exactly as torch's"
-        )
-    lines = [
-        head,
-        "",
-        f"{'schedule':<18}{'zeropipe s':>12}{'torch s':>10}{'ratio':>8}{'eff. zeropipe':>15}{'eff. torch':>12}",
-    ]
-    for r in rows:
+    head = (
+        f"zeropipe vs torch.distributed.pipelining: {cfg.microbatches} microbatches, {cfg.ranks} "
+        f"ranks over gloo, 1 intra-op thread per rank, median of {cfg.reps} interleaved reps\n"
+        f"zeropipe runs {setting}: {how}"
+    )
+    lines = [head]
+    for model in cfg.models:
+        mine = [r for r in rows if r["model"] == model]
+        if not mine:
+            continue
+        lines += [
+            "",
+            workload(model, cfg).title,
+            f"{'schedule':<18}{'zeropipe s':>12}{'torch s':>10}{'ratio':>8}{'eff. zeropipe':>15}{'eff. torch':>12}",
+        ]
+        for r in mine:
+            lines.append(
+                f"{r['schedule']:<18}{r['zeropipe_step_s']:>12.4f}{r['torch_step_s']:>10.4f}{r['ratio']:>8.2f}"
+                f"{r['efficiency']:>15.2f}{r['torch_efficiency']:>12.2f}"
+            )
         lines.append(
-            f"{r['schedule']:<18}{r['zeropipe_step_s']:>12.4f}{r['torch_step_s']:>10.4f}{r['ratio']:>8.2f}"
-            f"{r['efficiency']:>15.2f}{r['torch_efficiency']:>12.2f}"
-        )
-    if rows:
-        lines.append(
-            f"\nsequential in one process, the same {cfg.microbatches} microbatches: "
-            f"{rows[0]['sequential_s']:.4f} s (the whole batch at once: "
-            f"{rows[0]['sequential_whole_batch_s']:.4f} s); efficiency = sequential / (ranks x step time)"
+            f"sequential in one process, the same {cfg.microbatches} microbatches: "
+            f"{mine[0]['sequential_s']:.4f} s (the whole batch at once: "
+            f"{mine[0]['sequential_whole_batch_s']:.4f} s); efficiency = sequential / (ranks x step time)"
         )
     return "\n".join(lines)
 
@@ -277,20 +400,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--schedules", default=",".join(d.schedules), help="comma list of schedules to compare"
     )
+    parser.add_argument(
+        "--model",
+        choices=[*MODELS, "both"],
+        default="both",
+        help="mlp (Linear-GELU-Linear blocks), transformer (embedding, pre-LN attention + MLP "
+        "blocks, LM head, cross-entropy) or both",
+    )
     parser.add_argument("--ranks", type=int, default=d.ranks)
-    parser.add_argument("--blocks", type=int, default=d.blocks)
-    parser.add_argument("--width", type=int, default=d.width)
-    parser.add_argument("--hidden", type=int, default=d.hidden)
-    parser.add_argument("--batch", type=int, default=d.batch)
+    parser.add_argument("--blocks", type=int, default=d.blocks, help="mlp: blocks")
+    parser.add_argument("--width", type=int, default=d.width, help="mlp: block width")
+    parser.add_argument("--hidden", type=int, default=d.hidden, help="mlp: hidden width")
+    parser.add_argument("--batch", type=int, default=d.batch, help="mlp: rows per batch")
+    parser.add_argument("--layers", type=int, default=d.layers, help="transformer: blocks")
+    parser.add_argument("--d-model", type=int, default=d.d_model, help="transformer: width")
+    parser.add_argument("--heads", type=int, default=d.heads, help="transformer: attention heads")
+    parser.add_argument("--seq", type=int, default=d.seq, help="transformer: tokens per sequence")
+    parser.add_argument("--vocab", type=int, default=d.vocab, help="transformer: vocabulary")
+    parser.add_argument(
+        "--tf-batch", type=int, default=d.tf_batch, help="transformer: sequences per batch"
+    )
     parser.add_argument("--microbatches", type=int, default=d.microbatches)
     parser.add_argument("--reps", type=int, default=d.reps)
     parser.add_argument("--warmup", type=int, default=d.warmup)
     parser.add_argument(
         "--group-w",
         type=int,
-        default=d.group_w,
+        default=None,
         help="zeropipe: split B into I + W and gather each stage's W in runs of this many "
-        "(1: the schedule as given)",
+        f"(1: the schedule as given; default: Pipeline's default, {default_group_w()})",
     )
     parser.add_argument(
         "--runs",
@@ -309,11 +447,18 @@ def run_cli(args: argparse.Namespace) -> int:
     """Benchmark zeropipe against torch.distributed.pipelining, side by side."""
     cfg = BenchConfig(
         schedules=tuple(s for s in args.schedules.split(",") if s),
+        models=MODELS if args.model == "both" else (args.model,),
         ranks=args.ranks,
         blocks=args.blocks,
         width=args.width,
         hidden=args.hidden,
         batch=args.batch,
+        layers=args.layers,
+        d_model=args.d_model,
+        heads=args.heads,
+        seq=args.seq,
+        vocab=args.vocab,
+        tf_batch=args.tf_batch,
         microbatches=args.microbatches,
         reps=args.reps,
         warmup=args.warmup,
@@ -340,15 +485,14 @@ def run_cli(args: argparse.Namespace) -> int:
 
 
 def format_spread(runs: list[list[dict[str, Any]]]) -> str:
-    """Each schedule's zeropipe / torch ratio in every run, and their median."""
+    """Each model's and schedule's zeropipe / torch ratio in every run, and their median."""
     lines = [
         f"zeropipe / torch step time over {len(runs)} runs, each a fresh launch:",
-        f"{'schedule':<18}{'per run':<{7 * len(runs) + 2}}{'median':>6}",
+        f"{'schedule':<30}{'per run':<{7 * len(runs) + 2}}{'median':>6}",
     ]
     for k, row in enumerate(runs[0]):
         ratios = [rows[k]["ratio"] for rows in runs]
         each = " ".join(f"{r:6.2f}" for r in ratios)
-        lines.append(
-            f"{row['schedule']:<18}{each:<{7 * len(runs) + 2}}{statistics.median(ratios):>6.2f}"
-        )
+        label = f"{row['model']} {row['schedule']}"
+        lines.append(f"{label:<30}{each:<{7 * len(runs) + 2}}{statistics.median(ratios):>6.2f}")
     return "\n".join(lines)

@@ -174,8 +174,11 @@ class WeightGradStash:
         ``module`` still has a plain ``nn.Linear`` (forgot :func:`prepare_split`)
         or if this stash still holds deferred work from a previous microbatch.
         """
-        unprepared = [name for name, m in module.named_modules() if type(m) is nn.Linear]
-        if unprepared:
+        # One walk over the modules per recorded forward (it runs once per F): the linears to
+        # bind, and whether any was left unprepared (named only when it is an error).
+        modules = list(module.modules())
+        if any(type(m) is nn.Linear for m in modules):
+            unprepared = [name for name, m in module.named_modules() if type(m) is nn.Linear]
             raise PipelineError(
                 f"{self._where()}: module has nn.Linear layers that are not prepared for split "
                 f"backward ({', '.join(n or '<root>' for n in unprepared[:5])}); call "
@@ -187,7 +190,7 @@ class WeightGradStash:
                 f"pending ({len(self)} deferred entries); run weight_backward() or clear() first"
             )
         self._weight_done = False
-        linears = [m for m in module.modules() if isinstance(m, _SplitLinear)]
+        linears = [m for m in modules if isinstance(m, _SplitLinear)]
         previous = [m.__dict__.get(_STASH_ATTR) for m in linears]
         for m in linears:
             m.__dict__[_STASH_ATTR] = self
@@ -374,11 +377,10 @@ class _DeferrableLinearFn(torch.autograd.Function):
     def forward(
         ctx: Any, input: Tensor, weight: Tensor, bias: Tensor | None, call: _LinearCall
     ) -> Tensor:
-        # Save only what some gradient needs, like autograd's own addmm.
-        ctx.save_for_backward(
-            input if ctx.needs_input_grad[1] else None,
-            weight if ctx.needs_input_grad[0] else None,
-        )
+        # Save only what some gradient needs, like autograd's own addmm.  needs_input_grad
+        # builds a tuple on every access: read it once.
+        need_input, need_weight = ctx.needs_input_grad[:2]
+        ctx.save_for_backward(input if need_weight else None, weight if need_input else None)
         ctx.call = call
         return F.linear(input, weight, bias)
 
@@ -393,7 +395,7 @@ class _DeferrableLinearFn(torch.autograd.Function):
         if need_input:
             grad_input = grad_output.matmul(weight)
         if need_bias:
-            grad_bias = _rows(grad_output).sum(0)
+            grad_bias = (grad_output if grad_output.dim() == 2 else _rows(grad_output)).sum(0)
         if need_weight:
             # Only a leaf can be written to directly in W; anything else (a parametrized
             # weight) must send its gradient back through autograd now.
@@ -423,6 +425,8 @@ def _recorded_linear(
 ) -> Tensor:
     call = _LinearCall(weight, stash)
     device_type = input.device.type
+    if not torch.is_autocast_enabled(device_type):  # the common case, checked first: it is cheap
+        return _DeferrableLinearFn.apply(input, weight, bias, call)
     dtype = _autocast_dtype(device_type, (input, weight, bias))
     if dtype is None:
         return _DeferrableLinearFn.apply(input, weight, bias, call)

@@ -6,9 +6,12 @@
                                           |
                                           x + Attention(LN(x)); x + MLP(LN(x))
 
-The head's projection *is* the embedding's weight (tied input/output
-embeddings), so a pipeline whose first and last stages sit on different
-ranks has to sum that parameter's gradient across them.
+By default the head's projection *is* the embedding's weight (tied
+input/output embeddings), so a pipeline whose first and last stages sit on
+different ranks has to sum that parameter's gradient across them.
+``GPTConfig(tied=False)`` gives the head its own weight: ``zeropipe bench``
+uses it, because torch.distributed.pipelining has no tied parameters across
+stages to compare with.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ class GPTConfig:
     heads: int = 4
     layers: int = 4
     dropout: float = 0.1
+    tied: bool = True  # the head's projection is the token embedding's weight
 
 
 class Embed(nn.Module):
@@ -70,11 +74,12 @@ class Block(nn.Module):
 
 
 class Head(nn.Module):
-    def __init__(self, embed: Embed) -> None:
+    def __init__(self, embed: Embed, tied: bool = True) -> None:
         super().__init__()
         self.ln = nn.LayerNorm(embed.token.embedding_dim)
         self.out = nn.Linear(embed.token.embedding_dim, embed.token.num_embeddings, bias=False)
-        self.out.weight = embed.token.weight  # tied
+        if tied:
+            self.out.weight = embed.token.weight
 
     def forward(self, x: Tensor) -> Tensor:
         return self.out(self.ln(x))
@@ -89,7 +94,9 @@ def gpt(cfg: GPTConfig | None = None, *, seed: int = 0) -> nn.Sequential:
     torch.manual_seed(seed)
     try:
         embed = Embed(cfg)
-        model = nn.Sequential(embed, *[Block(cfg) for _ in range(cfg.layers)], Head(embed))
+        model = nn.Sequential(
+            embed, *[Block(cfg) for _ in range(cfg.layers)], Head(embed, cfg.tied)
+        )
         for name, p in model.named_parameters():
             if name.endswith("weight") and p.dim() == 2:
                 nn.init.normal_(p, std=0.02)

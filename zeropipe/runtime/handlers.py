@@ -206,11 +206,10 @@ def _backward(ctx: StepContext, action: Action) -> None:
                 grads.append(g)
     if state.stash is None:
         raise PipelineError(f"{action}: the forward was not recorded for backward")
-    send = Action(Kind.SEND_B, s, i)
     early = action.kind is Kind.B and s > 0 and ctx.deps.crosses(s - 1, s)
     if roots:
         if ctx.input_first and early:
-            _input_backward_first(ctx, state, send, roots, grads)
+            _input_backward_first(ctx, state, Action(Kind.SEND_B, s, i), roots, grads)
         else:
             state.stash.input_backward(roots, grads)
     if not roots:  # no gradient reached this stage's outputs: nothing to defer

@@ -42,7 +42,9 @@ from zeropipe.message_order import receiver_of
 from zeropipe.runtime import collectives
 from zeropipe.runtime.wire import (
     HEADER_LEN,
+    MAX_TAG,
     SLOTS,
+    TAGGED_TAGS,
     Meta,
     decode_header,
     describe_meta,
@@ -53,10 +55,6 @@ from zeropipe.runtime.wire import (
 from zeropipe.runtime.works import Label, Pending, connect
 
 __all__ = ["DistributedTransport"]
-
-# Tags start high: plain send/recv elsewhere (a profiler, user code) use small ones.
-_TAG_BASE = 1 << 24
-_MAX_TAG = 2**31 - 1
 
 
 @dataclass
@@ -116,7 +114,7 @@ class DistributedTransport:
         # finished one never collide with a later one's.
         n = self._failures.number
         self._barrier_tags = len(transfers)
-        self._tag0 = ((n - 1) * (len(transfers) + 1) * SLOTS) % (_MAX_TAG // 2)
+        self._tag0 = ((n - 1) * (len(transfers) + 1) * SLOTS) % (MAX_TAG // 2)
         self._meta_send: dict[Action, Meta] = {}
         self._meta_recv: dict[Action, Meta] = {}
         self._recvs: dict[Action, _Recv] = {}
@@ -246,7 +244,7 @@ class DistributedTransport:
         return t
 
     def _tag(self, transfer: int, slot: int) -> int:
-        return _TAG_BASE + self._tag0 + transfer * SLOTS + slot
+        return TAGGED_TAGS + self._tag0 + transfer * SLOTS + slot
 
     def _post_payload(self, rec: _Recv, meta: Meta) -> None:
         t = self._transfer_of(rec.action)

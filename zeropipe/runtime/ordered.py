@@ -51,6 +51,8 @@ from zeropipe.message_order import message_order, receiver_of
 from zeropipe.runtime import collectives
 from zeropipe.runtime.wire import (
     HEADER_LEN,
+    ORDERED_TAGS,
+    TAGGED_TAGS,
     Meta,
     decode_header,
     describe_meta,
@@ -62,10 +64,6 @@ from zeropipe.runtime.works import Label, connect
 
 __all__ = ["OrderedTransport"]
 
-# One tag for every message of a pipeline (NCCL ignores it; on gloo it keeps a pipeline's
-# messages apart from other traffic and from other pipelines).
-_TAG_BASE = 1 << 24
-_MAX_TAG = 2**31 - 1
 # Signatures whose boundary shapes are remembered (a few sequence-length buckets).
 _SIGNATURES = 16
 _SENDS = (Kind.SEND_F, Kind.SEND_B)
@@ -126,7 +124,9 @@ class OrderedTransport:
         self._failures = self._endpoint.failures
         self._group = group
         self._on_device = is_accelerator(self._device)
-        self._tag = _TAG_BASE + (self._failures.number - 1) % (_MAX_TAG - _TAG_BASE)
+        # One tag for all of a pipeline's messages (NCCL ignores it; on gloo it keeps them
+        # apart from other traffic and from other pipelines, tagged ones included).
+        self._tag = ORDERED_TAGS + (self._failures.number - 1) % (TAGGED_TAGS - ORDERED_TAGS)
         self._plans: list[tuple[Schedule, _Plan]] = []
         self._plan = self._plan_for(schedule)
         self._shapes_by_signature: OrderedDict[Hashable, _Shapes] = OrderedDict()

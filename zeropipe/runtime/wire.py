@@ -25,7 +25,10 @@ from zeropipe.ir import Action
 __all__ = [
     "DTYPES",
     "HEADER_LEN",
+    "MAX_TAG",
+    "ORDERED_TAGS",
     "SLOTS",
+    "TAGGED_TAGS",
     "Meta",
     "decode_header",
     "describe_meta",
@@ -38,6 +41,11 @@ __all__ = [
 HEADER_LEN = 64
 # Tags per transfer: the header, then one per tensor of the tuple.
 SLOTS = 32
+# Tags start high (plain send/recv elsewhere, a profiler or user code, use small ones), the
+# tagged protocol's from TAGGED_TAGS up, the ordered protocol's (one per pipeline) below it.
+ORDERED_TAGS = 1 << 23
+TAGGED_TAGS = 1 << 24
+MAX_TAG = 2**31 - 1
 
 # The dtypes a transfer can carry; a dtype's code is its index here.
 DTYPES: tuple[torch.dtype, ...] = (

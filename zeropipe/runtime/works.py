@@ -293,14 +293,18 @@ class Endpoint:
         and a process cannot exit while one is pending.
         """
         deadline = time.monotonic() + self.timeout
+        next_check = time.monotonic() + _CHECK_EVERY
         for work, (what, peer) in zip(works, labels, strict=True):
             while not work.is_completed():
-                try:
-                    self.failures.check()
-                except PipelineError:
-                    _compat.abort_group(self.group)
-                    raise
-                if time.monotonic() >= deadline:
+                now = time.monotonic()
+                if now >= next_check:  # the store is asked at its own pace, not every poll
+                    next_check = now + _CHECK_EVERY
+                    try:
+                        self.failures.check()
+                    except PipelineError:
+                        _compat.abort_group(self.group)
+                        raise
+                if now >= deadline:
                     _compat.abort_group(self.group)
                     source = (
                         f" from rank {peer}" if peer is not None and " from " not in what else ""

@@ -21,13 +21,17 @@ schedule for each cut is the planning layer's (:mod:`zeropipe.plan`).
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import replace
 
 from zeropipe.costs import CostModel, StageCost
 from zeropipe.errors import ScheduleError
+from zeropipe.ir import Kind, Schedule
+from zeropipe.simulate import simulate
 
-__all__ = ["balance", "even_cut", "stage_costs", "stage_times"]
+__all__ = ["balance", "balance_schedule", "even_cut", "stage_costs", "stage_times"]
 
 
 def balance(
@@ -84,6 +88,77 @@ def balance(
     cut = _greedy(times, mem, sums[lo], cap)
     assert cut is not None  # sums[lo] is feasible by the search
     return _pad(cut, parts)
+
+
+def balance_schedule(
+    layers: CostModel, schedule: Schedule, *, exhaustive_limit: int = 2000
+) -> list[int]:
+    """Layers per stage for ``schedule``: the cut whose simulated step is shortest.
+
+    ``layers`` holds one :class:`StageCost` per layer (``zeropipe.plan.layer_costs``
+    measures them).  :func:`balance` evens out the stages' times, which is
+    right when each rank holds one stage; when ranks hold several (interleaved,
+    V-shaped), what bounds the step is each rank's total and where the
+    dependencies make it wait -- a V on two ranks pairs the first and last
+    stages, so an embedding and a head can share a rank with fewer blocks than
+    the middle stages get.  This simulates ``schedule`` under each candidate
+    cut's summed costs (:func:`stage_costs`): every cut when there are at most
+    ``exhaustive_limit``, else a descent from :func:`balance`'s cut and the
+    even cut, moving one or two boundaries by one layer at a time.  Ties go to
+    the cut with the slowest stage fastest.
+    """
+    n, parts = len(layers.stages), schedule.num_stages
+    times = [c.F + c.time(Kind.B) for c in layers.stages]
+    seeds = [balance(times, parts), even_cut(n, parts)]
+
+    def score(cut: Sequence[int]) -> tuple[float, float]:
+        timeline = simulate(schedule, stage_costs(layers, cut))
+        return (_rounded(timeline.makespan), _rounded(max(stage_times(times, cut))))
+
+    if math.comb(n - 1, parts - 1) <= exhaustive_limit:
+        candidates = [
+            [b - a for a, b in zip((0, *inner), (*inner, n), strict=True)]
+            for inner in itertools.combinations(range(1, n), parts - 1)
+        ]
+        return min(candidates, key=score)
+    best, best_score = seeds[0], score(seeds[0])
+    for seed in seeds:
+        current, current_score = seed, score(seed)
+        improved = True
+        while improved:
+            improved = False
+            for candidate in _neighbours(current):
+                s = score(candidate)
+                if s < current_score:
+                    current, current_score, improved = candidate, s, True
+                    break
+        if current_score < best_score:
+            best, best_score = current, current_score
+    return best
+
+
+def _rounded(seconds: float) -> float:
+    # Four significant digits: differences below that are measurement noise, and rounding
+    # them away lets the tie-break decide.
+    return float(f"{seconds:.4g}")
+
+
+def _neighbours(cut: list[int]) -> list[list[int]]:
+    """Valid cuts one or two boundary moves (of one layer each) away from ``cut``."""
+    moves = [(b, d) for b in range(len(cut) - 1) for d in (-1, 1)]
+
+    def moved(c: list[int], b: int, d: int) -> list[int]:
+        c = list(c)
+        c[b] += d  # the boundary after stage b moves by d layers
+        c[b + 1] -= d
+        return c
+
+    out = [moved(cut, b, d) for b, d in moves]
+    for k, (b1, d1) in enumerate(moves):
+        for b2, d2 in moves[k + 1 :]:
+            if b1 != b2:
+                out.append(moved(moved(cut, b1, d1), b2, d2))
+    return [c for c in out if min(c) >= 1]
 
 
 def _greedy(

@@ -49,16 +49,15 @@ class Embed(nn.Module):
         return self.drop(self.token(tokens) + self.position(pos))
 
 
-class Block(nn.Module):
+class Attention(nn.Module):
+    """The first half of a pre-LN block: ``x + Dropout(proj(attention(LN(x))))``."""
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.heads = cfg.heads
         self.ln1 = nn.LayerNorm(cfg.width)
         self.qkv = nn.Linear(cfg.width, 3 * cfg.width)
         self.proj = nn.Linear(cfg.width, cfg.width)
-        self.ln2 = nn.LayerNorm(cfg.width)
-        self.up = nn.Linear(cfg.width, 4 * cfg.width)
-        self.down = nn.Linear(4 * cfg.width, cfg.width)
         self.drop = nn.Dropout(cfg.dropout)
         self.p = cfg.dropout
 
@@ -69,7 +68,20 @@ class Block(nn.Module):
         a = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.p if self.training else 0.0
         )
-        x = x + self.drop(self.proj(a.transpose(1, 2).reshape(b, t, c)))
+        return x + self.drop(self.proj(a.transpose(1, 2).reshape(b, t, c)))
+
+
+class MLP(nn.Module):
+    """The second half of a pre-LN block: ``x + Dropout(down(GELU(up(LN(x)))))``."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln2 = nn.LayerNorm(cfg.width)
+        self.up = nn.Linear(cfg.width, 4 * cfg.width)
+        self.down = nn.Linear(4 * cfg.width, cfg.width)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
         return x + self.drop(self.down(F.gelu(self.up(self.ln2(x)))))
 
 
@@ -95,7 +107,9 @@ def gpt(cfg: GPTConfig | None = None, *, seed: int = 0) -> nn.Sequential:
     try:
         embed = Embed(cfg)
         model = nn.Sequential(
-            embed, *[Block(cfg) for _ in range(cfg.layers)], Head(embed, cfg.tied)
+            embed,
+            *[half for _ in range(cfg.layers) for half in (Attention(cfg), MLP(cfg))],
+            Head(embed, cfg.tied),
         )
         for name, p in model.named_parameters():
             if name.endswith("weight") and p.dim() == 2:

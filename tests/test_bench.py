@@ -32,6 +32,9 @@ def test_a_tiny_side_by_side_run_reports_consistent_rows() -> None:
         assert r["torch_efficiency"] == pytest.approx(r["sequential_s"] / (2 * r["torch_step_s"]))
         # The bench runs Pipeline's own default group_w, and says so.
         assert (r["ranks"], r["microbatches"], r["group_w"]) == (2, 4, bench.default_group_w())
+        # Both libraries ran the cut chosen by measured time: every layer, every stage used.
+        assert sum(r["cut"]) == 4 and min(r["cut"]) >= 1
+    assert [len(r["cut"]) for r in rows] == [2, 4]
     table = bench.format_table(rows, cfg)
     assert "4 x Linear(16,32)-GELU-Linear(32,16)" in table
     assert "1f1b" in table and "zbv" in table
@@ -61,6 +64,8 @@ def test_both_models_are_benched_and_reported() -> None:
     assert [(r["model"], r["schedule"]) for r in rows] == [("mlp", "1f1b"), ("transformer", "1f1b")]
     for r in rows:
         assert r["efficiency"] == pytest.approx(r["sequential_s"] / (2 * r["zeropipe_step_s"]))
+    # The transformer cuts between attention and MLP: embedding, 2 x (attention, MLP), head.
+    assert sum(rows[1]["cut"]) == 6
     table = bench.format_table(rows, cfg)
     assert "2 x Linear(8,16)-GELU-Linear(16,8)" in table
     assert "transformer: embedding, 2 pre-LN blocks (width 16, 2 heads)" in table
@@ -74,6 +79,7 @@ def _rows(ratios: dict[str, float]) -> list[dict[str, Any]]:
             "ranks": 2,
             "microbatches": 8,
             "group_w": 4,
+            "cut": [4, 4],
             "zeropipe_step_s": ratio,
             "torch_step_s": 1.0,
             "ratio": ratio,
@@ -127,10 +133,10 @@ def test_runs_relaunch_and_summarise_each_schedules_ratio(
         (["--model", "mlp", "--batch", "4"], "--batch 4 cannot be split into 8 microbatches"),
         (["--schedules", ","], "--schedules is empty"),
         (["--schedules", "zb-h1"], "no torch counterpart for 'zb-h1'"),
-        (["--blocks", "6", "--schedules", "zbv"], "--blocks 6 does not divide"),
+        (["--blocks", "3", "--schedules", "zbv"], "needs 4 stages; give --blocks >= 4"),
         (
-            ["--model", "transformer", "--layers", "1", "--schedules", "zbv"],
-            "the transformer has 3",
+            ["--model", "transformer", "--layers", "1", "--ranks", "4", "--schedules", "zbv"],
+            "needs 8 stages; the transformer has 4 layers",
         ),
         (["--model", "transformer", "--d-model", "30"], "--d-model 30 must be a multiple"),
         (["--model", "transformer", "--tf-batch", "4"], "--tf-batch 4 cannot be split"),

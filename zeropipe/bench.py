@@ -38,10 +38,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from zeropipe.balance import even_cut
+from zeropipe.balance import balance_schedule, even_cut
+from zeropipe.build import build_schedule
 from zeropipe.errors import ZeropipeError
 from zeropipe.models.gpt import GPTConfig, gpt, lm_loss
 from zeropipe.models.mlp import mlp_blocks
+from zeropipe.plan import layer_costs
 from zeropipe.runtime.launch import launch
 from zeropipe.runtime.pipeline import Pipeline
 from zeropipe.schedules import generate
@@ -96,6 +98,7 @@ class BenchConfig:
     reps: int = 10
     warmup: int = 3
     group_w: int | None = None  # None: Pipeline's default, what a user gets
+    cut: str = "time"  # "time": each schedule's cut balanced by measured time; "even": by count
     timeout: float = 600.0
 
 
@@ -155,7 +158,8 @@ def workload(model: str, cfg: BenchConfig) -> Workload:
 
 
 def _layers(cfg: BenchConfig, model: str) -> int:
-    return cfg.blocks if model == "mlp" else cfg.layers + 2
+    # The transformer's nn.Sequential: embedding, attention and MLP halves of each block, head.
+    return cfg.blocks if model == "mlp" else 2 * cfg.layers + 2
 
 
 def _check(cfg: BenchConfig) -> None:
@@ -205,14 +209,15 @@ def run_bench(cfg: BenchConfig) -> list[dict[str, Any]]:
                 f"no torch counterpart for {name!r}; compare one of {', '.join(TORCH_SCHEDULES)}"
             )
         chunks = generate(name, cfg.ranks, cfg.microbatches).num_stages
-        if "mlp" in cfg.models and cfg.blocks % chunks:
+        if "mlp" in cfg.models and cfg.blocks < chunks:
             raise ZeropipeError(
-                f"{name} on {cfg.ranks} ranks needs {chunks} stages; --blocks {cfg.blocks} does not divide"
+                f"{name} on {cfg.ranks} ranks needs {chunks} stages; give --blocks >= {chunks}"
             )
-        if "transformer" in cfg.models and cfg.layers + 2 < chunks:
+        if "transformer" in cfg.models and _layers(cfg, "transformer") < chunks:
             raise ZeropipeError(
                 f"{name} on {cfg.ranks} ranks needs {chunks} stages; the transformer has "
-                f"{cfg.layers + 2} layers (--layers {cfg.layers}, embedding and head)"
+                f"{_layers(cfg, 'transformer')} layers (embedding, attention and MLP of each of "
+                f"--layers {cfg.layers} blocks, head)"
             )
     results: list[list[dict[str, Any]]] = launch(
         _rank_main, cfg.ranks, cfg, timeout=cfg.timeout, threads=1
@@ -226,9 +231,10 @@ def _rank_main(rank: int, world: int, cfg: BenchConfig) -> list[dict[str, Any]]:
     for model in cfg.models:
         work = workload(model, cfg)
         sequential, whole_batch = _sequential_time(rank, cfg, work)
+        cuts = _cuts(rank, world, cfg, work, group_w)
         for name in cfg.schedules:
-            ours = _zeropipe_step(name, world, cfg, work)
-            theirs = _torch_step(name, rank, world, cfg, work)
+            ours = _zeropipe_step(name, world, cfg, work, cuts[name])
+            theirs = _torch_step(name, rank, world, cfg, work, cuts[name])
             for _ in range(cfg.warmup):
                 ours()
                 theirs()
@@ -244,6 +250,7 @@ def _rank_main(rank: int, world: int, cfg: BenchConfig) -> list[dict[str, Any]]:
                     "ranks": world,
                     "microbatches": cfg.microbatches,
                     "group_w": group_w,
+                    "cut": cuts[name],
                     "zeropipe_step_s": zp,
                     "torch_step_s": th,
                     "ratio": zp / th,
@@ -292,7 +299,44 @@ def _sequential_time(rank: int, cfg: BenchConfig, work: Workload) -> tuple[float
     return float(value[0].item()), float(value[1].item())
 
 
-def _zeropipe_step(name: str, world: int, cfg: BenchConfig, work: Workload) -> Callable[[], None]:
+def _cuts(
+    rank: int, world: int, cfg: BenchConfig, work: Workload, group_w: int
+) -> dict[str, list[int]]:
+    """Per schedule, the cut both libraries run: balanced by measured time, or even.
+
+    By time: every rank profiles every layer on one microbatch, and rank 0
+    picks, per schedule, the cut whose simulated step is shortest
+    (:func:`zeropipe.balance.balance_schedule`); every rank gets rank 0's cuts.
+    """
+    schedules = {
+        name: build_schedule(name, ranks=world, microbatches=cfg.microbatches, group_w=group_w)
+        for name in cfg.schedules
+    }
+    if cfg.cut == "even":
+        n = len(work.build())
+        return {name: even_cut(n, sch.num_stages) for name, sch in schedules.items()}
+    # Every rank profiles (the wire between ranks 0 and 1 is measured too); rank 0's cuts go.
+    rows = len(work.inputs) // cfg.microbatches
+    layers = layer_costs(
+        work.build(),
+        work.inputs[:rows],
+        target=work.targets[:rows],
+        loss_fn=work.loss_fn,
+        warmup=cfg.warmup,
+        repeat=max(cfg.reps, 5),
+    )
+    box: list[object] = [None]
+    if rank == 0:
+        box[0] = {name: balance_schedule(layers, sch) for name, sch in schedules.items()}
+    dist.broadcast_object_list(box, 0)
+    cuts = box[0]
+    assert isinstance(cuts, dict)
+    return cuts
+
+
+def _zeropipe_step(
+    name: str, world: int, cfg: BenchConfig, work: Workload, cut: list[int]
+) -> Callable[[], None]:
     # Every setting the comparison does not fix is Pipeline's default.
     group_w = default_group_w() if cfg.group_w is None else cfg.group_w
     pipe = Pipeline(
@@ -303,6 +347,7 @@ def _zeropipe_step(name: str, world: int, cfg: BenchConfig, work: Workload) -> C
         ranks=world,
         executor="distributed",
         group_w=group_w,
+        balance=cut,
     )
     params = pipe.parameters()
     x, y = work.inputs, work.targets
@@ -316,14 +361,13 @@ def _zeropipe_step(name: str, world: int, cfg: BenchConfig, work: Workload) -> C
 
 
 def _torch_step(
-    name: str, rank: int, world: int, cfg: BenchConfig, work: Workload
+    name: str, rank: int, world: int, cfg: BenchConfig, work: Workload, cut: list[int]
 ) -> Callable[[], None]:
     from torch.distributed import pipelining
 
     schedule = generate(name, world, cfg.microbatches)  # same placement as zeropipe's
     num_stages = schedule.num_stages
     layers = list(work.build().children())
-    cut = even_cut(len(layers), num_stages)  # the cut Pipeline makes of an nn.Sequential
     starts = [sum(cut[:s]) for s in range(num_stages)]
     mine = schedule.stages_of(rank)
     stages = [
@@ -370,7 +414,14 @@ def format_table(rows: list[dict[str, Any]], cfg: BenchConfig) -> str:
     head = (
         f"zeropipe vs torch.distributed.pipelining: {cfg.microbatches} microbatches, {cfg.ranks} "
         f"ranks over gloo, 1 intra-op thread per rank, median of {cfg.reps} interleaved reps\n"
-        f"zeropipe runs {setting}: {how}"
+        f"zeropipe runs {setting}: {how}\n"
+        + (
+            "both libraries run the same cut into stages, per schedule the one whose simulated "
+            "step is shortest under per-layer times measured first (--cut time)"
+            if cfg.cut == "time"
+            else "both libraries run the same cut into stages, the same number of layers each "
+            "(--cut even, what Pipeline does with an nn.Sequential and no balance=)"
+        )
     )
     lines = [head]
     for model in cfg.models:
@@ -380,12 +431,13 @@ def format_table(rows: list[dict[str, Any]], cfg: BenchConfig) -> str:
         lines += [
             "",
             workload(model, cfg).title,
-            f"{'schedule':<18}{'zeropipe s':>12}{'torch s':>10}{'ratio':>8}{'eff. zeropipe':>15}{'eff. torch':>12}",
+            f"{'schedule':<18}{'zeropipe s':>12}{'torch s':>10}{'ratio':>8}{'eff. zeropipe':>15}"
+            f"{'eff. torch':>12}  layers per stage",
         ]
         for r in mine:
             lines.append(
                 f"{r['schedule']:<18}{r['zeropipe_step_s']:>12.4f}{r['torch_step_s']:>10.4f}{r['ratio']:>8.2f}"
-                f"{r['efficiency']:>15.2f}{r['torch_efficiency']:>12.2f}"
+                f"{r['efficiency']:>15.2f}{r['torch_efficiency']:>12.2f}  {r['cut']}"
             )
         lines.append(
             f"sequential in one process, the same {cfg.microbatches} microbatches: "
@@ -431,6 +483,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"(1: the schedule as given; default: Pipeline's default, {default_group_w()})",
     )
     parser.add_argument(
+        "--cut",
+        choices=("time", "even"),
+        default=d.cut,
+        help="how both libraries cut the model into stages: time (per schedule, the cut with "
+        "the shortest simulated step under measured per-layer times) or even (the same number "
+        "of layers per stage)",
+    )
+    parser.add_argument(
         "--runs",
         type=int,
         default=1,
@@ -463,6 +523,7 @@ def run_cli(args: argparse.Namespace) -> int:
         reps=args.reps,
         warmup=args.warmup,
         group_w=args.group_w,
+        cut=args.cut,
     )
     if args.runs < 1:
         raise ZeropipeError(f"--runs must be at least 1, got {args.runs}")

@@ -32,7 +32,7 @@ import functools
 import inspect
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -123,6 +123,11 @@ class _DecoderStage(nn.Module):
 
 
 class _LlamaStage(_DecoderStage):
+    embed_tokens: nn.Module
+    rotary_emb: nn.Module
+    norm: nn.Module
+    lm_head: nn.Module
+
     def embed(self, ids: Tensor) -> Tensor:
         return self.embed_tokens(ids)
 
@@ -144,6 +149,12 @@ class _LlamaStage(_DecoderStage):
 
 
 class _GPT2Stage(_DecoderStage):
+    wte: nn.Module
+    wpe: nn.Module
+    drop: nn.Module
+    ln_f: nn.Module
+    lm_head: nn.Module
+
     def embed(self, ids: Tensor) -> Tensor:
         pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
         return self.drop(self.wte(ids) + self.wpe(pos))
@@ -157,7 +168,8 @@ class _GPT2Stage(_DecoderStage):
         return h
 
 
-def _llama_stage(model: nn.Module, picked: list[int], first: bool, last: bool) -> nn.Module:
+def _llama_stage(hf: nn.Module, picked: list[int], first: bool, last: bool) -> nn.Module:
+    model: Any = hf
     inner: Any = model.model
     config = model.config
     types = getattr(config, "layer_types", None)
@@ -174,11 +186,10 @@ def _llama_stage(model: nn.Module, picked: list[int], first: bool, last: bool) -
     return stage
 
 
-def _gpt2_stage(model: nn.Module, picked: list[int], first: bool, last: bool) -> nn.Module:
+def _gpt2_stage(hf: nn.Module, picked: list[int], first: bool, last: bool) -> nn.Module:
+    model: Any = hf
     inner: Any = model.transformer
-    stage = _GPT2Stage(
-        model.config, [inner.h[i] for i in picked], ["full_attention"] * len(picked)
-    )
+    stage = _GPT2Stage(model.config, [inner.h[i] for i in picked], ["full_attention"] * len(picked))
     if first:
         stage.first, stage.wte, stage.wpe, stage.drop = True, inner.wte, inner.wpe, inner.drop
     if last:
@@ -300,7 +311,7 @@ def _time_and_cut(
     sample_len: int,
 ) -> list[int]:
     param = next(model.parameters())
-    vocab = int(model.config.vocab_size)
+    vocab = int(cast(Any, model).config.vocab_size)
     ids = torch.randint(0, vocab, (1, sample_len), device=param.device)
     embed = build(model, [], True, False)
     one = build(model, [0], False, False)

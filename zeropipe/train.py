@@ -349,7 +349,9 @@ def check_resume(cfg: TrainConfig, warn: bool = True) -> None:
         f"{flag} {now} differs from the checkpoint's {then}" for flag, now, then in differ
     )
     fix = " ".join(
-        f"{flag}={then}" if flag.startswith("TrainConfig") else f"{flag} {then}"
+        f"{flag}={then}"
+        if flag.startswith("TrainConfig")
+        else (f"no {flag}" if then is None else f"{flag} {then}")
         for flag, _, then in differ
     )
     layout = (

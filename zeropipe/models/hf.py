@@ -59,7 +59,14 @@ def hf_config(
     if config_file is not None:
         data = read_model_config(config_file)
         kind = data.pop("model_type")
-        config = transformers.AutoConfig.for_model(kind, **data)
+        try:
+            config = transformers.AutoConfig.for_model(kind, **data)
+        except Exception as exc:  # transformers' validators raise several types
+            lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+            raise ZeropipeError(
+                f"--model-config {config_file}: transformers refuses it "
+                f"({lines[-1] if lines else type(exc).__name__}); fix the file"
+            ) from None
         n_vocab = int(config.vocab_size)
         positions = getattr(config, "max_position_embeddings", None) or getattr(
             config, "n_positions", None

@@ -311,8 +311,13 @@ def _time_and_cut(
     sample_len: int,
 ) -> list[int]:
     param = next(model.parameters())
-    vocab = int(cast(Any, model).config.vocab_size)
-    ids = torch.randint(0, vocab, (1, sample_len), device=param.device)
+    config = cast(Any, model).config
+    positions = getattr(config, "max_position_embeddings", None) or getattr(
+        config, "n_positions", None
+    )
+    length = min(sample_len, int(positions)) if positions else sample_len
+    ids = torch.randint(0, int(config.vocab_size), (1, length), device=param.device)
+    kept = {id(p): p.grad for p in model.parameters()}  # the caller's gradients, put back
     embed = build(model, [], True, False)
     one = build(model, [0], False, False)
     head = build(model, [], False, True)
@@ -322,7 +327,7 @@ def _time_and_cut(
     t_layer = _timed(one, hidden)
     t_head = _timed(head, hidden)
     for p in model.parameters():  # the timing's backward leaves nothing behind
-        p.grad = None
+        p.grad = kept[id(p)]
     units = balance_times([t_embed, *[t_layer] * layers, t_head], num_stages)
     cut = list(units)
     cut[0] -= 1  # the embedding unit

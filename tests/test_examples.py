@@ -26,3 +26,13 @@ def test_example_runs(script: str) -> None:
     if script == "manual_stages.py":
         losses = [float(l.split()[-1]) for l in out.stdout.splitlines() if l.startswith("step")]
         assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_hf_llama_example_trains_over_two_processes() -> None:
+    pytest.importorskip("transformers", reason="examples/hf_llama.py needs transformers")
+    out = subprocess.run(
+        [sys.executable, str(EXAMPLES / "hf_llama.py")], capture_output=True, text=True, timeout=240
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    first, last = (float(v) for v in out.stdout.strip().splitlines()[-1].split()[1::2])
+    assert last < first - 1.0, out.stdout

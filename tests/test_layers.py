@@ -2,6 +2,7 @@
 TYPE_CHECKING blocks too, where cycles like to hide).
 
     apps        cli, train, bench, train_state, data, models/
+    adapters    adapters/
     planning    plan
     runtime     runtime/
     profiling   profiling
@@ -52,6 +53,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("profiling", ("zeropipe.profiling",)),
     ("runtime", ("zeropipe.runtime",)),
     ("planning", ("zeropipe.plan",)),
+    ("adapters", ("zeropipe.adapters",)),
     (
         "apps",
         (

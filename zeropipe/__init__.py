@@ -2,7 +2,8 @@
 
 The schedule half (IR, dependencies, validator, generators, simulator,
 ``build_schedule``) is importable without torch; the names that need torch
-(``Pipeline``, ``RuntimeOptions``, ``launch``, ``profile``, ``auto_plan``)
+(``Pipeline``, ``RuntimeOptions``, ``launch``, ``profile``, ``auto_plan``,
+``split``, ``causal_lm_loss``)
 are loaded on first use.  docs/architecture.md describes the layers.
 """
 
@@ -36,6 +37,7 @@ __all__ = [
     "ZeropipeError",
     "auto_plan",
     "build_schedule",
+    "causal_lm_loss",
     "generate",
     "init_from_env",
     "is_recomputing",
@@ -43,6 +45,7 @@ __all__ = [
     "lower",
     "profile",
     "simulate",
+    "split",
     "validate",
 ]
 
@@ -58,6 +61,8 @@ _LAZY = {
     "init_from_env": "zeropipe.runtime.launch",
     "is_recomputing": "zeropipe.runtime.memory",
     "profile": "zeropipe.plan",
+    "split": "zeropipe.adapters.split",
+    "causal_lm_loss": "zeropipe.adapters.loss",
 }
 
 

@@ -1,9 +1,12 @@
-"""``zeropipe train``: a small GPT trained across pipeline ranks, end to end.
+"""``zeropipe train``: a small GPT (or a Hugging Face causal LM) trained across pipeline ranks.
 
 One call of :func:`train` spawns ``ranks`` processes over gloo (or, under
 torchrun, runs as the rank it was started as), trains the GPT of
-:mod:`zeropipe.models.gpt` on the generated corpus of :mod:`zeropipe.data`
-under the chosen schedule, and leaves in ``--out``::
+:mod:`zeropipe.models.gpt` (``--model gpt``, the default) or a Hugging Face
+model of :mod:`zeropipe.models.hf` cut by :func:`zeropipe.adapters.split.split`
+(``--model llama|qwen3|gpt2``, ``--model-config FILE.json``) on the generated
+corpus of :mod:`zeropipe.data` (or the bytes of ``--data FILE``) under the
+chosen schedule, and leaves in ``--out``::
 
     metrics.jsonl      one JSON object per step: step, loss, tokens_per_s, ...
     checkpoints/       the last complete checkpoints (see zeropipe.train_state)
@@ -40,12 +43,15 @@ import torch
 import torch.distributed as dist
 
 from zeropipe import fit, train_state
+from zeropipe.adapters.loss import causal_lm_loss
+from zeropipe.adapters.split import split
 from zeropipe.balance import even_cut
 from zeropipe.build import build_schedule
 from zeropipe.data import Corpus
 from zeropipe.errors import PipelineError, ZeropipeError
 from zeropipe.ir import Schedule
 from zeropipe.models.gpt import GPTConfig, gpt, lm_loss
+from zeropipe.models.hf import PRESETS, build_hf, hf_config
 from zeropipe.runtime.pipeline import Pipeline, RuntimeOptions
 from zeropipe.schedules import GENERATORS
 from zeropipe.simulate import Event, Timeline, costs_from_timeline, simulate
@@ -58,6 +64,9 @@ class TrainConfig:
     """Every knob of ``zeropipe train``; the defaults are the built-in demo."""
 
     schedule: str = "zbv"
+    model: str = "gpt"  # or a Hugging Face preset: llama, qwen3, gpt2
+    model_config: str | None = None  # a Hugging Face config.json (with model set from it)
+    data: str | None = None  # a UTF-8 text file (bytes as tokens); None: the generated corpus
     ranks: int = 2
     microbatches: int = 8
     batch_size: int = 16
@@ -105,13 +114,46 @@ class TrainConfig:
             )
         _check_device(self.device)
         schedule = self.build_schedule()
-        layers = self.layers + 2  # embedding and head are layers of the Sequential too
+        blocks = self.layers
+        if self.model not in ("gpt", *PRESETS) and self.model_config is None:
+            raise ZeropipeError(
+                f"unknown --model {self.model!r}; choose gpt, {', '.join(PRESETS)}, or give "
+                f"--model-config FILE.json for another config of those architectures"
+            )
+        if self.model_config is not None and self.model == "gpt":
+            raise ZeropipeError(
+                "--model-config describes a Hugging Face model, not --model gpt: leave --model "
+                "out (the architecture is the file's model_type)"
+            )
+        vocab = self.corpus().vocab
+        if self.model != "gpt":
+            blocks = int(self.hf_config(vocab).num_hidden_layers)
+        layers = blocks + 2  # embedding and head are layers of the Sequential too
         if schedule.num_stages > layers:
             raise ZeropipeError(
                 f"--ranks {self.ranks} with {self.schedule} needs {schedule.num_stages} stages but the model has "
                 f"{layers} layers; use fewer ranks or more --layers"
             )
         self.planned = schedule.to_text()
+
+    def corpus(self) -> Corpus:
+        """The training text: ``--data``'s bytes, or the generated corpus."""
+        if self.data is not None:
+            return Corpus.from_file(self.data, self.seq)
+        return Corpus.generate(seed=self.seed)
+
+    def hf_config(self, vocab: int) -> Any:
+        """The transformers config of ``--model`` / ``--model-config`` for ``vocab`` tokens."""
+        return hf_config(
+            self.model,
+            vocab=vocab,
+            width=self.width,
+            layers=self.layers,
+            heads=self.heads,
+            seq=self.seq,
+            dropout=self.dropout,
+            config_file=self.model_config,
+        )
 
     def build_schedule(self) -> Schedule:
         """The schedule to train with: built as any pipeline's, plus the memory actions asked for.
@@ -242,6 +284,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 # checkpoint's rank files only fit the layout they were saved from.
 _MUST_MATCH = (
     "schedule",
+    "model",
+    "model_config",
+    "data",
     "ranks",
     "microbatches",
     "batch_size",
@@ -304,7 +349,9 @@ def check_resume(cfg: TrainConfig, warn: bool = True) -> None:
         f"{flag} {now} differs from the checkpoint's {then}" for flag, now, then in differ
     )
     fix = " ".join(
-        f"{flag}={then}" if flag.startswith("TrainConfig") else f"{flag} {then}"
+        f"{flag}={then}"
+        if flag.startswith("TrainConfig")
+        else (f"no {flag}" if then is None else f"{flag} {then}")
         for flag, _, then in differ
     )
     layout = (
@@ -353,28 +400,62 @@ def _balance(blocks: int, stages: int) -> list[int]:
     return counts
 
 
+def _model(
+    cfg: TrainConfig, vocab: int, num_stages: int
+) -> tuple[torch.nn.Sequential | list[torch.nn.Module], list[int] | None]:
+    """What the pipeline runs: the GPT and its cut, or a Hugging Face model's stages."""
+    if cfg.model == "gpt":
+        gpt_cfg = GPTConfig(
+            vocab=vocab,
+            seq=cfg.seq,
+            width=cfg.width,
+            heads=cfg.heads,
+            layers=cfg.layers,
+            dropout=cfg.dropout,
+        )
+        return gpt(gpt_cfg, seed=cfg.seed).to(cfg.device), _balance(cfg.layers, num_stages)
+    config = cfg.hf_config(vocab)
+    model = build_hf(config, cfg.seed).to(cfg.device)
+    blocks = int(config.num_hidden_layers)
+    # The GPT's cut with the embedding and head taken off: a fixed cut (not a measured
+    # one), so that a checkpoint's stages fit the same run resumed.
+    cut = _balance(blocks, num_stages)
+    if num_stages > 1:
+        cut[0] -= 1
+        cut[-1] -= 1
+    else:
+        cut = [blocks]
+    return split(model, num_stages, balance=cut), None
+
+
+def _loss_fn(cfg: TrainConfig) -> Callable[..., Any]:
+    return lm_loss if cfg.model == "gpt" else causal_lm_loss
+
+
+def _batch(
+    corpus: Corpus, cfg: TrainConfig, step: int, split_name: str = "train"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and targets: next tokens for the GPT; HF models take labels = inputs and shift."""
+    x, y = corpus.batch(step, cfg.batch_size, cfg.seq, seed=cfg.seed, split=split_name)
+    if cfg.model != "gpt":
+        y = x
+    return x.to(cfg.device), y.to(cfg.device)
+
+
 def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
     """The training loop as one rank runs it (also the whole job when ranks == 1)."""
     torch.set_num_threads(1)
     out = Path(cfg.out)
     ckpt_root = out / "checkpoints"
     lead = rank == 0
-    corpus = Corpus.generate(seed=cfg.seed)
-    model_cfg = GPTConfig(
-        vocab=corpus.vocab,
-        seq=cfg.seq,
-        width=cfg.width,
-        heads=cfg.heads,
-        layers=cfg.layers,
-        dropout=cfg.dropout,
-    )
-    model = gpt(model_cfg, seed=cfg.seed).to(cfg.device)
+    corpus = cfg.corpus()
     schedule = Schedule.from_text(cfg.planned) if cfg.planned else cfg.build_schedule()
+    stages, cut = _model(cfg, corpus.vocab, schedule.num_stages)
     pipe = Pipeline(
-        model,
+        stages,
         schedule,
-        loss_fn=lm_loss,
-        balance=_balance(cfg.layers, schedule.num_stages),
+        loss_fn=_loss_fn(cfg),
+        balance=cut,
         seed=cfg.seed,
         executor="distributed" if world > 1 else "local",
         options=RuntimeOptions(timeout=cfg.timeout),
@@ -414,9 +495,9 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
     while step < cfg.steps:
         for group in optimizer.param_groups:  # linear warm-up: no early loss spikes
             group["lr"] = cfg.lr * min(1.0, (step + 1) / cfg.warmup)
-        x, y = corpus.batch(step, cfg.batch_size, cfg.seq, seed=cfg.seed)
+        x, y = _batch(corpus, cfg, step)
         t0 = time.perf_counter()
-        loss = pipe.step(x.to(cfg.device), y.to(cfg.device))
+        loss = pipe.step(x, y)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         elapsed = time.perf_counter() - t0
@@ -458,6 +539,7 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
             break
     final_eval = _evaluate(pipe, corpus, cfg) if non_finite is None else math.nan
     summary = {
+        "model": cfg.model,
         "schedule": cfg.schedule,
         "group_w": cfg.group_w,
         "ranks": world,
@@ -532,8 +614,8 @@ def _save(
 def _evaluate(pipe: Pipeline, corpus: Corpus, cfg: TrainConfig) -> float:
     total = 0.0
     for k in range(cfg.eval_batches):
-        x, y = corpus.batch(k, cfg.batch_size, cfg.seq, seed=cfg.seed, split="val")
-        loss = pipe.eval_step(x.to(cfg.device), y.to(cfg.device))
+        x, y = _batch(corpus, cfg, k, "val")
+        loss = pipe.eval_step(x, y)
         if not isinstance(loss, torch.Tensor):
             raise PipelineError("evaluation produced no loss")
         total += loss.item()
@@ -645,6 +727,7 @@ def _progress(record: dict[str, Any], total: int) -> None:
 
 def _print_summary(summary: dict[str, Any], out: Path) -> None:
     rows = [
+        ("model", summary["model"]),
         (
             "schedule",
             summary["schedule"]
@@ -672,6 +755,26 @@ def add_arguments(parser: Any) -> None:
     d = TrainConfig()
     parser.add_argument(
         "--schedule", default=d.schedule, help=f"schedule generator (default {d.schedule})"
+    )
+    parser.add_argument(
+        "--model",
+        default=None,
+        help=f"gpt (the reference GPT, default) or a Hugging Face preset: {', '.join(PRESETS)} "
+        "(needs transformers: pip install -e '.[hf]')",
+    )
+    parser.add_argument(
+        "--model-config",
+        default=None,
+        metavar="FILE.json",
+        help="a Hugging Face config.json of llama, mistral, qwen2, qwen3 or gpt2 (built from "
+        "the config, nothing downloaded); --width/--layers do not apply",
+    )
+    parser.add_argument(
+        "--data",
+        default=None,
+        metavar="FILE",
+        help="train on a UTF-8 text file, its bytes as tokens (last tenth held out for the "
+        "eval loss); default: a generated corpus",
     )
     parser.add_argument(
         "--ranks", type=int, default=d.ranks, help=f"pipeline ranks = processes (default {d.ranks})"
@@ -751,7 +854,14 @@ def add_arguments(parser: Any) -> None:
 def run_cli(args: Any) -> int:
     """Train a small GPT across pipeline ranks (the built-in demo on defaults)."""
     keys = set(TrainConfig.__dataclass_fields__)
-    cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in keys})
+    given = {k: v for k, v in vars(args).items() if k in keys}
+    if given.get("model") is None:  # the default, unless a config file names the architecture
+        given["model"] = "gpt"
+        if given.get("model_config") is not None:
+            from zeropipe.models.hf import read_model_config
+
+            given["model"] = read_model_config(given["model_config"])["model_type"]
+    cfg = TrainConfig(**given)
     if cfg.checkpoint_every < 1:
         raise ZeropipeError("--checkpoint-every must be >= 1")
     summary = train(cfg)

@@ -14,6 +14,9 @@ What ``loss_i`` and ``w_i`` are depends on the kind of ``loss_fn``::
     function -> (loss_sum, count)             loss_sum                 1 / sum_j loss_count(target_j)
       with Pipeline(loss_count=...)
     function -> scalar (a mean)               its mean                 rows_i / rows in the batch
+    a mean that knows its own count           its sum_and_count        1 / sum_j its count(target_j)
+      (``sum_and_count`` and ``count`` methods,
+      e.g. zeropipe.causal_lm_loss)
 
 "Items" are what the module's mean divides by: the targets not equal to
 ``ignore_index`` (their class-weight sum with ``weight=``) for
@@ -85,6 +88,14 @@ class LossContract:
             raise PipelineError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
         if loss_count is not None and not callable(loss_count):
             raise PipelineError(f"loss_count must be callable, got {type(loss_count).__name__}")
+        counted = _self_counting(loss_fn)
+        if counted is not None:
+            if loss_count is not None:
+                raise PipelineError(
+                    f"{type(loss_fn).__name__} counts its own items (its count method); "
+                    f"drop loss_count="
+                )
+            loss_fn, loss_count = counted
         self.loss_fn = loss_fn
         self.loss_count = loss_count
         self.autocast = autocast
@@ -175,6 +186,17 @@ class StepLoss:
                 f"{expected:g}; they must agree (the weights were taken from loss_count)"
             )
         return result[0]
+
+
+def _self_counting(loss_fn: LossFn) -> tuple[LossFn, LossCountFn] | None:
+    """A mean loss that also offers ``sum_and_count(output, target) -> (loss_sum, count)`` and
+    ``count(target)`` is run through those, so the pipeline weights it by its own count."""
+    if isinstance(loss_fn, nn.Module):
+        return None
+    summed, count = getattr(loss_fn, "sum_and_count", None), getattr(loss_fn, "count", None)
+    if callable(summed) and callable(count):
+        return summed, count
+    return None
 
 
 def _weighting(loss_fn: LossFn, loss_count: LossCountFn | None) -> Weighting:

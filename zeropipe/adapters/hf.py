@@ -1,0 +1,358 @@
+"""Hugging Face decoder-only causal LMs cut into pipeline stages that share the model's weights.
+
+Supported: the Llama family (``LlamaForCausalLM``, ``MistralForCausalLM``,
+``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``) and ``GPT2LMHeadModel``.  A stage
+holds references to the model's own submodules, never copies::
+
+    stage 0             stage k                  stage p-1
+    input_ids           hidden [b, t, d]         hidden
+      embed (+ wpe)       layers[i:j]              layers[..]
+      layers[0:i]                                  final norm, lm_head -> logits [b, t, vocab]
+      -> hidden
+
+Every stage with decoder layers recomputes, from the sequence length alone,
+what the model computes once before its layers: the position ids (``0..t-1``,
+as the model uses without a cache), the rotary ``(cos, sin)`` (Llama family,
+from the model's own ``rotary_emb``) and the causal masks (one per attention
+kind the layers use, built by transformers' own ``masking_utils`` for the
+configured attention implementation).  So only the hidden states cross stages.
+Tied embeddings stay tied: the last stage's ``lm_head.weight`` *is* the first
+stage's embedding weight, which the pipeline finds on two stages and whose
+gradient it all-reduces when they sit on different ranks.
+
+transformers is imported here only, and only when a model of it is passed;
+the internals used were checked on transformers 5.23 and need
+``transformers.masking_utils`` (4.53 or later).  A model without attention
+masks from the caller is assumed (labels of ``-100`` mark padding instead).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, cast
+
+import torch
+from torch import Tensor, nn
+
+from zeropipe.balance import balance as balance_times
+from zeropipe.errors import PipelineError
+
+__all__ = ["SUPPORTED", "hf_family", "is_hf_model", "split_hf"]
+
+# Class name -> how its stages are built.
+SUPPORTED: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "llama",
+    "Qwen3ForCausalLM": "llama",
+    "GPT2LMHeadModel": "gpt2",
+}
+_CHECKED = "checked on transformers 5.23; needs 4.53 or later (transformers.masking_utils)"
+
+
+def is_hf_model(model: object) -> bool:
+    """Whether ``model`` is (a subclass of) a transformers class; transformers is not imported."""
+    return any(c.__module__.startswith("transformers.") for c in type(model).__mro__)
+
+
+def hf_family(model: object) -> str | None:
+    """``"llama"`` or ``"gpt2"`` for a supported HF model (or a subclass of one), else None."""
+    for cls in type(model).__mro__:
+        if cls.__module__.startswith("transformers.") and cls.__name__ in SUPPORTED:
+            return SUPPORTED[cls.__name__]
+    return None
+
+
+def split_hf(
+    model: nn.Module, num_stages: int, balance: Sequence[int] | None, sample_len: int = 32
+) -> list[nn.Module]:
+    """``model`` cut into ``num_stages`` stage modules; ``balance`` = decoder layers per stage.
+
+    Without ``balance`` the embedding, every decoder layer and the head are
+    timed (forward + backward on a sample of ``sample_len`` tokens) and cut so
+    that the slowest stage is as fast as can be; in a distributed job rank 0's
+    cut is broadcast so that every rank builds the same stages.
+    """
+    family = hf_family(model)
+    if family is None:
+        raise PipelineError(f"{type(model).__name__} is not one of {', '.join(SUPPORTED)}")
+    build = _llama_stage if family == "llama" else _gpt2_stage
+    layers = _layers(model, family)
+    if balance is None:
+        cut = _measured_cut(model, build, len(layers), num_stages, sample_len)
+    else:
+        cut = _checked_cut(list(balance), len(layers), num_stages)
+    stages, start = [], 0
+    for s, count in enumerate(cut):
+        picked = list(range(start, start + count))
+        stages.append(build(model, picked, s == 0, s == num_stages - 1))
+        start += count
+    return stages
+
+
+# -- the stages -------------------------------------------------------------------------
+class _DecoderStage(nn.Module):
+    """Embedding (first stage), a run of decoder layers, final norm and head (last stage)."""
+
+    def __init__(self, config: Any, layers: list[nn.Module], kinds: list[str]) -> None:
+        super().__init__()
+        self.config = config
+        self.layers = nn.ModuleList(layers)
+        self.kinds = kinds  # per layer: "full_attention" or "sliding_attention"
+        self.first = self.last = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.embed(x) if self.first else x
+        if len(self.layers):
+            pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+            masks = {k: _mask(k, self.config, h, pos) for k in set(self.kinds)}
+            h = self.run_layers(h, pos, masks)
+        return self.head(h) if self.last else h
+
+    def embed(self, ids: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def head(self, h: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def run_layers(self, h: Tensor, pos: Tensor, masks: dict[str, Any]) -> Tensor:
+        raise NotImplementedError
+
+
+class _LlamaStage(_DecoderStage):
+    embed_tokens: nn.Module
+    rotary_emb: nn.Module
+    norm: nn.Module
+    lm_head: nn.Module
+
+    def embed(self, ids: Tensor) -> Tensor:
+        return self.embed_tokens(ids)
+
+    def head(self, h: Tensor) -> Tensor:
+        return self.lm_head(self.norm(h))
+
+    def run_layers(self, h: Tensor, pos: Tensor, masks: dict[str, Any]) -> Tensor:
+        cos_sin = self.rotary_emb(h, pos)
+        for layer, kind in zip(self.layers, self.kinds, strict=True):
+            out = layer(
+                h,
+                attention_mask=masks[kind],
+                position_ids=pos,
+                position_embeddings=cos_sin,
+                use_cache=False,
+            )
+            h = _hidden(out)
+        return h
+
+
+class _GPT2Stage(_DecoderStage):
+    wte: nn.Module
+    wpe: nn.Module
+    drop: nn.Module
+    ln_f: nn.Module
+    lm_head: nn.Module
+
+    def embed(self, ids: Tensor) -> Tensor:
+        pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
+        return self.drop(self.wte(ids) + self.wpe(pos))
+
+    def head(self, h: Tensor) -> Tensor:
+        return self.lm_head(self.ln_f(h))
+
+    def run_layers(self, h: Tensor, pos: Tensor, masks: dict[str, Any]) -> Tensor:
+        for block, kind in zip(self.layers, self.kinds, strict=True):
+            h = _hidden(block(h, attention_mask=masks[kind], use_cache=False))
+        return h
+
+
+def _llama_stage(hf: nn.Module, picked: list[int], first: bool, last: bool) -> nn.Module:
+    model: Any = hf
+    inner: Any = model.model
+    config = model.config
+    types = getattr(config, "layer_types", None)
+    if types is None:  # Mistral: one window for every layer, when the config sets one
+        kind = "full_attention" if getattr(config, "sliding_window", None) is None else "sliding"
+        types = ["sliding_attention" if kind == "sliding" else kind] * len(inner.layers)
+    stage = _LlamaStage(config, [inner.layers[i] for i in picked], [types[i] for i in picked])
+    if picked:
+        stage.rotary_emb = inner.rotary_emb  # buffers only, shared by the stages
+    if first:
+        stage.first, stage.embed_tokens = True, inner.embed_tokens
+    if last:
+        stage.last, stage.norm, stage.lm_head = True, inner.norm, model.lm_head
+    return stage
+
+
+def _gpt2_stage(hf: nn.Module, picked: list[int], first: bool, last: bool) -> nn.Module:
+    model: Any = hf
+    inner: Any = model.transformer
+    stage = _GPT2Stage(model.config, [inner.h[i] for i in picked], ["full_attention"] * len(picked))
+    if first:
+        stage.first, stage.wte, stage.wpe, stage.drop = True, inner.wte, inner.wpe, inner.drop
+    if last:
+        stage.last, stage.ln_f, stage.lm_head = True, inner.ln_f, model.lm_head
+    return stage
+
+
+def _layers(model: nn.Module, family: str) -> nn.ModuleList:
+    """The decoder layers, after checking the model has the parts the stages use."""
+    need = (
+        ("model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head")
+        if family == "llama"
+        else ("transformer.wte", "transformer.wpe", "transformer.h", "transformer.ln_f", "lm_head")
+    )
+    for path in need:
+        obj: Any = model
+        for part in path.split("."):
+            obj = getattr(obj, part, None)
+        if obj is None:
+            raise PipelineError(
+                f"{type(model).__name__} has no {path} in transformers {_version()}; "
+                f"zeropipe.split's adapter was {_CHECKED}: install such a version or pass "
+                f"stages by hand"
+            )
+    inner: Any = model.model if family == "llama" else model.transformer
+    return inner.layers if family == "llama" else inner.h
+
+
+def _hidden(out: object) -> Tensor:
+    """A decoder layer's hidden states: transformers 5 returns them, 4.x a tuple led by them."""
+    if isinstance(out, Tensor):
+        return out
+    if isinstance(out, tuple) and out and isinstance(out[0], Tensor):
+        return out[0]
+    raise PipelineError(
+        f"a decoder layer returned {type(out).__name__}, not hidden states; "
+        f"zeropipe.split's adapter was {_CHECKED}"
+    )
+
+
+# -- masks ------------------------------------------------------------------------------
+def _mask(kind: str, config: Any, h: Tensor, pos: Tensor) -> Any:
+    """The causal mask of ``kind`` for hidden states ``h``, built as the model builds it."""
+    fn, embeds, cache = _mask_fn(kind)
+    kwargs: dict[str, Any] = {
+        "config": config,
+        embeds: h,
+        "attention_mask": None,
+        "past_key_values": None,
+        "position_ids": pos,
+    }
+    if cache:  # transformers 4.x takes the cache positions too
+        kwargs["cache_position"] = pos[0]
+    return fn(**kwargs)
+
+
+@functools.cache
+def _mask_fn(kind: str) -> tuple[Callable[..., Any], str, bool]:
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        raise PipelineError(
+            f"transformers {_version()} has no masking_utils; zeropipe.split's adapter was "
+            f"{_CHECKED}: pip install -U 'zeropipe[hf]'"
+        ) from None
+    name = "create_causal_mask" if kind == "full_attention" else "create_sliding_window_causal_mask"
+    fn = getattr(masking_utils, name, None)
+    if fn is None:
+        raise PipelineError(f"transformers {_version()} lacks masking_utils.{name}; {_CHECKED}")
+    params = inspect.signature(fn).parameters
+    embeds = "inputs_embeds" if "inputs_embeds" in params else "input_embeds"
+    return fn, embeds, "cache_position" in params
+
+
+def _version() -> str:
+    try:
+        import transformers
+    except ImportError:
+        return "(not installed)"
+    return str(transformers.__version__)
+
+
+# -- the cut ----------------------------------------------------------------------------
+def _checked_cut(cut: list[int], layers: int, num_stages: int) -> list[int]:
+    ok = len(cut) == num_stages and sum(cut) == layers and min(cut, default=0) >= 0
+    # A middle stage without layers would have nothing to run.
+    ok = ok and all(c > 0 for c in cut[1:-1])
+    if not ok:
+        raise PipelineError(
+            f"balance {cut} must give {num_stages} decoder-layer counts summing to the model's "
+            f"{layers} layers (0 allowed only on the first or last stage, which hold the "
+            f"embedding and the head)"
+        )
+    return cut
+
+
+def _measured_cut(
+    model: nn.Module,
+    build: Callable[[nn.Module, list[int], bool, bool], nn.Module],
+    layers: int,
+    num_stages: int,
+    sample_len: int,
+) -> list[int]:
+    """Decoder layers per stage, from measured times of embedding, one layer and head."""
+    if layers + 2 < num_stages:
+        raise PipelineError(
+            f"{type(model).__name__} has {layers} decoder layer(s), too few for {num_stages} "
+            f"stages; use fewer stages (ranks x chunks) or a deeper model"
+        )
+    cut = _agreed(lambda: _time_and_cut(model, build, layers, num_stages, sample_len))
+    return _checked_cut(cut, layers, num_stages)
+
+
+def _time_and_cut(
+    model: nn.Module,
+    build: Callable[[nn.Module, list[int], bool, bool], nn.Module],
+    layers: int,
+    num_stages: int,
+    sample_len: int,
+) -> list[int]:
+    param = next(model.parameters())
+    config = cast(Any, model).config
+    positions = getattr(config, "max_position_embeddings", None) or getattr(
+        config, "n_positions", None
+    )
+    length = min(sample_len, int(positions)) if positions else sample_len
+    ids = torch.randint(0, int(config.vocab_size), (1, length), device=param.device)
+    kept = {id(p): p.grad for p in model.parameters()}  # the caller's gradients, put back
+    embed = build(model, [], True, False)
+    one = build(model, [0], False, False)
+    head = build(model, [], False, True)
+    with torch.no_grad():
+        hidden = embed(ids)
+    t_embed = _timed(embed, ids)
+    t_layer = _timed(one, hidden)
+    t_head = _timed(head, hidden)
+    for p in model.parameters():  # the timing's backward leaves nothing behind
+        p.grad = kept[id(p)]
+    units = balance_times([t_embed, *[t_layer] * layers, t_head], num_stages)
+    cut = list(units)
+    cut[0] -= 1  # the embedding unit
+    cut[-1] -= 1  # the head unit
+    if num_stages == 1:
+        cut = [layers]
+    return cut
+
+
+def _timed(module: nn.Module, x: Tensor, repeat: int = 3) -> float:
+    times = []
+    for _ in range(repeat + 1):
+        inp = x.detach().requires_grad_(True) if x.is_floating_point() else x
+        t0 = time.perf_counter()
+        module(inp).sum().backward()
+        times.append(time.perf_counter() - t0)
+    return sorted(times[1:])[repeat // 2]
+
+
+def _agreed(compute: Callable[[], list[int]]) -> list[int]:
+    """Rank 0's result in a distributed job (measured times differ between processes)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return compute()
+    box: list[Any] = [compute() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return list(box[0])

@@ -1,0 +1,77 @@
+"""The causal language-model loss of Hugging Face models, usable inside a pipeline.
+
+``causal_lm_loss(logits, labels)`` is what ``model(input_ids, labels=labels).loss``
+computes: the labels shifted left by one (position ``t`` predicts token ``t + 1``),
+cross-entropy averaged over the tokens whose label is not ``-100``::
+
+    logits   [b, t, vocab]      labels  [b, t]
+    predict  logits[:, :-1]     targets labels[:, 1:]   (-100: not counted)
+
+Under a :class:`~zeropipe.runtime.pipeline.Pipeline` a batch's mean is not the
+mean of its microbatches' means when they count different numbers of tokens, so
+the pipeline calls :meth:`CausalLMLoss.sum_and_count` per microbatch and divides
+by the batch's total :meth:`CausalLMLoss.count` (see :mod:`zeropipe.runtime.loss`):
+``Pipeline(stages, ..., loss_fn=zeropipe.causal_lm_loss)`` is exact as it is.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from zeropipe.errors import PipelineError
+
+__all__ = ["CausalLMLoss", "causal_lm_loss"]
+
+
+class CausalLMLoss:
+    """Shifted next-token cross-entropy, a mean over the labels not equal to ``ignore_index``.
+
+    Logits in a type narrower than float32 are upcast to float32 first, as
+    Hugging Face does; float32 and float64 logits keep their type.
+    """
+
+    def __init__(self, ignore_index: int = -100) -> None:
+        self.ignore_index = ignore_index
+
+    def __call__(self, logits: Tensor, labels: Tensor) -> Tensor:
+        """The mean over counted tokens (``nan`` when none counts, as torch's mean gives)."""
+        total, count = self.sum_and_count(logits, labels)
+        return total / count
+
+    def sum_and_count(self, logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+        """The summed loss over counted tokens and how many there are."""
+        if not isinstance(logits, Tensor) or logits.dim() != 3:
+            raise PipelineError(
+                f"causal_lm_loss takes logits [batch, seq, vocab], got "
+                f"{_shape(logits)}; the last stage must return the LM head's logits"
+            )
+        if labels.shape != logits.shape[:2]:
+            raise PipelineError(
+                f"causal_lm_loss: labels {list(labels.shape)} must be [batch, seq] = "
+                f"{list(logits.shape[:2])}, the input_ids' shape (pass labels=input_ids, "
+                f"-100 where a token is not counted; the shift is done here)"
+            )
+        if logits.dtype in (torch.float16, torch.bfloat16):
+            logits = logits.float()
+        predict = logits[:, :-1].reshape(-1, logits.shape[-1])
+        target = labels[:, 1:].reshape(-1)
+        total = F.cross_entropy(predict, target, ignore_index=self.ignore_index, reduction="sum")
+        return total, self.count(labels)
+
+    def count(self, labels: Tensor) -> Tensor:
+        """How many tokens of ``labels`` [batch, seq] the loss counts (after the shift)."""
+        return (labels[:, 1:] != self.ignore_index).sum()
+
+    def __repr__(self) -> str:
+        return f"CausalLMLoss(ignore_index={self.ignore_index})"
+
+
+def _shape(value: object) -> str:
+    if isinstance(value, Tensor):
+        return f"a tensor of shape {list(value.shape)}"
+    return type(value).__name__
+
+
+causal_lm_loss = CausalLMLoss()

@@ -1,0 +1,72 @@
+"""``zeropipe.split(model, num_stages)``: a model as a list of stage modules sharing its weights.
+
+    stages = zeropipe.split(model, 4)               # LlamaForCausalLM, GPT2LMHeadModel, Sequential
+    pipe = zeropipe.Pipeline(stages, "zbv", microbatches=8, loss_fn=zeropipe.causal_lm_loss)
+    opt = torch.optim.AdamW(model.parameters())     # the model's own parameters: nothing copied
+
+What is supported, and how:
+
+    nn.Sequential        consecutive slices, ``balance`` layers per stage (default: even)
+    HF causal LMs        zeropipe.adapters.hf: embedding, decoder layers, norm and head;
+                         ``balance`` decoder layers per stage (default: by measured time)
+    anything else        refused, naming what to do: cut it into stage modules by hand
+
+Hugging Face models are recognised by their class's module, so transformers is
+imported only when such a model is passed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+from zeropipe.adapters.hf import SUPPORTED, hf_family, is_hf_model, split_hf
+from zeropipe.balance import even_cut
+from zeropipe.errors import PipelineError
+from zeropipe.runtime.stage import split_layers
+
+__all__ = ["split"]
+
+
+def split(
+    model: nn.Module, num_stages: int, *, balance: Sequence[int] | None = None
+) -> list[nn.Module]:
+    """``model`` cut into ``num_stages`` stage modules for :class:`~zeropipe.Pipeline`.
+
+    The stages hold the model's own submodules: ``model.parameters()``,
+    ``model.state_dict()`` and an optimizer over them keep working, and a weight
+    tied between two stages (HF ``tie_word_embeddings``) is one ``Parameter`` on
+    both, whose gradient the pipeline all-reduces across their ranks.
+
+    ``balance``: layers per stage for an ``nn.Sequential`` (default: as even
+    as possible); decoder layers per stage for an HF model (default: cut by the
+    measured time of embedding, decoder layer and head; 0 is allowed on the
+    first and last stages, which also hold the embedding and the head).
+    A stage's input is the previous stage's output; the first takes
+    ``input_ids`` and the last returns logits ``[batch, seq, vocab]``.
+    """
+    if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
+        raise PipelineError(f"num_stages must be a positive int, got {num_stages!r}")
+    if isinstance(model, nn.Sequential):
+        count = len(model)
+        if balance is None:
+            if count < num_stages:
+                raise PipelineError(
+                    f"the nn.Sequential has {count} layer(s), too few for {num_stages} stages; "
+                    f"use fewer stages or a deeper model"
+                )
+            balance = even_cut(count, num_stages)
+        if len(balance) != num_stages:
+            raise PipelineError(f"balance {list(balance)} must have {num_stages} entries")
+        return list(split_layers(model, balance))
+    if hf_family(model) is not None:
+        return split_hf(model, num_stages, balance)
+    what = type(model).__name__
+    if is_hf_model(model):
+        what = f"the Hugging Face model {what}"
+    raise PipelineError(
+        f"zeropipe.split cannot cut {what}: it supports nn.Sequential and the Hugging Face "
+        f"causal LMs {', '.join(SUPPORTED)}; otherwise pass Pipeline one nn.Module per stage, "
+        f"cut by hand (examples/manual_stages.py)"
+    )

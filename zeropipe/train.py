@@ -387,14 +387,16 @@ def _non_finite_message(event: dict[str, Any], cfg: TrainConfig) -> str:
     )
 
 
-def _balance(blocks: int, stages: int) -> list[int]:
-    """Layers per stage: blocks spread evenly, plus the embedding on the first stage and the
-    head on the last (so under zbv, which puts both on rank 0, the ranks stay even)."""
+def _balance(blocks: int, stages: int, per_block: int = 1) -> list[int]:
+    """Layers per stage: blocks (of ``per_block`` layers) spread evenly, plus the embedding on
+    the first stage and the head on the last (so under zbv, which puts both on rank 0, the
+    ranks stay even)."""
+    layers = blocks * per_block + 2
     if stages == 1:
-        return [blocks + 2]
+        return [layers]
     if blocks < stages:  # too few blocks for one each: spread every layer evenly
-        return even_cut(blocks + 2, stages)
-    counts = even_cut(blocks, stages)
+        return even_cut(layers, stages)
+    counts = [per_block * c for c in even_cut(blocks, stages)]
     counts[0] += 1
     counts[-1] += 1
     return counts
@@ -413,7 +415,9 @@ def _model(
             layers=cfg.layers,
             dropout=cfg.dropout,
         )
-        return gpt(gpt_cfg, seed=cfg.seed).to(cfg.device), _balance(cfg.layers, num_stages)
+        # The GPT's blocks are two layers each (attention, MLP).
+        cut = _balance(cfg.layers, num_stages, per_block=2)
+        return gpt(gpt_cfg, seed=cfg.seed).to(cfg.device), cut
     config = cfg.hf_config(vocab)
     model = build_hf(config, cfg.seed).to(cfg.device)
     blocks = int(config.num_hidden_layers)

@@ -1,7 +1,7 @@
 """The package's layers, checked by parsing every import (inside functions and
 TYPE_CHECKING blocks too, where cycles like to hide).
 
-    apps        cli, train, bench, train_state, data, models/
+    apps        cli, train, train_setup, train_state, bench, data, models/
     adapters    adapters/
     planning    plan
     runtime     runtime/
@@ -60,6 +60,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "zeropipe.cli",
             "zeropipe.__main__",
             "zeropipe.train",
+            "zeropipe.train_setup",
             "zeropipe.train_state",
             "zeropipe.bench",
             "zeropipe.data",

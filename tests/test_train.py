@@ -218,10 +218,10 @@ def test_a_non_finite_loss_stops_training_before_it_is_saved(
 def test_a_loss_that_turns_nan_in_process_names_its_step(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from zeropipe import train as train_module
+    from zeropipe import train_setup
 
     calls = 0
-    real = train_module.lm_loss
+    real = train_setup.lm_loss
 
     def nan_from_step_3(logits: object, target: object) -> object:
         nonlocal calls
@@ -231,7 +231,7 @@ def test_a_loss_that_turns_nan_in_process_names_its_step(
         calls += 1
         return loss * float("nan") if calls > 2 * 4 else loss  # 4 microbatches a step
 
-    monkeypatch.setattr(train_module, "lm_loss", nan_from_step_3)
+    monkeypatch.setattr(train_setup, "lm_loss", nan_from_step_3)
     argv = _small_argv(tmp_path, "--ranks", "1", "--steps", "5", "--checkpoint-every", "1")
     code, err = _cli(argv, capsys)
     assert code == 2

@@ -6,7 +6,8 @@ torchrun, runs as the rank it was started as), trains the GPT of
 model of :mod:`zeropipe.models.hf` cut by :func:`zeropipe.adapters.split.split`
 (``--model llama|qwen3|gpt2``, ``--model-config FILE.json``) on the generated
 corpus of :mod:`zeropipe.data` (or the bytes of ``--data FILE``) under the
-chosen schedule, and leaves in ``--out``::
+chosen schedule -- :mod:`zeropipe.train_setup` builds the model, its cut, its
+loss and its batches -- and leaves in ``--out``::
 
     metrics.jsonl      one JSON object per step: step, loss, tokens_per_s, ...
     checkpoints/       the last complete checkpoints (see zeropipe.train_state)
@@ -43,18 +44,22 @@ import torch
 import torch.distributed as dist
 
 from zeropipe import fit, train_state
-from zeropipe.adapters.loss import causal_lm_loss
-from zeropipe.adapters.split import split
-from zeropipe.balance import even_cut
 from zeropipe.build import build_schedule
 from zeropipe.data import Corpus
 from zeropipe.errors import PipelineError, ZeropipeError
 from zeropipe.ir import Schedule
-from zeropipe.models.gpt import GPTConfig, gpt, lm_loss
-from zeropipe.models.hf import PRESETS, build_hf, hf_config
+from zeropipe.models.hf import PRESETS
 from zeropipe.runtime.pipeline import Pipeline, RuntimeOptions
 from zeropipe.schedules import GENERATORS
 from zeropipe.simulate import Event, Timeline, costs_from_timeline, simulate
+from zeropipe.train_setup import (
+    batch,
+    build_model,
+    check_model,
+    load_corpus,
+    loss_fn,
+    model_layers,
+)
 
 __all__ = ["TrainConfig", "check_resume", "run_settings", "train", "train_rank"]
 
@@ -114,46 +119,14 @@ class TrainConfig:
             )
         _check_device(self.device)
         schedule = self.build_schedule()
-        blocks = self.layers
-        if self.model not in ("gpt", *PRESETS) and self.model_config is None:
-            raise ZeropipeError(
-                f"unknown --model {self.model!r}; choose gpt, {', '.join(PRESETS)}, or give "
-                f"--model-config FILE.json for another config of those architectures"
-            )
-        if self.model_config is not None and self.model == "gpt":
-            raise ZeropipeError(
-                "--model-config describes a Hugging Face model, not --model gpt: leave --model "
-                "out (the architecture is the file's model_type)"
-            )
-        vocab = self.corpus().vocab
-        if self.model != "gpt":
-            blocks = int(self.hf_config(vocab).num_hidden_layers)
-        layers = blocks + 2  # embedding and head are layers of the Sequential too
+        check_model(self)
+        layers = model_layers(self, load_corpus(self).vocab)
         if schedule.num_stages > layers:
             raise ZeropipeError(
                 f"--ranks {self.ranks} with {self.schedule} needs {schedule.num_stages} stages but the model has "
                 f"{layers} layers; use fewer ranks or more --layers"
             )
         self.planned = schedule.to_text()
-
-    def corpus(self) -> Corpus:
-        """The training text: ``--data``'s bytes, or the generated corpus."""
-        if self.data is not None:
-            return Corpus.from_file(self.data, self.seq)
-        return Corpus.generate(seed=self.seed)
-
-    def hf_config(self, vocab: int) -> Any:
-        """The transformers config of ``--model`` / ``--model-config`` for ``vocab`` tokens."""
-        return hf_config(
-            self.model,
-            vocab=vocab,
-            width=self.width,
-            layers=self.layers,
-            heads=self.heads,
-            seq=self.seq,
-            dropout=self.dropout,
-            config_file=self.model_config,
-        )
 
     def build_schedule(self) -> Schedule:
         """The schedule to train with: built as any pipeline's, plus the memory actions asked for.
@@ -387,78 +360,19 @@ def _non_finite_message(event: dict[str, Any], cfg: TrainConfig) -> str:
     )
 
 
-def _balance(blocks: int, stages: int, per_block: int = 1) -> list[int]:
-    """Layers per stage: blocks (of ``per_block`` layers) spread evenly, plus the embedding on
-    the first stage and the head on the last (so under zbv, which puts both on rank 0, the
-    ranks stay even)."""
-    layers = blocks * per_block + 2
-    if stages == 1:
-        return [layers]
-    if blocks < stages:  # too few blocks for one each: spread every layer evenly
-        return even_cut(layers, stages)
-    counts = [per_block * c for c in even_cut(blocks, stages)]
-    counts[0] += 1
-    counts[-1] += 1
-    return counts
-
-
-def _model(
-    cfg: TrainConfig, vocab: int, num_stages: int
-) -> tuple[torch.nn.Sequential | list[torch.nn.Module], list[int] | None]:
-    """What the pipeline runs: the GPT and its cut, or a Hugging Face model's stages."""
-    if cfg.model == "gpt":
-        gpt_cfg = GPTConfig(
-            vocab=vocab,
-            seq=cfg.seq,
-            width=cfg.width,
-            heads=cfg.heads,
-            layers=cfg.layers,
-            dropout=cfg.dropout,
-        )
-        # The GPT's blocks are two layers each (attention, MLP).
-        cut = _balance(cfg.layers, num_stages, per_block=2)
-        return gpt(gpt_cfg, seed=cfg.seed).to(cfg.device), cut
-    config = cfg.hf_config(vocab)
-    model = build_hf(config, cfg.seed).to(cfg.device)
-    blocks = int(config.num_hidden_layers)
-    # The GPT's cut with the embedding and head taken off: a fixed cut (not a measured
-    # one), so that a checkpoint's stages fit the same run resumed.
-    cut = _balance(blocks, num_stages)
-    if num_stages > 1:
-        cut[0] -= 1
-        cut[-1] -= 1
-    else:
-        cut = [blocks]
-    return split(model, num_stages, balance=cut), None
-
-
-def _loss_fn(cfg: TrainConfig) -> Callable[..., Any]:
-    return lm_loss if cfg.model == "gpt" else causal_lm_loss
-
-
-def _batch(
-    corpus: Corpus, cfg: TrainConfig, step: int, split_name: str = "train"
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs and targets: next tokens for the GPT; HF models take labels = inputs and shift."""
-    x, y = corpus.batch(step, cfg.batch_size, cfg.seq, seed=cfg.seed, split=split_name)
-    if cfg.model != "gpt":
-        y = x
-    return x.to(cfg.device), y.to(cfg.device)
-
-
 def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
     """The training loop as one rank runs it (also the whole job when ranks == 1)."""
     torch.set_num_threads(1)
     out = Path(cfg.out)
     ckpt_root = out / "checkpoints"
     lead = rank == 0
-    corpus = cfg.corpus()
+    corpus = load_corpus(cfg)
     schedule = Schedule.from_text(cfg.planned) if cfg.planned else cfg.build_schedule()
-    stages, cut = _model(cfg, corpus.vocab, schedule.num_stages)
+    stages, cut = build_model(cfg, corpus.vocab, schedule.num_stages)
     pipe = Pipeline(
         stages,
         schedule,
-        loss_fn=_loss_fn(cfg),
+        loss_fn=loss_fn(cfg),
         balance=cut,
         seed=cfg.seed,
         executor="distributed" if world > 1 else "local",
@@ -499,7 +413,7 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
     while step < cfg.steps:
         for group in optimizer.param_groups:  # linear warm-up: no early loss spikes
             group["lr"] = cfg.lr * min(1.0, (step + 1) / cfg.warmup)
-        x, y = _batch(corpus, cfg, step)
+        x, y = batch(corpus, cfg, step)
         t0 = time.perf_counter()
         loss = pipe.step(x, y)
         optimizer.step()
@@ -618,7 +532,7 @@ def _save(
 def _evaluate(pipe: Pipeline, corpus: Corpus, cfg: TrainConfig) -> float:
     total = 0.0
     for k in range(cfg.eval_batches):
-        x, y = _batch(corpus, cfg, k, "val")
+        x, y = batch(corpus, cfg, k, "val")
         loss = pipe.eval_step(x, y)
         if not isinstance(loss, torch.Tensor):
             raise PipelineError("evaluation produced no loss")

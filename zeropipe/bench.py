@@ -9,7 +9,9 @@ Two models (``--model mlp|transformer|both``, default both):
 Both libraries run the same model, the same batch and microbatches, in the
 same processes over the same gloo group, with repetitions interleaved
 (zeropipe step, torch step, zeropipe step, ...), one intra-op thread per rank,
-and the same cut into stages.  zeropipe runs with ``Pipeline``'s defaults --
+and the same cut into stages: per schedule, the cut whose simulated step is
+shortest under per-layer times measured first (``--cut time``, the default;
+``--cut even`` gives every stage the same number of layers).  zeropipe runs with ``Pipeline``'s defaults --
 what a user gets -- unless ``--group-w`` overrides one.  Per schedule it
 reports the median step time of each (the slowest rank's wall time), their
 ratio, and pipeline efficiency = sequential time of the same work in one

@@ -22,9 +22,8 @@ from collections.abc import Sequence
 from torch import nn
 
 from zeropipe.adapters.hf import SUPPORTED, hf_family, is_hf_model, split_hf
-from zeropipe.balance import even_cut
 from zeropipe.errors import PipelineError
-from zeropipe.runtime.stage import split_layers
+from zeropipe.runtime.stage import split_sequential
 
 __all__ = ["split"]
 
@@ -49,17 +48,7 @@ def split(
     if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
         raise PipelineError(f"num_stages must be a positive int, got {num_stages!r}")
     if isinstance(model, nn.Sequential):
-        count = len(model)
-        if balance is None:
-            if count < num_stages:
-                raise PipelineError(
-                    f"the nn.Sequential has {count} layer(s), too few for {num_stages} stages; "
-                    f"use fewer stages or a deeper model"
-                )
-            balance = even_cut(count, num_stages)
-        if len(balance) != num_stages:
-            raise PipelineError(f"balance {list(balance)} must have {num_stages} entries")
-        return list(split_layers(model, balance))
+        return [stage.module for stage in split_sequential(model, num_stages, balance)]
     if hf_family(model) is not None:
         return split_hf(model, num_stages, balance)
     what = type(model).__name__

@@ -40,6 +40,7 @@ __all__ = [
     "COMM_KINDS",
     "COMPUTE_KINDS",
     "COPY_KINDS",
+    "STAGE_KINDS",
     "Action",
     "Kind",
     "Schedule",
@@ -61,6 +62,9 @@ class Kind(str, Enum):
     RECV_F = "RECV_F"
     SEND_B = "SEND_B"
     RECV_B = "RECV_B"
+    # All-reduce a stage's weight gradients over the data-parallel group, posted once
+    # they are final (after the stage's last B/W on its rank); no microbatch.
+    REDUCE_GRAD = "REDUCE_GRAD"
 
 
 _KIND_NUMBER = {k: n for n, k in enumerate(Kind)}
@@ -68,6 +72,8 @@ _KIND_NUMBER = {k: n for n, k in enumerate(Kind)}
 COMPUTE_KINDS = frozenset({Kind.F, Kind.B, Kind.I, Kind.W, Kind.R})
 COPY_KINDS = frozenset({Kind.OFFLOAD, Kind.RELOAD})
 COMM_KINDS = frozenset({Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B})
+# Kinds that act on a whole stage, never on one microbatch.
+STAGE_KINDS = frozenset({Kind.REDUCE_GRAD})
 
 # Longest spellings first so that "RECV_F" is not read as "R" + junk.
 _KIND_ALTERNATION = "|".join(sorted((k.value for k in Kind), key=len, reverse=True))
@@ -78,8 +84,9 @@ _ACTION_RE = re.compile(rf"^(\d+)({_KIND_ALTERNATION})(\d*)$")
 class Action:
     """One step of a schedule: ``kind`` applied to ``stage`` for ``microbatch``.
 
-    ``microbatch`` is ``None`` only for weight OFFLOAD/RELOAD, which act on a
-    stage's parameters rather than on one microbatch's activations.
+    ``microbatch`` is ``None`` for weight OFFLOAD/RELOAD, which act on a stage's
+    parameters rather than on one microbatch's activations, and always for
+    REDUCE_GRAD, which acts on the stage's gradients.
     """
 
     kind: Kind
@@ -114,11 +121,18 @@ class Action:
         object.__setattr__(self, "_hash", hash((_KIND_NUMBER[self.kind], self.stage, mb)))
         if self.stage < 0:
             raise ScheduleError(f"action stage must be >= 0, got {self.stage}")
-        if self.microbatch is None:
+        if self.kind in STAGE_KINDS:
+            if self.microbatch is not None:
+                raise ScheduleError(
+                    f"{self.kind.value} acts on a whole stage and takes no microbatch, "
+                    f"e.g. '{self.stage}{self.kind.value}'",
+                    rule="syntax",
+                )
+        elif self.microbatch is None:
             if self.kind not in COPY_KINDS:
                 raise ScheduleError(
                     f"{self.kind.value} needs a microbatch (only weight OFFLOAD/RELOAD "
-                    f"omit it), e.g. '{self.stage}{self.kind.value}0'",
+                    f"and REDUCE_GRAD omit it), e.g. '{self.stage}{self.kind.value}0'",
                     rule="syntax",
                 )
         elif self.microbatch < 0:
@@ -127,7 +141,7 @@ class Action:
     @property
     def is_weight_copy(self) -> bool:
         """True for OFFLOAD/RELOAD of a stage's weights (no microbatch)."""
-        return self.microbatch is None
+        return self.microbatch is None and self.kind in COPY_KINDS
 
     def __str__(self) -> str:
         mb = "" if self.microbatch is None else str(self.microbatch)

@@ -23,6 +23,7 @@ from zeropipe.autograd.split import WeightGradStash, weight_backward_together
 from zeropipe.deps import Dependencies
 from zeropipe.errors import PipelineError
 from zeropipe.ir import Action, Kind
+from zeropipe.runtime.data_parallel import GradReducer
 from zeropipe.runtime.input_first import backward_input_first
 from zeropipe.runtime.loss import StepLoss
 from zeropipe.runtime.memory import MemoryManager, kept_buffers, recomputing
@@ -83,6 +84,9 @@ class StepContext:
     fused_weights: frozenset[Action] = frozenset()
     pending_weights: dict[int, list[int]] = field(default_factory=dict)  # stage -> microbatches
     waited: dict[Kind, float] = field(default_factory=dict)  # seconds blocked in RECV_F / RECV_B
+    # Posts REDUCE_GRAD's all-reduce over the data-parallel group; None: no such group
+    # (or one of one process), where a stage's gradients are already the batch's.
+    reducer: GradReducer | None = None
 
     def receive(self, action: Action) -> tuple[Tensor, ...]:
         """Wait for a posted receive, counting the time blocked."""
@@ -326,6 +330,12 @@ def _reload(ctx: StepContext, action: Action) -> None:
         memory.reload_activations(s, i, ctx.state(s, i))
 
 
+def _reduce_grad(ctx: StepContext, action: Action) -> None:
+    """REDUCE_GRAD: stage s's gradients are final on this rank; reduce them across replicas."""
+    if ctx.reducer is not None and ctx.training:
+        ctx.reducer.post(action.stage)
+
+
 def _memory(ctx: StepContext, action: Action) -> MemoryManager:
     if ctx.memory is None:
         raise PipelineError(f"{action}: this step has no memory manager (build it with Pipeline)")
@@ -365,4 +375,5 @@ HANDLERS: dict[Kind, Callable[[StepContext, Action], None]] = {
     Kind.R: _recompute,
     Kind.OFFLOAD: _offload,
     Kind.RELOAD: _reload,
+    Kind.REDUCE_GRAD: _reduce_grad,
 }

@@ -1,0 +1,139 @@
+"""Pipelines replicated across a data-parallel group: the gradient reduction.
+
+Each replica of the pipeline runs the same schedule on its own slice of the
+global batch.  The loss contract weights each replica's microbatches by the
+*global* item count (:func:`global_count`), so a replica's gradient is its
+share of the global batch's gradient, and the sum over replicas is exactly
+that gradient, whatever the slices hold (equal rows, or token counts that
+differ per slice).  The sum is posted per stage by the schedule's
+REDUCE_GRAD action, as soon as the stage's last backward on this rank has
+run, so it overlaps the compute of the stages still running::
+
+    rank's actions:  ... 1W7  1REDUCE_GRAD  0W6  0W7  0REDUCE_GRAD
+                              └─ all-reduce of stage 1's grads ─┐ (in flight)
+                                                  wait_all() at the end of the step
+
+A parameter used by several stages on one rank (a V placement's tied
+embedding) is reduced by the REDUCE_GRAD that comes last among them, once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from zeropipe.errors import PipelineError
+from zeropipe.ir import Kind, Schedule
+from zeropipe.runtime.works import Endpoint
+
+__all__ = ["GradReducer", "Reduction", "reduction_owners"]
+
+
+@dataclass
+class Reduction:
+    """One stage's posted all-reduce: flat buffers per dtype, the work, when it ran."""
+
+    stage: int
+    grads: list[list[Tensor]]  # per flat buffer, the .grad tensors it was cut from
+    flats: list[Tensor]
+    works: list[object]
+    posted: float
+    done: list[float] = field(default_factory=list)  # completion time (perf_counter), if seen
+
+
+def reduction_owners(
+    schedule: Schedule, rank: int, params: dict[int, Sequence[nn.Parameter]]
+) -> dict[int, list[nn.Parameter]]:
+    """Which stage's REDUCE_GRAD reduces each parameter of this rank: the last one using it.
+
+    ``params[s]`` are stage ``s``'s parameters (the stages on ``rank``).  A stage with
+    no REDUCE_GRAD in the schedule is refused: its gradients would never be reduced.
+    """
+    order = [a.stage for a in schedule.actions[rank] if a.kind is Kind.REDUCE_GRAD]
+    missing = sorted(set(params) - set(order))
+    if missing:
+        raise PipelineError(
+            f"rank {rank}: stage(s) {missing} have no REDUCE_GRAD action, so their gradients "
+            f"would never be reduced across data-parallel replicas; build the schedule with "
+            f"reduce_grad=True (Pipeline does this when given a data-parallel group)"
+        )
+    owner: dict[int, int] = {}
+    for s in order:  # later REDUCE_GRADs overwrite: a shared parameter goes to the last
+        for p in params[s]:
+            owner[id(p)] = s
+    out: dict[int, list[nn.Parameter]] = {s: [] for s in params}
+    seen: set[int] = set()
+    for s in params:
+        for p in params[s]:
+            if id(p) not in seen and p.requires_grad:
+                seen.add(id(p))
+                out[owner[id(p)]].append(p)
+    return out
+
+
+class GradReducer:
+    """Sums each stage's gradients over the data-parallel group, asynchronously.
+
+    ``post(stage)`` flattens the stage's gradients (one buffer per dtype and
+    device), posts ``all_reduce(SUM)`` without waiting and returns;
+    ``wait_all()`` (end of step) waits for every posted reduction, within the
+    endpoint's time limit, and copies the sums back into ``.grad``.
+    """
+
+    def __init__(self, endpoint: Endpoint, owners: dict[int, list[nn.Parameter]]) -> None:
+        self.endpoint = endpoint
+        self.owners = owners
+        self.pending: list[Reduction] = []
+        self.last: list[Reduction] = []  # the last step's reductions, for the timeline
+
+    def post(self, stage: int) -> None:
+        params = self.owners.get(stage)
+        if params is None:
+            raise PipelineError(f"REDUCE_GRAD of stage {stage}: this rank does not run it")
+        groups: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+        for p in params:
+            if p.grad is None:  # unused this step: it contributes zeros, as its peers expect
+                p.grad = torch.zeros_like(p)
+            groups.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
+        red = Reduction(stage, [], [], [], time.perf_counter())
+        for grads in groups.values():
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            what = f"the data-parallel all-reduce of stage {stage}'s gradients"
+            work = self.endpoint.call(
+                partial(dist.all_reduce, flat, group=self.endpoint.group, async_op=True), what
+            )
+            _note_completion(work, red)
+            red.grads.append(grads)
+            red.flats.append(flat)
+            red.works.append(work)
+        self.pending.append(red)
+
+    def wait_all(self) -> None:
+        done, self.pending = self.pending, []
+        for red in done:
+            what = f"the data-parallel all-reduce of stage {red.stage}'s gradients"
+            self.endpoint.wait(self.endpoint.pending(red.works, [(what, None)] * len(red.works)))
+            for grads, flat in zip(red.grads, red.flats, strict=True):
+                offset = 0
+                for g in grads:
+                    g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                    offset += g.numel()
+            red.flats = []
+        self.last = done
+
+
+def _note_completion(work: object, red: Reduction) -> None:
+    """Record when the collective completed (for the measured timeline), where torch can tell."""
+    get_future = getattr(work, "get_future", None)
+    if get_future is None:
+        return
+    try:
+        get_future().then(lambda _f: red.done.append(time.perf_counter()))
+    except RuntimeError:  # a backend without futures: the timeline shows the wait instead
+        pass

@@ -19,8 +19,10 @@ embedding) is reduced by the REDUCE_GRAD that comes last among them, once.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -30,9 +32,9 @@ from torch import Tensor, nn
 
 from zeropipe.errors import PipelineError
 from zeropipe.ir import Kind, Schedule
-from zeropipe.runtime.works import Endpoint
+from zeropipe.runtime.works import Endpoint, connect
 
-__all__ = ["GradReducer", "Reduction", "reduction_owners"]
+__all__ = ["GradReducer", "Reduction", "Replicas", "reduction_owners"]
 
 
 @dataclass
@@ -48,12 +50,17 @@ class Reduction:
 
 
 def reduction_owners(
-    schedule: Schedule, rank: int, params: dict[int, Sequence[nn.Parameter]]
+    schedule: Schedule,
+    rank: int,
+    params: Mapping[int, Sequence[nn.Parameter]],
+    exclude: AbstractSet[int] = frozenset(),
 ) -> dict[int, list[nn.Parameter]]:
-    """Which stage's REDUCE_GRAD reduces each parameter of this rank: the last one using it.
+    """Which stage's REDUCE_GRAD reduces each parameter of ``rank``: the last one using it.
 
-    ``params[s]`` are stage ``s``'s parameters (the stages on ``rank``).  A stage with
-    no REDUCE_GRAD in the schedule is refused: its gradients would never be reduced.
+    ``params[s]`` are stage ``s``'s parameters (the stages on ``rank``);
+    parameters whose ``id`` is in ``exclude`` (shared with another rank's
+    stages, reduced at the end of the step) are left out.  A stage with no
+    REDUCE_GRAD in the schedule is refused: its gradients would never be reduced.
     """
     order = [a.stage for a in schedule.actions[rank] if a.kind is Kind.REDUCE_GRAD]
     missing = sorted(set(params) - set(order))
@@ -71,7 +78,7 @@ def reduction_owners(
     seen: set[int] = set()
     for s in params:
         for p in params[s]:
-            if id(p) not in seen and p.requires_grad:
+            if id(p) not in seen and id(p) not in exclude and p.requires_grad:
                 seen.add(id(p))
                 out[owner[id(p)]].append(p)
     return out
@@ -133,7 +140,50 @@ def _note_completion(work: object, red: Reduction) -> None:
     get_future = getattr(work, "get_future", None)
     if get_future is None:
         return
-    try:
+    # A backend without futures raises: the timeline then shows no completion.
+    with contextlib.suppress(RuntimeError):
         get_future().then(lambda _f: red.done.append(time.perf_counter()))
-    except RuntimeError:  # a backend without futures: the timeline shows the wait instead
-        pass
+
+
+class Replicas:
+    """This process's data-parallel group: the step's collectives across replicas.
+
+    Every collective here is issued in the same order on every replica (they
+    run the same schedule), posted asynchronously and waited on within the
+    pipeline's time limit, watching for failed peers.
+    """
+
+    def __init__(self, group: object, timeout: float) -> None:
+        self.group = group
+        self.size = dist.get_world_size(group)  # type: ignore[arg-type]
+        self.rank = dist.get_rank(group)  # type: ignore[arg-type]
+        self.endpoint: Endpoint = connect(self.rank, group, timeout)
+        self.reducer: GradReducer | None = None
+
+    def total(self, local: float) -> float:
+        """The sum of ``local`` over the replicas (a loss's item count)."""
+        t = torch.tensor([local], dtype=torch.float64)
+        self._sum([t], "the data-parallel sum of the loss's item count")
+        return float(t.item())
+
+    def sum_(self, tensors: Sequence[Tensor], what: str) -> None:
+        """Sum ``tensors`` over the replicas, in place (one flat all-reduce per dtype)."""
+        self._sum(list(tensors), what)
+
+    def _sum(self, tensors: list[Tensor], what: str) -> None:
+        groups: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+        for t in tensors:
+            groups.setdefault((t.dtype, t.device), []).append(t)
+        for ts in groups.values():
+            flat = torch.cat([t.reshape(-1) for t in ts])
+            work = self.endpoint.call(
+                partial(dist.all_reduce, flat, group=self.endpoint.group, async_op=True), what
+            )
+            self.endpoint.wait(self.endpoint.pending([work], [(what, None)]))
+            offset = 0
+            for t in ts:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+    def fail(self, error: BaseException) -> None:
+        self.endpoint.failures.record(error)

@@ -87,6 +87,9 @@ class StepContext:
     # Posts REDUCE_GRAD's all-reduce over the data-parallel group; None: no such group
     # (or one of one process), where a stage's gradients are already the batch's.
     reducer: GradReducer | None = None
+    # This replica's first microbatch in the global batch: what dropout and other
+    # randomness are seeded by, so that replicas draw differently.
+    first_microbatch: int = 0
 
     def receive(self, action: Action) -> tuple[Tensor, ...]:
         """Wait for a posted receive, counting the time blocked."""
@@ -156,7 +159,9 @@ def _run_forward(
         stash.recording(stage.module) if stash is not None else nullcontext(),
         saved.hooks() if saved is not None else nullcontext(),
     ):
-        outputs = stage.forward(state.inputs, ctx.seed, ctx.step, i, ctx.device)
+        outputs = stage.forward(
+            state.inputs, ctx.seed, ctx.step, ctx.first_microbatch + i, ctx.device
+        )
         loss = _loss(ctx, outputs, i) if last else None
         weighted = loss.reshape(()) * ctx.weights[i] if grad and loss is not None else None
     state.stash, state.saved = stash, saved

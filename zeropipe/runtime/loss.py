@@ -101,11 +101,23 @@ class LossContract:
         self.autocast = autocast
         self.weighting = _weighting(loss_fn, loss_count)
 
-    def for_step(self, targets: Sequence[Tensor], sizes: Sequence[int]) -> StepLoss:
-        """The weights of this batch's microbatches, from their targets (before any backward)."""
+    def for_step(
+        self,
+        targets: Sequence[Tensor],
+        sizes: Sequence[int],
+        *,
+        total: Callable[[float], float] | None = None,
+    ) -> StepLoss:
+        """The weights of this batch's microbatches, from their targets (before any backward).
+
+        ``total``: the sum of a count over the data-parallel replicas, whose
+        slices together are the global batch: the weights are then shares of
+        the global batch, and the replicas' gradients and losses sum to its.
+        """
         fn = self.loss_fn
+        overall = total if total is not None else (lambda x: x)
         if self.weighting == "rows":
-            batch = sum(sizes)
+            batch = overall(float(sum(sizes)))
             return StepLoss(self, fn, [n / batch for n in sizes], None)
         if self.weighting == "sum":
             return StepLoss(self, fn, [1.0] * len(sizes), None)
@@ -123,9 +135,9 @@ class LossContract:
             # the module's weights and hooks, and only its reduction differs.
             fn = copy.copy(fn)
             setattr(fn, "reduction", "sum")  # noqa: B010 (nn.Module's typing rejects a str)
-        total = sum(counts)
+        whole = overall(float(sum(counts)))
         # A batch with nothing to count: the whole batch's mean is 0/0 = nan, and so is this.
-        share = 1.0 / total if total != 0 else math.nan
+        share = 1.0 / whole if whole != 0 else math.nan
         return StepLoss(self, fn, [share] * len(sizes), counts)
 
 

@@ -18,6 +18,8 @@ runtime's own knobs are one :class:`RuntimeOptions`.
 
 from __future__ import annotations
 
+import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -34,6 +36,7 @@ from zeropipe.device import check_autocast, make_current, resolve_device, single
 from zeropipe.errors import PipelineError, ScheduleError
 from zeropipe.fuse import fused_weights
 from zeropipe.ir import Kind, Schedule
+from zeropipe.runtime.data_parallel import GradReducer, Replicas, reduction_owners
 from zeropipe.runtime.executor import run_local, run_rank
 from zeropipe.runtime.handlers import BoundaryMeta, StepContext
 from zeropipe.runtime.loss import LossContract, LossCountFn, LossFn
@@ -137,7 +140,20 @@ class Pipeline:
             Inputs and targets given to ``step`` are moved to it.
         executor: ``"local"``, ``"distributed"`` or ``"auto"`` (distributed when
             torch.distributed is initialised with more than one process).
-        process_group: the group to run over (default: the world).
+        pp_group: the pipeline's process group: one rank per schedule rank
+            (default: the world, or the mesh's "pp" dimension).
+        dp_group: the data-parallel group: the ranks that run the same
+            pipeline rank of other replicas of the pipeline.  Each replica
+            calls ``step`` with its own slice of the global batch; the
+            microbatches are weighted by the global batch's item count and
+            each stage's gradients are summed across replicas by the schedule's
+            REDUCE_GRAD action (added when the group has more than one rank),
+            posted as soon as the stage's gradients are final, so that every
+            replica ends the step with the global batch's gradient and loss
+            (:mod:`zeropipe.runtime.data_parallel`).
+        mesh: a ``DeviceMesh`` with a "pp" dimension and optionally a "dp"
+            dimension, instead of ``pp_group`` / ``dp_group``.
+        process_group: the former name of ``pp_group``.
         p2p: how boundary tensors cross processes: ``"ordered"`` issues every
             message in one order both ends agree on, in ``batch_isend_irecv``
             groups (:mod:`zeropipe.runtime.ordered`; the only mode NCCL can
@@ -162,6 +178,9 @@ class Pipeline:
         seed: int = 0,
         device: torch.device | str | None = None,
         executor: Literal["auto", "local", "distributed"] = "auto",
+        pp_group: object | None = None,
+        dp_group: object | None = None,
+        mesh: object | None = None,
         process_group: object | None = None,
         p2p: Literal["auto", "ordered", "tagged"] = "auto",
         options: RuntimeOptions | None = None,
@@ -184,12 +203,20 @@ class Pipeline:
         self.grad_memory = GradMemory() if self.options.keep_grad_memory else None
         self._step = 0
         self._signature: tuple[object, ...] | None = None
+        process_group, dp_group = _groups(pp_group, dp_group, mesh, process_group)
         self.distributed, self.rank, world = _executor(executor, process_group)
+        # The data-parallel replicas, when there are several.
+        self.replicas: Replicas | None = _replicas(dp_group, self.options.timeout)
         if isinstance(schedule, str):
             ranks = _named_ranks(schedule, stages, microbatches, ranks, chunks, world)
         try:
             self.schedule = build_schedule(
-                schedule, ranks=ranks, microbatches=microbatches, chunks=chunks, group_w=group_w
+                schedule,
+                ranks=ranks,
+                microbatches=microbatches,
+                chunks=chunks,
+                group_w=group_w,
+                reduce_grad=self.replicas is not None,
             )
         except ScheduleError as exc:
             raise PipelineError(str(exc)) from exc
@@ -214,6 +241,8 @@ class Pipeline:
             prepare_split(stage.module)
             stage.autocast = self.options.autocast
         self.shared = _shared_parameters(self.all_stages, self.schedule.placement)
+        if self.replicas is not None:
+            self.replicas.reducer = self._reducer(self.replicas)
         self.boundary = BoundaryMeta()
         self.transport: Transport = (
             _distributed_transport(
@@ -252,6 +281,77 @@ class Pipeline:
             for p in stage.parameters():
                 seen.setdefault(id(p), p)
         return list(seen.values())
+
+    @property
+    def dp_size(self) -> int:
+        """How many data-parallel replicas run this pipeline (1 without a ``dp_group``)."""
+        return 1 if self.replicas is None else self.replicas.size
+
+    @property
+    def dp_rank(self) -> int:
+        """This process's replica, ``0 .. dp_size - 1``: the slice of the global batch it gets."""
+        return 0 if self.replicas is None else self.replicas.rank
+
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, *, error_if_nonfinite: bool = False
+    ) -> Tensor:
+        """Scale every gradient so that their global norm is at most ``max_norm``.
+
+        As ``torch.nn.utils.clip_grad_norm_`` on the unpipelined model: the norm
+        is taken over the gradients of every stage on every pipeline rank (a
+        parameter shared by several stages, such as a tied embedding, counted
+        once), after the step has summed them across data-parallel replicas,
+        so every rank and replica computes the same norm and scales alike.
+        Returns that norm (a float64 scalar on every rank).
+        """
+        norm_type = float(norm_type)
+        if not norm_type > 0:
+            raise PipelineError(f"norm_type must be > 0 (or inf), got {norm_type}")
+        grads = [p.grad.detach() for p in self._norm_parameters() if p.grad is not None]
+        if norm_type == math.inf:
+            maxima = [g.abs().max().double() for g in grads if g.numel()]
+            part = (
+                torch.stack(maxima).max().cpu() if maxima else torch.zeros((), dtype=torch.float64)
+            )
+            if self.distributed:  # the ranks' maxima side by side, summed: then their max
+                spread = torch.zeros(self.schedule.num_ranks, dtype=torch.float64)
+                spread[self.rank] = part
+                self.transport.reduce_shared([spread])
+                part = spread.max()
+            total = part
+        else:
+            norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float64) for g in grads]
+            part = (
+                torch.stack(norms).pow(norm_type).sum().cpu()
+                if norms
+                else torch.zeros((), dtype=torch.float64)
+            )
+            if self.distributed:
+                self.transport.reduce_shared([part])
+            total = part ** (1.0 / norm_type)
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise PipelineError(
+                f"the total norm of order {norm_type:g} of the gradients is {total.item()}; "
+                f"pass error_if_nonfinite=False to scale them anyway"
+            )
+        coef = min(1.0, float(max_norm) / (float(total) + 1e-6))
+        if coef < 1.0:  # every copy of a shared parameter's gradient, counted once or not
+            for p in self.parameters():
+                if p.grad is not None:
+                    p.grad.detach().mul_(coef)
+        return total
+
+    def _norm_parameters(self) -> list[nn.Parameter]:
+        """This process's parameters, a shared one only on the lowest rank that holds it."""
+        mine = self.parameters()
+        if not self.distributed or not self.shared:
+            return mine
+        first: dict[int, int] = {}
+        for stage in self.all_stages:
+            for p in stage.parameters():
+                rank = self.schedule.placement[stage.index]
+                first[id(p)] = min(first.get(id(p), rank), rank)
+        return [p for p in mine if first[id(p)] == self.rank]
 
     def step(self, inputs: Tensor | Sequence[Tensor], target: Tensor) -> Tensor:
         """One training step: forward and backward of every microbatch; returns the loss."""
@@ -322,6 +422,8 @@ class Pipeline:
         except BaseException as exc:
             # Peers may be blocked on this rank; the transport tells them why it stopped.
             self.transport.fail(exc)
+            if self.replicas is not None:
+                self.replicas.fail(exc)
             raise
 
     def _run_step(
@@ -344,8 +446,9 @@ class Pipeline:
         owns_last = self.schedule.num_stages - 1 in self.stages
         # Only the last stage computes the loss; its rank has the whole batch's targets, so
         # the weights (which may count items in every target) exist before any backward.
+        replicas = self.replicas
         step_loss = (
-            self.loss.for_step(targets, sizes)
+            self.loss.for_step(targets, sizes, total=None if replicas is None else replicas.total)
             if self.loss is not None and targets is not None and owns_last
             else None
         )
@@ -370,9 +473,11 @@ class Pipeline:
             input_first=self.options.input_first,
             grad_memory=self.grad_memory if training else None,
             fused_weights=self.fused_weights if training else frozenset(),
+            reducer=replicas.reducer if replicas is not None and training else None,
+            first_microbatch=0 if replicas is None else replicas.rank * m,
         )
         last_rank = schedule.placement[-1]
-        earlier = self._set_aside_shared() if training else {}
+        earlier = self._set_aside_grads() if training else {}
         if training:
             self.memory.begin_step(micro_inputs, targets)
         try:
@@ -387,7 +492,11 @@ class Pipeline:
                 loss = None
                 if target is not None and owns_last:
                     loss = sum((ctx.losses[i] * ctx.weights[i] for i in range(m)), torch.zeros(()))
+                if ctx.reducer is not None:
+                    ctx.reducer.wait_all()
                 loss = self.transport.finish_step(loss)
+                if replicas is not None and loss is not None:
+                    replicas.sum_([loss], "the data-parallel sum of the step's loss")
                 self.last_waits = dict(ctx.waited)
                 self.memory.end_step(publish=training)
         finally:
@@ -395,7 +504,8 @@ class Pipeline:
                 stage.state.clear()
         if training:
             self._step += 1
-            self._reduce_shared(earlier)
+            self._reduce_shared()
+            self._add_back(earlier)
         if target is None:
             if not owns_last:
                 return None
@@ -406,30 +516,53 @@ class Pipeline:
             raise PipelineError(f"rank {last_rank} owns the last stage but computed no loss")
         return loss
 
-    def _set_aside_shared(self) -> dict[int, Tensor]:
-        """Take shared parameters' gradients from earlier steps off them.
+    def _set_aside_grads(self) -> dict[int, Tensor]:
+        """Take gradients of earlier steps off the parameters that this step sums across ranks.
 
-        The all-reduce after the step must sum only this step's contributions;
-        what ``.grad`` already held (steps accumulated without ``zero_grad``)
-        is added back afterwards, once.
+        The sums after (or during) the step must add only this step's
+        contributions; what ``.grad`` already held (steps accumulated without
+        ``zero_grad``) is added back afterwards, once.  That is the shared
+        parameters of a distributed pipeline, and every parameter of a
+        data-parallel replica.
         """
-        if not self.shared or not self.distributed:
-            return {}
+        params = self.parameters() if self.replicas is not None else []
+        if self.distributed:
+            params = [*params, *self.shared]
         earlier = {}
-        for p in self.shared:
+        for p in params:
             if p.grad is not None:
                 earlier[id(p)] = p.grad
                 p.grad = None
         return earlier
 
-    def _reduce_shared(self, earlier: dict[int, Tensor]) -> None:
+    def _add_back(self, earlier: dict[int, Tensor]) -> None:
+        owned = {id(p) for p in self.parameters()}
+        for p in {id(p): p for p in [*self.parameters(), *self.shared]}.values():
+            before = earlier.get(id(p))
+            if before is not None and id(p) in owned and p.grad is not None:
+                p.grad = before.add_(p.grad)
+
+    def _reduce_shared(self) -> None:
+        """Sum the gradients that no REDUCE_GRAD summed: shared parameters, across ranks."""
+        owned = {id(p) for p in self.parameters()}
+        if self.replicas is not None:
+            # Used by stages on several pipeline ranks (or, in one process, several
+            # schedule ranks): summed across replicas here, once the step is over.
+            late = [p for p in self.shared if id(p) in owned and p.requires_grad]
+            for p in late:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            if late:
+                self.replicas.sum_(
+                    [p.grad for p in late if p.grad is not None],
+                    "the data-parallel sum of shared parameters' gradients",
+                )
         if not self.shared or not self.distributed:
             return
         # Every rank holds the whole model, but only ranks running a stage that
         # uses a shared parameter own its gradient.  The others contribute a
         # fresh zero buffer and keep nothing: a .grad left on their copy would
         # never be zeroed by their optimizer and would leak into the next sum.
-        owned = {id(p) for p in self.parameters()}
         grads = []
         for p in self.shared:
             if id(p) not in owned:
@@ -439,10 +572,16 @@ class Pipeline:
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad)
         self.transport.reduce_shared(grads)
-        for p in self.shared:
-            before = earlier.get(id(p))
-            if before is not None and id(p) in owned and p.grad is not None:
-                p.grad = before.add_(p.grad)
+
+    def _reducer(self, replicas: Replicas) -> GradReducer:
+        """Which REDUCE_GRAD sums each of this process's parameters across replicas."""
+        shared = {id(p) for p in self.shared}
+        ranks = [self.rank] if self.distributed else range(self.schedule.num_ranks)
+        owners: dict[int, list[nn.Parameter]] = {}
+        for r in ranks:
+            params = {s: list(self.all_stages[s].parameters()) for s in self.schedule.stages_of(r)}
+            owners.update(reduction_owners(self.schedule, r, params, exclude=shared))
+        return GradReducer(replicas.endpoint, owners)
 
 
 def _compute_device(
@@ -471,6 +610,50 @@ def _compute_device(
     elif distributed:
         make_current(resolved)
     return resolved
+
+
+def _groups(
+    pp_group: object | None,
+    dp_group: object | None,
+    mesh: object | None,
+    process_group: object | None,
+) -> tuple[object | None, object | None]:
+    """The pipeline group and the data-parallel group, from the groups or from a mesh."""
+    if process_group is not None:
+        if pp_group is not None:
+            raise PipelineError("pass pp_group= only (process_group= is its former name)")
+        warnings.warn(
+            "Pipeline(process_group=...) is now pp_group=...", DeprecationWarning, stacklevel=3
+        )
+        pp_group = process_group
+    if mesh is None:
+        return pp_group, dp_group
+    if pp_group is not None or dp_group is not None:
+        raise PipelineError("pass either mesh= or pp_group=/dp_group=, not both")
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    get_group = getattr(mesh, "get_group", None)
+    if get_group is None:
+        raise PipelineError(f"mesh must be a torch DeviceMesh, got {type(mesh).__name__}")
+    unknown = [n for n in names if n not in ("pp", "dp")]
+    if "pp" not in names or unknown:
+        raise PipelineError(
+            f"mesh has dimensions {names}; Pipeline needs one named 'pp' and at most one "
+            f"more, named 'dp' (init_device_mesh(device, (pp, dp), mesh_dim_names=('pp', 'dp')))"
+        )
+    return get_group("pp"), (get_group("dp") if "dp" in names else None)
+
+
+def _replicas(dp_group: object | None, timeout: float) -> Replicas | None:
+    """The data-parallel replicas (None without a group, or with a group of one)."""
+    if dp_group is None:
+        return None
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise PipelineError("dp_group= needs torch.distributed initialised first")
+    if dist.get_world_size(dp_group) == 1:  # type: ignore[arg-type]
+        return None
+    return Replicas(dp_group, timeout)
 
 
 def _executor(executor: str, group: object | None) -> tuple[bool, int, int]:

@@ -1,0 +1,269 @@
+"""What each rank runs in the data-parallel tests: 2 pipeline ranks x 2 replicas (4 processes).
+
+One launch (``results``, cached for the test session) runs every case in
+turn inside the ranks and returns losses and gradients; the tests in
+test_data_parallel.py compare them, in the test process, with the plain
+model run on the *global* batch.  The mesh is torchtitan's order, pipeline
+outermost: rank = pp * DP + dp, so replica ``dp``'s pipeline is ranks
+``dp`` and ``DP + dp``.
+
+Replica ``d`` gets rows ``tensor_split(x, DP)[d]`` of the global batch, as a
+distributed sampler would give it, and numbers its microbatches from
+``d * m`` (what dropout is seeded by), so the reference run microbatch by
+microbatch over the global batch draws the same masks.
+
+Run as a module under torchrun it is the two-launch "multi-node" script:
+each launch plays one node of two processes (``--nnodes 2 --node-rank K``)
+and rank 0 writes the cases' results to the file named by ZEROPIPE_DP_OUT.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import pickle
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from tests.gradcheck import batch_for, mlp, token_loss, token_model
+from zeropipe.costs import CostModel
+from zeropipe.errors import PipelineError, ScheduleError
+from zeropipe.plan import auto_plan
+from zeropipe.runtime.pipeline import Pipeline, RuntimeOptions
+from zeropipe.schedules import GENERATORS, generate
+
+PP, DP = 2, 2
+WORLD = PP * DP
+OPTIONS = RuntimeOptions(timeout=60.0)
+LAUNCH_TIMEOUT = 300.0
+SEED = 5
+
+MODELS: dict[str, tuple[Callable[[], nn.Sequential], Callable[..., Tensor]]] = {
+    "mlp-dropout": (lambda: mlp(dropout=0.3), F.mse_loss),
+    "tokens-tied": (lambda: token_model(dropout=0.2), token_loss),
+}
+
+
+def _guard(fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except Exception:
+        return {"crashed": traceback.format_exc()}
+
+
+def _supported(name: str, p: int, m: int) -> bool:
+    try:
+        generate(name, p, m)
+    except ScheduleError as err:
+        if err.rule != "unsupported":
+            raise
+        return False
+    return True
+
+
+def grid() -> list[tuple[str, str, int]]:
+    """Every (generator, model, microbatches per replica) the gradient test covers."""
+    return [
+        (name, model, m)
+        for name in sorted(GENERATORS)
+        for model in sorted(MODELS)
+        for m in (PP, 2 * PP + 1)
+        if _supported(name, PP, m)
+    ]
+
+
+def global_batch(model: nn.Sequential, m: int) -> tuple[Tensor, Tensor]:
+    """A global batch every replica's microbatches cut evenly: 2 rows per microbatch."""
+    return batch_for(model, batch=2 * m * DP)
+
+
+def replica_slice(t: Tensor, dp: int) -> Tensor:
+    return torch.tensor_split(t, DP)[dp]
+
+
+def _mesh() -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (PP, DP), mesh_dim_names=("pp", "dp"))
+
+
+def _owned_grads(model: nn.Module) -> dict[str, Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _grad_case(mesh: Any, dp: int, name: str, model_name: str, m: int) -> dict[str, Any]:
+    """Two steps (the second with boundary shapes learnt): loss and this rank's gradients."""
+    build, loss_fn = MODELS[model_name]
+    model = build()
+    x, y = global_batch(model, m)
+    schedule = (
+        auto_plan(model, PP, m, costs=CostModel.uniform(PP)).schedule if name == "auto" else name
+    )
+    pipe = Pipeline(
+        model, schedule, microbatches=m, loss_fn=loss_fn, seed=SEED, mesh=mesh, options=OPTIONS
+    )
+    steps = []
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        loss = pipe.step(replica_slice(x, dp), replica_slice(y, dp))
+        steps.append({"loss": loss.item(), "grads": _owned_grads(model)})
+    return {"steps": steps, "reductions": _reductions(pipe)}
+
+
+def _reductions(pipe: Pipeline) -> list[str]:
+    return [str(a) for a in pipe.schedule.actions[pipe.rank] if a.kind.value == "REDUCE_GRAD"]
+
+
+def counted_targets(y: Tensor) -> Tensor:
+    """Token targets with many more positions ignored in replica 1's rows than in replica 0's."""
+    y = y.clone()
+    rows = len(y)
+    y[rows // 2 :, 1:] = -100  # replica 1: one counted token per row
+    y[0, 0] = -100
+    return y
+
+
+def counted_loss(logits: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
+    """(sum over counted tokens, their count): a mean the pipeline weights by the count."""
+    flat = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="sum"
+    )
+    return flat, counted(target)
+
+
+def counted(target: Tensor) -> Tensor:
+    return (target != -100).sum()
+
+
+def _counted_case(mesh: Any, dp: int) -> dict[str, Any]:
+    """A mean over counted tokens whose count differs between replicas: the global mean."""
+    model = token_model()
+    x, y = global_batch(model, 3)
+    y = counted_targets(y)
+    pipe = Pipeline(
+        model,
+        "zbv",
+        microbatches=3,
+        loss_fn=counted_loss,
+        loss_count=counted,
+        mesh=mesh,
+        options=OPTIONS,
+    )
+    loss = pipe.step(replica_slice(x, dp), replica_slice(y, dp))
+    return {"loss": loss.item(), "grads": _owned_grads(model)}
+
+
+def _clip_case(mesh: Any, dp: int) -> dict[str, Any]:
+    """clip_grad_norm_ after a step: the norm and the clipped gradients, tied head counted once."""
+    model = token_model()
+    x, y = global_batch(model, 4)
+    pipe = Pipeline(model, "1f1b", microbatches=4, loss_fn=token_loss, mesh=mesh, options=OPTIONS)
+    out: dict[str, Any] = {}
+    for norm_type in (2.0, float("inf")):
+        model.zero_grad(set_to_none=True)
+        pipe.step(replica_slice(x, dp), replica_slice(y, dp))
+        norm = pipe.clip_grad_norm_(0.05, norm_type)
+        out[str(norm_type)] = {"norm": norm.item(), "grads": _owned_grads(model)}
+    return out
+
+
+def _accumulate_case(mesh: Any, dp: int) -> dict[str, Any]:
+    """Two steps without zero_grad: the gradients add up, each step's summed once."""
+    model = token_model()
+    x, y = global_batch(model, 2)
+    pipe = Pipeline(model, "zb-h1", microbatches=2, loss_fn=token_loss, mesh=mesh, options=OPTIONS)
+    for _ in range(2):
+        pipe.step(replica_slice(x, dp), replica_slice(y, dp))
+    return {"grads": _owned_grads(model)}
+
+
+def _local_case(rank: int) -> dict[str, Any]:
+    """Every process a replica running a whole 2-rank pipeline locally (dp = 4)."""
+    model = mlp()
+    x, y = batch_for(model, batch=2 * 2 * WORLD)
+    pipe = Pipeline(
+        model,
+        "interleaved-1f1b",
+        microbatches=2,
+        loss_fn=F.mse_loss,
+        ranks=2,
+        executor="local",
+        dp_group=dist.group.WORLD,
+        options=OPTIONS,
+    )
+    xs, ys = torch.tensor_split(x, WORLD)[rank], torch.tensor_split(y, WORLD)[rank]
+    loss = pipe.step(xs, ys)
+    return {"loss": loss.item(), "grads": _owned_grads(model), "dp_size": pipe.dp_size}
+
+
+def _refusals(mesh: Any) -> list[str]:
+    messages = []
+    for make in (
+        lambda: Pipeline(mlp(), "1f1b", microbatches=2, loss_fn=F.mse_loss, mesh=mesh, dp_group=1),
+        lambda: Pipeline(mlp(), "1f1b", microbatches=2, loss_fn=F.mse_loss, mesh=object()),
+    ):
+        try:
+            make()
+            messages.append("accepted")
+        except PipelineError as err:
+            messages.append(str(err))
+    return messages
+
+
+def cases(rank: int, world: int) -> dict[str, Any]:
+    """Everything the 4-process launch runs (per rank: its results)."""
+    mesh = _mesh()
+    pp = mesh.get_local_rank("pp")
+    dp = mesh.get_local_rank("dp")
+    out: dict[str, Any] = {"pp": pp, "dp": dp}
+    out["grads"] = {
+        f"{name}/{model}/m={m}": _guard(functools.partial(_grad_case, mesh, dp, name, model, m))
+        for name, model, m in grid()
+    }
+    out["counted"] = _guard(lambda: _counted_case(mesh, dp))
+    out["clip"] = _guard(lambda: _clip_case(mesh, dp))
+    out["accumulate"] = _guard(lambda: _accumulate_case(mesh, dp))
+    out["local"] = _guard(lambda: _local_case(rank))
+    out["refusals"] = _guard(lambda: _refusals(mesh))
+    return out
+
+
+@functools.cache
+def results() -> list[dict[str, Any]]:
+    """``cases`` on 4 processes, launched once per test session."""
+    from zeropipe.runtime.launch import launch
+
+    return launch(cases, WORLD, timeout=LAUNCH_TIMEOUT)
+
+
+def _torchrun_main() -> None:
+    """Under torchrun (one launch per "node"): run the gradient cases, rank 0 writes them."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world != WORLD:
+        sys.exit(f"dp_cases needs {WORLD} processes in all, got {world}")
+    mesh = _mesh()
+    dp = mesh.get_local_rank("dp")
+    picked = [c for c in grid() if c[0] in ("zbv", "1f1b")]
+    mine = {
+        f"{name}/{model}/m={m}": _guard(functools.partial(_grad_case, mesh, dp, name, model, m))
+        for name, model, m in picked
+    }
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, {"pp": mesh.get_local_rank("pp"), "dp": dp, "grads": mine})
+    if rank == 0:
+        with open(os.environ["ZEROPIPE_DP_OUT"], "wb") as fh:
+            pickle.dump(gathered, fh)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _torchrun_main()

@@ -1,0 +1,146 @@
+"""Pipeline x data parallel: 2 pipeline ranks x 2 replicas equal the plain model on the global batch.
+
+The ranks run in one launch of 4 processes (tests/runtime/dp_cases.py); each
+replica steps on its own slice of the global batch, and every rank of every
+replica must end with the loss and gradients of the plain model run on the
+whole global batch (float64, 1e-10).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from tests.gradcheck import assert_same_gradients, mlp, reference, token_loss, token_model
+from tests.runtime import dp_cases
+from zeropipe.schedules import GENERATORS
+
+
+def _no_crash(result: Any, where: str) -> None:
+    if isinstance(result, dict) and "crashed" in result:
+        pytest.fail(f"{where} crashed inside the rank:\n{result['crashed']}")
+
+
+def _as_params(grads: dict[str, Tensor]) -> list[tuple[str, nn.Parameter]]:
+    out = []
+    for name, g in grads.items():
+        p = nn.Parameter(torch.zeros_like(g))
+        p.grad = g
+        out.append((name, p))
+    return out
+
+
+@functools.cache
+def _reference(model_name: str, m: int, step: int) -> tuple[float, dict[str, Tensor]]:
+    build, loss_fn = dp_cases.MODELS[model_name]
+    model = build()
+    x, y = dp_cases.global_batch(model, m)
+    loss, grads = reference(model, x, y, loss_fn, dp_cases.DP * m, seed=dp_cases.SEED, step=step)
+    return loss.item(), grads
+
+
+def _check_ranks(results: list[dict[str, Any]], key: str, got_of: Any, ref_loss: float,
+                 ref: dict[str, Tensor], names: set[str]) -> None:  # fmt: skip
+    """Every rank of every replica: the reference loss; together, every parameter's gradient."""
+    seen: dict[int, set[str]] = {}
+    for out in results:
+        got = got_of(out)
+        where = f"{key} on pp rank {out['pp']}, replica {out['dp']}"
+        assert abs(got["loss"] - ref_loss) <= 1e-10, (where, got["loss"], ref_loss)
+        worst = assert_same_gradients(_as_params(got["grads"]), ref, only_owned=True)
+        assert worst <= 1e-10, (where, worst)
+        seen.setdefault(out["dp"], set()).update(got["grads"])
+    for dp, names_seen in seen.items():
+        assert names_seen == names, f"{key}: replica {dp} has no gradient for {names - names_seen}"
+
+
+@pytest.mark.parametrize("name", sorted(GENERATORS))
+def test_every_generator_on_2x2_matches_the_global_batch_float64(name: str) -> None:
+    results = dp_cases.results()
+    cases = [c for c in dp_cases.grid() if c[0] == name]
+    assert len(cases) >= 2, f"{name}: fewer than two (model, m) combinations"
+    for _, model_name, m in cases:
+        key = f"{name}/{model_name}/m={m}"
+        names = set(dict(dp_cases.MODELS[model_name][0]().named_parameters()))
+        for out in results:
+            _no_crash(out["grads"][key], f"{key} on rank pp={out['pp']} dp={out['dp']}")
+            # the schedule sums each of the rank's stages once, after its last backward
+            stages = {int(a.split("R")[0]) for a in out["grads"][key]["reductions"]}
+            assert len(out["grads"][key]["reductions"]) == len(stages) >= 1, key
+        for step in range(2):
+            ref_loss, ref = _reference(model_name, m, step)
+            _check_ranks(
+                results, f"{key} step {step}", lambda o, k=key, s=step: o["grads"][k]["steps"][s],
+                ref_loss, ref, names,
+            )  # fmt: skip
+
+
+def test_counted_tokens_differing_between_replicas_give_the_global_mean() -> None:
+    results = dp_cases.results()
+    model = token_model()
+    x, y = dp_cases.global_batch(model, 3)
+    y = dp_cases.counted_targets(y)
+    # the replicas count different numbers of tokens: an average of their means would be wrong
+    halves = [dp_cases.counted(dp_cases.replica_slice(y, d)).item() for d in range(dp_cases.DP)]
+    assert halves[0] != halves[1]
+    total, count = dp_cases.counted_loss(model(x), y)
+    ref_loss = total / count
+    ref_loss.backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    for out in results:
+        _no_crash(out["counted"], "counted")
+    names = set(dict(model.named_parameters()))
+    _check_ranks(results, "counted", lambda o: o["counted"], ref_loss.item(), ref, names)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+def test_clip_grad_norm_equals_torch_on_the_plain_model(norm_type: float) -> None:
+    results = dp_cases.results()
+    model = token_model()
+    x, y = dp_cases.global_batch(model, 4)
+    token_loss(model(x), y).backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05, norm_type)
+    assert ref_norm.item() > 0.05  # the reference does clip
+    ref = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    for out in results:
+        _no_crash(out["clip"], "clip")
+        got = out["clip"][str(norm_type)]
+        assert abs(got["norm"] - ref_norm.item()) <= 1e-10 * ref_norm.item(), (got, ref_norm)
+        assert_same_gradients(_as_params(got["grads"]), ref, only_owned=True)
+
+
+def test_steps_accumulated_without_zero_grad_add_up() -> None:
+    results = dp_cases.results()
+    model = token_model()
+    x, y = dp_cases.global_batch(model, 2)
+    token_loss(model(x), y).backward()
+    ref = {n: 2 * p.grad for n, p in model.named_parameters() if p.grad is not None}
+    for out in results:
+        _no_crash(out["accumulate"], "accumulate")
+        assert_same_gradients(_as_params(out["accumulate"]["grads"]), ref)
+
+
+def test_replicas_running_whole_pipelines_locally_sum_to_the_global_batch() -> None:
+    results = dp_cases.results()
+    model = mlp()
+    x, y = dp_cases.batch_for(model, batch=2 * 2 * dp_cases.WORLD)
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+    for rank, out in enumerate(results):
+        _no_crash(out["local"], f"local on rank {rank}")
+        assert out["local"]["dp_size"] == dp_cases.WORLD
+        assert abs(out["local"]["loss"] - loss.item()) <= 1e-10
+        assert_same_gradients(_as_params(out["local"]["grads"]), ref)
+
+
+def test_mesh_and_groups_together_or_a_non_mesh_are_refused() -> None:
+    for out in dp_cases.results():
+        _no_crash(out["refusals"], "refusals")
+        both, not_mesh = out["refusals"]
+        assert "either mesh= or pp_group=/dp_group=" in both
+        assert "DeviceMesh" in not_mesh

@@ -9,6 +9,12 @@ whole global batch (float64, 1e-10).
 from __future__ import annotations
 
 import functools
+import os
+import pickle
+import socket
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -144,3 +150,53 @@ def test_mesh_and_groups_together_or_a_non_mesh_are_refused() -> None:
         both, not_mesh = out["refusals"]
         assert "either mesh= or pp_group=/dp_group=" in both
         assert "DeviceMesh" in not_mesh
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_two_torchrun_launches_as_two_nodes_match_the_global_batch(tmp_path: Path) -> None:
+    """The dp_cases script, unchanged, under two torchrun launches of 2 processes each that
+    meet at one rendezvous endpoint (--nnodes 2 --node-rank 0/1), as on two machines."""
+    port, out = _free_port(), tmp_path / "results.pkl"
+    env = {**os.environ, "ZEROPIPE_DP_OUT": str(out), "OMP_NUM_THREADS": "1"}
+
+    def node(rank: int) -> subprocess.Popen[str]:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+               "--node-rank", str(rank), "--nproc-per-node", "2", "--rdzv-backend", "static",
+               "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "0",
+               "-m", "tests.runtime.dp_cases"]  # fmt: skip
+        return subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+
+    nodes = [node(0), node(1)]
+    logs = []
+    for proc in nodes:
+        try:
+            logs.append(proc.communicate(timeout=240)[0])
+        except subprocess.TimeoutExpired:
+            for p in nodes:
+                p.kill()
+            pytest.fail("the two torchrun launches did not finish within 240 s")
+    assert [p.returncode for p in nodes] == [0, 0], "\n".join(logs)
+    with out.open("rb") as fh:
+        results = pickle.load(fh)
+    assert sorted((r["pp"], r["dp"]) for r in results) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    keys = sorted(results[0]["grads"])
+    assert {k.split("/")[0] for k in keys} == {"1f1b", "zbv"}
+    for key in keys:
+        _, model_name, m_text = key.split("/")
+        m = int(m_text.removeprefix("m="))
+        names = set(dict(dp_cases.MODELS[model_name][0]().named_parameters()))
+        for r in results:
+            _no_crash(r["grads"][key], f"{key} on pp={r['pp']} dp={r['dp']}")
+        for step in range(2):
+            ref_loss, ref = _reference(model_name, m, step)
+            _check_ranks(
+                results, f"{key} step {step}", lambda o, k=key, s=step: o["grads"][k]["steps"][s],
+                ref_loss, ref, names,
+            )  # fmt: skip

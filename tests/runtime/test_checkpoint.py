@@ -28,8 +28,6 @@ from zeropipe.runtime.checkpoint import (
 from zeropipe.runtime.launch import launch
 from zeropipe.runtime.pipeline import Pipeline, RuntimeOptions
 
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-
 SAVED_AT, STEPS, M = 3, 6, 4
 OPTIONS = RuntimeOptions(timeout=30.0)
 

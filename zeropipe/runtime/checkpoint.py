@@ -42,7 +42,9 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Mapping
+import warnings
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -176,6 +178,14 @@ def _state_to_save(
     return state
 
 
+@contextmanager
+def _quiet() -> Iterator[None]:
+    """DCP warns on every single-process save and load that it assumes one process: we asked."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
 def _is_lead(pipe: Pipeline) -> bool:
     return not pipe.distributed or pipe.rank == 0
 
@@ -255,14 +265,15 @@ def save_checkpoint(
         tmp.mkdir(parents=True)
     if distributed:
         dist.barrier(group=process_group)
-    dcp.save(
-        state,
-        checkpoint_id=tmp,
-        process_group=process_group,
-        # Flat already; unflattened, ``extra`` stays one pickled object.
-        planner=DefaultSavePlanner(flatten_state_dict=False),
-        no_dist=not distributed,
-    )
+    with _quiet():
+        dcp.save(
+            state,
+            checkpoint_id=tmp,
+            process_group=process_group,
+            # Flat already; unflattened, ``extra`` stays one pickled object.
+            planner=DefaultSavePlanner(flatten_state_dict=False),
+            no_dist=not distributed,
+        )
     error: str | None = None
     if lead:
         try:
@@ -362,7 +373,8 @@ def _dcp_load(
     """``dcp.load``, returning the state with objects too: DCP loads tensors in place but
     puts unpickled objects into the planner's own copy of the dict."""
     planner = DefaultLoadPlanner(flatten_state_dict=False)
-    dcp.load(state, checkpoint_id=path, process_group=group, planner=planner, no_dist=no_dist)
+    with _quiet():
+        dcp.load(state, checkpoint_id=path, process_group=group, planner=planner, no_dist=no_dist)
     return {**state, **planner.state_dict}
 
 

@@ -45,7 +45,7 @@ import shutil
 import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -106,11 +106,14 @@ class StateNames:
     every: frozenset[str]
     aliases: dict[str, str]
 
+    by_id: dict[int, str] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "by_id", {id(t): n for n, t in self.tensors.items()})
+
     def name_of(self, tensor: Tensor) -> str | None:
-        for name, t in self.tensors.items():
-            if t is tensor:
-                return name
-        return None
+        """The name of one of this process's tensors (None: not one of them)."""
+        return self.by_id.get(id(tensor))
 
 
 def state_names(pipe: Pipeline, model: nn.Module | None = None) -> StateNames:

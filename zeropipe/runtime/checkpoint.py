@@ -285,7 +285,7 @@ def save_checkpoint(
             error = f"cannot publish checkpoint {path}: {exc}"
     if distributed:  # the other ranks return once the checkpoint is in place, or fail alike
         word = [error]
-        dist.broadcast_object_list(word, src=0, group=process_group)
+        dist.broadcast_object_list(word, group=process_group, group_src=0)
         error = word[0]
     if error is not None:
         raise CheckpointError(error)

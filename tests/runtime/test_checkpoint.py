@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 
 from tests.gradcheck import batch_for, token_loss, token_model
@@ -83,6 +84,15 @@ def test_saved_on_2_ranks_with_zbv_resumes_on_4_with_1f1b_and_on_1_process(
     }
     # each rank wrote its own file (zbv puts stages 0 and 3 on rank 0, 1 and 2 on rank 1)
     assert sorted(manifest["files"]) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    written = {
+        index.fqn: info.relative_path
+        for index, info in dcp.FileSystemReader(path).read_metadata().storage_data.items()
+    }
+    for key, file in written.items():
+        if key.startswith(("model.", "optim.")):  # layers 0-1, 6-7 on rank 0; 2-5 on rank 1
+            layer = int(key.split(".")[1])
+            assert file == ("__0_0.distcp" if layer in (0, 1, 6, 7) else "__1_0.distcp"), key
+    assert "model.7.proj.weight" not in written  # the tied head: stored once, as 0.weight
     after_4 = launch(_resume, 4, path, "1f1b", timeout=120, threads=1)
     local, opt = _pipe("1f1b", 1)
     assert load_checkpoint(local, opt, path) == {"step": SAVED_AT}

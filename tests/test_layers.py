@@ -62,6 +62,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "zeropipe.train",
             "zeropipe.train_setup",
             "zeropipe.train_state",
+            "zeropipe.train_resume",
             "zeropipe.bench",
             "zeropipe.data",
             "zeropipe.models",

@@ -4,19 +4,23 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
-import zipfile
 from pathlib import Path
 
 import pytest
 import torch
 
-from zeropipe import train_state
+from zeropipe import train_resume, train_state
 from zeropipe.cli import main
 from zeropipe.errors import PipelineError, ZeropipeError
 from zeropipe.ir import Kind
+from zeropipe.models.gpt import GPTConfig, gpt, lm_loss
+from zeropipe.runtime.checkpoint import consolidated_state_dict
 from zeropipe.runtime.launch import launch
+from zeropipe.runtime.pipeline import Pipeline
 from zeropipe.train import TrainConfig, train, train_rank
+from zeropipe.train_setup import batch, build_model, load_corpus, loss_fn
 
 SMALL = {"width": 32, "layers": 2, "seq": 16, "batch_size": 8, "microbatches": 4, "quiet": True}
 
@@ -46,14 +50,14 @@ def test_resume_gives_the_losses_of_an_uninterrupted_run(tmp_path: Path) -> None
 def _rank_1_dies_saving_step_6(rank: int, world: int, cfg: TrainConfig) -> object:
     """train_rank, but rank 1 exits abruptly (as SIGKILL would) as it starts saving step 6."""
     if rank == 1:
-        save = train_state.save_rank
+        save = train_state.save_checkpoint
 
-        def die_at_step_6(root: Path, step: int, r: int, state: dict[str, object]) -> str:
-            if step == 6:
+        def die_at_step_6(pipe: object, opt: object, path: Path, **kw: object) -> Path:
+            if Path(path).name == "step-000006":
                 os._exit(17)
-            return save(root, step, r, state)
+            return save(pipe, opt, path, **kw)  # type: ignore[arg-type]
 
-        train_state.save_rank = die_at_step_6  # type: ignore[assignment]  # this process only
+        train_state.save_checkpoint = die_at_step_6  # type: ignore[assignment]  # this process only
     return train_rank(rank, world, cfg)
 
 
@@ -67,9 +71,12 @@ def test_killed_rank_ends_the_run_with_a_clear_message_and_the_checkpoint_loads(
         launch(_rank_1_dies_saving_step_6, 2, cfg, timeout=80, threads=1)
     assert time.monotonic() - start < 90
     assert "rank 1" in str(err.value)
-    assert train_state.latest_step(tmp_path / "checkpoints") == 4
-    state = train_state.load_rank(tmp_path / "checkpoints", 0)
-    assert state["step"] == 4 and state["stages"]
+    root = tmp_path / "checkpoints"
+    assert train_state.latest_step(root) == 4 and not (root / "step-000006").exists()
+    manifest = train_state.verify(root)
+    assert manifest is not None and manifest.step == 4
+    tensors, _ = consolidated_state_dict(root / "step-000004")
+    assert "0.token.weight" in tensors
 
 
 def test_loss_falls_on_the_default_model(tmp_path: Path) -> None:
@@ -162,32 +169,17 @@ def _small_argv(out: Path, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
-def _tensor_payload(path: Path) -> tuple[int, int]:
-    """Offset and size of the largest tensor stored in a torch.save file (a zip, stored)."""
-    with zipfile.ZipFile(path) as zf:
-        info = max(
-            (i for i in zf.infolist() if "/data/" in i.filename and i.file_size >= 64),
-            key=lambda i: i.file_size,
-        )
-    with open(path, "rb") as fh:  # the local header: 30 bytes, then the name and the extra field
-        fh.seek(info.header_offset + 26)
-        name_len, extra_len = (int.from_bytes(fh.read(2), "little") for _ in range(2))
-    return info.header_offset + 30 + name_len + extra_len, info.file_size
-
-
 def test_a_corrupt_checkpoint_is_refused_in_one_line_and_latest_stays(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     code, err = _cli(_small_argv(tmp_path, "--steps", "2", "--checkpoint-every", "1"), capsys)
     assert code == 0, err
     root = tmp_path / "checkpoints"
-    victim = root / "step-000002" / "rank1.pt"
-    offset, size = _tensor_payload(victim)
+    victim = root / "step-000002" / "__1_0.distcp"  # rank 1's tensors
     data = bytearray(victim.read_bytes())
-    middle = offset + size // 2 // 4 * 4  # a float32 boundary inside the tensor
+    middle = len(data) // 2 // 4 * 4  # inside a tensor: only the checksum can tell
     data[middle : middle + 16] = b"\xff" * 16  # NaN bit patterns
     victim.write_bytes(bytes(data))
-    torch.load(victim, weights_only=False)  # still a valid zip: only the checksum can tell
     metrics = (tmp_path / "metrics.jsonl").read_text()
     code, err = _cli(_small_argv(tmp_path, "--steps", "4", "--resume"), capsys)
     assert code == 2
@@ -251,7 +243,6 @@ def test_resume_with_other_flags_names_each_one_in_one_line(
     latest = (tmp_path / "checkpoints" / "latest").read_text()
     cases = [
         (["--width", "48"], ["--width 48 differs from the checkpoint's 32"]),
-        (["--schedule", "gpipe"], ["--schedule gpipe differs from the checkpoint's 1f1b"]),
         (["--batch-size", "16"], ["--batch-size 16 differs from the checkpoint's 8"]),
         (["--microbatches", "2"], ["--microbatches 2 differs from the checkpoint's 4"]),
         (["--seed", "1"], ["--seed 1 differs from the checkpoint's 0"]),
@@ -294,15 +285,36 @@ def test_a_device_this_machine_lacks_is_a_one_line_error(
     assert len(err) == 1 and "--device 'cuda'" in err[0] and "not available" in err[0], err
 
 
+def _as_an_older_zeropipe_left_it(out: Path, cfg: TrainConfig) -> None:
+    """Rewrite the latest checkpoint of a 1-rank run in the older format: rank0.pt, no manifest."""
+    root = out / "checkpoints"
+    corpus = load_corpus(cfg)
+    schedule = cfg.build_schedule()
+    stages, cut, model = build_model(cfg, corpus.vocab, schedule.num_stages)
+    pipe = Pipeline(stages, schedule, loss_fn=loss_fn(cfg), balance=cut, executor="local")
+    opt = torch.optim.AdamW(pipe.parameters(), lr=cfg.lr, weight_decay=0.0)
+    step = train_resume.resume(root, 0, pipe, opt, cfg, model)
+    state = {
+        "step": step,
+        "stages": {s: st.module.state_dict() for s, st in pipe.stages.items()},
+        "optimizer": opt.state_dict(),
+        "rng": torch.get_rng_state(),
+    }
+    for folder in root.glob("step-*"):
+        shutil.rmtree(folder)
+    train_state.save_rank(root, step, 0, state)
+
+
 def test_resume_from_a_checkpoint_without_a_manifest_warns_and_loads(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     base = _small_argv(tmp_path, "--ranks", "1", "--schedule", "1f1b")
     code, err = _cli([*base, "--steps", "2"], capsys)
     assert code == 0, err
+    cfg = TrainConfig(width=32, layers=2, batch_size=8, microbatches=4, ranks=1, schedule="1f1b")
+    _as_an_older_zeropipe_left_it(tmp_path, cfg)
     root = tmp_path / "checkpoints"
-    for manifest in root.glob(f"step-*/{train_state.MANIFEST}"):  # as an older zeropipe left it
-        manifest.unlink()
+    assert train_state.read_manifest(root) is None
     code, err = _cli([*base, "--steps", "4", "--width", "48", "--resume"], capsys)
     assert code == 2  # the settings could not be compared; loading the weights tells
     assert len(err) == 2 and "unverified" in err[0], err
@@ -312,4 +324,55 @@ def test_resume_from_a_checkpoint_without_a_manifest_warns_and_loads(
     assert code == 0
     assert len(err) == 1 and err[0].startswith("zeropipe: warning:") and "unverified" in err[0]
     assert train_state.latest_step(root) == 3
-    assert train_state.verify(root) is not None  # what it saves next has a manifest
+    manifest = train_state.verify(root)  # what it saves next is a DCP checkpoint, verified
+    assert manifest is not None and manifest.format == 2
+
+
+def test_resume_on_other_ranks_and_schedule_continues_with_the_same_losses(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    full, moved = tmp_path / "full", tmp_path / "moved"
+    code, err = _cli(
+        _small_argv(full, "--ranks", "1", "--schedule", "1f1b", "--steps", "4"), capsys
+    )
+    assert code == 0, err
+    code, err = _cli(
+        _small_argv(moved, "--ranks", "2", "--schedule", "zbv", "--steps", "2"), capsys
+    )
+    assert code == 0, err
+    argv = _small_argv(moved, "--ranks", "1", "--schedule", "gpipe", "--steps", "4", "--resume")
+    code, err = _cli(argv, capsys)
+    assert code == 0, err
+    # float32: another cut and schedule sum the same products in another order
+    assert _losses(moved) == pytest.approx(_losses(full), rel=1e-5)
+    assert len(_losses(moved)) == 4
+
+
+def test_export_writes_the_model_that_gives_the_pipelines_loss(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from safetensors.torch import load_file
+
+    cfg = TrainConfig(width=32, layers=2, seq=16, batch_size=8, microbatches=4, quiet=True)
+    cfg.ranks, cfg.schedule, cfg.steps, cfg.out = 1, "1f1b", 2, str(tmp_path)
+    summary = train(cfg)
+    out = tmp_path / "model.safetensors"
+    code, err = _cli(["export", str(tmp_path), str(out)], capsys)
+    assert code == 0, err
+    corpus = load_corpus(cfg)
+    shape = GPTConfig(
+        vocab=corpus.vocab, seq=16, width=32, heads=cfg.heads, layers=2, dropout=cfg.dropout
+    )
+    fresh = gpt(shape, seed=99)  # other weights until loaded
+    tensors = load_file(str(out))
+    assert set(tensors) == set(fresh.state_dict())  # tied head included: strict loading works
+    fresh.load_state_dict(tensors)
+    assert fresh[-1].out.weight is fresh[0].token.weight  # type: ignore[union-attr]  # still tied
+    with torch.no_grad():
+        losses = [
+            lm_loss(fresh(x), y).item()
+            for x, y in (batch(corpus, cfg, k, "val") for k in range(cfg.eval_batches))
+        ]
+    assert sum(losses) / len(losses) == pytest.approx(summary["final_eval_loss"], rel=1e-6)
+    code, err = _cli(["export", str(tmp_path / "nowhere"), str(out)], capsys)
+    assert code == 2 and len(err) == 1 and "is not a checkpoint" in err[0], err

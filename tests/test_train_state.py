@@ -144,3 +144,47 @@ def test_latest_naming_a_folder_that_is_gone_is_a_checkpoint_error(tmp_path: Pat
         train_state.verify(tmp_path)
     with pytest.raises(CheckpointError, match="no checkpoint to resume from"):
         train_state.verify(tmp_path / "elsewhere")
+
+
+# -- DCP checkpoints (zeropipe.runtime.checkpoint) as zeropipe train keeps them ----------------
+def _dcp_checkpoint(root: Path, step: int) -> None:
+    from tests.gradcheck import token_loss, token_model
+    from zeropipe.runtime.pipeline import Pipeline
+
+    pipe = Pipeline(token_model(layers=4), "1f1b", 2, token_loss, ranks=2)
+    opt = torch.optim.AdamW(pipe.parameters())
+    train_state.save_step(root, step, pipe, opt, extra={"step": step}, meta={"config": {}})
+
+
+def test_a_dcp_checkpoint_is_found_verified_and_named_by_latest(tmp_path: Path) -> None:
+    _checkpoint(tmp_path, 1, ranks=1)  # an older per-rank checkpoint beside it
+    _dcp_checkpoint(tmp_path, 2)
+    manifest = train_state.verify(tmp_path)
+    assert manifest is not None and manifest.format == 2 and manifest.step == 2
+    assert ".metadata" in manifest.files and manifest.meta == {"config": {}, "step": 2}
+    folder = train_state.step_dir(tmp_path, 2)
+    for source in (folder, tmp_path):
+        assert train_state.checkpoint_folder(source) == folder
+    with pytest.raises(CheckpointError, match=r"is not a checkpoint: it has no manifest\.json"):
+        train_state.checkpoint_folder(tmp_path / "nothing")
+    (folder / ".metadata").write_bytes(b"changed")
+    with pytest.raises(CheckpointError, match=r"\.metadata is corrupt.*step-000001"):
+        train_state.verify(tmp_path)
+
+
+def test_export_without_safetensors_names_the_extra_to_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sys
+
+    _dcp_checkpoint(tmp_path, 2)
+    monkeypatch.setitem(sys.modules, "safetensors.torch", None)  # import fails
+    with pytest.raises(ZeropipeError, match=r"pip install 'zeropipe\[hf\]'"):
+        train_state.export_safetensors(tmp_path, tmp_path / "m.safetensors")
+    assert not (tmp_path / "m.safetensors").exists()
+
+
+def test_export_refuses_an_older_per_rank_checkpoint(tmp_path: Path) -> None:
+    _checkpoint(tmp_path, 2, ranks=1)
+    with pytest.raises(CheckpointError, match="has format 1, not 2"):
+        train_state.export_safetensors(tmp_path, tmp_path / "m.safetensors")

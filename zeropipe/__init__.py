@@ -3,7 +3,7 @@
 The schedule half (IR, dependencies, validator, generators, simulator,
 ``build_schedule``) is importable without torch; the names that need torch
 (``Pipeline``, ``RuntimeOptions``, ``launch``, ``profile``, ``auto_plan``,
-``split``, ``causal_lm_loss``)
+``split``, ``causal_lm_loss``, ``save_checkpoint``, ``load_checkpoint``)
 are loaded on first use.  docs/architecture.md describes the layers.
 """
 
@@ -42,8 +42,10 @@ __all__ = [
     "init_from_env",
     "is_recomputing",
     "launch",
+    "load_checkpoint",
     "lower",
     "profile",
+    "save_checkpoint",
     "simulate",
     "split",
     "validate",
@@ -63,6 +65,8 @@ _LAZY = {
     "profile": "zeropipe.plan",
     "split": "zeropipe.adapters.split",
     "causal_lm_loss": "zeropipe.adapters.loss",
+    "save_checkpoint": "zeropipe.runtime.checkpoint",
+    "load_checkpoint": "zeropipe.runtime.checkpoint",
 }
 
 

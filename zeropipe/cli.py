@@ -470,6 +470,26 @@ def _run_train(args: argparse.Namespace) -> int:
     return train.run_cli(args)
 
 
+# -- zeropipe export ----------------------------------------------------------------------
+def _add_export_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "checkpoint",
+        metavar="CHECKPOINT_DIR",
+        help="a checkpoint folder (step-NNNNNN), a checkpoints folder (its 'latest' is read) "
+        "or a 'zeropipe train' --out folder",
+    )
+    parser.add_argument("out", metavar="OUT.safetensors", help="the file to write")
+
+
+def _run_export(args: argparse.Namespace) -> int:
+    """Write a checkpoint's model as one safetensors file (its state_dict keys; no processes)."""
+    from zeropipe import train_state  # imports torch: only for this command
+
+    folder, count = train_state.export_safetensors(Path(args.checkpoint), Path(args.out))
+    print(f"wrote {args.out}: {count} tensors from {folder}")
+    return 0
+
+
 # -- the table and the entry point ------------------------------------------------------
 AddArguments = Callable[[argparse.ArgumentParser], None]
 Run = Callable[[argparse.Namespace], int]
@@ -483,6 +503,7 @@ COMMANDS: dict[str, tuple[AddArguments, Run]] = {
     "profile": (_add_profile_arguments, _run_profile),
     "train": (_add_train_arguments, _run_train),
     "bench": (_add_bench_arguments, _run_bench),
+    "export": (_add_export_arguments, _run_export),
 }
 
 

@@ -10,7 +10,8 @@ chosen schedule -- :mod:`zeropipe.train_setup` builds the model, its cut, its
 loss and its batches -- and leaves in ``--out``::
 
     metrics.jsonl      one JSON object per step: step, loss, tokens_per_s, ...
-    checkpoints/       the last complete checkpoints (see zeropipe.train_state)
+    checkpoints/       the last complete checkpoints, in torch's distributed checkpoint
+                       format (see zeropipe.train_state and zeropipe.train_resume)
     timeline.png       the planned (simulated) and measured timelines of one step
     trace.json         Chrome trace of that measured step (opens in Perfetto)
     loss.png           the loss curve
@@ -18,9 +19,12 @@ loss and its batches -- and leaves in ``--out``::
 Stopping: Ctrl-C (SIGINT) is turned into a request that all ranks agree on at
 the next step boundary; they save a checkpoint and exit.  ``--resume``
 continues from the newest complete checkpoint, reading exactly the batches
-an uninterrupted run would have read, so its losses are the same.  Before any
-rank starts, it checks the checkpoint's files against their sha256 and the
-settings it was saved with against the flags (:func:`check_resume`).
+an uninterrupted run would have read, so its losses are the same -- also on
+another ``--ranks`` or ``--schedule`` (the checkpoint is keyed by the model's
+parameter names).  Before any rank starts, it checks the checkpoint's files
+against their sha256 and the settings it was saved with against the flags
+(:func:`check_resume`).  ``zeropipe export`` writes a checkpoint's model as
+one safetensors file.
 
 A non-finite loss, or non-finite weights about to be saved, stop every rank
 at once without saving: ``latest`` keeps naming the last finite checkpoint,
@@ -36,14 +40,14 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from zeropipe import fit, train_state
+from zeropipe import fit, train_resume
 from zeropipe.build import build_schedule
 from zeropipe.data import Corpus
 from zeropipe.errors import PipelineError, ZeropipeError
@@ -52,6 +56,7 @@ from zeropipe.models.hf import PRESETS
 from zeropipe.runtime.pipeline import Pipeline, RuntimeOptions
 from zeropipe.schedules import GENERATORS
 from zeropipe.simulate import Event, Timeline, costs_from_timeline, simulate
+from zeropipe.train_resume import check_resume, run_settings
 from zeropipe.train_setup import (
     batch,
     build_model,
@@ -244,120 +249,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         )
         summary = results[0]
     if summary.get("non_finite") is not None:
-        raise ZeropipeError(_non_finite_message(summary["non_finite"], cfg))
+        raise ZeropipeError(train_resume.non_finite_message(summary["non_finite"], cfg))
     return summary
-
-
-# What makes a run the run it is: resuming with any of these changed would continue
-# another run (other data, other model, other optimisation), so --resume refuses.
-# The rest may change: --steps (extend a run), --checkpoint-every, --timeout, --quiet,
-# --out (a moved folder), --device, and how a step is executed (--group-w, --recompute,
-# --offload, --memory-limit), which changes memory and time, not the losses beyond
-# float rounding.  --schedule and --ranks decide which stage lives on which rank, so a
-# checkpoint's rank files only fit the layout they were saved from.
-_MUST_MATCH = (
-    "schedule",
-    "model",
-    "model_config",
-    "data",
-    "ranks",
-    "microbatches",
-    "batch_size",
-    "seed",
-    "lr",
-    "warmup",
-    "width",
-    "layers",
-    "heads",
-    "seq",
-    "dropout",
-)
-# TrainConfig fields that the command line does not set (the Python API does).
-_NOT_FLAGS = {"warmup", "heads", "seq", "dropout", "eval_batches", "trace_step", "planned"}
-
-
-def _flag(name: str) -> str:
-    return f"TrainConfig.{name}" if name in _NOT_FLAGS else "--" + name.replace("_", "-")
-
-
-def run_settings(cfg: TrainConfig) -> dict[str, Any]:
-    """The settings a checkpoint records (JSON): every field but where it lives and the plan."""
-    return {k: v for k, v in asdict(cfg).items() if k not in ("out", "resume", "planned")}
-
-
-def check_resume(cfg: TrainConfig, warn: bool = True) -> None:
-    """Verify the checkpoint ``cfg.resume`` would load, and that it was saved by this run.
-
-    Raises a one-line :class:`~zeropipe.train_state.CheckpointError` for a
-    corrupt file and a :class:`ZeropipeError` naming every setting that
-    differs from the saved one.  A checkpoint from before checksums existed
-    is loaded unverified, with a warning on stderr (``warn``).
-    """
-    root = Path(cfg.out) / "checkpoints"
-    manifest = train_state.verify(root)
-    if manifest is None:
-        if warn:
-            print(
-                f"zeropipe: warning: {root / 'latest'} names a checkpoint written before "
-                f"checkpoints carried checksums and settings: it is loaded unverified, and the "
-                f"flags are not compared with those it was saved with",
-                file=sys.stderr,
-            )
-        return
-    saved = manifest.meta.get("config")
-    if not isinstance(saved, dict):
-        raise train_state.CheckpointError(
-            f"{train_state.step_dir(root, manifest.step) / train_state.MANIFEST} records no run "
-            f"settings; resume with the zeropipe that wrote it, or start a new --out"
-        )
-    default = TrainConfig()
-    differ = []
-    for name in _MUST_MATCH:
-        now, then = getattr(cfg, name), saved.get(name, getattr(default, name))
-        if now != then:
-            differ.append((_flag(name), now, then))
-    if not differ:
-        return
-    told = ", ".join(
-        f"{flag} {now} differs from the checkpoint's {then}" for flag, now, then in differ
-    )
-    fix = " ".join(
-        f"{flag}={then}"
-        if flag.startswith("TrainConfig")
-        else (f"no {flag}" if then is None else f"{flag} {then}")
-        for flag, _, then in differ
-    )
-    layout = (
-        " (a run cannot change --schedule or --ranks yet)"
-        if {"--schedule", "--ranks"} & {flag for flag, _, _ in differ}
-        else ""
-    )
-    raise ZeropipeError(
-        f"--resume: {told}{layout}; pass {fix} or start a new --out "
-        f"(checkpoint {train_state.step_dir(root, manifest.step)})"
-    )
-
-
-def _non_finite_message(event: dict[str, Any], cfg: TrainConfig) -> str:
-    root = Path(cfg.out) / "checkpoints"
-    step = event["step"]
-    if event["what"] == "loss":
-        what = f"the training loss became non-finite ({event['loss']}) at step {step}"
-    else:
-        what = (
-            f"the weights became non-finite in the update of step {step} "
-            f"(its loss, {event['loss']:.4g}, was still finite)"
-        )
-    latest = train_state.latest_step(root)
-    kept = (
-        f"{root / 'latest'} still names {train_state.step_dir(root, latest).name}"
-        if latest is not None
-        else f"no checkpoint was saved in {root}"
-    )
-    return (
-        f"{what}; stopped without saving it: {kept}. Resuming would repeat it (resume is "
-        f"exact): lower --lr (it is {cfg.lr:g}) and start a new --out"
-    )
 
 
 def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
@@ -368,7 +261,7 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
     lead = rank == 0
     corpus = load_corpus(cfg)
     schedule = Schedule.from_text(cfg.planned) if cfg.planned else cfg.build_schedule()
-    stages, cut = build_model(cfg, corpus.vocab, schedule.num_stages)
+    stages, cut, model = build_model(cfg, corpus.vocab, schedule.num_stages)
     pipe = Pipeline(
         stages,
         schedule,
@@ -379,28 +272,10 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
         options=RuntimeOptions(timeout=cfg.timeout),
     )
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=cfg.lr, weight_decay=0.0)
-    start = 0
-    if cfg.resume:
-        state = train_state.load_rank(ckpt_root, rank)
-        try:
-            for s, sd in state["stages"].items():
-                pipe.stages[int(s)].module.load_state_dict(sd)
-            optimizer.load_state_dict(state["optimizer"])
-            torch.set_rng_state(state["rng"])
-            start = int(state["step"])
-        except (RuntimeError, KeyError, ValueError, TypeError) as exc:
-            # check_resume compared the settings already, but a checkpoint from before they
-            # were recorded can still be of another model.  load_state_dict's first line is
-            # a heading ("Error(s) in ...:"); the first line under it says what differs.
-            lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-            first = next((ln for ln in lines if not ln.endswith(":")), type(exc).__name__)
-            raise train_state.CheckpointError(
-                f"the checkpoint in {ckpt_root} does not fit this model ({first}); resume "
-                f"with the flags it was saved with, or start a new --out"
-            ) from None
+    start = train_resume.resume(ckpt_root, rank, pipe, optimizer, cfg, model) if cfg.resume else 0
     if lead:
         out.mkdir(parents=True, exist_ok=True)
-        _trim_metrics(out / "metrics.jsonl", start)
+        train_resume.trim_metrics(out / "metrics.jsonl", start)
     stop = _StopRequest()
     tokens = cfg.batch_size * cfg.seq
     initial_eval = _evaluate(pipe, corpus, cfg)
@@ -450,7 +325,7 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
             if _agree([not _weights_finite(pipe)], world)[0]:
                 non_finite = {"what": "weights", "step": step, "loss": value}
                 break
-            _save(ckpt_root, step, rank, world, pipe, optimizer, cfg)
+            train_resume.save(ckpt_root, step, pipe, optimizer, cfg, model)
         if stopping:
             if lead:
                 print(f"\nstopped at step {step}; resume with --resume", flush=True)
@@ -502,31 +377,6 @@ def _agree(flags: list[bool], world: int) -> list[bool]:
 
 def _weights_finite(pipe: Pipeline) -> bool:
     return all(bool(torch.isfinite(p).all()) for p in pipe.parameters())
-
-
-def _save(
-    root: Path,
-    step: int,
-    rank: int,
-    world: int,
-    pipe: Pipeline,
-    opt: torch.optim.Optimizer,
-    cfg: TrainConfig,
-) -> None:
-    state = {
-        "step": step,
-        "stages": {s: st.module.state_dict() for s, st in pipe.stages.items()},
-        "optimizer": opt.state_dict(),
-        "rng": torch.get_rng_state(),
-    }
-    digest = train_state.save_rank(root, step, rank, state)
-    digests = [digest]
-    if world > 1:  # also the barrier: once it returns, every rank's file is in place
-        gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, digest)
-        digests = [str(d) for d in gathered]
-    if rank == 0:
-        train_state.publish(root, step, digests, {"config": run_settings(cfg)})
 
 
 def _evaluate(pipe: Pipeline, corpus: Corpus, cfg: TrainConfig) -> float:
@@ -611,21 +461,6 @@ def _loss_png(out: Path, start: int) -> None:
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(out / "loss.png", dpi=110)
-
-
-def _trim_metrics(path: Path, start: int) -> None:
-    """On resume, drop metrics of steps after the checkpoint (they will be redone)."""
-    if not path.exists():
-        return
-    if start == 0:
-        path.unlink()
-        return
-    keep = [
-        line
-        for line in path.read_text().splitlines()
-        if line.strip() and json.loads(line)["step"] <= start
-    ]
-    path.write_text("".join(line + "\n" for line in keep))
 
 
 def _progress(record: dict[str, Any], total: int) -> None:
@@ -755,10 +590,10 @@ def add_arguments(parser: Any) -> None:
         "--resume",
         action="store_true",
         help="continue from the newest complete checkpoint in --out, after checking its files' "
-        "sha256; --schedule, --ranks, --microbatches, --batch-size, --seed, --lr, --width and "
-        "--layers must be those it was saved with, while --steps (to extend the run), "
-        "--checkpoint-every, --timeout, --quiet, --device and the memory flags "
-        "(--group-w, --recompute, --offload, --memory-limit) may change",
+        "sha256; --microbatches, --batch-size, --seed, --lr, --width and --layers must be "
+        "those it was saved with, while --ranks and --schedule (the layout), --steps (to "
+        "extend the run), --checkpoint-every, --timeout, --quiet, --device and the memory "
+        "flags (--group-w, --recompute, --offload, --memory-limit) may change",
     )
     parser.add_argument(
         "--checkpoint-every", type=int, default=d.checkpoint_every, help="steps between checkpoints"

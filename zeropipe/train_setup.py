@@ -7,7 +7,7 @@ The training loop of :mod:`zeropipe.train` asks this module for
     model_layers(cfg, vocab)            the layers a schedule's stages are cut from
     build_model(cfg, vocab, stages)     the GPT of zeropipe.models.gpt and its cut, or a
                                         Hugging Face model (zeropipe.models.hf) cut into
-                                        stages by zeropipe.adapters.split
+                                        stages by zeropipe.adapters.split; and the model
     loss_fn(cfg)                        the loss that model's outputs are scored with
     batch(corpus, cfg, step)            a step's inputs and targets, on --device
 
@@ -118,8 +118,9 @@ def _balance(blocks: int, stages: int, per_block: int = 1) -> list[int]:
 
 def build_model(
     cfg: ModelSettings, vocab: int, num_stages: int
-) -> tuple[torch.nn.Sequential | list[torch.nn.Module], list[int] | None]:
-    """What the pipeline runs: the GPT and its cut, or a Hugging Face model's stages."""
+) -> tuple[torch.nn.Sequential | list[torch.nn.Module], list[int] | None, torch.nn.Module]:
+    """What the pipeline runs: the GPT and its cut, or a Hugging Face model's stages; and the
+    whole model, whose ``state_dict`` names are the checkpoint's keys whatever the cut."""
     if cfg.model == "gpt":
         gpt_cfg = GPTConfig(
             vocab=vocab,
@@ -131,7 +132,8 @@ def build_model(
         )
         # The GPT's blocks are two layers each (attention, MLP).
         cut = _balance(cfg.layers, num_stages, per_block=2)
-        return gpt(gpt_cfg, seed=cfg.seed).to(cfg.device), cut
+        whole = gpt(gpt_cfg, seed=cfg.seed).to(cfg.device)
+        return whole, cut, whole
     config = _hf_config(cfg, vocab)
     model = build_hf(config, cfg.seed).to(cfg.device)
     blocks = int(config.num_hidden_layers)
@@ -143,7 +145,7 @@ def build_model(
         cut[-1] -= 1
     else:
         cut = [blocks]
-    return split(model, num_stages, balance=cut), None
+    return split(model, num_stages, balance=cut), None, model
 
 
 def loss_fn(cfg: ModelSettings) -> Callable[..., Any]:

@@ -2,18 +2,26 @@
 
 Layout under ``DIR``::
 
-    DIR/step-000040/rank0.pt        each rank's stages, optimizer and RNG state
-    DIR/step-000040/rank1.pt
-    DIR/step-000040/manifest.json   the sha256 of every rank file, and the run's settings
+    DIR/step-000040/                a DCP checkpoint (zeropipe.runtime.checkpoint):
+        __0_0.distcp, __1_0.distcp  each rank's stages and optimizer state, by name
+        .metadata                   DCP's index of every key
+        manifest.json               the sha256 of every file, and the run's settings
     DIR/latest                      "step-000040": the newest *complete* checkpoint
 
-Every file is written to a temporary name and renamed into place
-(``os.replace`` is atomic on POSIX).  Each rank hashes the file it wrote;
-rank 0 writes the manifest with every rank's hash once all files exist, and
-only then moves ``latest``.  So a rank that dies while saving leaves the
-previous checkpoint as ``latest``, intact, and a checkpoint is complete
-exactly when its manifest exists.  Older checkpoints beyond ``keep`` are
-removed after ``latest`` has moved.
+A checkpoint folder is written under a temporary name and renamed into place
+once every rank's files and the manifest exist (:func:`save_checkpoint`);
+only then does rank 0 move ``latest`` (:func:`point_latest`).  So a rank that
+dies while saving leaves the previous checkpoint as ``latest``, intact, and a
+checkpoint is complete exactly when its manifest exists.  Older checkpoints
+beyond ``keep`` are removed after ``latest`` has moved.
+
+Checkpoints of the older format (manifest format 1, or none) hold one
+``rankN.pt`` per rank, each written to a temporary name and renamed
+(:func:`save_rank`, :func:`publish`); they are still read (:func:`load_rank`),
+on the layout that saved them only.
+
+:func:`export_safetensors` turns a DCP checkpoint's model into one
+safetensors file, in one process.
 
 Reading back (:func:`verify`, :func:`load_rank`) compares each file's sha256
 with the manifest: a file changed on disk after it was written (a flipped
@@ -26,7 +34,6 @@ returns ``None`` for them and the caller says so.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -38,40 +45,50 @@ from typing import Any
 import torch
 
 from zeropipe.errors import ZeropipeError
+from zeropipe.runtime.checkpoint import FORMAT as DCP_FORMAT
+from zeropipe.runtime.checkpoint import (
+    MANIFEST,
+    CheckpointError,
+    consolidated_state_dict,
+    save_checkpoint,
+    sha256_of,
+)
+from zeropipe.runtime.pipeline import Pipeline
 
 __all__ = [
     "MANIFEST",
     "CheckpointError",
     "Manifest",
+    "checkpoint_folder",
+    "export_safetensors",
     "latest_step",
     "load_rank",
+    "point_latest",
     "publish",
     "read_manifest",
     "save_rank",
+    "save_step",
     "sha256_of",
     "step_dir",
     "verify",
 ]
 
-MANIFEST = "manifest.json"
-_FORMAT = 1  # of the manifest; a reader refuses formats it does not know
-
-
-class CheckpointError(ZeropipeError):
-    """A checkpoint is missing, incomplete, unreadable or corrupt."""
+_FORMAT = 1  # of the per-rank files' manifest; DCP checkpoints' is DCP_FORMAT
 
 
 @dataclass(frozen=True)
 class Manifest:
-    """What a complete checkpoint promises: its step, each rank file's sha256, the run's settings.
+    """What a complete checkpoint promises: its step, each file's sha256, the run's settings.
 
-    ``meta`` is whatever the writer passed to :func:`publish` (``zeropipe
-    train`` stores its configuration under ``"config"``), as JSON.
+    ``meta`` is whatever the writer passed to :func:`publish` / :func:`save_step`
+    (``zeropipe train`` stores its configuration under ``"config"``), as JSON.
+    ``format``: 1 for per-rank ``rankN.pt`` files, 2 for a DCP checkpoint.
     """
 
     step: int
     files: dict[str, str]  # file name -> sha256 hex digest
     meta: dict[str, Any] = field(default_factory=dict)
+    format: int = _FORMAT
 
     @property
     def ranks(self) -> int:
@@ -84,15 +101,6 @@ def step_dir(root: Path, step: int) -> Path:
 
 def _rank_file(rank: int) -> str:
     return f"rank{rank}.pt"
-
-
-def sha256_of(path: Path) -> str:
-    """The sha256 hex digest of a file's bytes (read in chunks: checkpoints can be large)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _atomic_write(path: Path, write: Callable[[Path], None]) -> None:
@@ -158,11 +166,89 @@ def publish(
         "meta": dict(meta or {}),
     }
     _atomic_write(folder / MANIFEST, _text_writer(json.dumps(record, indent=1, sort_keys=True)))
+    point_latest(root, step, keep)
+
+
+def point_latest(root: Path, step: int, keep: int = 2) -> None:
+    """Point ``latest`` at the complete checkpoint of ``step``; remove all but the ``keep`` newest."""
+    folder = step_dir(root, step)
     _atomic_write(root / "latest", _text_writer(folder.name))
     steps = sorted(p for p in root.glob("step-*") if p.is_dir())
     for old in steps[:-keep] if keep > 0 else []:
         if old != folder:
             shutil.rmtree(old, ignore_errors=True)
+
+
+def save_step(
+    root: Path,
+    step: int,
+    pipe: Pipeline,
+    optimizer: torch.optim.Optimizer,
+    *,
+    extra: Any,
+    meta: Mapping[str, Any],
+    model: torch.nn.Module | None = None,
+    keep: int = 2,
+) -> None:
+    """Save the checkpoint of ``step`` in DCP format (every rank calls it), then move ``latest``.
+
+    ``meta`` (JSON) goes into the manifest with the step; ``extra`` (any
+    picklable object) into the checkpoint, returned on load.
+    """
+    save_checkpoint(
+        pipe,
+        optimizer,
+        step_dir(root, step),
+        extra=extra,
+        meta={**meta, "step": step},
+        model=model,
+    )
+    if not pipe.distributed or pipe.rank == 0:
+        point_latest(root, step, keep)
+
+
+def checkpoint_folder(source: Path) -> Path:
+    """The DCP checkpoint folder ``source`` names: itself (it has a manifest), the one
+    ``source/latest`` names, or the one ``source/checkpoints/latest`` names (a train --out)."""
+    if (source / MANIFEST).exists():
+        return source
+    for root in (source, source / "checkpoints"):
+        if (root / "latest").exists():
+            return step_dir(root, _resolve(root, None))
+    raise CheckpointError(
+        f"{source} is not a checkpoint: it has no {MANIFEST}, no 'latest' and no "
+        f"checkpoints/latest; give a step-NNNNNN folder, a checkpoints folder or a train --out"
+    )
+
+
+def export_safetensors(source: Path, out: Path) -> tuple[Path, int]:
+    """Write the model of the DCP checkpoint ``source`` (see :func:`checkpoint_folder`) to one
+    safetensors file ``out``; return the folder read and the number of tensors written.
+
+    Keys are the model's ``state_dict`` keys.  A tied tensor is written under
+    each of its names, as separate copies (safetensors refuses shared
+    storage), so ``model.load_state_dict(safetensors.torch.load_file(out))``
+    loads it strictly; the copies are equal, and loading into a model whose
+    weights are tied leaves them tied.  Needs no process group.
+    """
+    folder = checkpoint_folder(source)
+    try:
+        from safetensors.torch import save_file
+    except ImportError:
+        raise ZeropipeError(
+            "zeropipe export writes safetensors, which is not installed: pip install 'zeropipe[hf]'"
+        ) from None
+    tensors, aliases = consolidated_state_dict(folder)
+    full = dict(tensors)
+    for alias, name in aliases.items():
+        full[alias] = tensors[name].clone()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_file(
+        {k: v.contiguous() for k, v in sorted(full.items())},
+        str(out),
+        metadata={"format": "pt", "tied": json.dumps(aliases, sort_keys=True)},
+    )
+    return folder, len(full)
 
 
 def latest_step(root: Path) -> int | None:
@@ -196,13 +282,16 @@ def read_manifest(root: Path, step: int | None = None) -> Manifest | None:
         return None
     try:
         record = json.loads(path.read_text())
-        if record.get("format") != _FORMAT:
+        form = record.get("format")
+        if form not in (_FORMAT, DCP_FORMAT):
             raise CheckpointError(
-                f"{path} has format {record.get('format')!r}; this zeropipe reads format "
-                f"{_FORMAT}: resume with the zeropipe that wrote it, or start a new --out"
+                f"{path} has format {form!r}; this zeropipe reads formats {_FORMAT} and "
+                f"{DCP_FORMAT}: resume with the zeropipe that wrote it, or start a new --out"
             )
         files = {str(k): str(v) for k, v in record["files"].items()}
-        return Manifest(int(record["step"]), files, dict(record.get("meta", {})))
+        meta = dict(record.get("meta", {}))
+        saved = record["step"] if form == _FORMAT else meta.get("step", step)
+        return Manifest(int(saved), files, meta, int(form))
     except CheckpointError:
         raise
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:

@@ -1,0 +1,470 @@
+"""Checkpoints of a :class:`~zeropipe.Pipeline` in torch's distributed format (DCP).
+
+    save_checkpoint(pipe, optimizer, "ckpt/step-40", extra={"step": 40})
+    extra = load_checkpoint(pipe, optimizer, "ckpt/step-40")   # any ranks, any schedule
+
+Keys are the *model's* names, not the pipeline's: a pipeline built from an
+``nn.Sequential`` uses the Sequential's own ``state_dict`` keys (``3.weight``:
+a slice keeps its layers' indices); stage modules cut from a model (HF
+models through :func:`zeropipe.split`) take the model's names when the model
+is passed as ``model=``; other stage modules are named as
+``nn.Sequential(*stages)`` would name them (``<stage>.<key>``), which ties the
+checkpoint to that cut.  A tensor on several stages (tied embeddings) is
+stored once, under its first name; its other names are recorded as aliases.
+
+What a checkpoint holds (one flat DCP state dict)::
+
+    model.<name>              every parameter and persistent buffer, written by the
+                              lowest rank that runs a stage holding it
+    optim.<name>.<state>      the optimizer's per-parameter state (AdamW: step,
+                              exp_avg, exp_avg_sq), keyed by parameter name, so it
+                              loads into an optimizer over another subset of them
+    extra                     the caller's object (written by rank 0)
+
+Loading reads from the metadata what each stage needs now, whichever rank
+wrote it: the checkpoint resumes on another rank count, schedule or chunking.
+The optimizer's hyperparameters (lr, betas, ...) are the ones of the optimizer
+passed in; only its per-parameter state is restored.
+
+A checkpoint is never half-written.  DCP writes into ``.<name>.partial`` next
+to ``path``; once every rank's files exist (``dcp.save`` returns on rank 0
+after gathering every rank's writes) rank 0 writes ``manifest.json`` (the
+sha256 of every file, the caller's ``meta``, the aliases) and renames the
+folder into place; the other ranks wait for its word.  A save killed midway
+leaves only the ``.partial`` folder, which the next save replaces.
+:func:`load_checkpoint` and :func:`verify_checkpoint` compare every file with
+the manifest first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import warnings
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import Tensor, nn
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from zeropipe.errors import ZeropipeError
+from zeropipe.runtime.pipeline import Pipeline
+
+__all__ = [
+    "MANIFEST",
+    "CheckpointError",
+    "StateNames",
+    "consolidated_state_dict",
+    "load_checkpoint",
+    "read_checkpoint_manifest",
+    "save_checkpoint",
+    "sha256_of",
+    "state_names",
+    "verify_checkpoint",
+]
+
+MANIFEST = "manifest.json"
+FORMAT = 2  # of the manifest (1: zeropipe train's older per-rank .pt files)
+_MODEL, _OPTIM, _EXTRA = "model.", "optim.", "extra"
+
+
+class CheckpointError(ZeropipeError):
+    """A checkpoint is missing, incomplete, unreadable, corrupt, or does not fit the model."""
+
+
+def sha256_of(path: Path) -> str:
+    """The sha256 hex digest of a file's bytes (read in chunks: checkpoints can be large)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class StateNames:
+    """The model's names for a pipeline's tensors.
+
+    ``tensors``: name -> tensor for the stages this process runs (each tensor
+    once, under its first name); ``owned``: the names this process writes
+    (a tensor on stages of several ranks is written by the lowest);
+    ``every``: the names of every stage's tensors, on whichever rank;
+    ``aliases``: a tensor's other names (``lm_head.weight`` -> the embedding's).
+    """
+
+    tensors: dict[str, Tensor]
+    owned: frozenset[str]
+    every: frozenset[str]
+    aliases: dict[str, str]
+
+    by_id: dict[int, str] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "by_id", {id(t): n for n, t in self.tensors.items()})
+
+    def name_of(self, tensor: Tensor) -> str | None:
+        """The name of one of this process's tensors (None: not one of them)."""
+        return self.by_id.get(id(tensor))
+
+
+def state_names(pipe: Pipeline, model: nn.Module | None = None) -> StateNames:
+    """The names under which :func:`save_checkpoint` stores ``pipe``'s tensors (see the module)."""
+    from_model: dict[int, list[str]] = {}
+    if model is not None:
+        for name, t in model.state_dict(keep_vars=True).items():
+            from_model.setdefault(id(t), []).append(name)
+    first: dict[int, str] = {}  # id(tensor) -> its canonical name
+    ranks: dict[int, int] = {}  # id(tensor) -> lowest rank running a stage that holds it
+    aliases: dict[str, str] = {}
+    local: dict[str, Tensor] = {}
+    mine = set(pipe.stages)
+    for stage in pipe.all_stages:
+        keys = stage.layer_keys
+        for key, t in stage.module.state_dict(keep_vars=True).items():
+            if model is not None:
+                names = from_model.get(id(t))
+                if not names:
+                    raise CheckpointError(
+                        f"stage {stage.index}'s {key!r} is not a tensor of the model passed as "
+                        f"model=; pass the model the stages were cut from (zeropipe.split)"
+                    )
+                name = names[0]
+                aliases.update({other: name for other in names[1:]})
+            elif keys is not None:  # a slice of an nn.Sequential: its layers' own indices
+                index, _, rest = key.partition(".")
+                name = f"{keys[int(index)]}.{rest}"
+            else:
+                name = f"{stage.index}.{key}"
+            rank = pipe.schedule.placement[stage.index]
+            canonical = first.setdefault(id(t), name)
+            if canonical != name:
+                aliases[name] = canonical
+            ranks[id(t)] = min(ranks.get(id(t), rank), rank)
+            if stage.index in mine:
+                local[canonical] = t
+    me = pipe.rank if pipe.distributed else None
+    owned = frozenset(n for n, t in local.items() if me is None or ranks[id(t)] == me)
+    return StateNames(local, owned, frozenset(first.values()), aliases)
+
+
+def _state_to_save(
+    pipe: Pipeline,
+    optimizer: torch.optim.Optimizer | None,
+    names: StateNames,
+    extra: Any,
+) -> dict[str, Any]:
+    state: dict[str, Any] = {
+        _MODEL + n: t.detach() for n, t in names.tensors.items() if n in names.owned
+    }
+    if optimizer is not None:
+        for p, values in optimizer.state.items():
+            name = names.name_of(p)
+            if name is None:
+                raise CheckpointError(
+                    "the optimizer holds a parameter that no stage of this process runs; "
+                    "build it over pipe.parameters()"
+                )
+            if name in names.owned:
+                for k, v in values.items():
+                    state[f"{_OPTIM}{name}.{k}"] = v.detach() if isinstance(v, Tensor) else v
+    if extra is not None and _is_lead(pipe):
+        state[_EXTRA] = extra
+    return state
+
+
+@contextmanager
+def _quiet() -> Iterator[None]:
+    """DCP warns on every single-process save and load that it assumes one process: we asked."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _is_lead(pipe: Pipeline) -> bool:
+    return not pipe.distributed or pipe.rank == 0
+
+
+def _partial(path: Path) -> Path:
+    return path.with_name(f".{path.name}.partial")
+
+
+def _files(folder: Path) -> dict[str, str]:
+    return {
+        p.relative_to(folder).as_posix(): sha256_of(p)
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != MANIFEST
+    }
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _publish(tmp: Path, path: Path, meta: Mapping[str, Any], aliases: dict[str, str]) -> None:
+    """Rank 0, once every rank's files are in ``tmp``: the manifest, then the rename."""
+    record = {
+        "format": FORMAT,
+        "layout": "torch.distributed.checkpoint",
+        "files": _files(tmp),
+        "aliases": aliases,
+        "meta": dict(meta),
+    }
+    manifest = tmp / MANIFEST
+    with open(manifest, "w") as fh:
+        fh.write(json.dumps(record, indent=1, sort_keys=True) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    _fsync_dir(tmp)
+    old = path.with_name(f".{path.name}.old")
+    if path.exists():  # re-saving a step a killed run had saved: it was never `latest`
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(path, old)
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def save_checkpoint(
+    pipe: Pipeline,
+    optimizer: torch.optim.Optimizer | None,
+    path: str | os.PathLike[str],
+    *,
+    extra: Any = None,
+    meta: Mapping[str, Any] | None = None,
+    model: nn.Module | None = None,
+    process_group: dist.ProcessGroup | None = None,
+) -> Path:
+    """Save the stages this process runs, and ``optimizer``'s state for them, to ``path``.
+
+    Every rank of a distributed pipeline calls it with the same ``path`` (a
+    folder that appears complete or not at all).  ``extra`` is any picklable
+    object (rank 0's is stored, e.g. step and RNG state), returned by
+    :func:`load_checkpoint`; ``meta`` (JSON) goes into the manifest, readable
+    without torch.  ``model``: the model the stages were cut from, whose
+    names the tensors take (see the module).  Returns ``path``.
+    """
+    path = Path(path)
+    tmp = _partial(path)
+    distributed = pipe.distributed
+    lead = _is_lead(pipe)
+    names = state_names(pipe, model)
+    state = _state_to_save(pipe, optimizer, names, extra)
+    json.dumps(dict(meta or {}))  # not serialisable: fail before anything is written
+    if lead:
+        shutil.rmtree(tmp, ignore_errors=True)  # what a killed save left
+        tmp.mkdir(parents=True)
+    if distributed:
+        dist.barrier(group=process_group)
+    with _quiet():
+        dcp.save(
+            state,
+            checkpoint_id=tmp,
+            process_group=process_group,
+            # Flat already; unflattened, ``extra`` stays one pickled object.
+            planner=DefaultSavePlanner(flatten_state_dict=False),
+            no_dist=not distributed,
+        )
+    error: str | None = None
+    if lead:
+        try:
+            _publish(tmp, path, meta or {}, names.aliases)
+        except OSError as exc:
+            error = f"cannot publish checkpoint {path}: {exc}"
+    if distributed:  # the other ranks return once the checkpoint is in place, or fail alike
+        word = [error]
+        dist.broadcast_object_list(word, group=process_group, group_src=0)
+        error = word[0]
+    if error is not None:
+        raise CheckpointError(error)
+    return path
+
+
+def read_checkpoint_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The manifest of the checkpoint folder ``path`` (files, aliases, meta), unverified."""
+    path = Path(path)
+    file = path / MANIFEST
+    if not file.exists():
+        partial = " (a save was interrupted: its .partial folder is not a checkpoint)"
+        why = partial if _partial(path).exists() else ""
+        raise CheckpointError(f"{path} is not a complete checkpoint: it has no {MANIFEST}{why}")
+    try:
+        record: dict[str, Any] = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot read {file}: {exc}") from None
+    if record.get("format") != FORMAT:
+        raise CheckpointError(
+            f"{file} has format {record.get('format')!r}, not {FORMAT} (a DCP checkpoint); "
+            f"read it with the zeropipe that wrote it"
+        )
+    return record
+
+
+def verify_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Check every file of checkpoint ``path`` against its manifest; return the manifest."""
+    path = Path(path)
+    record = read_checkpoint_manifest(path)
+    for name, digest in sorted(record["files"].items()):
+        file = path / name
+        if not file.exists():
+            raise CheckpointError(f"{file} is missing (the manifest lists it)")
+        if sha256_of(file) != digest:
+            raise CheckpointError(
+                f"{file} is corrupt (its sha256 differs from the one recorded when it was saved)"
+            )
+    return record
+
+
+def _metadata(path: Path) -> dict[str, Any]:
+    try:
+        md = dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as exc:  # a DCP folder that is not one: say which
+        raise CheckpointError(f"cannot read the DCP metadata of {path}: {exc}") from None
+    return dict(md.state_dict_metadata)
+
+
+def _listed(names: list[str], limit: int = 4) -> str:
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(repr(n) for n in names[:limit]) + more
+
+
+def _check_model_keys(path: Path, md: dict[str, Any], names: StateNames) -> None:
+    saved = {k[len(_MODEL) :] for k in md if k.startswith(_MODEL)}
+    missing = sorted(set(names.tensors) - saved)
+    unexpected = sorted(saved - names.every)
+    fix = (
+        "load it into the model it was saved from (same architecture and sizes; stage modules "
+        "cut from a model need model= on both save and load)"
+    )
+    if missing or unexpected:
+        told = [f"lacks {_listed(missing)}"] if missing else []
+        if unexpected:
+            told.append(f"holds {_listed(unexpected)}, which this model does not have")
+        raise CheckpointError(f"checkpoint {path} {' and '.join(told)}; {fix}")
+    for name, t in names.tensors.items():
+        entry = md[_MODEL + name]
+        if not isinstance(entry, TensorStorageMetadata):
+            raise CheckpointError(f"checkpoint {path} holds {name!r} as an object, not a tensor")
+        if tuple(entry.size) != tuple(t.shape) or entry.properties.dtype != t.dtype:
+            raise CheckpointError(
+                f"checkpoint {path} holds {name!r} as {entry.properties.dtype} "
+                f"{list(entry.size)}, the model has {t.dtype} {list(t.shape)}; {fix}"
+            )
+
+
+def _template(entry: Any) -> Any:
+    if isinstance(entry, TensorStorageMetadata):
+        return torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+    return None  # an object: DCP puts what it unpickles in its place
+
+
+def _dcp_load(
+    state: dict[str, Any], path: Path, group: dist.ProcessGroup | None, no_dist: bool
+) -> dict[str, Any]:
+    """``dcp.load``, returning the state with objects too: DCP loads tensors in place but
+    puts unpickled objects into the planner's own copy of the dict."""
+    planner = DefaultLoadPlanner(flatten_state_dict=False)
+    with _quiet():
+        dcp.load(state, checkpoint_id=path, process_group=group, planner=planner, no_dist=no_dist)
+    return {**state, **planner.state_dict}
+
+
+def load_checkpoint(
+    pipe: Pipeline,
+    optimizer: torch.optim.Optimizer | None,
+    path: str | os.PathLike[str],
+    *,
+    model: nn.Module | None = None,
+    process_group: dist.ProcessGroup | None = None,
+) -> Any:
+    """Load checkpoint ``path`` into the stages this process runs and ``optimizer``.
+
+    The pipeline may have another rank count, schedule or chunking than the
+    one that saved it.  Every file is checked against the manifest first;
+    keys the model lacks or has in excess, and shapes or dtypes that differ,
+    are a :class:`CheckpointError` naming the key.  Returns the ``extra``
+    given to :func:`save_checkpoint` (None if none was).
+    """
+    path = Path(path)
+    verify_checkpoint(path)
+    md = _metadata(path)
+    names = state_names(pipe, model)
+    _check_model_keys(path, md, names)
+    state: dict[str, Any] = {_MODEL + n: t.detach() for n, t in names.tensors.items()}
+    wanted: dict[str, list[str]] = {}
+    if optimizer is not None:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                name = names.name_of(p)
+                if name is None:
+                    raise CheckpointError(
+                        "the optimizer holds a parameter that no stage of this process runs; "
+                        "build it over pipe.parameters()"
+                    )
+                prefix = f"{_OPTIM}{name}."
+                wanted[name] = [
+                    k for k in md if k.startswith(prefix) and "." not in k[len(prefix) :]
+                ]
+                state.update({k: _template(md[k]) for k in wanted[name]})
+    if _EXTRA in md:
+        state[_EXTRA] = None
+    state = _dcp_load(state, path, process_group, no_dist=not pipe.distributed)
+    for name in names.tensors:
+        t = state[_MODEL + name]
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise CheckpointError(f"checkpoint {path} holds non-finite values in {name!r}")
+    if optimizer is not None:
+        _load_optimizer(optimizer, names, state, wanted)
+    return state.get(_EXTRA)
+
+
+def _load_optimizer(
+    optimizer: torch.optim.Optimizer,
+    names: StateNames,
+    state: dict[str, Any],
+    wanted: dict[str, list[str]],
+) -> None:
+    """Hand the optimizer its state by position, as ``load_state_dict`` wants, from names."""
+    sd = optimizer.state_dict()
+    per_param: dict[int, dict[str, Any]] = {}
+    for group, saved_group in zip(optimizer.param_groups, sd["param_groups"], strict=True):
+        for p, i in zip(group["params"], saved_group["params"], strict=True):
+            name = names.name_of(p)
+            keys = wanted.get(name or "", [])
+            if keys:
+                per_param[i] = {k.rsplit(".", 1)[1]: state[k] for k in keys}
+    sd["state"] = per_param
+    optimizer.load_state_dict(sd)
+
+
+def consolidated_state_dict(
+    path: str | os.PathLike[str],
+) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """The model's whole state dict from checkpoint ``path``, in one process (no process group).
+
+    Returns ``(tensors, aliases)``: each tensor once, under its first name,
+    and ``alias -> name`` for the other names of tied tensors.  Files are
+    verified against the manifest first.
+    """
+    path = Path(path)
+    record = verify_checkpoint(path)
+    md = _metadata(path)
+    state = {k: _template(v) for k, v in md.items() if k.startswith(_MODEL)}
+    if not state:
+        raise CheckpointError(f"checkpoint {path} holds no model tensors")
+    state = _dcp_load(state, path, None, no_dist=True)
+    tensors = {k[len(_MODEL) :]: v for k, v in state.items()}
+    aliases = {str(k): str(v) for k, v in dict(record.get("aliases", {})).items()}
+    return tensors, aliases

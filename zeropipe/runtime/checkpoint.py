@@ -15,14 +15,18 @@ stored once, under its first name; its other names are recorded as aliases.
 What a checkpoint holds (one flat DCP state dict)::
 
     model.<name>              every parameter and persistent buffer, written by the
-                              lowest rank that runs a stage holding it
+                              lowest rank that runs a stage holding it (in the first
+                              data-parallel replica: the others hold the same)
     optim.<name>.<state>      the optimizer's per-parameter state (AdamW: step,
                               exp_avg, exp_avg_sq), keyed by parameter name, so it
                               loads into an optimizer over another subset of them
     extra                     the caller's object (written by rank 0)
+    pipeline.steps            training steps the pipeline has run (what dropout is
+                              seeded by), restored on load
 
 Loading reads from the metadata what each stage needs now, whichever rank
-wrote it: the checkpoint resumes on another rank count, schedule or chunking.
+wrote it: the checkpoint resumes on another rank count, schedule, chunking or
+number of data-parallel replicas (every replica reads the same tensors).
 The optimizer's hyperparameters (lr, betas, ...) are the ones of the optimizer
 passed in; only its per-parameter state is restored.
 
@@ -75,6 +79,7 @@ __all__ = [
 MANIFEST = "manifest.json"
 FORMAT = 2  # of the manifest (1: zeropipe train's older per-rank .pt files)
 _MODEL, _OPTIM, _EXTRA = "model.", "optim.", "extra"
+_STEPS = "pipeline.steps"  # training steps run: what dropout is seeded by
 
 
 class CheckpointError(ZeropipeError):
@@ -152,7 +157,10 @@ def state_names(pipe: Pipeline, model: nn.Module | None = None) -> StateNames:
             if stage.index in mine:
                 local[canonical] = t
     me = pipe.rank if pipe.distributed else None
-    owned = frozenset(n for n, t in local.items() if me is None or ranks[id(t)] == me)
+    # Data-parallel replicas hold the same tensors: the first one writes them.
+    owned = frozenset(
+        n for n, t in local.items() if pipe.dp_rank == 0 and (me is None or ranks[id(t)] == me)
+    )
     return StateNames(local, owned, frozenset(first.values()), aliases)
 
 
@@ -178,6 +186,8 @@ def _state_to_save(
                     state[f"{_OPTIM}{name}.{k}"] = v.detach() if isinstance(v, Tensor) else v
     if extra is not None and _is_lead(pipe):
         state[_EXTRA] = extra
+    if _is_lead(pipe):
+        state[_STEPS] = pipe.steps_done
     return state
 
 
@@ -190,7 +200,12 @@ def _quiet() -> Iterator[None]:
 
 
 def _is_lead(pipe: Pipeline) -> bool:
-    return not pipe.distributed or pipe.rank == 0
+    return (not pipe.distributed or pipe.rank == 0) and pipe.dp_rank == 0
+
+
+def _collective(pipe: Pipeline) -> bool:
+    """Whether several processes save and load together (pipeline ranks or replicas)."""
+    return pipe.distributed or pipe.dp_size > 1
 
 
 def _partial(path: Path) -> Path:
@@ -258,7 +273,7 @@ def save_checkpoint(
     """
     path = Path(path)
     tmp = _partial(path)
-    distributed = pipe.distributed
+    distributed = _collective(pipe)
     lead = _is_lead(pipe)
     names = state_names(pipe, model)
     state = _state_to_save(pipe, optimizer, names, extra)
@@ -420,13 +435,17 @@ def load_checkpoint(
                 state.update({k: _template(md[k]) for k in wanted[name]})
     if _EXTRA in md:
         state[_EXTRA] = None
-    state = _dcp_load(state, path, process_group, no_dist=not pipe.distributed)
+    if _STEPS in md:
+        state[_STEPS] = 0
+    state = _dcp_load(state, path, process_group, no_dist=not _collective(pipe))
     for name in names.tensors:
         t = state[_MODEL + name]
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             raise CheckpointError(f"checkpoint {path} holds non-finite values in {name!r}")
     if optimizer is not None:
         _load_optimizer(optimizer, names, state, wanted)
+    if _STEPS in state:  # dropout after the resume draws as an uninterrupted run would
+        pipe.steps_done = int(state[_STEPS])
     return state.get(_EXTRA)
 
 

@@ -283,6 +283,21 @@ class Pipeline:
         return list(seen.values())
 
     @property
+    def steps_done(self) -> int:
+        """Training steps run so far: with ``seed``, what dropout is seeded by.
+
+        Set it when resuming (:func:`zeropipe.load_checkpoint` does), so that the
+        steps after a resume draw the randomness an uninterrupted run would.
+        """
+        return self._step
+
+    @steps_done.setter
+    def steps_done(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise PipelineError(f"steps_done must be a whole number >= 0, got {value!r}")
+        self._step = value
+
+    @property
     def dp_size(self) -> int:
         """How many data-parallel replicas run this pipeline (1 without a ``dp_group``)."""
         return 1 if self.replicas is None else self.replicas.size

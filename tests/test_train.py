@@ -348,6 +348,38 @@ def test_resume_on_other_ranks_and_schedule_continues_with_the_same_losses(
     assert len(_losses(moved)) == 4
 
 
+def test_dp_and_clip_resume_on_another_dp_and_ranks_with_the_same_losses(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--dp 2 (each replica on half of every batch) and --clip give one pipeline's losses;
+    saved on 2 ranks x 2 replicas (4 processes), resumed on 1 rank x 2 replicas."""
+    full, moved = tmp_path / "full", tmp_path / "moved"
+    clip = ("--clip", "0.5")
+    code, err = _cli(_small_argv(full, "--ranks", "1", "--steps", "4", *clip), capsys)
+    assert code == 0, err
+    code, err = _cli(_small_argv(moved, "--ranks", "2", "--dp", "2", "--steps", "2", *clip), capsys)
+    assert code == 0, err
+    argv = _small_argv(moved, "--ranks", "1", "--dp", "2", "--steps", "4", "--resume", *clip)
+    code, err = _cli(argv, capsys)
+    assert code == 0, err
+    assert _losses(moved) == pytest.approx(_losses(full), rel=1e-5)
+    rows = [json.loads(line) for line in (full / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["grad_norm"] > 0.5 for r in rows)  # the norm before clipping: it did clip
+
+
+def test_dp_flags_that_cannot_work_are_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for argv, message in (
+        (["--dp", "0"], "--dp must be >= 1"),
+        (["--dp", "3"], "cannot be split evenly among --dp 3"),
+        (["--dp", "4", "--microbatches", "4"], "gives 2 sequences per replica"),
+        (["--clip", "0"], "--clip must be > 0"),
+    ):
+        code, err = _cli(_small_argv(tmp_path, *argv), capsys)
+        assert code != 0 and len(err) == 1 and message in err[0], (argv, err)
+
+
 def test_export_writes_the_model_that_gives_the_pipelines_loss(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -78,7 +78,9 @@ class TrainConfig:
     model_config: str | None = None  # a Hugging Face config.json (with model set from it)
     data: str | None = None  # a UTF-8 text file (bytes as tokens); None: the generated corpus
     ranks: int = 2
-    microbatches: int = 8
+    dp: int = 1  # data-parallel replicas of the pipeline: ranks x dp processes
+    clip: float | None = None  # clip the gradients' global norm to this
+    microbatches: int = 8  # per replica
     batch_size: int = 16
     steps: int = 300
     lr: float = 3e-3
@@ -117,9 +119,20 @@ class TrainConfig:
             raise ZeropipeError(
                 f"--group-w must be >= 1 (1: the schedule as given), got {self.group_w}"
             )
-        if self.batch_size < self.microbatches:
+        if self.dp < 1:
+            raise ZeropipeError(f"--dp must be >= 1 (1: one pipeline), got {self.dp}")
+        if self.clip is not None and not self.clip > 0:
+            raise ZeropipeError(f"--clip must be > 0 (the largest gradient norm), got {self.clip}")
+        if self.batch_size % self.dp:
             raise ZeropipeError(
-                f"--batch-size {self.batch_size} cannot be cut into --microbatches {self.microbatches}; "
+                f"--batch-size {self.batch_size} cannot be split evenly among --dp {self.dp} "
+                f"replicas; use a multiple of {self.dp}"
+            )
+        if self.batch_size // self.dp < self.microbatches:
+            each = " per replica" if self.dp > 1 else ""
+            raise ZeropipeError(
+                f"--batch-size {self.batch_size} gives {self.batch_size // self.dp} sequences"
+                f"{each}, which cannot be cut into --microbatches {self.microbatches}; "
                 f"raise the batch size or lower the microbatches"
             )
         _check_device(self.device)
@@ -230,12 +243,16 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         from zeropipe.runtime.launch import init_from_env
 
         rank, world = init_from_env(timeout=cfg.timeout)
-        if world != cfg.ranks:
-            cfg.ranks = world
+        if world % cfg.dp:
+            raise ZeropipeError(
+                f"torchrun started {world} processes, which --dp {cfg.dp} replicas cannot share"
+            )
+        if world != cfg.ranks * cfg.dp:
+            cfg.ranks = world // cfg.dp
         if cfg.resume:
             check_resume(cfg, warn=rank == 0)
         summary = train_rank(rank, world, cfg)
-    elif cfg.ranks == 1:
+    elif cfg.ranks * cfg.dp == 1:
         if cfg.resume:
             check_resume(cfg)
         summary = train_rank(0, 1, cfg)
@@ -245,7 +262,11 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         if cfg.resume:
             check_resume(cfg)
         results = launch(
-            train_rank, cfg.ranks, cfg, timeout=cfg.timeout * 4 + cfg.steps * 5.0, threads=1
+            train_rank,
+            cfg.ranks * cfg.dp,
+            cfg,
+            timeout=cfg.timeout * 4 + cfg.steps * 5.0,
+            threads=1,
         )
         summary = results[0]
     if summary.get("non_finite") is not None:
@@ -268,7 +289,8 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
         loss_fn=loss_fn(cfg),
         balance=cut,
         seed=cfg.seed,
-        executor="distributed" if world > 1 else "local",
+        executor="distributed" if cfg.ranks > 1 else "local",
+        mesh=_mesh(cfg) if cfg.dp > 1 else None,
         options=RuntimeOptions(timeout=cfg.timeout),
     )
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=cfg.lr, weight_decay=0.0)
@@ -288,9 +310,10 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
     while step < cfg.steps:
         for group in optimizer.param_groups:  # linear warm-up: no early loss spikes
             group["lr"] = cfg.lr * min(1.0, (step + 1) / cfg.warmup)
-        x, y = batch(corpus, cfg, step)
+        x, y = _mine(pipe, *batch(corpus, cfg, step))
         t0 = time.perf_counter()
         loss = pipe.step(x, y)
+        norm = None if cfg.clip is None else pipe.clip_grad_norm_(cfg.clip).item()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         elapsed = time.perf_counter() - t0
@@ -315,6 +338,8 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
             "bubble_rate": bubble,
             "peak_saved_bytes": peak,
         }
+        if norm is not None:
+            record["grad_norm"] = norm  # before clipping
         if lead:
             with open(out / "metrics.jsonl", "a") as fh:
                 fh.write(json.dumps(record) + "\n")
@@ -335,7 +360,8 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
         "model": cfg.model,
         "schedule": cfg.schedule,
         "group_w": cfg.group_w,
-        "ranks": world,
+        "ranks": cfg.ranks,
+        "dp": cfg.dp,
         "steps_run": step - start,
         "last_step": step,
         "initial_eval_loss": initial_eval,
@@ -382,7 +408,7 @@ def _weights_finite(pipe: Pipeline) -> bool:
 def _evaluate(pipe: Pipeline, corpus: Corpus, cfg: TrainConfig) -> float:
     total = 0.0
     for k in range(cfg.eval_batches):
-        x, y = batch(corpus, cfg, k, "val")
+        x, y = _mine(pipe, *batch(corpus, cfg, k, "val"))
         loss = pipe.eval_step(x, y)
         if not isinstance(loss, torch.Tensor):
             raise PipelineError("evaluation produced no loss")
@@ -390,10 +416,27 @@ def _evaluate(pipe: Pipeline, corpus: Corpus, cfg: TrainConfig) -> float:
     return total / cfg.eval_batches
 
 
+def _mesh(cfg: TrainConfig) -> Any:
+    """The (pp, dp) mesh of a data-parallel run, pipeline outermost (as torchtitan's)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(
+        torch.device(cfg.device).type, (cfg.ranks, cfg.dp), mesh_dim_names=("pp", "dp")
+    )
+
+
+def _mine(pipe: Pipeline, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """This replica's slice of the global batch (the whole batch without data parallelism)."""
+    if pipe.dp_size == 1:
+        return x, y
+    return x.tensor_split(pipe.dp_size)[pipe.dp_rank], y.tensor_split(pipe.dp_size)[pipe.dp_rank]
+
+
 def _bubble_rate(pipe: Pipeline, elapsed: float, world: int) -> float:
     """Mean idle share of the step over ranks: 1 - compute time / step time."""
     busy = sum(e.end - e.start for evs in pipe.last_events for e in evs if e.lane == "compute")
-    ranks = world if world > 1 else pipe.schedule.num_ranks
+    # Each process plays one pipeline rank, or (one-process pipelines) all of them.
+    ranks = world * (1 if pipe.distributed else pipe.schedule.num_ranks)
     if world > 1:
         t = torch.tensor([busy])
         dist.all_reduce(t)
@@ -409,12 +452,13 @@ def _peak_bytes(pipe: Pipeline) -> int | None:
 
 
 def _gather_timeline(pipe: Pipeline, world: int) -> Timeline:
+    """The first replica's pipeline: every rank's events of the last step."""
     events: list[list[Event]] = pipe.last_events
-    if world > 1:
+    if pipe.distributed:
         gathered: list[Any] = [None] * world
-        mine = events[dist.get_rank()]
-        dist.all_gather_object(gathered, mine)
-        events = [list(g) for g in gathered]
+        dist.all_gather_object(gathered, (pipe.dp_rank, pipe.rank, events[pipe.rank]))
+        first = {r: evs for d, r, evs in gathered if d == 0}
+        events = [list(first[r]) for r in range(pipe.schedule.num_ranks)]
     return Timeline(pipe.schedule, events, peak_memory=[], memory_unit="bytes", measured=True)
 
 
@@ -487,6 +531,7 @@ def _print_summary(summary: dict[str, Any], out: Path) -> None:
             + (f", W in groups of {summary['group_w']}" if summary["group_w"] > 1 else ""),
         ),
         ("ranks", summary["ranks"]),
+        *([("data-parallel replicas", summary["dp"])] if summary["dp"] > 1 else []),
         ("steps run", summary["steps_run"]),
         (
             "eval loss (start -> end)",
@@ -533,10 +578,25 @@ def add_arguments(parser: Any) -> None:
         "--ranks", type=int, default=d.ranks, help=f"pipeline ranks = processes (default {d.ranks})"
     )
     parser.add_argument(
+        "--dp",
+        type=int,
+        default=d.dp,
+        help="data-parallel replicas of the pipeline, each on its slice of every batch: "
+        f"--ranks x --dp processes (default {d.dp})",
+    )
+    parser.add_argument(
+        "--clip",
+        type=float,
+        default=d.clip,
+        metavar="NORM",
+        help="clip the gradients' global norm (every stage, rank and replica) to NORM; "
+        "metrics.jsonl records the norm before clipping (default: no clipping)",
+    )
+    parser.add_argument(
         "--microbatches",
         type=int,
         default=d.microbatches,
-        help=f"per step (default {d.microbatches})",
+        help=f"per step, per replica (default {d.microbatches})",
     )
     parser.add_argument(
         "--batch-size",

@@ -39,8 +39,8 @@ __all__ = ["check_resume", "non_finite_message", "resume", "run_settings", "save
 # The rest may change: --steps (extend a run), --checkpoint-every, --timeout, --quiet,
 # --out (a moved folder), --device, how a step is executed (--group-w, --recompute,
 # --offload, --memory-limit), which changes memory and time, not the losses beyond
-# float rounding, and the layout (--schedule, --ranks): a DCP checkpoint is keyed by
-# the model's names, and each rank reads what its stages now need.
+# float rounding, and the layout (--schedule, --ranks, --dp): a DCP checkpoint is keyed
+# by the model's names, and each rank reads what its stages now need.
 _MUST_MATCH = (
     "model",
     "model_config",
@@ -55,6 +55,7 @@ _MUST_MATCH = (
     "heads",
     "seq",
     "dropout",
+    "clip",
 )
 # Older per-rank checkpoints fit only the layout they were saved from.
 _LAYOUT = ("schedule", "ranks")

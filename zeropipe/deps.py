@@ -277,9 +277,10 @@ def keep_overlaps(schedule: Schedule) -> Schedule:
     """``schedule`` with every overlapped pair made adjacent again.
 
     What a pass put between a pair's forward and backward moves out: after the
-    pair if it needs the forward (its SEND_F or OFFLOAD, a REDUCE_GRAD, the
-    weight OFFLOAD of the forward's stage), before it otherwise (a RECV, an R or
-    RELOAD ahead of the backward).  Order among the moved actions is kept.
+    pair if it needs the forward (its SEND_F or OFFLOAD, then the RELOAD of that
+    OFFLOAD, and so on; the weight OFFLOAD of the forward's stage), before it
+    otherwise (a RECV, an R or RELOAD ahead of the backward).  Order among the
+    moved actions is kept.
     """
     if not schedule.overlaps:
         return schedule
@@ -295,13 +296,15 @@ def keep_overlaps(schedule: Schedule) -> Schedule:
             if b == a + 1 or b < a:
                 continue  # adjacent, or out of order: the validator names the latter
             between = lst[a + 1 : b]
-            after = [
-                x
-                for x in between
-                if any(d.action == first for d in deps.requires(x))
-                or (x.is_weight_copy and x.kind is Kind.OFFLOAD and x.stage == first.stage)
-            ]
-            before = [x for x in between if x not in after]
+            needs_first = {first}  # the forward and what, moved after, needs it
+            after: list[Action] = []
+            for x in between:
+                if any(d.action in needs_first for d in deps.requires(x)) or (
+                    x.is_weight_copy and x.kind is Kind.OFFLOAD and x.stage == first.stage
+                ):
+                    after.append(x)
+                    needs_first.add(x)
+            before = [x for x in between if x not in needs_first]
             lst[a : b + 1] = [*before, first, second, *after]
         out.append(lst)
     return schedule.replace_actions(out)

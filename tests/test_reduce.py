@@ -233,3 +233,12 @@ def test_png_draws_reductions() -> None:
     want = tuple(int(KIND_COLORS[RG][i : i + 2], 16) / 255 for i in (1, 3, 5))
     colors = {tuple(round(c, 3) for c in p.get_facecolor()[0][:3]) for p in ax.collections}
     assert tuple(round(c, 3) for c in want) in colors
+
+
+def test_cost_spec_reads_the_data_parallel_figures() -> None:
+    c = CostModel.parse("F=1,dp=4,dp_latency=0.5,dp_bandwidth=10,grad_bytes=20,overlap=0.25", 4, 2)
+    assert (c.dp, c.dp_latency, c.dp_bandwidth, c.overlap) == (4, 0.5, 10.0, 0.25)
+    assert c.stages[0].grad_bytes == 10.0  # one chunk's share
+    assert c.reduce_time(3) == pytest.approx(0.5 + 1.5 * 10 / 10)
+    with pytest.raises(ScheduleError, match=r"dp = 1\.5 is not a whole number"):
+        CostModel.parse("dp=1.5", 2)

@@ -312,8 +312,13 @@ class CostModel:
 
     @classmethod
     def parse(cls, spec: str, num_stages: int, chunks: int = 1) -> CostModel:
-        """Read ``"F=1,B=2,I=1,W=1,comm=0"`` (any subset) into a uniform model."""
+        """Read ``"F=1,B=2,I=1,W=1,comm=0"`` (any subset) into a uniform model.
+
+        Also ``dp``, ``dp_latency``, ``dp_bandwidth``, ``overlap`` and
+        ``grad_bytes`` (per rank's worth of layers, shared out over chunks).
+        """
         known = {"F", "B", "I", "W", "R", "W_fused", "comm", "act_w", "overhead", "post"}
+        known |= {"dp", "dp_latency", "dp_bandwidth", "overlap", "grad_bytes"}
         values: dict[str, float] = {}
         for part in filter(None, (p.strip() for p in spec.split(","))):
             key, sep, val = part.partition("=")
@@ -332,7 +337,17 @@ class CostModel:
             values.setdefault("I", 1.0)
             values.setdefault("W", 1.0)
         try:
-            return cls._uniform_from_spec(values, num_stages, chunks)
+            model = cls._uniform_from_spec(values, num_stages, chunks)
+            if "grad_bytes" in values and model.stages:
+                share = replace(model.stages[0], grad_bytes=values["grad_bytes"] / chunks)
+                model = replace(model, stages=tuple(share for _ in model.stages))
+            return replace(
+                model,
+                dp=_as_int("dp", values.get("dp", 1)),
+                dp_latency=values.get("dp_latency", 0.0),
+                dp_bandwidth=values.get("dp_bandwidth", math.inf),
+                overlap=values.get("overlap", 0.0),
+            )
         except ScheduleError as exc:  # say which spec the bad number came from
             raise ScheduleError(f"cost spec {spec!r}: {exc}", rule=exc.rule) from None
 

@@ -155,3 +155,18 @@ def test_torch_1f1b_order_is_refused_naming_its_bad_microbatch(tmp_path: Path) -
     s = Schedule.from_torch_csv(_torch_csv("Schedule1F1B", 2, 4, tmp_path), microbatches=4)
     with pytest.raises(ScheduleError, match="1F4 names microbatch 4"):
         validate(s)
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 5, 8])
+def test_zeropipes_dualpipev_is_torchs_action_for_action_pairs_included(
+    ranks: int, tmp_path: Path
+) -> None:
+    from zeropipe.schedules import generate
+
+    for m in (2 * ranks, 3 * ranks + 1):
+        theirs = Schedule.from_torch_csv(
+            _torch_csv("ScheduleDualPipeV", ranks, m, tmp_path), microbatches=m
+        )
+        ours = generate("dualpipev", ranks, m)
+        assert ours.actions == theirs.actions
+        assert ours.overlaps == theirs.overlaps and ours.overlaps

@@ -185,7 +185,7 @@ def test_memory_error_shows_the_grid_after_the_line(capsys) -> None:
         ("garbage\n", ".txt", ["bad.txt", "line 1"]),
         ('{"format": ', ".json", ["cannot read schedule file", "bad.json"]),
         ("[1, 2]", ".json", ["expected a JSON object"]),
-        ("0F0,0B0\n1F0,(1B0;1F1)\n", ".csv", ["no zeropipe equivalent"]),
+        ("0F0,0B0\n1F0,(1B0;1F1)\n", ".csv", ["a pair is a forward F then a backward B or I"]),
         ("0F0,0F1\n1F0,1B0\n", ".csv", ["has no backward: add 0B0"]),
         (
             '{"format": "zeropipe-schedule", "microbatches": "two", "placement": [0],'

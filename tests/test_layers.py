@@ -43,6 +43,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "zeropipe.simulate",
             "zeropipe.render",
             "zeropipe.build",
+            "zeropipe.reduce",
             "zeropipe.message_order",
             "zeropipe.balance",
             "zeropipe.schedules",

@@ -137,7 +137,7 @@ def test_chrome_trace_one_complete_event_per_action(tiny: Timeline) -> None:
         assert got["args"]["microbatch"] == ev.action.microbatch
         assert got["args"]["kind"] == ev.action.kind.value
     assert by_name["1B0"]["ts"] == 2000 and by_name["1B0"]["dur"] == 2000
-    assert {e["tid"] for e in complete} == {0, 3}  # compute lanes of ranks 0 and 1
+    assert {e["tid"] for e in complete} == {0, 4}  # compute lanes of ranks 0 and 1
     assert "1 unit = 1000 us" in trace["otherData"]["time_scale"]
 
 
@@ -147,7 +147,7 @@ def test_chrome_trace_names_process_and_threads() -> None:
     meta = [e for e in trace["traceEvents"] if e["ph"] == "M"]
     assert [e["name"] for e in meta].count("process_name") == 1
     names = {e["tid"]: e["args"]["name"] for e in meta if e["name"] == "thread_name"}
-    assert names == {0: "rank 0 compute", 1: "rank 0 copy", 3: "rank 1 compute", 4: "rank 1 copy"}
+    assert names == {0: "rank 0 compute", 1: "rank 0 copy", 4: "rank 1 compute", 5: "rank 1 copy"}
     used = {e["tid"] for e in trace["traceEvents"] if e["ph"] == "X"}
     assert used == set(names)
 
@@ -200,7 +200,7 @@ def test_draw_timeline_labels_title_and_legend(tiny: Timeline) -> None:
     # Every box is wide enough at this size to carry its microbatch number.
     assert sorted(t.get_text() for t in ax.texts) == sorted("001122" * 2)
     colors = {tuple(round(c, 3) for c in p.get_facecolor()[0][:3]) for p in ax.collections}
-    assert len(colors) == 2 and len(KIND_COLORS) == 7
+    assert len(colors) == 2 and len(KIND_COLORS) == 8
 
 
 def test_png_without_matplotlib_says_how_to_install(tmp_path, monkeypatch, tiny) -> None:

@@ -1,6 +1,6 @@
 """From a name or a schedule to the exact schedule a pipeline runs; no torch, no modules.
 
-    name ──generate──► compute schedule ──group W──► ──lower──► ──validate──► schedule
+    name ──generate──► compute schedule ──group W──► ──lower──► [──add REDUCE_GRAD──►] ──validate──► schedule
 
 :func:`build_schedule` is what :class:`~zeropipe.runtime.pipeline.Pipeline`
 calls, and what ``zeropipe train`` and ``zeropipe simulate`` call, so the
@@ -16,6 +16,7 @@ from zeropipe.errors import ScheduleError
 from zeropipe.fuse import group_weights
 from zeropipe.ir import Schedule
 from zeropipe.lower import lower
+from zeropipe.reduce import add_reductions
 from zeropipe.schedules import generate
 from zeropipe.validate import validate
 
@@ -30,6 +31,7 @@ def build_schedule(
     chunks: int | None = None,
     group_w: int = 1,
     recv_ahead: int | None = None,
+    reduce_grad: bool = False,
 ) -> Schedule:
     """The validated schedule to run: generated, W grouped, lowered.
 
@@ -42,6 +44,10 @@ def build_schedule(
         group_w: split every B into I then W and run each stage's W in runs of
             this many (:func:`zeropipe.fuse.group_weights`); 1 keeps the schedule.
         recv_ahead: where each receive is posted (:func:`zeropipe.lower.lower`).
+        reduce_grad: post each stage's data-parallel gradient all-reduce as a
+            REDUCE_GRAD action right after its last B/W
+            (:func:`zeropipe.reduce.add_reductions`); a schedule that already
+            has them keeps them where they are when this is False.
 
     Raises:
         ScheduleError: an unknown name, values a generator cannot take, or a
@@ -86,5 +92,7 @@ def build_schedule(
     built = group_weights(built, group_w)
     if built.num_ranks > 1 and (recv_ahead is not None or not built.is_lowered):
         built = lower(built, recv_ahead)
+    if reduce_grad:
+        built = add_reductions(built)
     validate(built)
     return built

@@ -15,6 +15,19 @@ compute action (the runtime's own bookkeeping around the stage's module), and
 they do on the runtime's one thread (a schedule without them is simulated
 lowered, see :func:`zeropipe.simulate.simulate`); with 0 (the default) they take none.
 
+Data parallelism: with ``dp`` > 1 replicas, ``REDUCE_GRAD(s)`` all-reduces stage
+``s``'s weight gradients (``grad_bytes``, by default its ``weights``) over a
+ring: ``dp_latency + 2 (dp - 1) / dp * grad_bytes / dp_bandwidth``
+(:meth:`CostModel.reduce_time`; 0 with ``dp`` = 1).  Posting it costs
+``overhead`` on the compute lane; the reduction itself runs on the rank's
+data-parallel link (see :mod:`zeropipe.simulate`).
+
+Overlapped pairs (``Schedule.overlaps``): a forward and a backward run as one
+take ``F + B - overlap * min(F, B)``.  ``overlap`` is the share of the shorter
+one hidden under the longer; the default 0.0 says what one device does: it
+computes one thing at a time, and running two kernels' worth of work side by
+side saves only what one of them leaves idle (measure it before raising it).
+
 Memory deltas of stage ``s`` (``act`` = kept by a full forward, ``act_w`` =
 the part W still needs after I, ``ckpt`` = kept by a checkpointed forward)::
 
@@ -57,6 +70,7 @@ class StageCost:
     ckpt: float = 0.0
     weights: float = 0.0
     boundary_bytes: float = 0.0  # size of this stage's output activation (= its input grad)
+    grad_bytes: float | None = None  # weight-gradient bytes REDUCE_GRAD reduces; None: weights
 
     def __post_init__(self) -> None:
         # Checked here, not where the numbers are read, so that every way of building
@@ -82,6 +96,9 @@ class StageCost:
             elif f.name == "W_fused":  # priced for the group if for any of its stages
                 given = any(c.W_fused is not None for c in group)
                 values[f.name] = sum(c.fused_w for c in group) if given else None
+            elif f.name == "grad_bytes":
+                given = any(c.grad_bytes is not None for c in group)
+                values[f.name] = sum(c.reduced_bytes for c in group) if given else None
             else:
                 values[f.name] = float(sum(getattr(c, f.name) for c in group))
         return cls(**values)
@@ -98,6 +115,11 @@ class StageCost:
             keep = f.name == "boundary_bytes" or value is None
             values[f.name] = value if keep else value * factor
         return replace(self, **values)
+
+    @property
+    def reduced_bytes(self) -> float:
+        """What REDUCE_GRAD of this stage moves: ``grad_bytes``, or the parameters' ``weights``."""
+        return self.weights if self.grad_bytes is None else self.grad_bytes
 
     @property
     def fused_w(self) -> float:
@@ -138,7 +160,7 @@ class StageCost:
         return 0.0  # sends and receives take no time on the rank itself
 
 
-_OPTIONAL = frozenset({"B", "R", "W_fused"})  # None stands for a sum of other figures
+_OPTIONAL = frozenset({"B", "R", "W_fused", "grad_bytes"})  # None stands for a sum of other figures
 
 
 def _is_number(value: object) -> bool:
@@ -170,6 +192,15 @@ def _as_float(name: str, value: object) -> float:
     return float(value)  # type: ignore[arg-type]  # _is_number checked it
 
 
+def _as_int(name: str, value: object) -> int:
+    """``value`` if it is a whole number (floats like 2.0 too); else a ScheduleError."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ScheduleError(f"{name} = {value!r} is not a whole number", rule="costs")
+    if math.isfinite(value) and value == int(value):
+        return int(value)
+    raise ScheduleError(f"{name} = {value!r} is not a whole number", rule="costs")
+
+
 def _in_stage(stage: int, exc: ScheduleError) -> ScheduleError:
     """``exc`` with the stage it is about in front of its message."""
     return ScheduleError(f"stage {stage}: {exc}", rule=exc.rule)
@@ -179,8 +210,10 @@ def _in_stage(stage: int, exc: ScheduleError) -> ScheduleError:
 class CostModel:
     """Per-stage costs plus the wire: a transfer takes ``latency + bytes / bandwidth``.
 
-    ``overhead`` is added to every compute action and ``post`` is what posting a
-    send or receive costs its rank (see the module docstring).
+    ``overhead`` is added to every compute action (and to posting a
+    REDUCE_GRAD) and ``post`` is what posting a send or receive costs its rank.
+    ``dp``, ``dp_latency`` and ``dp_bandwidth`` price the data-parallel gradient
+    all-reduce, ``overlap`` an overlapped pair (see the module docstring).
     """
 
     stages: tuple[StageCost, ...]
@@ -190,6 +223,10 @@ class CostModel:
     post: float = 0.0
     unit: str = "microbatch"  # what memory numbers count: "microbatch" or "bytes"
     meta: dict[str, Any] = field(default_factory=dict, compare=False)
+    dp: int = 1  # data-parallel replicas
+    dp_latency: float = 0.0  # seconds (or cost units) per all-reduce
+    dp_bandwidth: float = math.inf  # gradient bytes per second of the data-parallel link
+    overlap: float = 0.0  # share of min(F, B) an overlapped pair hides
 
     def __post_init__(self) -> None:
         stages = tuple(self.stages)
@@ -199,9 +236,21 @@ class CostModel:
                     f"stage {n}: expected a StageCost, got {type(stage).__name__}", rule="costs"
                 )
         object.__setattr__(self, "stages", stages)
-        for name in ("latency", "overhead", "post"):
+        for name in ("latency", "overhead", "post", "dp_latency", "overlap"):
             _check_number(name, getattr(self, name))
         _check_number("bandwidth", self.bandwidth, positive=True, inf=True)
+        _check_number("dp_bandwidth", self.dp_bandwidth, positive=True, inf=True)
+        if not isinstance(self.dp, int) or isinstance(self.dp, bool) or self.dp < 1:
+            raise ScheduleError(
+                f"dp = {self.dp!r} must be a whole number >= 1 (data-parallel replicas)",
+                rule="costs",
+            )
+        if self.overlap > 1:
+            raise ScheduleError(
+                f"overlap = {self.overlap!r} must be between 0 and 1 (the share of the "
+                f"shorter action of a pair hidden under the longer)",
+                rule="costs",
+            )
 
     @classmethod
     def uniform(
@@ -263,8 +312,13 @@ class CostModel:
 
     @classmethod
     def parse(cls, spec: str, num_stages: int, chunks: int = 1) -> CostModel:
-        """Read ``"F=1,B=2,I=1,W=1,comm=0"`` (any subset) into a uniform model."""
+        """Read ``"F=1,B=2,I=1,W=1,comm=0"`` (any subset) into a uniform model.
+
+        Also ``dp``, ``dp_latency``, ``dp_bandwidth``, ``overlap`` and
+        ``grad_bytes`` (per rank's worth of layers, shared out over chunks).
+        """
         known = {"F", "B", "I", "W", "R", "W_fused", "comm", "act_w", "overhead", "post"}
+        known |= {"dp", "dp_latency", "dp_bandwidth", "overlap", "grad_bytes"}
         values: dict[str, float] = {}
         for part in filter(None, (p.strip() for p in spec.split(","))):
             key, sep, val = part.partition("=")
@@ -283,7 +337,17 @@ class CostModel:
             values.setdefault("I", 1.0)
             values.setdefault("W", 1.0)
         try:
-            return cls._uniform_from_spec(values, num_stages, chunks)
+            model = cls._uniform_from_spec(values, num_stages, chunks)
+            if "grad_bytes" in values and model.stages:
+                share = replace(model.stages[0], grad_bytes=values["grad_bytes"] / chunks)
+                model = replace(model, stages=tuple(share for _ in model.stages))
+            return replace(
+                model,
+                dp=_as_int("dp", values.get("dp", 1)),
+                dp_latency=values.get("dp_latency", 0.0),
+                dp_bandwidth=values.get("dp_bandwidth", math.inf),
+                overlap=values.get("overlap", 0.0),
+            )
         except ScheduleError as exc:  # say which spec the bad number came from
             raise ScheduleError(f"cost spec {spec!r}: {exc}", rule=exc.rule) from None
 
@@ -314,11 +378,24 @@ class CostModel:
         return self
 
     def time(self, action: Action) -> float:
-        if action.kind in COMPUTE_KINDS:
+        """Time ``action`` occupies its lane; for REDUCE_GRAD, the post on the compute lane."""
+        if action.kind in COMPUTE_KINDS or action.kind is Kind.REDUCE_GRAD:
             return self.stages[action.stage].time(action.kind) + self.overhead
         if action.kind in COMM_KINDS:
             return self.post
         return self.stages[action.stage].time(action.kind, action.is_weight_copy)
+
+    def reduce_time(self, stage: int) -> float:
+        """Ring all-reduce of ``stage``'s weight gradients over ``dp`` replicas (0 for one)."""
+        if self.dp == 1:
+            return 0.0
+        moved = 2 * (self.dp - 1) / self.dp * self.stages[stage].reduced_bytes
+        return self.dp_latency + moved / self.dp_bandwidth
+
+    def overlapped_time(self, first: Action, second: Action) -> float:
+        """What an overlapped pair takes on the compute lane: both, less the hidden share."""
+        a, b = self.time(first), self.time(second)
+        return a + b - self.overlap * min(a, b)
 
     def transfer_time(self, stage: int) -> float:
         """Wire time of one boundary tensor leaving (or its gradient entering) ``stage``."""
@@ -357,6 +434,10 @@ class CostModel:
             "bandwidth": None if math.isinf(self.bandwidth) else self.bandwidth,
             "overhead": self.overhead,
             "post": self.post,
+            "dp": self.dp,
+            "dp_latency": self.dp_latency,
+            "dp_bandwidth": None if math.isinf(self.dp_bandwidth) else self.dp_bandwidth,
+            "overlap": self.overlap,
             "unit": self.unit,
             "meta": self.meta,
             "stages": [asdict(s) for s in self.stages],
@@ -400,6 +481,7 @@ class CostModel:
             except ScheduleError as exc:
                 raise _in_stage(n, exc) from None
         bandwidth = data.get("bandwidth")
+        dp_bandwidth = data.get("dp_bandwidth")
         meta = data.get("meta", {})
         if not isinstance(meta, dict):
             raise ScheduleError(f"cost model 'meta' must be an object, got {meta!r}", rule="syntax")
@@ -409,6 +491,12 @@ class CostModel:
             bandwidth=math.inf if bandwidth is None else _as_float("bandwidth", bandwidth),
             overhead=_as_float("overhead", data.get("overhead", 0.0)),
             post=_as_float("post", data.get("post", 0.0)),
+            dp=_as_int("dp", data.get("dp", 1)),
+            dp_latency=_as_float("dp_latency", data.get("dp_latency", 0.0)),
+            dp_bandwidth=math.inf
+            if dp_bandwidth is None
+            else _as_float("dp_bandwidth", dp_bandwidth),
+            overlap=_as_float("overlap", data.get("overlap", 0.0)),
             unit=str(data.get("unit", "microbatch")),
             meta=dict(meta),
         )
@@ -436,7 +524,9 @@ def memory_deltas(
             c = costs.stages[a.stage]
             kind, i = a.kind, a.microbatch
             d = 0.0
-            if i is None:
+            if kind is Kind.REDUCE_GRAD:
+                pass  # the gradients are held whether reduced or not
+            elif i is None:
                 d = -c.weights if kind is Kind.OFFLOAD else c.weights
             elif kind is Kind.OFFLOAD:
                 d = -held.get((a.stage, i), 0.0)

@@ -11,6 +11,10 @@ and the auto search's list scheduler all ask this module.  For stage ``s`` of ``
     W(s,i)      <- I(s,i)
     OFFLOAD(s,i)<- F(s,i);   RELOAD(s,i) <- OFFLOAD(s,i)
     SEND_F(s,i) <- F(s,i);   SEND_B(s,i) <- B|I(s,i)
+    REDUCE_GRAD(s) <- B(s,i) or W(s,i), every i           (nothing needs it)
+
+REDUCE_GRAD(s) all-reduces stage ``s``'s weight gradients over the
+data-parallel replicas; they are final once every B and W of ``s`` has run.
 
 A "checkpointed" (s,i) is one whose schedule contains R(s,i): its F keeps only
 its inputs.  An "offloaded" one contains OFFLOAD(s,i).  When producer and
@@ -27,6 +31,13 @@ Weight OFFLOAD/RELOAD (no microbatch) are not data edges but a residency rule:
 every compute action of stage ``s`` needs the most recent weight RELOAD of
 ``s`` before it on its rank (if any), and must not run while ``s``'s weights
 are offloaded.
+
+An overlapped pair (``Schedule.overlaps``: a forward and a backward run as one)
+is its two actions, plus one rule: the pair starts only when the inputs of
+*both* are ready, so in the :class:`Graph` its first action also waits for
+what its second needs.  A pair whose backward needs its own forward, even
+through other ranks, is therefore a deadlock.  :func:`keep_overlaps` puts back
+together a pair that a pass has inserted actions into.
 """
 
 from __future__ import annotations
@@ -39,7 +50,7 @@ from dataclasses import dataclass
 from zeropipe.errors import ScheduleError
 from zeropipe.ir import COMPUTE_KINDS, Action, Kind, Schedule, format_grid
 
-__all__ = ["CommPair", "Dep", "Dependencies", "Graph", "offloaded_at_start"]
+__all__ = ["CommPair", "Dep", "Dependencies", "Graph", "keep_overlaps", "offloaded_at_start"]
 
 CommPair = tuple[Action, Action]  # (SEND on the producer's rank, RECV on the consumer's)
 
@@ -108,6 +119,10 @@ class Dependencies:
         """The action producing (stage, mb)'s input gradient: I if split, else B."""
         return Action(Kind.I if self.split(stage, mb) else Kind.B, stage, mb)
 
+    def final_backward(self, stage: int, mb: int) -> Action:
+        """The action after which (stage, mb)'s weight gradient is final: W if split, else B."""
+        return Action(Kind.W if self.split(stage, mb) else Kind.B, stage, mb)
+
     def saved_reader(self, stage: int, mb: int) -> Action:
         """The action that reads (stage, mb)'s saved activations: R if checkpointed, else
         the backward.  A RELOAD of them must come before it."""
@@ -146,6 +161,8 @@ class Dependencies:
 
     def _rule(self, action: Action) -> tuple[Dep, ...]:
         kind, s, i = action.kind, action.stage, action.microbatch
+        if kind is Kind.REDUCE_GRAD:
+            return tuple(Dep(self.final_backward(s, m)) for m in range(self.schedule.microbatches))
         if i is None:  # weight copies: residency, not data (see module doc)
             return ()
         if kind is Kind.F:
@@ -256,6 +273,43 @@ class Dependencies:
         return action.kind in COMPUTE_KINDS
 
 
+def keep_overlaps(schedule: Schedule) -> Schedule:
+    """``schedule`` with every overlapped pair made adjacent again.
+
+    What a pass put between a pair's forward and backward moves out: after the
+    pair if it needs the forward (its SEND_F or OFFLOAD, then the RELOAD of that
+    OFFLOAD, and so on; the weight OFFLOAD of the forward's stage), before it
+    otherwise (a RECV, an R or RELOAD ahead of the backward).  Order among the
+    moved actions is kept.
+    """
+    if not schedule.overlaps:
+        return schedule
+    deps = Dependencies(schedule)
+    second_of = dict(schedule.overlaps)
+    out = []
+    for acts in schedule.actions:
+        lst = list(acts)
+        for first, second in second_of.items():
+            if first not in lst or second not in lst:
+                continue
+            a, b = lst.index(first), lst.index(second)
+            if b == a + 1 or b < a:
+                continue  # adjacent, or out of order: the validator names the latter
+            between = lst[a + 1 : b]
+            needs_first = {first}  # the forward and what, moved after, needs it
+            after: list[Action] = []
+            for x in between:
+                if any(d.action in needs_first for d in deps.requires(x)) or (
+                    x.is_weight_copy and x.kind is Kind.OFFLOAD and x.stage == first.stage
+                ):
+                    after.append(x)
+                    needs_first.add(x)
+            before = [x for x in between if x not in needs_first]
+            lst[a : b + 1] = [*before, first, second, *after]
+        out.append(lst)
+    return schedule.replace_actions(out)
+
+
 def offloaded_at_start(schedule: Schedule, rank: int) -> frozenset[int]:
     """Stages of ``rank`` whose weights start on the host: their first weight copy is a RELOAD."""
     first: dict[int, Kind] = {}
@@ -306,6 +360,8 @@ class Graph:
                     reload = Action(Kind.RELOAD, a.stage)
                     node.append((r, last_weight_reload[a.stage], Dep(reload)))
                 rank_preds.append(node)
+            for k in schedule.overlapped(r):  # the pair starts when both inputs are ready
+                rank_preds[k].extend(p for p in rank_preds[k + 1] if p[2] is not None)
             self.preds.append(rank_preds)
         self.order = self._topological_order()
 

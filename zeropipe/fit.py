@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from zeropipe.costs import CostModel, initial_memory, memory_deltas, per_rank
-from zeropipe.deps import Dependencies, Graph
+from zeropipe.deps import Dependencies, Graph, keep_overlaps
 from zeropipe.errors import ScheduleError
 from zeropipe.ir import COMPUTE_KINDS, Action, Kind, Schedule
 from zeropipe.lower import lower
@@ -91,7 +91,7 @@ def offload_weights(
             rule="duplicate",
         )
     out = [_weight_copies(acts, chosen, prefetch) for acts in base.actions]
-    result = base.replace_actions(out)
+    result = keep_overlaps(base.replace_actions(out))
     return lower(result) if lowered else result
 
 
@@ -183,7 +183,7 @@ def _rewrite(
                 reader = planned.saved_reader(s, i)
                 _insert_before(lst, back, reader, prefetch, planned.upstream(back))
         out.append(lst)
-    result = base.replace_actions(out)
+    result = keep_overlaps(base.replace_actions(out))
     return lower(result) if lowered else result
 
 

@@ -65,7 +65,8 @@ def split_full_backward(schedule: Schedule) -> Schedule:
     stage and microbatch.
 
     The runtime runs B as I then W already, so this alone changes no work and
-    no order; it lets later passes move the W.  A schedule without B is returned
+    no order; it lets later passes move the W.  An overlapped (F, B) pair
+    becomes the pair (F, I), its W right after it.  A schedule without B is returned
     unchanged; a lowered one is stripped of its sends and receives and lowered
     again, so that each SEND_B follows its I.
     """
@@ -85,7 +86,12 @@ def split_full_backward(schedule: Schedule) -> Schedule:
                 )
             ]
             for actions in schedule.actions
-        ]
+        ],
+        # An overlapped (F, B) pair becomes (F, I): I is what stays next to the forward.
+        overlaps=[
+            (f, Action(Kind.I, b.stage, b.microbatch) if b.kind is Kind.B else b)
+            for f, b in schedule.overlaps
+        ],
     )
 
 

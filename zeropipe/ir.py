@@ -20,6 +20,24 @@ form::
 The torch CSV form is the one ``torch.distributed.pipelining`` reads with
 ``_load_csv`` and writes with ``_dump_csv``: one row per rank, one action per
 cell, empty cells for idle steps.
+
+Overlapped pairs.  torch's DualPipeV writes ``(0F3;3B1)OVERLAP_F_B``: a forward
+of one stage overlapped with a backward of another stage on the same rank.
+Here the two stay two ordinary actions, kept *adjacent* in the rank's list, and
+the schedule records which adjacent pairs are overlapped (``overlaps``: a set of
+``(first, second)`` actions; actions are unique in a schedule, so a pair names
+itself whatever passes insert around it).  Everything that reasons about
+actions one by one -- the dependency model, the validator's counts, the
+memory accounting, the runtime's dispatch table -- needs nothing new; only
+what cares about the pairing asks :meth:`Schedule.overlapped`.  A pair is
+written ``(0F3;3B1)`` in the text and JSON forms and ``(0F3;3B1)OVERLAP_F_B``
+in torch's CSV::
+
+    rank 0: 0F0 0F1 0F2 3F0 3I0 3W0 3F1 (0F3;3B1) (3F2;0B0) 3B2 ...
+
+A list of separate actions would also be a representation (one action kind
+holding two), but then every pass, rule and handler would have to look inside
+it; keeping the members as actions means only adjacency has to be kept.
 """
 
 from __future__ import annotations
@@ -29,7 +47,7 @@ import io
 import json
 import operator
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -43,6 +61,7 @@ __all__ = [
     "STAGE_KINDS",
     "Action",
     "Kind",
+    "Overlap",
     "Schedule",
     "format_grid",
 ]
@@ -78,6 +97,8 @@ STAGE_KINDS = frozenset({Kind.REDUCE_GRAD})
 # Longest spellings first so that "RECV_F" is not read as "R" + junk.
 _KIND_ALTERNATION = "|".join(sorted((k.value for k in Kind), key=len, reverse=True))
 _ACTION_RE = re.compile(rf"^(\d+)({_KIND_ALTERNATION})(\d*)$")
+# "(0F3;3B1)" here, "(0F3;3B1)OVERLAP_F_B" in torch's CSV (accepted in every form).
+_PAIR_RE = re.compile(r"^\(([^;()]*);([^;()]*)\)(OVERLAP_F_B)?$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +189,13 @@ class Action:
         return cls(Kind(kind), int(stage), int(mb) if mb else None)
 
 
+Overlap = tuple[Action, Action]  # (forward, backward) run as one overlapped pair
+
+# What may be overlapped: a forward, then a backward that produces an input gradient.
+_OVERLAP_FIRST = frozenset({Kind.F})
+_OVERLAP_SECOND = frozenset({Kind.B, Kind.I})
+
+
 @dataclass(frozen=True)
 class Schedule:
     """Placement of stages on ranks plus one ordered action list per rank.
@@ -175,12 +203,16 @@ class Schedule:
     ``placement[s]`` is the rank that owns stage ``s``; ``actions[r]`` is what
     rank ``r`` executes, in order.  Construction checks only the shape of the
     data; :func:`zeropipe.validate.validate` checks the rules.
+
+    ``overlaps`` are the overlapped (F, B-or-I) pairs (see the module docstring):
+    each pair's two actions sit next to each other on their rank, forward first.
     """
 
     placement: Sequence[int]
     actions: Sequence[Sequence[Action]]
     microbatches: int
     name: str = "custom"
+    overlaps: Collection[Overlap] = frozenset()
     _index: dict[Action, tuple[int, int]] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
@@ -219,6 +251,7 @@ class Schedule:
                 f"schedule has {len(self.actions)} rank(s) (0..{len(self.actions) - 1})",
                 rule="placement",
             )
+        object.__setattr__(self, "overlaps", _overlaps(self.overlaps))
 
     # -- shape -----------------------------------------------------------------
     @property
@@ -278,38 +311,91 @@ class Schedule:
         return self._index.get(action)
 
     def replace_actions(
-        self, actions: Sequence[Sequence[Action]], name: str | None = None
+        self,
+        actions: Sequence[Sequence[Action]],
+        name: str | None = None,
+        overlaps: Collection[Overlap] | None = None,
     ) -> Schedule:
-        """The same placement and microbatches with other action lists."""
+        """The same placement and microbatches with other action lists.
+
+        The overlapped pairs are kept (``overlaps`` replaces them); a pass that
+        inserts actions keeps each pair adjacent (:func:`zeropipe.deps.keep_overlaps`).
+        """
         return Schedule(
             self.placement,
             tuple(tuple(a) for a in actions),
             self.microbatches,
             self.name if name is None else name,
+            self.overlaps if overlaps is None else overlaps,
         )
 
+    def overlapped(self, rank: int) -> frozenset[int]:
+        """Steps of ``rank`` that start an overlapped pair: ``step`` and ``step + 1``
+        run as one (forward first).  Empty for a schedule without pairs."""
+        if not self.overlaps or not 0 <= rank < self.num_ranks:
+            return frozenset()
+        acts = self.actions[rank]
+        return frozenset(k for k in range(len(acts) - 1) if (acts[k], acts[k + 1]) in self.overlaps)
+
+    def _tokens(self, rank: int) -> list[str]:
+        """``rank``'s actions as text, each overlapped pair one ``(a;b)`` token."""
+        acts = self.actions[rank]
+        starts = self.overlapped(rank)
+        out: list[str] = []
+        k = 0
+        while k < len(acts):
+            if k in starts:
+                out.append(f"({acts[k]};{acts[k + 1]})")
+                k += 2
+            else:
+                out.append(str(acts[k]))
+                k += 1
+        return out
+
+    def check_overlaps_adjacent(self) -> None:
+        """Raise ScheduleError unless every overlapped pair sits adjacent on one rank."""
+        for first, second in sorted(self.overlaps, key=str):
+            where = self.position(first)
+            then = self.position(second)
+            if where is None or then is None or then != (where[0], where[1] + 1):
+                missing = first if where is None else second if then is None else None
+                raise ScheduleError(
+                    f"overlapped pair ({first};{second}): "
+                    + (
+                        f"{missing} is not in the schedule"
+                        if missing is not None
+                        else f"{second} must come right after {first} on the same rank "
+                        f"(they are at (rank, step) {where} and {then})"
+                    ),
+                    rule="overlap",
+                    actions=(str(first), str(second)),
+                    grid=format_grid(self.actions, [p for p in (where, then) if p is not None]),
+                )
+
     def compute_only(self) -> Schedule:
-        """This schedule without its SEND/RECV actions."""
+        """This schedule without its SEND/RECV actions (REDUCE_GRAD and pairs kept)."""
         return self.replace_actions(
             [[a for a in acts if a.kind not in COMM_KINDS] for acts in self.actions]
         )
 
     # -- text ------------------------------------------------------------------
     def to_text(self) -> str:
+        self.check_overlaps_adjacent()
         lines = [
             "# zeropipe schedule",
             f"name: {self.name}",
             f"microbatches: {self.microbatches}",
             "placement: " + " ".join(str(r) for r in self.placement),
         ]
-        for rank, acts in enumerate(self.actions):
-            lines.append(f"rank {rank}: " + " ".join(str(a) for a in acts))
+        for rank in range(self.num_ranks):
+            lines.append(f"rank {rank}: " + " ".join(self._tokens(rank)))
         return "\n".join(lines) + "\n"
 
     @classmethod
     def from_text(cls, text: str) -> Schedule:
         header: dict[str, str] = {}
         ranks: dict[int, list[Action]] = {}
+        pairs: list[Overlap] = []
         for lineno, raw in enumerate(text.splitlines(), start=1):
             line = raw.split("#", 1)[0].strip()
             if not line:
@@ -330,7 +416,7 @@ class Schedule:
                     ) from None
                 if rank in ranks:
                     raise ScheduleError(f"line {lineno}: rank {rank} listed twice", rule="syntax")
-                ranks[rank] = [Action.parse(tok) for tok in value.split()]
+                ranks[rank] = _read_tokens(value.split(), pairs)
             elif key in ("name", "microbatches", "placement"):
                 header[key] = value.strip()
             else:
@@ -351,19 +437,21 @@ class Schedule:
             actions=tuple(tuple(ranks[r]) for r in range(len(ranks))),
             microbatches=_integer("microbatches", header["microbatches"]),
             name=header.get("name", "custom"),
+            overlaps=pairs,
         )
         schedule.check_stages()
         return schedule
 
     # -- JSON ------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
+        self.check_overlaps_adjacent()
         return {
             "format": "zeropipe-schedule",
             "version": 1,
             "name": self.name,
             "microbatches": self.microbatches,
             "placement": list(self.placement),
-            "actions": [[str(a) for a in acts] for acts in self.actions],
+            "actions": [self._tokens(r) for r in range(self.num_ranks)],
         }
 
     def to_json(self) -> str:
@@ -392,6 +480,7 @@ class Schedule:
                 rule="syntax",
             )
         parsed = []
+        pairs: list[Overlap] = []
         for rank, acts in enumerate(actions):
             for a in acts:
                 if not isinstance(a, str):
@@ -399,12 +488,13 @@ class Schedule:
                         f"rank {rank}: action {a!r:.40} is not a string such as '2F0'",
                         rule="syntax",
                     )
-            parsed.append(tuple(Action.parse(a) for a in acts))
+            parsed.append(tuple(_read_tokens(acts, pairs)))
         schedule = cls(
             placement=tuple(_integer("placement", r) for r in placement),
             actions=tuple(parsed),
             microbatches=_integer("microbatches", data["microbatches"]),
             name=str(data.get("name", "custom")),
+            overlaps=pairs,
         )
         schedule.check_stages()
         return schedule
@@ -421,8 +511,10 @@ class Schedule:
     def to_torch_csv(self) -> str:
         """Rows of action strings, one per rank, as torch's ``_load_csv`` reads them.
 
-        torch has no R/OFFLOAD/RELOAD actions, so schedules with them cannot be
-        exported; torch infers the placement from which rank runs each stage.
+        REDUCE_GRAD is written as is (``0REDUCE_GRAD``) and an overlapped pair as
+        ``(0F3;3B1)OVERLAP_F_B``.  torch has no R/OFFLOAD/RELOAD actions, so
+        schedules with them cannot be exported; torch infers the placement from
+        which rank runs each stage.
         """
         foreign = [str(a) for acts in self.actions for a in acts if a.kind in (Kind.R, *COPY_KINDS)]
         if foreign:
@@ -432,10 +524,13 @@ class Schedule:
                 rule="unsupported",
                 actions=tuple(foreign[:4]),
             )
+        self.check_overlaps_adjacent()
         out = io.StringIO()
         writer = csv.writer(out, lineterminator="\n")
-        for acts in self.actions:
-            writer.writerow([str(a) for a in acts])
+        for rank in range(self.num_ranks):
+            writer.writerow(
+                [t + "OVERLAP_F_B" if t.startswith("(") else t for t in self._tokens(rank)]
+            )
         return out.getvalue()
 
     @classmethod
@@ -454,14 +549,17 @@ class Schedule:
             raise ScheduleError(f"cannot read torch CSV: {exc}", rule="syntax") from None
         actions: list[list[Action]] = []
         owner: dict[int, int] = {}
+        pairs: list[Overlap] = []
         for rank, row in enumerate(rows):
-            acts = []
+            acts: list[Action] = []
             for cell in row:
                 if not cell.strip():
                     continue  # torch writes idle steps as empty cells
-                action = _parse_torch_cell(cell)
-                acts.append(action)
-                if owner.setdefault(action.stage, rank) != rank:
+                _refuse_torch_only(cell)
+                for action in _read_tokens([cell], pairs):
+                    acts.append(action)
+                    if owner.setdefault(action.stage, rank) == rank:
+                        continue
                     raise ScheduleError(
                         f"stage {action.stage} has actions on ranks {owner[action.stage]} and "
                         f"{rank} (e.g. {action}); a stage must live on one rank",
@@ -487,7 +585,9 @@ class Schedule:
         if microbatches is None:
             mbs = [a.microbatch for acts in actions for a in acts if a.microbatch is not None]
             microbatches = max(mbs, default=0) + 1
-        schedule = cls(tuple(placement), tuple(tuple(a) for a in actions), microbatches, name)
+        schedule = cls(
+            tuple(placement), tuple(tuple(a) for a in actions), microbatches, name, pairs
+        )
         schedule.check_stages()
         return schedule
 
@@ -515,20 +615,72 @@ def _integers(what: str, values: Iterable[object]) -> tuple[int, ...]:
     return tuple(_integer(what, v) for v in items)
 
 
-_TORCH_ONLY = ("UNSHARD", "RESHARD", "REDUCE_GRAD", "OVERLAP_F_B")
-
-
-def _parse_torch_cell(cell: str) -> Action:
-    text = cell.strip()
-    if text.startswith("(") or any(k in text for k in _TORCH_ONLY):
+def _overlaps(pairs: object) -> frozenset[Overlap]:
+    """``pairs`` as a frozenset of (F, B-or-I) Action pairs; anything else is a ScheduleError."""
+    try:
+        items = list(pairs)  # type: ignore[call-overload]
+    except TypeError:
         raise ScheduleError(
-            f"torch action {text!r} has no zeropipe equivalent (FSDP unshard/reshard, "
-            f"grad reduction and fused F/B overlap are not schedule actions here); "
+            f"overlaps must be a collection of (forward, backward) Action pairs, got {pairs!r:.60}",
+            rule="syntax",
+        ) from None
+    out = set()
+    for pair in items:
+        if (
+            not isinstance(pair, tuple)
+            or len(pair) != 2
+            or not all(isinstance(a, Action) for a in pair)
+        ):
+            raise ScheduleError(
+                f"an overlapped pair is a tuple of two Actions, got {pair!r:.60}", rule="syntax"
+            )
+        first, second = pair
+        if first.kind not in _OVERLAP_FIRST or second.kind not in _OVERLAP_SECOND:
+            raise ScheduleError(
+                f"overlapped pair ({first};{second}): a pair is a forward F then a backward "
+                f"B or I, e.g. (0F3;3B1)",
+                rule="overlap",
+                actions=(str(first), str(second)),
+            )
+        out.add((first, second))
+    return frozenset(out)
+
+
+def _read_tokens(tokens: Iterable[str], pairs: list[Overlap]) -> list[Action]:
+    """Actions from text tokens; a ``(a;b)`` token gives two and is recorded in ``pairs``."""
+    out: list[Action] = []
+    for tok in tokens:
+        text = tok.strip()
+        if not text.startswith("("):
+            out.append(Action.parse(text))
+            continue
+        match = _PAIR_RE.match(text)
+        if match is None:
+            raise ScheduleError(
+                f"cannot read overlapped pair {text!r}: expected (FORWARD;BACKWARD) such as "
+                f"'(0F3;3B1)' (torch's CSV: '(0F3;3B1)OVERLAP_F_B')",
+                rule="syntax",
+                actions=(text,),
+            )
+        first, second = Action.parse(match.group(1)), Action.parse(match.group(2))
+        pairs.append((first, second))
+        out.extend((first, second))
+    return out
+
+
+_FSDP_ONLY = ("UNSHARD", "RESHARD")
+
+
+def _refuse_torch_only(cell: str) -> None:
+    text = cell.strip()
+    if any(k in text for k in _FSDP_ONLY):
+        raise ScheduleError(
+            f"torch action {text!r} is FSDP's unshard/reshard: not a schedule action here, "
+            f"since FSDP2's own hooks gather and free the parameters of a stage that uses it; "
             f"remove it from the CSV",
             rule="unsupported",
             actions=(text,),
         )
-    return Action.parse(text)
 
 
 def format_grid(

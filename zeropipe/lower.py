@@ -22,9 +22,14 @@ posts each RECV k compute actions before its consumer instead::
     rank b:  ...  RECV_F(s,i)  X  F(s,i)          (k = 1: X = the previous compute action)
 
 Same-rank hand-offs (V placement) get nothing: the tensor is passed as is.
+An overlapped pair (``Schedule.overlaps``) is lowered as one action: the
+receives either member needs go before the pair, the sends after it.
+REDUCE_GRAD actions stay where they are.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from zeropipe.deps import Dependencies
 from zeropipe.errors import ScheduleError
@@ -54,20 +59,21 @@ def lower(schedule: Schedule, ahead: int | None = None) -> Schedule:
             if outgoing:
                 sends_after[a] = [send for send, _ in outgoing]
     out = []
-    for acts in base.actions:
+    for rank, acts in enumerate(base.actions):
         lowered: list[Action] = []
+        units = _units(acts, base.overlapped(rank))
         if ahead is None:
-            step_recvs = [r for a in acts for r in recvs_before.get(a, [])]
-            for a in acts:
-                if step_recvs and a in recvs_before:
+            step_recvs = [r for unit in units for a in unit for r in recvs_before.get(a, [])]
+            for unit in units:
+                if step_recvs and any(a in recvs_before for a in unit):
                     lowered.extend(step_recvs)  # before the first consumer
                     step_recvs = []
-                lowered.append(a)
-                lowered.extend(sends_after.get(a, []))
+                lowered.extend(unit)
+                lowered.extend(s for a in unit for s in sends_after.get(a, []))
         else:
-            computes: list[int] = []  # where in `lowered` the compute actions so far are
-            for a in acts:
-                recvs = recvs_before.get(a, [])
+            computes: list[int] = []  # where in `lowered` the compute units so far start
+            for unit in units:
+                recvs = [r for a in unit for r in recvs_before.get(a, [])]
                 if recvs:
                     if len(computes) >= ahead:
                         at = computes[-ahead]
@@ -75,12 +81,26 @@ def lower(schedule: Schedule, ahead: int | None = None) -> Schedule:
                         at = computes[0] if computes else len(lowered)
                     lowered[at:at] = recvs
                     computes = [c + len(recvs) if c >= at else c for c in computes]
-                if a.kind in COMPUTE_KINDS:
+                if unit[0].kind in COMPUTE_KINDS:
                     computes.append(len(lowered))
-                lowered.append(a)
-                lowered.extend(sends_after.get(a, []))
+                lowered.extend(unit)
+                lowered.extend(s for a in unit for s in sends_after.get(a, []))
         out.append(lowered)
     return base.replace_actions(out)
+
+
+def _units(acts: Sequence[Action], pair_starts: frozenset[int]) -> list[list[Action]]:
+    """``acts`` cut into what runs as one: an overlapped pair, or a single action.
+
+    A pair's receives go before it and its sends after it, so it stays adjacent.
+    """
+    units: list[list[Action]] = []
+    k = 0
+    while k < len(acts):
+        size = 2 if k in pair_starts else 1
+        units.append(list(acts[k : k + size]))
+        k += size
+    return units
 
 
 def strip_comm(schedule: Schedule) -> Schedule:

@@ -52,6 +52,7 @@ _LETTERS: dict[Kind, str] = {
     Kind.R: "R",
     Kind.OFFLOAD: "O",
     Kind.RELOAD: "L",
+    Kind.REDUCE_GRAD: "G",
 }
 
 _NAMES: dict[Kind, str] = {
@@ -62,6 +63,7 @@ _NAMES: dict[Kind, str] = {
     Kind.R: "recompute",
     Kind.OFFLOAD: "offload",
     Kind.RELOAD: "reload",
+    Kind.REDUCE_GRAD: "grad all-reduce",
 }
 
 #: Fixed colours (Tableau 10), so a kind looks the same in every figure.
@@ -73,12 +75,13 @@ KIND_COLORS: dict[Kind, str] = {
     Kind.R: "#e15759",
     Kind.OFFLOAD: "#9c755f",
     Kind.RELOAD: "#edc948",
+    Kind.REDUCE_GRAD: "#76b7b2",
 }
 
 #: Rank rows the terminal grid draws at most (the JSON summary and traces have all).
 MAX_RANKS = 64
 
-_LANES = ("compute", "copy", "comm")
+_LANES = ("compute", "copy", "comm", "reduce")
 _LABEL_WIDTH = 9  # "rank 12  "
 
 
@@ -103,7 +106,9 @@ def render_text(timeline: Timeline, width: int = 100, max_ranks: int = MAX_RANKS
     """A rank x time grid of ``width`` columns with a header, a time ruler and a legend.
 
     A rank with OFFLOAD/RELOAD actions gets a second row, ``copy``, for its
-    copy stream; copies too short for a cell still mark the cell they start in.
+    copy stream, and one with REDUCE_GRAD a row ``reduce`` for its gradient
+    all-reduces (``G``, with the stage, e.g. ``G1``); copies and reductions too
+    short for a cell still mark the cell they start in.
     Only the first ``max_ranks`` ranks are drawn (a line says how many are not):
     thousands of rows are no picture, and drawing them is most of the time spent.
     """
@@ -126,13 +131,15 @@ def render_text(timeline: Timeline, width: int = 100, max_ranks: int = MAX_RANKS
     for rank, events in enumerate(timeline.events[:max_ranks]):
         compute = [e for e in events if e.lane == "compute"]
         copy = [e for e in events if e.lane == "copy"]
-        present.update(e.action.kind for e in compute + copy)
+        reduce = [e for e in events if e.lane == "reduce"]
+        present.update(e.action.kind for e in compute + copy + reduce)
         lines.append(f"{f'rank {rank}':<{_LABEL_WIDTH}}" + _row(timeline, t0, compute, cell, width))
-        if copy:
-            lines.append(
-                f"{'  copy':<{_LABEL_WIDTH}}"
-                + _row(timeline, t0, copy, cell, width, keep_short=True)
-            )
+        for name, lane in (("copy", copy), ("reduce", reduce)):
+            if lane:
+                lines.append(
+                    f"{'  ' + name:<{_LABEL_WIDTH}}"
+                    + _row(timeline, t0, lane, cell, width, keep_short=True)
+                )
     hidden = timeline.num_ranks - max_ranks
     if hidden > 0:
         lines.append(
@@ -223,6 +230,8 @@ def _label(timeline: Timeline, event: Event, cells: int) -> str:
     if _chunk(timeline, event) % 2:
         letter = letter.lower()
     mb = event.action.microbatch
+    if event.action.kind is Kind.REDUCE_GRAD:
+        mb = event.action.stage  # a stage's reduction: name the stage
     full = letter + ("" if mb is None else str(mb))
     head = full if len(full) <= cells else letter
     return head + letter * (cells - len(head))
@@ -232,7 +241,8 @@ def _label(timeline: Timeline, event: Event, cells: int) -> str:
 def to_chrome_trace(timeline: Timeline) -> dict[str, Any]:
     """Chrome trace event format (opens in Perfetto and chrome://tracing).
 
-    One process; one thread per rank and lane (compute, copy, comm), and one
+    One process; one thread per rank and lane (compute, copy, comm, reduce: the
+    gradient all-reduces, running beside the compute that follows them), and one
     "X" (complete) event per action, named by its text (``1F3``).  Measured
     timelines are in seconds and become microseconds; simulated ones are in
     arbitrary cost units, drawn as 1 unit = 1000 us (``otherData`` says which).
@@ -356,8 +366,9 @@ def _legend_name(kind: Kind) -> str:
 def draw_timeline(ax: Any, timeline: Timeline, title: str | None = None) -> None:
     """Draw ``timeline`` on a matplotlib ``ax``: one row per rank, boxes coloured by kind.
 
-    A rank's copy stream (OFFLOAD/RELOAD) is a thin bar under its compute row;
-    zero-length copies are triangles.  Later chunks of a rank are lighter.
+    A rank's copy stream (OFFLOAD/RELOAD) is a thin bar under its compute row,
+    its gradient all-reduces (REDUCE_GRAD) a thin bar above it; zero-length
+    copies and reductions are triangles.  Later chunks of a rank are lighter.
     Boxes wide enough carry their microbatch number.  The title gets the
     makespan and bubble rates.
     """
@@ -366,6 +377,7 @@ def draw_timeline(ax: Any, timeline: Timeline, title: str | None = None) -> None
     t0, span = timeline.start, timeline.makespan
     chunks = timeline.schedule.chunks_per_rank
     has_copy = [any(e.lane == "copy" for e in evs) for evs in timeline.events]
+    has_reduce = [any(e.lane == "reduce" for e in evs) for evs in timeline.events]
     # Width in pixels of one time unit decides which boxes get a label.
     fig = ax.figure
     px_per_unit = (
@@ -375,8 +387,10 @@ def draw_timeline(ax: Any, timeline: Timeline, title: str | None = None) -> None
     char_px = fontsize * 0.6 * fig.dpi / 72
     present: set[Kind] = set()
     for rank, events in enumerate(timeline.events):
-        compute_y = (rank - 0.4, 0.56 if has_copy[rank] else 0.8)
+        top = rank - 0.4 + (0.16 if has_reduce[rank] else 0.0)
+        compute_y = (top, rank + (0.16 if has_copy[rank] else 0.4) - top)
         copy_y = (rank + 0.2, 0.2)
+        reduce_y = (rank - 0.4, 0.14)
         for e in events:
             if e.lane == "comm":
                 continue
@@ -384,10 +398,10 @@ def draw_timeline(ax: Any, timeline: Timeline, title: str | None = None) -> None
             present.add(kind)
             chunk = _chunk(timeline, e)
             color = _lighten(KIND_COLORS[kind], 0.45 * chunk / max(1, chunks - 1))
-            y0, h = compute_y if e.lane == "compute" else copy_y
+            y0, h = {"compute": compute_y, "copy": copy_y}.get(e.lane, reduce_y)
             x, w = e.start - t0, e.end - e.start
             if w <= 0:
-                marker = "v" if kind is Kind.OFFLOAD else "^"
+                marker = "v" if kind in (Kind.OFFLOAD, Kind.REDUCE_GRAD) else "^"
                 ax.plot(
                     [x],
                     [y0 + h / 2],

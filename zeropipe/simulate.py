@@ -1,10 +1,21 @@
 """Discrete-event execution of a schedule under a cost model.
 
-Each rank runs its list in order on three lanes::
+Each rank runs its list in order on four lanes::
 
     compute  F B I W R          one at a time, in list order
     copy     OFFLOAD RELOAD     a side stream: overlaps compute, one copy at a time
     comm     SEND_* RECV_*      posted instantly; the wire is modelled on the edge
+    reduce   REDUCE_GRAD        posted on compute (``overhead``), then the all-reduce
+                                runs on the rank's data-parallel link, one at a time
+                                in posting order, while the rank computes on
+
+A REDUCE_GRAD's event is the all-reduce itself, from when the link takes it
+to when it ends, so a picture shows it beside the compute that follows; the
+step ends with the last compute or the last reduction, whichever is later
+(``makespan``), and the bubble rates count compute only.  An overlapped pair
+(``Schedule.overlaps``) starts when the inputs of both its actions are ready
+and takes ``CostModel.overlapped_time``: its forward's event is as long as the
+forward, its backward's is shortened by what the overlap hides.
 
 An action starts when (a) the action before it on its rank has been issued,
 (b) its lane is free and (c) every dependency from :mod:`zeropipe.deps` has
@@ -22,7 +33,7 @@ from zeropipe.costs import CostModel, StageCost, peak_memory
 from zeropipe.deps import Graph
 from zeropipe.errors import ScheduleError
 from zeropipe.fuse import fused_weights
-from zeropipe.ir import COMM_KINDS, COMPUTE_KINDS, COPY_KINDS, Action, Schedule
+from zeropipe.ir import COMM_KINDS, COMPUTE_KINDS, COPY_KINDS, Action, Kind, Schedule
 from zeropipe.lower import lower
 from zeropipe.validate import validate
 
@@ -42,7 +53,11 @@ class Event:
     @property
     def lane(self) -> str:
         kind = self.action.kind
-        return "compute" if kind in COMPUTE_KINDS else "copy" if kind in COPY_KINDS else "comm"
+        if kind in COMPUTE_KINDS:
+            return "compute"
+        if kind in COPY_KINDS:
+            return "copy"
+        return "reduce" if kind is Kind.REDUCE_GRAD else "comm"
 
 
 @dataclass
@@ -79,6 +94,15 @@ class Timeline:
     def busy(self, rank: int) -> float:
         """Time ``rank`` spends computing (copies and comms overlap it)."""
         return sum(e.end - e.start for e in self._compute(rank))
+
+    def reductions(self, rank: int) -> list[Event]:
+        """``rank``'s gradient all-reduces (REDUCE_GRAD), each from start to end."""
+        return [e for e in self.events[rank] if e.lane == "reduce"]
+
+    @property
+    def compute_end(self) -> float:
+        """When the last compute action ends (the makespan may end later, on a reduction)."""
+        return max((e.end for evs in self.events for e in evs if e.lane == "compute"), default=0.0)
 
     def span(self, rank: int) -> float:
         evs = self._compute(rank)
@@ -143,13 +167,17 @@ def simulate(
     acts = schedule.actions
     start: list[list[float]] = [[0.0] * len(a) for a in acts]
     end: list[list[float]] = [[0.0] * len(a) for a in acts]
-    lane_free = [[0.0, 0.0] for _ in acts]  # compute, copy
+    # When each action was issued: its start, but for REDUCE_GRAD its post, which is
+    # what the next action on the rank waits for (the all-reduce runs on).
+    issued: list[list[float]] = [[0.0] * len(a) for a in acts]
+    lane_free = [[0.0, 0.0, 0.0] for _ in acts]  # compute, copy, data-parallel link
+    seconds = [{k + 1 for k in schedule.overlapped(r)} for r in range(len(acts))]
     # W run together with the next W of their stage; found only when some stage prices it.
     priced = any(c.W_fused is not None for c in costs.stages)
     fused = fused_weights(schedule) if priced else frozenset()
     for r, k in graph.order:  # program order within a rank is respected by the graph
         a = acts[r][k]
-        t = start[r][k - 1] if k else 0.0
+        t = issued[r][k - 1] if k else 0.0
         for pr, pk, dep in graph.preds[r][k]:
             if dep is None:
                 continue
@@ -163,6 +191,17 @@ def simulate(
         duration = costs.time(a)
         if a in fused:
             duration += costs.stages[a.stage].fused_w - costs.stages[a.stage].W
+        if k in seconds[r]:  # the backward of an overlapped pair: less what is hidden
+            duration = costs.overlapped_time(acts[r][k - 1], a) - costs.time(acts[r][k - 1])
+        if a.kind is Kind.REDUCE_GRAD:
+            t = max(t, lane_free[r][0])
+            lane_free[r][0] = posted = t + duration
+            issued[r][k] = t
+            t = max(posted, lane_free[r][2])
+            duration = costs.reduce_time(a.stage)
+            lane_free[r][2] = t + duration
+            start[r][k], end[r][k] = t, t + duration
+            continue
         # A post that costs time runs on the rank's one thread, like compute.
         if a.kind in COMPUTE_KINDS or (duration > 0 and a.kind in COMM_KINDS):
             t = max(t, lane_free[r][0])
@@ -170,7 +209,7 @@ def simulate(
         elif a.kind in COPY_KINDS:
             t = max(t, lane_free[r][1])
             lane_free[r][1] = t + duration
-        start[r][k], end[r][k] = t, t + duration
+        start[r][k], end[r][k], issued[r][k] = t, t + duration, t
     finish = max((max(e) for e in end if e), default=0.0)
     if not math.isfinite(finish):
         # Every figure is finite (CostModel checks), but their sums can still overflow.

@@ -7,9 +7,13 @@ offending actions and showing the rank x step grid with them marked):
 2. completeness: per (stage, microbatch) one F, one B or one I + one W, at most
    one R, OFFLOAD/RELOAD in pairs; in a lowered schedule exactly the SEND/RECV
    actions the dependency model asks for; weight OFFLOAD/RELOAD alternate;
-3. order: a dependency on the same rank comes earlier in that rank's list;
-   no compute of a stage while its weights are offloaded;
-4. deadlock: the (rank, step) graph of :mod:`zeropipe.deps` has no cycle;
+   gradient reduction: no REDUCE_GRAD at all, or exactly one per stage;
+3. order: a dependency on the same rank comes earlier in that rank's list (so a
+   stage's REDUCE_GRAD follows all its B and W); no compute of a stage while its
+   weights are offloaded; each overlapped pair adjacent, its backward not
+   needing its forward;
+4. deadlock: the (rank, step) graph of :mod:`zeropipe.deps` has no cycle (an
+   overlapped pair waits for the inputs of both its actions);
 5. memory (optional): each rank's peak, from :mod:`zeropipe.costs`, fits a limit.
 """
 
@@ -40,7 +44,9 @@ def validate(
     deps = Dependencies(schedule)
     _check_shape(schedule)
     _check_complete(schedule, deps)
+    _check_reductions(schedule)
     _check_order(schedule, deps)
+    _check_overlaps(schedule, deps)
     graph = Graph(schedule, deps)
     if memory_limit is not None:
         costs = costs or CostModel.uniform_for(schedule)
@@ -201,6 +207,51 @@ def _check_complete(schedule: Schedule, deps: Dependencies) -> None:
             state[a.stage] = (a.kind, k)
 
 
+def _check_reductions(schedule: Schedule) -> None:
+    where: dict[int, list[tuple[int, int]]] = {}
+    for r, acts in enumerate(schedule.actions):
+        for k, a in enumerate(acts):
+            if a.kind is Kind.REDUCE_GRAD:
+                where.setdefault(a.stage, []).append((r, k))
+    if not where:
+        return
+    for s, places in sorted(where.items()):
+        if len(places) > 1:
+            raise _fail(
+                schedule,
+                f"{Action(Kind.REDUCE_GRAD, s)} appears {len(places)} times; a stage's "
+                f"gradients are reduced once per step",
+                "reduce",
+                places,
+            )
+    missing = [s for s in range(schedule.num_stages) if s not in where]
+    if missing:
+        s = missing[0]
+        rank = schedule.placement[s]
+        raise _fail(
+            schedule,
+            f"{Action(Kind.REDUCE_GRAD, s)} is missing: a schedule reduces the gradients of "
+            f"every stage or of none (stage(s) {missing} have no REDUCE_GRAD); add it after "
+            f"stage {s}'s last B/W on rank {rank} (zeropipe.reduce.add_reductions does)",
+            "reduce",
+            [(rank, max(len(schedule.actions[rank]) - 1, 0))] if schedule.actions[rank] else [],
+        )
+
+
+def _check_overlaps(schedule: Schedule, deps: Dependencies) -> None:
+    schedule.check_overlaps_adjacent()
+    for first, second in sorted(schedule.overlaps, key=str):
+        if first in deps.upstream(second):
+            r, k = schedule.position(first) or (0, 0)  # present: checked adjacent above
+            raise _fail(
+                schedule,
+                f"overlapped pair ({first};{second}): {second} needs {first}, so the two "
+                f"cannot start together; run them as separate actions",
+                "overlap",
+                [(r, k), (r, k + 1)],
+            )
+
+
 def _check_order(schedule: Schedule, deps: Dependencies) -> None:
     pos = {a: (r, k) for r, acts in enumerate(schedule.actions) for k, a in enumerate(acts)}
     for r, acts in enumerate(schedule.actions):
@@ -230,6 +281,8 @@ def _check_order(schedule: Schedule, deps: Dependencies) -> None:
 
 
 def _why(action: Action, dep: Action) -> str:
+    if action.kind is Kind.REDUCE_GRAD:
+        return "a stage's gradients are reduced once all its B and W have run"
     if action.kind is Kind.W and dep.kind is Kind.I:
         return "W uses what I leaves behind"
     if dep.kind is Kind.F:

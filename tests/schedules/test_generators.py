@@ -20,7 +20,7 @@ from collections.abc import Callable
 import pytest
 
 from zeropipe.errors import ScheduleError
-from zeropipe.ir import Kind, Schedule
+from zeropipe.ir import Action, Kind, Schedule
 from zeropipe.lower import lower
 from zeropipe.schedules import GENERATORS, generate
 from zeropipe.validate import validate
@@ -173,8 +173,8 @@ rank 0: 0F0 0F1 2F0 2F1 2B1 2B0 0B1 0B0
 rank 1: 1F0 1F1 3F0 3F1 3B1 3B0 1B1 1B0
 """,
     ("dualpipev", 2, 4, 2): """
-rank 0: 0F0 0F1 0F2 3F0 3I0 3W0 3F1 0F3 3B1 3F2 0B0 3B2 3F3 0B1 3B3 0I2 0W2 0I3 0W3
-rank 1: 1F0 2F0 1F1 2F1 1F2 2B0 2F2 1B0 1F3 2B1 2F3 1B1 2B2 1B2 2I3 1I3 2W3 1W3
+rank 0: 0F0 0F1 0F2 3F0 3I0 3W0 3F1 (0F3;3B1) (3F2;0B0) 3B2 (3F3;0B1) 3B3 0I2 0W2 0I3 0W3
+rank 1: 1F0 2F0 1F1 2F1 1F2 2B0 (2F2;1B0) (1F3;2B1) (2F3;1B1) 2B2 1B2 2I3 1I3 2W3 1W3
 """,
 }
 
@@ -194,3 +194,8 @@ def test_golden_dualpipev_pairs_overlapped_steps_forward_first() -> None:
     acts = [str(a) for a in generate("dualpipev", 2, 4).actions[0]]
     at = acts.index("0F3")
     assert acts[at : at + 4] == ["0F3", "3B1", "3F2", "0B0"]
+    # ... and recorded as overlapped pairs; the last rank's first [F(a) B(b)] is not one.
+    s = generate("dualpipev", 2, 4)
+    assert s.overlapped(0) == frozenset({at, at + 2, at + 5})
+    assert s.actions[1][4:6] == (Action.parse("1F2"), Action.parse("2B0"))
+    assert 4 not in s.overlapped(1)

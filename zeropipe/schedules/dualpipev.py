@@ -19,8 +19,9 @@ now, W later to fill a bubble).  Rank ``r`` of ``p`` with ``m`` microbatches::
     7  (p-r-1)  x W I(a)                               (W: oldest deferred one)
     8  the remaining deferred W
 
-On the last rank DualPipeV does not overlap the first pair of step 4 (it is
-on the critical path); as single actions that changes nothing here.
+Each [..] is recorded as an overlapped pair (``Schedule.overlaps``), except,
+as in DualPipeV, the first [F(a) B(b)] of step 4 on the last rank (it is on
+the critical path).  The pairs are torch's ScheduleDualPipeV's, action for action.
 
 Step 4 runs ``m - 2p + r + 1`` times.  DeepSeek's code and torch's
 ScheduleDualPipeV ask for ``m >= 2p``; the same steps are complete and valid
@@ -33,14 +34,14 @@ from __future__ import annotations
 from collections import Counter, deque
 
 from zeropipe.errors import ScheduleError
-from zeropipe.ir import Action, Kind, Schedule
+from zeropipe.ir import Action, Kind, Overlap, Schedule
 from zeropipe.schedules.registry import register
 from zeropipe.schedules.zbv import v_placement
 
 F, B, I, W = Kind.F, Kind.B, Kind.I, Kind.W
 
 
-def _rank_order(rank: int, ranks: int, microbatches: int) -> list[Action]:
+def _rank_order(rank: int, ranks: int, microbatches: int, pairs: list[Overlap]) -> list[Action]:
     a, b = rank, 2 * ranks - 1 - rank
     fwd: Counter[int] = Counter()
     bwd: Counter[int] = Counter()
@@ -61,6 +62,11 @@ def _rank_order(rank: int, ranks: int, microbatches: int) -> list[Action]:
         if deferred:
             acts.append(deferred.popleft())
 
+    def overlapped(f: int, bw: int) -> None:
+        forward(f)
+        backward(bw)
+        pairs.append((acts[-2], acts[-1]))
+
     later = ranks - rank - 1  # how many ranks lie beyond this one
     for _ in range(2 * later):
         forward(a)
@@ -71,15 +77,16 @@ def _rank_order(rank: int, ranks: int, microbatches: int) -> list[Action]:
         backward(b, split=True)
         weight()
         forward(b)
-    for _ in range(microbatches - 2 * ranks + rank + 1):
-        forward(a)
-        backward(b)
-        forward(b)
-        backward(a)
+    for n in range(microbatches - 2 * ranks + rank + 1):
+        if n == 0 and later == 0:  # the last rank's first one is not overlapped
+            forward(a)
+            backward(b)
+        else:
+            overlapped(a, b)
+        overlapped(b, a)
     for _ in range(later):
         backward(b)
-        forward(b)
-        backward(a)
+        overlapped(b, a)
     split = False
     middle = (rank + 1) // 2
     for i in range(rank + 1):
@@ -112,5 +119,6 @@ def dualpipev(ranks: int, microbatches: int, chunks: int = 2) -> Schedule:
             f"use microbatches >= {least}, or zbv, which takes any count",
             rule="unsupported",
         )
-    acts = [_rank_order(r, ranks, microbatches) for r in range(ranks)]
-    return Schedule(v_placement(ranks), acts, microbatches, "dualpipev")
+    pairs: list[Overlap] = []
+    acts = [_rank_order(r, ranks, microbatches, pairs) for r in range(ranks)]
+    return Schedule(v_placement(ranks), acts, microbatches, "dualpipev", pairs)

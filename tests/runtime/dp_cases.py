@@ -203,6 +203,18 @@ def _local_case(rank: int) -> dict[str, Any]:
     return {"loss": loss.item(), "grads": _owned_grads(model), "dp_size": pipe.dp_size}
 
 
+def _timeline_case(mesh: Any, dp: int) -> dict[str, Any]:
+    """1f1b on a wider MLP: this rank's measured events of the second step, as (action, start,
+    end) on the perf_counter clock every process on the machine shares."""
+    model = mlp(layers=8, width=64)
+    x, y = batch_for(model, batch=16)
+    pipe = Pipeline(model, "1f1b", microbatches=4, loss_fn=F.mse_loss, mesh=mesh, options=OPTIONS)
+    for _ in range(2):
+        pipe.step(replica_slice(x, dp), replica_slice(y, dp))
+    timeline = pipe.timeline()
+    return {"events": [(str(e.action), e.lane, e.start, e.end) for e in timeline.events[pipe.rank]]}
+
+
 def _refusals(mesh: Any) -> list[str]:
     messages = []
     for make in (
@@ -231,6 +243,7 @@ def cases(rank: int, world: int) -> dict[str, Any]:
     out["clip"] = _guard(lambda: _clip_case(mesh, dp))
     out["accumulate"] = _guard(lambda: _accumulate_case(mesh, dp))
     out["local"] = _guard(lambda: _local_case(rank))
+    out["timeline"] = _guard(lambda: _timeline_case(mesh, dp))
     out["refusals"] = _guard(lambda: _refusals(mesh))
     return out
 

@@ -126,6 +126,8 @@ class GradReducer:
         for red in done:
             what = f"the data-parallel all-reduce of stage {red.stage}'s gradients"
             self.endpoint.wait(self.endpoint.pending(red.works, [(what, None)] * len(red.works)))
+            if not red.done:  # no completion callback: when the wait saw it done
+                red.done.append(time.perf_counter())
             for grads, flat in zip(red.grads, red.flats, strict=True):
                 offset = 0
                 for g in grads:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
@@ -36,7 +36,7 @@ from zeropipe.device import check_autocast, make_current, resolve_device, single
 from zeropipe.errors import PipelineError, ScheduleError
 from zeropipe.fuse import fused_weights
 from zeropipe.ir import Kind, Schedule
-from zeropipe.runtime.data_parallel import GradReducer, Replicas, reduction_owners
+from zeropipe.runtime.data_parallel import GradReducer, Reduction, Replicas, reduction_owners
 from zeropipe.runtime.executor import run_local, run_rank
 from zeropipe.runtime.handlers import BoundaryMeta, StepContext
 from zeropipe.runtime.loss import LossContract, LossCountFn, LossFn
@@ -509,6 +509,7 @@ class Pipeline:
                     loss = sum((ctx.losses[i] * ctx.weights[i] for i in range(m)), torch.zeros(()))
                 if ctx.reducer is not None:
                     ctx.reducer.wait_all()
+                    self.last_events = _reductions_as_run(self.last_events, ctx.reducer.last)
                 loss = self.transport.finish_step(loss)
                 if replicas is not None and loss is not None:
                     replicas.sum_([loss], "the data-parallel sum of the step's loss")
@@ -625,6 +626,21 @@ def _compute_device(
     elif distributed:
         make_current(resolved)
     return resolved
+
+
+def _reductions_as_run(events: list[list[Event]], done: list[Reduction]) -> list[list[Event]]:
+    """Each REDUCE_GRAD event from its post to its all-reduce's completion (the executor saw
+    only the post), so the timeline shows the reduction while other actions run."""
+    ends = {red.stage: max(red.done) for red in done if red.done}
+    return [
+        [
+            replace(e, end=max(e.end, ends[e.action.stage]))
+            if e.action.kind is Kind.REDUCE_GRAD and e.action.stage in ends
+            else e
+            for e in evs
+        ]
+        for evs in events
+    ]
 
 
 def _groups(

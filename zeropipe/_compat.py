@@ -32,6 +32,14 @@ What is private, and why zeropipe needs it:
 ``Node.name()`` ==                 AccumulateGrad has no Python class; its
 ``"torch::autograd::AccumulateGrad"``  C++ name is how priority and parallel
                                    branches recognise a leaf's gradient sink
+``FSDPModule._get_fsdp_state()``   FSDP2's state of a ``fully_shard`` root; the
+``FSDPState._lazy_init()``         pipeline runs a sharded stage's gradient
+``._state_ctx.all_states``         reduce-scatter at its REDUCE_GRAD action,
+``._fsdp_param_groups``            not from autograd hooks: it initialises the
+``FSDPParamGroup.post_backward()``  root, reduce-scatters each parameter group
+``FSDPState._root_post_backward_`` and finishes the backward the way
+``final_callback()``               torch.distributed.pipelining's
+                                   ``perform_reduce_grad`` does
 =================================  ===========================================
 
 Device streams and the choice of a device / collective backend use public
@@ -58,6 +66,9 @@ __all__ = [
     "compiled_autograd_reason",
     "current_stream",
     "default_backend",
+    "fsdp_finish_backward",
+    "fsdp_lazy_init",
+    "fsdp_reduce_scatter",
     "get_sequence_nr",
     "is_accumulate_grad",
     "new_stream",
@@ -277,3 +288,43 @@ def abort_group(group: Any | None) -> None:
 def default_backend(device: torch.device) -> str:
     """The collective backend for ``device``: NCCL for CUDA GPUs, gloo otherwise."""
     return "nccl" if device.type == "cuda" else "gloo"
+
+
+# --- FSDP2 (torch.distributed.fsdp.fully_shard) ------------------------------
+# Checked on torch 2.13.0 (run here, gloo on CPU) and, by reading the sources
+# of the v2.11.0 tag, on 2.11: the same names with the same meaning exist in
+# torch/distributed/fsdp/_fully_shard/_fully_shard.py (``_get_fsdp_state``),
+# _fsdp_state.py (``_lazy_init``, ``_state_ctx.all_states``,
+# ``_fsdp_param_groups``, ``_root_post_backward_final_callback``) and
+# _fsdp_param_group.py (``post_backward``).
+
+
+def _fsdp_state(module: Any) -> Any:
+    return module._get_fsdp_state()
+
+
+def fsdp_lazy_init(module: Any) -> None:
+    """Make ``module`` (a ``fully_shard`` root) ready to unshard and reduce outside its forward.
+
+    FSDP2 does this in the root's first pre-forward; a pipeline stage driven
+    explicitly (its container never called) needs it before the first unshard.
+    """
+    _fsdp_state(module)._lazy_init()
+
+
+def fsdp_reduce_scatter(module: Any) -> None:
+    """Reduce-scatter the gradients of every parameter group under ``module`` now.
+
+    What autograd's post-backward hook would do at the end of a backward with
+    gradient sync on: the unsharded parameters' ``.grad`` are reduce-scattered
+    into the sharded parameters' ``.grad`` (added to what is there), and the
+    group reshards if ``set_reshard_after_backward(True)``.
+    """
+    for state in _fsdp_state(module)._state_ctx.all_states:
+        for group in state._fsdp_param_groups:
+            group.post_backward()
+
+
+def fsdp_finish_backward(module: Any) -> None:
+    """The root's end-of-backward callback: wait for the reductions, reset per-step state."""
+    _fsdp_state(module)._root_post_backward_final_callback()

@@ -200,3 +200,41 @@ def test_two_torchrun_launches_as_two_nodes_match_the_global_batch(tmp_path: Pat
                 results, f"{key} step {step}", lambda o, k=key, s=step: o["grads"][k]["steps"][s],
                 ref_loss, ref, names,
             )  # fmt: skip
+
+
+@pytest.mark.parametrize("name", dp_cases.FSDP_SCHEDULES)
+def test_dp_shard_on_2x2_matches_the_global_batch_float64(name: str) -> None:
+    """dp_shard=True: the shards' gradients, gathered whole, are the global batch's on every rank."""
+    results = dp_cases.results()
+    cases = [c for c in dp_cases.fsdp_grid() if c[0] == name]
+    assert {c[1] for c in cases} == set(dp_cases.MODELS), f"{name}: a model is not covered"
+    for _, model_name, m in cases:
+        key = f"{name}/{model_name}/m={m}"
+        names = set(dict(dp_cases.MODELS[model_name][0]().named_parameters()))
+        for out in results:
+            _no_crash(out["fsdp"][key], f"dp_shard {key} on rank pp={out['pp']} dp={out['dp']}")
+        for pp in range(dp_cases.PP):
+            outs = [o["fsdp"][key] for o in results if o["pp"] == pp]
+            # between steps each replica holds a part of the stages, the parts make the whole
+            full = outs[0]["full_numel"]
+            assert all(0 < o["local_numel"] < full for o in outs), (key, pp, outs)
+            assert sum(o["local_numel"] for o in outs) == full, (key, pp)
+            for o in outs:
+                stages = sorted({int(a.split("R")[0]) for a in o["reductions"]})
+                for step in o["steps"]:
+                    # one reduce-scatter per unit, at a REDUCE_GRAD of this rank's stages
+                    assert len(step["reduced"]) == len(set(step["reduced"])) == o["units"] >= 1
+                    assert set(step["reduced"]) <= set(stages), (key, step["reduced"], stages)
+        for step in range(2):
+            ref_loss, ref = _reference(model_name, m, step)
+            _check_ranks(
+                results, f"dp_shard {key} step {step}",
+                lambda o, k=key, s=step: o["fsdp"][k]["steps"][s], ref_loss, ref, names,
+            )  # fmt: skip
+
+
+def test_dp_shard_without_a_data_parallel_group_or_on_the_local_executor_is_refused() -> None:
+    for out in dp_cases.results():
+        _no_crash(out["fsdp_refusals"], "fsdp_refusals")
+        for message in out["fsdp_refusals"]:
+            assert "dp_shard=True shards the stages over a data-parallel group" in message

@@ -68,6 +68,7 @@ __all__ = [
     "default_backend",
     "fsdp_finish_backward",
     "fsdp_lazy_init",
+    "fsdp_missing",
     "fsdp_reduce_scatter",
     "get_sequence_nr",
     "is_accumulate_grad",
@@ -291,12 +292,47 @@ def default_backend(device: torch.device) -> str:
 
 
 # --- FSDP2 (torch.distributed.fsdp.fully_shard) ------------------------------
-# Checked on torch 2.13.0 (run here, gloo on CPU) and, by reading the sources
-# of the v2.11.0 tag, on 2.11: the same names with the same meaning exist in
+# Checked on torch 2.13.0 only (run here, gloo on CPU): the names live in
 # torch/distributed/fsdp/_fully_shard/_fully_shard.py (``_get_fsdp_state``),
 # _fsdp_state.py (``_lazy_init``, ``_state_ctx.all_states``,
 # ``_fsdp_param_groups``, ``_root_post_backward_final_callback``) and
-# _fsdp_param_group.py (``post_backward``).
+# _fsdp_param_group.py (``post_backward``); torch.distributed.pipelining's
+# ``perform_reduce_grad`` uses the same ones.  Not checked on 2.11 (the GPU
+# machine's torch): :func:`fsdp_missing` names whatever a torch lacks, and the
+# pipeline refuses ``dp_shard=True`` with that list instead of failing mid-step.
+
+# (class, attribute) pairs the helpers below use; the public setters are listed too
+# because they appeared over several releases.
+_FSDP_NEEDS = (
+    ("torch.distributed.fsdp._fully_shard._fully_shard", "FSDPModule", "_get_fsdp_state"),
+    ("torch.distributed.fsdp._fully_shard._fully_shard", "FSDPModule", "unshard"),
+    ("torch.distributed.fsdp._fully_shard._fully_shard", "FSDPModule", "set_is_last_backward"),
+    ("torch.distributed.fsdp._fully_shard._fully_shard", "FSDPModule", "set_gradient_divide_factor"),
+    ("torch.distributed.fsdp._fully_shard._fully_shard", "FSDPModule",
+     "set_force_sum_reduction_for_comms"),
+    ("torch.distributed.fsdp._fully_shard._fully_shard", "FSDPModule",
+     "set_reshard_after_backward"),
+    ("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState", "_lazy_init"),
+    ("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState",
+     "_root_post_backward_final_callback"),
+    ("torch.distributed.fsdp._fully_shard._fsdp_param_group", "FSDPParamGroup", "post_backward"),
+)  # fmt: skip
+
+
+def fsdp_missing() -> list[str]:
+    """The FSDP2 names zeropipe's sharded stages need that this torch lacks (empty: none)."""
+    import importlib
+
+    missing = []
+    for module, cls, attr in _FSDP_NEEDS:
+        try:
+            owner = getattr(importlib.import_module(module), cls)
+        except (ImportError, AttributeError):
+            missing.append(f"{module}.{cls}")
+            continue
+        if not hasattr(owner, attr):
+            missing.append(f"{cls}.{attr}")
+    return missing
 
 
 def _fsdp_state(module: Any) -> Any:

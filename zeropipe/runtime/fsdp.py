@@ -82,6 +82,12 @@ class ShardedReducer(GradReducer):
         device: torch.device,
     ) -> None:
         super().__init__(replicas.endpoint, {})
+        missing = _compat.fsdp_missing()
+        if missing:
+            raise PipelineError(
+                f"dp_shard=True needs FSDP2 internals that torch {torch.__version__} lacks: "
+                f"{', '.join(missing)} (zeropipe._compat checks them; torch 2.13 has them)"
+            )
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard
 
@@ -99,10 +105,10 @@ class ShardedReducer(GradReducer):
                 if id(p) in index:
                     where.setdefault(index[id(p)], (stage.module, name))
         order = [a.stage for a in schedule.actions[rank] if a.kind is Kind.REDUCE_GRAD]
-        missing = sorted(set(stages) - set(order))
-        if missing:
+        unreduced = sorted(set(stages) - set(order))
+        if unreduced:
             raise PipelineError(
-                f"rank {rank}: stage(s) {missing} have no REDUCE_GRAD action, so their "
+                f"rank {rank}: stage(s) {unreduced} have no REDUCE_GRAD action, so their "
                 f"gradients would never be reduce-scattered across data-parallel replicas"
             )
         self.units: list[nn.Module] = []

@@ -188,6 +188,40 @@ def _fsdp_case(mesh: Any, dp: int, name: str, model_name: str, m: int) -> dict[s
     }
 
 
+LR = 0.5
+
+
+def _fsdp_train_case(mesh: Any, dp: int, name: str) -> dict[str, Any]:
+    """dp_shard=True under an optimizer: SGD on the shards, a step on the updated weights,
+    one more step without zero_grad (gradients add up), then eval_step."""
+    from torch.distributed.tensor import DTensor
+
+    model = token_model()
+    canonical = _canonical_names(model)
+    x, y = global_batch(model, 4)
+    xs, ys = replica_slice(x, dp), replica_slice(y, dp)
+    pipe = Pipeline(
+        model, name, microbatches=4, loss_fn=token_loss, mesh=mesh, options=OPTIONS,
+        dp_shard=True,
+    )  # fmt: skip
+    opt = torch.optim.SGD(pipe.parameters(), lr=LR)
+    pipe.step(xs, ys)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    loss = pipe.step(xs, ys).item()  # on the weights SGD updated
+    grads = _full_grads(model, canonical)
+    pipe.step(xs, ys)
+    twice = _full_grads(model, canonical)
+    eval_loss = pipe.eval_step(xs, ys)
+    return {
+        "loss": loss,
+        "grads": grads,
+        "twice": twice,
+        "eval_loss": None if eval_loss is None else float(eval_loss.item()),  # type: ignore[union-attr]
+        "sharded_after_eval": all(isinstance(p, DTensor) for p in pipe.parameters()),
+    }
+
+
 def _fsdp_refusals(mesh: Any) -> list[str]:
     messages = []
     for make in (
@@ -324,6 +358,10 @@ def cases(rank: int, world: int) -> dict[str, Any]:
         for name, model, m in fsdp_grid()
     }
     out["fsdp_refusals"] = _guard(lambda: _fsdp_refusals(mesh))
+    out["fsdp_train"] = {
+        name: _guard(functools.partial(_fsdp_train_case, mesh, dp, name))
+        for name in ("1f1b", "zbv")
+    }
     return out
 
 

@@ -238,3 +238,32 @@ def test_dp_shard_without_a_data_parallel_group_or_on_the_local_executor_is_refu
         _no_crash(out["fsdp_refusals"], "fsdp_refusals")
         for message in out["fsdp_refusals"]:
             assert "dp_shard=True shards the stages over a data-parallel group" in message
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zbv"])
+def test_dp_shard_trains_like_the_plain_model(name: str) -> None:
+    """SGD on the shards, then a step: the next all-gather sees the updated weights; a step
+    without zero_grad adds its gradients; eval_step gives the loss and leaves the stages sharded."""
+    model = token_model()
+    x, y = dp_cases.global_batch(model, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=dp_cases.LR)
+    token_loss(model(x), y).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    ref_loss = token_loss(model(x), y)
+    ref_loss.backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    names = set(ref)
+    results = dp_cases.results()
+    for out in results:
+        _no_crash(out["fsdp_train"][name], f"dp_shard training {name}")
+        got = out["fsdp_train"][name]
+        assert got["eval_loss"] is not None
+        assert abs(got["eval_loss"] - ref_loss.item()) <= 1e-10, (got["eval_loss"], ref_loss)
+        assert got["sharded_after_eval"]
+        twice = {k: g / 2 for k, g in got["twice"].items()}
+        assert_same_gradients(_as_params(twice), ref, only_owned=True)
+    _check_ranks(
+        results, f"dp_shard training {name}", lambda o: o["fsdp_train"][name], ref_loss.item(),
+        ref, names,
+    )  # fmt: skip

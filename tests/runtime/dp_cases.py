@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from tests.gradcheck import batch_for, mlp, token_loss, token_model
 from zeropipe.costs import CostModel
 from zeropipe.errors import PipelineError, ScheduleError
+from zeropipe.fit import offload_weights
 from zeropipe.plan import auto_plan
 from zeropipe.runtime.pipeline import Pipeline, RuntimeOptions
 from zeropipe.schedules import GENERATORS, generate
@@ -229,6 +230,8 @@ def _fsdp_refusals(mesh: Any) -> list[str]:
                          executor="local", dp_shard=True),
         lambda: Pipeline(mlp(), "1f1b", microbatches=2, loss_fn=F.mse_loss, ranks=2,
                          executor="local", dp_group=mesh.get_group("dp"), dp_shard=True),
+        lambda: Pipeline(mlp(), offload_weights(generate("1f1b", PP, 2)), loss_fn=F.mse_loss,
+                         mesh=mesh, device="cpu", dp_shard=True),
     ):  # fmt: skip
         try:
             make()

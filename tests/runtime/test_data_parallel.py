@@ -233,11 +233,15 @@ def test_dp_shard_on_2x2_matches_the_global_batch_float64(name: str) -> None:
             )  # fmt: skip
 
 
-def test_dp_shard_without_a_data_parallel_group_or_on_the_local_executor_is_refused() -> None:
+def test_dp_shard_without_a_dp_group_on_the_local_executor_or_with_weight_offload_is_refused() -> (
+    None
+):
     for out in dp_cases.results():
         _no_crash(out["fsdp_refusals"], "fsdp_refusals")
-        for message in out["fsdp_refusals"]:
+        no_group, local, offload = out["fsdp_refusals"]
+        for message in (no_group, local):
             assert "dp_shard=True shards the stages over a data-parallel group" in message
+        assert "dp_shard=True with weight OFFLOAD/RELOAD" in offload, offload
 
 
 @pytest.mark.parametrize("name", ["1f1b", "zbv"])

@@ -241,6 +241,11 @@ class Pipeline:
                 f"process group has {world}; launch {self.schedule.num_ranks} processes or pass "
                 f"ranks={world}"
             )
+        if dp_shard and any(a.is_weight_copy for acts in self.schedule.actions for a in acts):
+            raise PipelineError(
+                f"dp_shard=True with weight OFFLOAD/RELOAD in schedule {self.schedule.name!r}: "
+                f"the weights would be both sharded and offloaded; use one or the other"
+            )
         self.all_stages = _build_stages(stages, self.schedule.num_stages, balance)
         self.deps = Dependencies(self.schedule)
         self.graph = Graph(self.schedule, self.deps)
@@ -606,12 +611,7 @@ class Pipeline:
         self.transport.reduce_shared(grads)
 
     def _sharded_reducer(self, replicas: Replicas) -> ShardedReducer:
-        """FSDP2 on this process's stages; refuses what it cannot shard."""
-        if any(a.is_weight_copy for acts in self.schedule.actions for a in acts):
-            raise PipelineError(
-                f"dp_shard=True with weight OFFLOAD/RELOAD in schedule {self.schedule.name!r}: "
-                f"the weights would be both sharded and offloaded; use one or the other"
-            )
+        """FSDP2 on this process's stages (their parameters become DTensor shards)."""
         device = self.device
         if device is None:
             device = next((p.device for p in self.parameters()), torch.device("cpu"))

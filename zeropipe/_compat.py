@@ -40,6 +40,10 @@ What is private, and why zeropipe needs it:
 ``FSDPState._root_post_backward_`` and finishes the backward the way
 ``final_callback()``               torch.distributed.pipelining's
                                    ``perform_reduce_grad`` does
+``fsdp._fully_shard._fsdp_api.``   the base classes of FSDP2's pluggable
+``AllGather``, ``ReduceScatter``   collectives (not exported publicly): the
+                                   pipeline posts them itself, so a failed
+                                   peer ends the wait within its time limit
 =================================  ===========================================
 
 Device streams and the choice of a device / collective backend use public
@@ -66,6 +70,7 @@ __all__ = [
     "compiled_autograd_reason",
     "current_stream",
     "default_backend",
+    "fsdp_bounded_comms",
     "fsdp_finish_backward",
     "fsdp_lazy_init",
     "fsdp_missing",
@@ -316,6 +321,11 @@ _FSDP_NEEDS = (
     ("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState",
      "_root_post_backward_final_callback"),
     ("torch.distributed.fsdp._fully_shard._fsdp_param_group", "FSDPParamGroup", "post_backward"),
+    ("torch.distributed.fsdp._fully_shard._fully_shard", "FSDPModule", "set_custom_all_gather"),
+    ("torch.distributed.fsdp._fully_shard._fully_shard", "FSDPModule",
+     "set_custom_reduce_scatter"),
+    ("torch.distributed.fsdp._fully_shard._fsdp_api", "AllGather", "allocate"),
+    ("torch.distributed.fsdp._fully_shard._fsdp_api", "ReduceScatter", "allocate"),
 )  # fmt: skip
 
 
@@ -364,3 +374,55 @@ def fsdp_reduce_scatter(module: Any) -> None:
 def fsdp_finish_backward(module: Any) -> None:
     """The root's end-of-backward callback: wait for the reductions, reset per-step state."""
     _fsdp_state(module)._root_post_backward_final_callback()
+
+
+def fsdp_bounded_comms(module: Any, run: Callable[[Callable[[], Any], str], None]) -> None:
+    """Route ``module``'s all-gather and reduce-scatter through ``run(post, what)``.
+
+    ``post()`` issues the collective asynchronously and returns its work;
+    ``run`` waits for it (the pipeline: within its time limit, watching for
+    failed peers).  FSDP2 then sees a completed collective (the call returns
+    no work to wait on).
+    """
+    import torch.distributed as dist
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+    def allocate(size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    # all_gather_single / reduce_scatter_single are FSDP2's own in 2.13, where the
+    # *_tensor names (same signatures) warn that they are deprecated; older releases
+    # may lack them.
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+    class _AllGather(AllGather):
+        def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+            return allocate(size, dtype=dtype, device=device)
+
+        def __call__(
+            self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
+            async_op: bool = False,
+        ) -> None:  # fmt: skip
+            run(
+                lambda: all_gather(output_tensor, input_tensor, group=group, async_op=True),
+                "the data-parallel all-gather of sharded parameters",
+            )
+
+    class _ReduceScatter(ReduceScatter):
+        def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+            return allocate(size, dtype=dtype, device=device)
+
+        def __call__(
+            self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
+            async_op: bool = False,
+        ) -> None:  # fmt: skip
+            run(
+                lambda: reduce_scatter(
+                    output_tensor, input_tensor, op=op, group=group, async_op=True
+                ),
+                "the data-parallel reduce-scatter of sharded gradients",
+            )
+
+    module.set_custom_all_gather(_AllGather())
+    module.set_custom_reduce_scatter(_ReduceScatter())

@@ -28,6 +28,11 @@ would all-gather again for every microbatch, and W (after the backward that
 autograd saw) would find the full parameters gone; keeping them is what
 makes the split backward exact.
 
+FSDP's all-gathers and reduce-scatters are posted through the pipeline's
+data-parallel endpoint (``set_custom_all_gather`` / ``set_custom_reduce_scatter``)
+and waited on within ``RuntimeOptions.timeout``, watching for failed peers, like
+every other collective of a step: a replica that fails ends its peers' waits.
+
 Parameters used by several stages of this rank (a V placement's tied
 embedding) must be one FSDP parameter: those stages are sharded together,
 as one unit (``fully_shard`` on a container of their modules), reduced at
@@ -120,6 +125,7 @@ class ShardedReducer(GradReducer):
             # The loss weights are global shares already: the reduce-scatter must SUM.
             unit.set_gradient_divide_factor(1.0)  # type: ignore[operator]
             unit.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
+            _compat.fsdp_bounded_comms(unit, self._run)
             _compat.fsdp_lazy_init(unit)
             k = len(self.units)
             self.units.append(unit)
@@ -132,6 +138,11 @@ class ShardedReducer(GradReducer):
         ]
         self.posted: list[tuple[int, nn.Module]] = []
         self.reduced: list[int] = []  # the last step's REDUCE_GRADs that reduce-scattered
+
+    def _run(self, post: Callable[[], object], what: str) -> None:
+        """Post a collective FSDP asks for and wait, within the pipeline's time limit."""
+        work = self.endpoint.call(post, what)
+        self.endpoint.wait(self.endpoint.pending([work], [(what, None)]))
 
     def unshard(self) -> None:
         """Gather the full parameters of every stage of this rank (start of a step)."""

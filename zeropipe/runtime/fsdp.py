@@ -97,6 +97,7 @@ class ShardedReducer(GradReducer):
         from torch.distributed.fsdp import fully_shard
 
         self.dp_size, self.dp_rank = replicas.size, replicas.rank
+        self.device = device
         self.sum_over_pp = sum_over_pp
         self.shared_shapes = [tuple(p.shape) for p in shared]
         self.shared_dtypes = [p.dtype for p in shared]
@@ -189,7 +190,7 @@ class ShardedReducer(GradReducer):
             self.shared_params, self.shared_shapes, self.shared_dtypes, strict=True
         ):
             if p is None:
-                grads.append(torch.zeros(self._local_shape(shape), dtype=dtype))
+                grads.append(torch.zeros(self._local_shape(shape), dtype=dtype, device=self.device))
                 continue
             if p.grad is None:
                 p.grad = torch.zeros_like(p)

@@ -19,14 +19,17 @@ drives FSDP explicitly::
     step end       wait for the reductions; sum the shards of parameters shared
                    with stages on other pipeline ranks (tied embeddings) over "pp"
 
-Memory: between REDUCE_GRADs nothing is sharded -- a rank holds its stages'
-full parameters and full gradients from its first F to each stage's
-REDUCE_GRAD, as the replicated mode does; sharding saves memory between steps
-(optimizer state, parameters and gradients are 1/dp) and costs one
-all-gather per stage per step.  Resharding after each forward or backward
-would all-gather again for every microbatch, and W (after the backward that
-autograd saw) would find the full parameters gone; keeping them is what
-makes the split backward exact.
+Memory: during a step nothing is sharded -- a rank holds its stages' full
+parameters from the step's start, and their full gradients, until each
+stage's REDUCE_GRAD, as the replicated mode does, *plus* the shards (1/dp of
+the parameters, and of the gradients when steps accumulate).  Sharding saves
+memory between steps only: parameters, gradients and the optimizer state an
+optimizer builds on them are 1/dp there.  It costs one all-gather per stage
+per step.  Keeping the stages whole is required here, not only cheaper: the
+forward, R and the backwards use the weights saved or captured at F, and no
+FSDP hook re-gathers them; gathering and freeing around every F/B/I/W/R
+action instead was tried (zbv, 2x2, float64 MLP) and ran, but gave wrong
+LayerNorm weight gradients (off by ~3e-2) -- why was not established.
 
 FSDP's all-gathers and reduce-scatters are posted through the pipeline's
 data-parallel endpoint (``set_custom_all_gather`` / ``set_custom_reduce_scatter``)

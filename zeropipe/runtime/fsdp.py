@@ -28,8 +28,9 @@ optimizer builds on them are 1/dp there.  It costs one all-gather per stage
 per step.  Keeping the stages whole is required here, not only cheaper: the
 forward, R and the backwards use the weights saved or captured at F, and no
 FSDP hook re-gathers them; gathering and freeing around every F/B/I/W/R
-action instead was tried (zbv, 2x2, float64 MLP) and ran, but gave wrong
-LayerNorm weight gradients (off by ~3e-2) -- why was not established.
+action instead (``unshard()`` before, ``reshard()`` after) was tried on zbv,
+2x2, float64 MLP: it ran, but every parameter's gradient was wrong (max
+errors 0.02 to 0.25); the cause was not established.
 
 FSDP's all-gathers and reduce-scatters are posted through the pipeline's
 data-parallel endpoint (``set_custom_all_gather`` / ``set_custom_reduce_scatter``)

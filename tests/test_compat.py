@@ -121,3 +121,11 @@ def test_device_string_only_in_compat() -> None:
     root = Path(_compat.__file__).parent
     for rel in ("autograd/parallel.py", "autograd/branch_pool.py", "autograd/priority.py"):
         assert "cuda" not in (root / rel).read_text().lower(), rel
+
+
+def test_fsdp2_internals_for_sharded_stages_exist() -> None:
+    # dp_shard=True drives FSDP2 by hand (tests/runtime/test_data_parallel.py runs it)
+    assert _compat.fsdp_missing() == []
+    from torch.distributed.fsdp import FSDPModule
+
+    assert callable(FSDPModule._get_fsdp_state)

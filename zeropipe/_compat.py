@@ -32,6 +32,18 @@ What is private, and why zeropipe needs it:
 ``Node.name()`` ==                 AccumulateGrad has no Python class; its
 ``"torch::autograd::AccumulateGrad"``  C++ name is how priority and parallel
                                    branches recognise a leaf's gradient sink
+``FSDPModule._get_fsdp_state()``   FSDP2's state of a ``fully_shard`` root; the
+``FSDPState._lazy_init()``         pipeline runs a sharded stage's gradient
+``._state_ctx.all_states``         reduce-scatter at its REDUCE_GRAD action,
+``._fsdp_param_groups``            not from autograd hooks: it initialises the
+``FSDPParamGroup.post_backward()``  root, reduce-scatters each parameter group
+``FSDPState._root_post_backward_`` and finishes the backward the way
+``final_callback()``               torch.distributed.pipelining's
+                                   ``perform_reduce_grad`` does
+``fsdp._fully_shard._fsdp_api.``   the base classes of FSDP2's pluggable
+``AllGather``, ``ReduceScatter``   collectives (not exported publicly): the
+                                   pipeline posts them itself, so a failed
+                                   peer ends the wait within its time limit
 =================================  ===========================================
 
 Device streams and the choice of a device / collective backend use public
@@ -58,6 +70,11 @@ __all__ = [
     "compiled_autograd_reason",
     "current_stream",
     "default_backend",
+    "fsdp_bounded_comms",
+    "fsdp_finish_backward",
+    "fsdp_lazy_init",
+    "fsdp_missing",
+    "fsdp_reduce_scatter",
     "get_sequence_nr",
     "is_accumulate_grad",
     "new_stream",
@@ -277,3 +294,135 @@ def abort_group(group: Any | None) -> None:
 def default_backend(device: torch.device) -> str:
     """The collective backend for ``device``: NCCL for CUDA GPUs, gloo otherwise."""
     return "nccl" if device.type == "cuda" else "gloo"
+
+
+# --- FSDP2 (torch.distributed.fsdp.fully_shard) ------------------------------
+# Checked on torch 2.13.0 only (run here, gloo on CPU): the names live in
+# torch/distributed/fsdp/_fully_shard/_fully_shard.py (``_get_fsdp_state``),
+# _fsdp_state.py (``_lazy_init``, ``_state_ctx.all_states``,
+# ``_fsdp_param_groups``, ``_root_post_backward_final_callback``) and
+# _fsdp_param_group.py (``post_backward``); torch.distributed.pipelining's
+# ``perform_reduce_grad`` uses the same ones.  Not checked on 2.11 (the GPU
+# machine's torch): :func:`fsdp_missing` names whatever a torch lacks, and the
+# pipeline refuses ``dp_shard=True`` with that list instead of failing mid-step.
+
+# (class, attribute) pairs the helpers below use; the public setters are listed too
+# because they appeared over several releases.
+_FSDP_NEEDS = (
+    ("torch.distributed.fsdp._fully_shard._fully_shard", "FSDPModule", "_get_fsdp_state"),
+    ("torch.distributed.fsdp._fully_shard._fully_shard", "FSDPModule", "unshard"),
+    ("torch.distributed.fsdp._fully_shard._fully_shard", "FSDPModule", "set_is_last_backward"),
+    ("torch.distributed.fsdp._fully_shard._fully_shard", "FSDPModule", "set_gradient_divide_factor"),
+    ("torch.distributed.fsdp._fully_shard._fully_shard", "FSDPModule",
+     "set_force_sum_reduction_for_comms"),
+    ("torch.distributed.fsdp._fully_shard._fully_shard", "FSDPModule",
+     "set_reshard_after_backward"),
+    ("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState", "_lazy_init"),
+    ("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState",
+     "_root_post_backward_final_callback"),
+    ("torch.distributed.fsdp._fully_shard._fsdp_param_group", "FSDPParamGroup", "post_backward"),
+    ("torch.distributed.fsdp._fully_shard._fully_shard", "FSDPModule", "set_custom_all_gather"),
+    ("torch.distributed.fsdp._fully_shard._fully_shard", "FSDPModule",
+     "set_custom_reduce_scatter"),
+    ("torch.distributed.fsdp._fully_shard._fsdp_api", "AllGather", "allocate"),
+    ("torch.distributed.fsdp._fully_shard._fsdp_api", "ReduceScatter", "allocate"),
+)  # fmt: skip
+
+
+def fsdp_missing() -> list[str]:
+    """The FSDP2 names zeropipe's sharded stages need that this torch lacks (empty: none)."""
+    import importlib
+
+    missing = []
+    for module, cls, attr in _FSDP_NEEDS:
+        try:
+            owner = getattr(importlib.import_module(module), cls)
+        except (ImportError, AttributeError):
+            missing.append(f"{module}.{cls}")
+            continue
+        if not hasattr(owner, attr):
+            missing.append(f"{cls}.{attr}")
+    return missing
+
+
+def _fsdp_state(module: Any) -> Any:
+    return module._get_fsdp_state()
+
+
+def fsdp_lazy_init(module: Any) -> None:
+    """Make ``module`` (a ``fully_shard`` root) ready to unshard and reduce outside its forward.
+
+    FSDP2 does this in the root's first pre-forward; a pipeline stage driven
+    explicitly (its container never called) needs it before the first unshard.
+    """
+    _fsdp_state(module)._lazy_init()
+
+
+def fsdp_reduce_scatter(module: Any) -> None:
+    """Reduce-scatter the gradients of every parameter group under ``module`` now.
+
+    What autograd's post-backward hook would do at the end of a backward with
+    gradient sync on: the unsharded parameters' ``.grad`` are reduce-scattered
+    into the sharded parameters' ``.grad`` (added to what is there), and the
+    group reshards if ``set_reshard_after_backward(True)``.
+    """
+    for state in _fsdp_state(module)._state_ctx.all_states:
+        for group in state._fsdp_param_groups:
+            group.post_backward()
+
+
+def fsdp_finish_backward(module: Any) -> None:
+    """The root's end-of-backward callback: wait for the reductions, reset per-step state."""
+    _fsdp_state(module)._root_post_backward_final_callback()
+
+
+def fsdp_bounded_comms(module: Any, run: Callable[[Callable[[], Any], str], None]) -> None:
+    """Route ``module``'s all-gather and reduce-scatter through ``run(post, what)``.
+
+    ``post()`` issues the collective asynchronously and returns its work;
+    ``run`` waits for it (the pipeline: within its time limit, watching for
+    failed peers).  FSDP2 then sees a completed collective (the call returns
+    no work to wait on).
+    """
+    import torch.distributed as dist
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+    def allocate(size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    # all_gather_single / reduce_scatter_single are FSDP2's own in 2.13, where the
+    # *_tensor names (same signatures) warn that they are deprecated; older releases
+    # may lack them.
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+    class _AllGather(AllGather):
+        def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+            return allocate(size, dtype=dtype, device=device)
+
+        def __call__(
+            self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
+            async_op: bool = False,
+        ) -> None:  # fmt: skip
+            run(
+                lambda: all_gather(output_tensor, input_tensor, group=group, async_op=True),
+                "the data-parallel all-gather of sharded parameters",
+            )
+
+    class _ReduceScatter(ReduceScatter):
+        def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+            return allocate(size, dtype=dtype, device=device)
+
+        def __call__(
+            self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
+            async_op: bool = False,
+        ) -> None:  # fmt: skip
+            run(
+                lambda: reduce_scatter(
+                    output_tensor, input_tensor, op=op, group=group, async_op=True
+                ),
+                "the data-parallel reduce-scatter of sharded gradients",
+            )
+
+    module.set_custom_all_gather(_AllGather())
+    module.set_custom_reduce_scatter(_ReduceScatter())

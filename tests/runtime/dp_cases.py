@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from tests.gradcheck import batch_for, mlp, token_loss, token_model
 from zeropipe.costs import CostModel
 from zeropipe.errors import PipelineError, ScheduleError
+from zeropipe.fit import offload_weights
 from zeropipe.plan import auto_plan
 from zeropipe.runtime.pipeline import Pipeline, RuntimeOptions
 from zeropipe.schedules import GENERATORS, generate
@@ -115,6 +116,129 @@ def _grad_case(mesh: Any, dp: int, name: str, model_name: str, m: int) -> dict[s
         loss = pipe.step(replica_slice(x, dp), replica_slice(y, dp))
         steps.append({"loss": loss.item(), "grads": _owned_grads(model)})
     return {"steps": steps, "reductions": _reductions(pipe)}
+
+
+FSDP_SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "zbv")
+
+
+def fsdp_grid() -> list[tuple[str, str, int]]:
+    """The (schedule, model, microbatches per replica) the dp_shard test covers."""
+    return [
+        (name, model, m)
+        for name in FSDP_SCHEDULES
+        for model in sorted(MODELS)
+        for m in (2 * PP,)
+        if _supported(name, PP, m)
+    ]
+
+
+def _canonical_names(model: nn.Module) -> dict[str, str]:
+    """Every name a parameter is reachable by -> its first name (a tied weight has several)."""
+    first: dict[int, str] = {}
+    out = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        out[n] = first.setdefault(id(p), n)
+    return out
+
+
+def _full_grads(model: nn.Module, canonical: dict[str, str]) -> dict[str, Tensor]:
+    """This rank's gradients, gathered whole from their DTensor shards, by canonical name."""
+    from torch.distributed.tensor import DTensor
+
+    out: dict[str, Tensor] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        if p.grad is None:
+            continue
+        g = p.grad
+        if not isinstance(g, DTensor) or not isinstance(p, DTensor):
+            raise TypeError(f"{n}: a dp_shard gradient is not a DTensor shard ({type(g)})")
+        out.setdefault(canonical[n], g.full_tensor())
+    return out
+
+
+def _fsdp_case(mesh: Any, dp: int, name: str, model_name: str, m: int) -> dict[str, Any]:
+    """dp_shard=True: two steps; the loss and this rank's gradients gathered from the shards."""
+    build, loss_fn = MODELS[model_name]
+    model = build()
+    canonical = _canonical_names(model)
+    x, y = global_batch(model, m)
+    pipe = Pipeline(
+        model, name, microbatches=m, loss_fn=loss_fn, seed=SEED, mesh=mesh, options=OPTIONS,
+        dp_shard=True,
+    )  # fmt: skip
+    steps = []
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        loss = pipe.step(replica_slice(x, dp), replica_slice(y, dp))
+        assert pipe.sharded is not None
+        steps.append(
+            {
+                "loss": loss.item(),
+                "grads": _full_grads(model, canonical),
+                "reduced": list(pipe.sharded.reduced),
+            }
+        )
+    params = pipe.parameters()
+    return {
+        "steps": steps,
+        "reductions": _reductions(pipe),
+        "units": len(pipe.sharded.units) if pipe.sharded is not None else 0,
+        # held between steps: this rank's shards, and the whole parameters they are cut from
+        "local_numel": sum(p.to_local().numel() for p in params),  # type: ignore[attr-defined]
+        "full_numel": sum(p.numel() for p in params),
+    }
+
+
+LR = 0.5
+
+
+def _fsdp_train_case(mesh: Any, dp: int, name: str) -> dict[str, Any]:
+    """dp_shard=True under an optimizer: SGD on the shards, a step on the updated weights,
+    one more step without zero_grad (gradients add up), then eval_step."""
+    from torch.distributed.tensor import DTensor
+
+    model = token_model()
+    canonical = _canonical_names(model)
+    x, y = global_batch(model, 4)
+    xs, ys = replica_slice(x, dp), replica_slice(y, dp)
+    pipe = Pipeline(
+        model, name, microbatches=4, loss_fn=token_loss, mesh=mesh, options=OPTIONS,
+        dp_shard=True,
+    )  # fmt: skip
+    opt = torch.optim.SGD(pipe.parameters(), lr=LR)
+    pipe.step(xs, ys)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    loss = pipe.step(xs, ys).item()  # on the weights SGD updated
+    grads = _full_grads(model, canonical)
+    pipe.step(xs, ys)
+    twice = _full_grads(model, canonical)
+    eval_loss = pipe.eval_step(xs, ys)
+    return {
+        "loss": loss,
+        "grads": grads,
+        "twice": twice,
+        "eval_loss": None if eval_loss is None else float(eval_loss.item()),  # type: ignore[union-attr]
+        "sharded_after_eval": all(isinstance(p, DTensor) for p in pipe.parameters()),
+    }
+
+
+def _fsdp_refusals(mesh: Any) -> list[str]:
+    messages = []
+    for make in (
+        lambda: Pipeline(mlp(), "1f1b", microbatches=2, loss_fn=F.mse_loss, ranks=2,
+                         executor="local", dp_shard=True),
+        lambda: Pipeline(mlp(), "1f1b", microbatches=2, loss_fn=F.mse_loss, ranks=2,
+                         executor="local", dp_group=mesh.get_group("dp"), dp_shard=True),
+        lambda: Pipeline(mlp(), offload_weights(generate("1f1b", PP, 2)), loss_fn=F.mse_loss,
+                         mesh=mesh, device="cpu", dp_shard=True),
+    ):  # fmt: skip
+        try:
+            make()
+            messages.append("accepted")
+        except PipelineError as err:
+            messages.append(str(err))
+    return messages
 
 
 def _reductions(pipe: Pipeline) -> list[str]:
@@ -245,6 +369,15 @@ def cases(rank: int, world: int) -> dict[str, Any]:
     out["local"] = _guard(lambda: _local_case(rank))
     out["timeline"] = _guard(lambda: _timeline_case(mesh, dp))
     out["refusals"] = _guard(lambda: _refusals(mesh))
+    out["fsdp"] = {
+        f"{name}/{model}/m={m}": _guard(functools.partial(_fsdp_case, mesh, dp, name, model, m))
+        for name, model, m in fsdp_grid()
+    }
+    out["fsdp_refusals"] = _guard(lambda: _fsdp_refusals(mesh))
+    out["fsdp_train"] = {
+        name: _guard(functools.partial(_fsdp_train_case, mesh, dp, name))
+        for name in ("1f1b", "zbv")
+    }
     return out
 
 

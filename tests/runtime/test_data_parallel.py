@@ -136,7 +136,7 @@ def test_replicas_running_whole_pipelines_locally_sum_to_the_global_batch() -> N
     x, y = dp_cases.batch_for(model, batch=2 * 2 * dp_cases.WORLD)
     loss = torch.nn.functional.mse_loss(model(x), y)
     loss.backward()
-    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+    ref = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     for rank, out in enumerate(results):
         _no_crash(out["local"], f"local on rank {rank}")
         assert out["local"]["dp_size"] == dp_cases.WORLD
@@ -223,3 +223,74 @@ def test_two_torchrun_launches_as_two_nodes_match_the_global_batch(tmp_path: Pat
                 results, f"{key} step {step}", lambda o, k=key, s=step: o["grads"][k]["steps"][s],
                 ref_loss, ref, names,
             )  # fmt: skip
+
+
+@pytest.mark.parametrize("name", dp_cases.FSDP_SCHEDULES)
+def test_dp_shard_on_2x2_matches_the_global_batch_float64(name: str) -> None:
+    """dp_shard=True: the shards' gradients, gathered whole, are the global batch's on every rank."""
+    results = dp_cases.results()
+    cases = [c for c in dp_cases.fsdp_grid() if c[0] == name]
+    assert {c[1] for c in cases} == set(dp_cases.MODELS), f"{name}: a model is not covered"
+    for _, model_name, m in cases:
+        key = f"{name}/{model_name}/m={m}"
+        names = set(dict(dp_cases.MODELS[model_name][0]().named_parameters()))
+        for out in results:
+            _no_crash(out["fsdp"][key], f"dp_shard {key} on rank pp={out['pp']} dp={out['dp']}")
+        for pp in range(dp_cases.PP):
+            outs = [o["fsdp"][key] for o in results if o["pp"] == pp]
+            # between steps each replica holds a part of the stages, the parts make the whole
+            full = outs[0]["full_numel"]
+            assert all(0 < o["local_numel"] < full for o in outs), (key, pp, outs)
+            assert sum(o["local_numel"] for o in outs) == full, (key, pp)
+            for o in outs:
+                stages = sorted({int(a.split("R")[0]) for a in o["reductions"]})
+                for step in o["steps"]:
+                    # one reduce-scatter per unit, at a REDUCE_GRAD of this rank's stages
+                    assert len(step["reduced"]) == len(set(step["reduced"])) == o["units"] >= 1
+                    assert set(step["reduced"]) <= set(stages), (key, step["reduced"], stages)
+        for step in range(2):
+            ref_loss, ref = _reference(model_name, m, step)
+            _check_ranks(
+                results, f"dp_shard {key} step {step}",
+                lambda o, k=key, s=step: o["fsdp"][k]["steps"][s], ref_loss, ref, names,
+            )  # fmt: skip
+
+
+def test_dp_shard_without_a_dp_group_on_the_local_executor_or_with_weight_offload_is_refused() -> (
+    None
+):
+    for out in dp_cases.results():
+        _no_crash(out["fsdp_refusals"], "fsdp_refusals")
+        no_group, local, offload = out["fsdp_refusals"]
+        for message in (no_group, local):
+            assert "dp_shard=True shards the stages over a data-parallel group" in message
+        assert "dp_shard=True with weight OFFLOAD/RELOAD" in offload, offload
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zbv"])
+def test_dp_shard_trains_like_the_plain_model(name: str) -> None:
+    """SGD on the shards, then a step: the next all-gather sees the updated weights; a step
+    without zero_grad adds its gradients; eval_step gives the loss and leaves the stages sharded."""
+    model = token_model()
+    x, y = dp_cases.global_batch(model, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=dp_cases.LR)
+    token_loss(model(x), y).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    ref_loss = token_loss(model(x), y)
+    ref_loss.backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    names = set(ref)
+    results = dp_cases.results()
+    for out in results:
+        _no_crash(out["fsdp_train"][name], f"dp_shard training {name}")
+        got = out["fsdp_train"][name]
+        assert got["eval_loss"] is not None
+        assert abs(got["eval_loss"] - ref_loss.item()) <= 1e-10, (got["eval_loss"], ref_loss)
+        assert got["sharded_after_eval"]
+        twice = {k: g / 2 for k, g in got["twice"].items()}
+        assert_same_gradients(_as_params(twice), ref, only_owned=True)
+    _check_ranks(
+        results, f"dp_shard training {name}", lambda o: o["fsdp_train"][name], ref_loss.item(),
+        ref, names,
+    )  # fmt: skip

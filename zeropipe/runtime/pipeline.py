@@ -38,6 +38,7 @@ from zeropipe.fuse import fused_weights
 from zeropipe.ir import Kind, Schedule
 from zeropipe.runtime.data_parallel import GradReducer, Reduction, Replicas, reduction_owners
 from zeropipe.runtime.executor import run_local, run_rank
+from zeropipe.runtime.fsdp import ShardedReducer
 from zeropipe.runtime.handlers import BoundaryMeta, StepContext
 from zeropipe.runtime.loss import LossContract, LossCountFn, LossFn
 from zeropipe.runtime.memory import MemoryManager, measured_costs
@@ -153,6 +154,13 @@ class Pipeline:
             (:mod:`zeropipe.runtime.data_parallel`).
         mesh: a ``DeviceMesh`` with a "pp" dimension and optionally a "dp"
             dimension, instead of ``pp_group`` / ``dp_group``.
+        dp_shard: shard the stages this process runs over the data-parallel
+            group with FSDP2 (``fully_shard``) instead of replicating them: their
+            parameters and ``.grad`` become ``DTensor`` shards between steps
+            (the optimizer steps the shards), gathered whole at the start of a
+            step and reduce-scattered (summed) at each stage's REDUCE_GRAD
+            (:mod:`zeropipe.runtime.fsdp`).  Needs a data-parallel group of more
+            than one rank and the distributed executor; no weight offload.
         process_group: the former name of ``pp_group``.
         p2p: how boundary tensors cross processes: ``"ordered"`` issues every
             message in one order both ends agree on, in ``batch_isend_irecv``
@@ -184,6 +192,7 @@ class Pipeline:
         process_group: object | None = None,
         p2p: Literal["auto", "ordered", "tagged"] = "auto",
         options: RuntimeOptions | None = None,
+        dp_shard: bool = False,
     ) -> None:
         if p2p not in ("auto", "ordered", "tagged"):
             raise PipelineError(f"p2p must be 'auto', 'ordered' or 'tagged', got {p2p!r}")
@@ -207,6 +216,12 @@ class Pipeline:
         self.distributed, self.rank, world = _executor(executor, process_group)
         # The data-parallel replicas, when there are several.
         self.replicas: Replicas | None = _replicas(dp_group, self.options.timeout)
+        if dp_shard and (self.replicas is None or not self.distributed):
+            raise PipelineError(
+                "dp_shard=True shards the stages over a data-parallel group: pass mesh= with a "
+                "'dp' dimension (or dp_group=) of more than one rank, and run one process per "
+                "pipeline rank (the distributed executor)"
+            )
         if isinstance(schedule, str):
             ranks = _named_ranks(schedule, stages, microbatches, ranks, chunks, world)
         try:
@@ -226,6 +241,11 @@ class Pipeline:
                 f"process group has {world}; launch {self.schedule.num_ranks} processes or pass "
                 f"ranks={world}"
             )
+        if dp_shard and any(a.is_weight_copy for acts in self.schedule.actions for a in acts):
+            raise PipelineError(
+                f"dp_shard=True with weight OFFLOAD/RELOAD in schedule {self.schedule.name!r}: "
+                f"the weights would be both sharded and offloaded; use one or the other"
+            )
         self.all_stages = _build_stages(stages, self.schedule.num_stages, balance)
         self.deps = Dependencies(self.schedule)
         self.graph = Graph(self.schedule, self.deps)
@@ -241,7 +261,7 @@ class Pipeline:
             prepare_split(stage.module)
             stage.autocast = self.options.autocast
         self.shared = _shared_parameters(self.all_stages, self.schedule.placement)
-        if self.replicas is not None:
+        if self.replicas is not None and not dp_shard:
             self.replicas.reducer = self._reducer(self.replicas)
         self.boundary = BoundaryMeta()
         self.transport: Transport = (
@@ -268,6 +288,13 @@ class Pipeline:
             # A gradient kept for reuse would hold, on the device, the memory that weight
             # offload frees: every offloaded stage's gradients at once.
             self.grad_memory = None
+        # Sharded last: the memory manager counts the full parameters a step holds.
+        self.sharded: ShardedReducer | None = None
+        if self.replicas is not None and dp_shard:
+            self.sharded = self._sharded_reducer(self.replicas)
+            self.replicas.reducer = self.sharded
+            self.shared = []  # their shards are summed over the pipeline ranks by the reducer
+            self.grad_memory = None  # FSDP frees the full gradients itself at REDUCE_GRAD
 
     # -- public surface -------------------------------------------------------------
     @property
@@ -319,6 +346,12 @@ class Pipeline:
         so every rank and replica computes the same norm and scales alike.
         Returns that norm (a float64 scalar on every rank).
         """
+        if self.sharded is not None:
+            raise PipelineError(
+                "clip_grad_norm_ with dp_shard=True is not supported yet: the gradients are "
+                "DTensor shards; use torch.nn.utils.clip_grad_norm_ on pipe.parameters() per "
+                "pipeline rank only if the stages share no parameter"
+            )
         norm_type = float(norm_type)
         if not norm_type > 0:
             raise PipelineError(f"norm_type must be > 0 (or inf), got {norm_type}")
@@ -495,6 +528,8 @@ class Pipeline:
         earlier = self._set_aside_grads() if training else {}
         if training:
             self.memory.begin_step(micro_inputs, targets)
+        if self.sharded is not None:
+            self.sharded.unshard()
         try:
             with preserved_rng(ctx.device):
                 if self.distributed:
@@ -518,6 +553,8 @@ class Pipeline:
         finally:
             for stage in self.stages.values():
                 stage.state.clear()
+            if self.sharded is not None and not training:
+                self.sharded.reshard()
         if training:
             self._step += 1
             self._reduce_shared()
@@ -588,6 +625,21 @@ class Pipeline:
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad)
         self.transport.reduce_shared(grads)
+
+    def _sharded_reducer(self, replicas: Replicas) -> ShardedReducer:
+        """FSDP2 on this process's stages (their parameters become DTensor shards)."""
+        device = self.device
+        if device is None:
+            device = next((p.device for p in self.parameters()), torch.device("cpu"))
+        return ShardedReducer(
+            replicas,
+            self.schedule,
+            self.rank,
+            self.stages,
+            self.shared,
+            lambda grads: self.transport.reduce_shared(grads),
+            device,
+        )
 
     def _reducer(self, replicas: Replicas) -> GradReducer:
         """Which REDUCE_GRAD sums each of this process's parameters across replicas."""

@@ -11,6 +11,7 @@ any other (bounded, watching for failed peers)::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
@@ -22,7 +23,7 @@ from torch import Tensor
 from zeropipe.runtime.wire import DTYPES, dtype_code
 from zeropipe.runtime.works import Endpoint, Label, Pending
 
-__all__ = ["all_reduce", "barrier"]
+__all__ = ["all_reduce", "barrier", "grad_norm"]
 
 
 def barrier(
@@ -121,3 +122,35 @@ def all_reduce(endpoint: Endpoint, grads: Sequence[Tensor]) -> None:
         for g in gs:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
+
+
+def grad_norm(
+    grads: Sequence[Tensor],
+    norm_type: float,
+    sum_over_ranks: Callable[[Sequence[Tensor]], None] | None,
+    ranks: int,
+    rank: int,
+) -> Tensor:
+    """The norm of order ``norm_type`` of ``grads`` over every rank (a float64 CPU scalar).
+
+    ``sum_over_ranks`` sums tensors in place over the pipeline's ranks (None:
+    one process holds them all); ``rank`` is this process's among ``ranks``.
+    """
+    if norm_type == math.inf:
+        maxima = [g.abs().max().double() for g in grads if g.numel()]
+        part = torch.stack(maxima).max().cpu() if maxima else torch.zeros((), dtype=torch.float64)
+        if sum_over_ranks is None:
+            return part
+        spread = torch.zeros(ranks, dtype=torch.float64)  # the ranks' maxima side by side
+        spread[rank] = part
+        sum_over_ranks([spread])
+        return spread.max()
+    norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float64) for g in grads]
+    part = (
+        torch.stack(norms).pow(norm_type).sum().cpu()
+        if norms
+        else torch.zeros((), dtype=torch.float64)
+    )
+    if sum_over_ranks is not None:
+        sum_over_ranks([part])
+    return part ** (1.0 / norm_type)

@@ -23,7 +23,7 @@ import contextlib
 import time
 from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 import torch
@@ -33,8 +33,9 @@ from torch import Tensor, nn
 from zeropipe.errors import PipelineError
 from zeropipe.ir import Kind, Schedule
 from zeropipe.runtime.works import Endpoint, connect
+from zeropipe.simulate import Event
 
-__all__ = ["GradReducer", "Reduction", "Replicas", "reduction_owners"]
+__all__ = ["GradReducer", "Reduction", "Replicas", "reduction_owners", "reductions_as_run"]
 
 
 @dataclass
@@ -189,3 +190,18 @@ class Replicas:
 
     def fail(self, error: BaseException) -> None:
         self.endpoint.failures.record(error)
+
+
+def reductions_as_run(events: list[list[Event]], done: list[Reduction]) -> list[list[Event]]:
+    """Each REDUCE_GRAD event from its post to its all-reduce's completion (the executor saw
+    only the post), so the timeline shows the reduction while other actions run."""
+    ends = {red.stage: max(red.done) for red in done if red.done}
+    return [
+        [
+            replace(e, end=max(e.end, ends[e.action.stage]))
+            if e.action.kind is Kind.REDUCE_GRAD and e.action.stage in ends
+            else e
+            for e in evs
+        ]
+        for evs in events
+    ]

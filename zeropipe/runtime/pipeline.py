@@ -18,10 +18,8 @@ runtime's own knobs are one :class:`RuntimeOptions`.
 
 from __future__ import annotations
 
-import math
-import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -32,20 +30,35 @@ from zeropipe.autograd.split import prepare_split
 from zeropipe.build import build_schedule
 from zeropipe.costs import CostModel
 from zeropipe.deps import Dependencies, Graph
-from zeropipe.device import check_autocast, make_current, resolve_device, single_device
+from zeropipe.device import check_autocast
 from zeropipe.errors import PipelineError, ScheduleError
 from zeropipe.fuse import fused_weights
 from zeropipe.ir import Kind, Schedule
-from zeropipe.runtime.data_parallel import GradReducer, Reduction, Replicas, reduction_owners
+from zeropipe.runtime.assembly import (
+    build_stages,
+    compute_device,
+    distributed_transport,
+    executor_mode,
+    named_ranks,
+    replicas_for,
+    resolve_groups,
+    shared_parameters,
+)
+from zeropipe.runtime.collectives import grad_norm
+from zeropipe.runtime.data_parallel import (
+    GradReducer,
+    Replicas,
+    reduction_owners,
+    reductions_as_run,
+)
 from zeropipe.runtime.executor import run_local, run_rank
 from zeropipe.runtime.fsdp import ShardedReducer
 from zeropipe.runtime.handlers import BoundaryMeta, StepContext
 from zeropipe.runtime.loss import LossContract, LossCountFn, LossFn
 from zeropipe.runtime.memory import MemoryManager, measured_costs
 from zeropipe.runtime.rng import preserved_rng
-from zeropipe.runtime.stage import Stage, as_tuple, split_sequential
+from zeropipe.runtime.stage import as_tuple
 from zeropipe.runtime.transport import LocalTransport, Transport
-from zeropipe.schedules import GENERATORS
 from zeropipe.simulate import Event, Timeline
 
 __all__ = ["Pipeline", "RuntimeOptions"]
@@ -212,10 +225,10 @@ class Pipeline:
         self.grad_memory = GradMemory() if self.options.keep_grad_memory else None
         self._step = 0
         self._signature: tuple[object, ...] | None = None
-        process_group, dp_group = _groups(pp_group, dp_group, mesh, process_group)
-        self.distributed, self.rank, world = _executor(executor, process_group)
+        process_group, dp_group = resolve_groups(pp_group, dp_group, mesh, process_group)
+        self.distributed, self.rank, world = executor_mode(executor, process_group)
         # The data-parallel replicas, when there are several.
-        self.replicas: Replicas | None = _replicas(dp_group, self.options.timeout)
+        self.replicas: Replicas | None = replicas_for(dp_group, self.options.timeout)
         if dp_shard and (self.replicas is None or not self.distributed):
             raise PipelineError(
                 "dp_shard=True shards the stages over a data-parallel group: pass mesh= with a "
@@ -223,7 +236,7 @@ class Pipeline:
                 "pipeline rank (the distributed executor)"
             )
         if isinstance(schedule, str):
-            ranks = _named_ranks(schedule, stages, microbatches, ranks, chunks, world)
+            ranks = named_ranks(schedule, stages, microbatches, ranks, chunks, world)
         try:
             self.schedule = build_schedule(
                 schedule,
@@ -246,7 +259,7 @@ class Pipeline:
                 f"dp_shard=True with weight OFFLOAD/RELOAD in schedule {self.schedule.name!r}: "
                 f"the weights would be both sharded and offloaded; use one or the other"
             )
-        self.all_stages = _build_stages(stages, self.schedule.num_stages, balance)
+        self.all_stages = build_stages(stages, self.schedule.num_stages, balance)
         self.deps = Dependencies(self.schedule)
         self.graph = Graph(self.schedule, self.deps)
         self.fused_weights = fused_weights(self.schedule)
@@ -256,16 +269,16 @@ class Pipeline:
             else range(self.schedule.num_stages)
         )
         self.stages = {s: self.all_stages[s] for s in mine}
-        self.device = _compute_device(device, self.distributed, process_group, self.stages)
+        self.device = compute_device(device, self.distributed, process_group, self.stages)
         for stage in self.stages.values():  # every backward runs through the split stash
             prepare_split(stage.module)
             stage.autocast = self.options.autocast
-        self.shared = _shared_parameters(self.all_stages, self.schedule.placement)
+        self.shared = shared_parameters(self.all_stages, self.schedule.placement)
         if self.replicas is not None and not dp_shard:
             self.replicas.reducer = self._reducer(self.replicas)
         self.boundary = BoundaryMeta()
         self.transport: Transport = (
-            _distributed_transport(
+            distributed_transport(
                 self.schedule, self.rank, process_group, self.options.timeout, p2p, self.device
             )
             if self.distributed
@@ -356,27 +369,13 @@ class Pipeline:
         if not norm_type > 0:
             raise PipelineError(f"norm_type must be > 0 (or inf), got {norm_type}")
         grads = [p.grad.detach() for p in self._norm_parameters() if p.grad is not None]
-        if norm_type == math.inf:
-            maxima = [g.abs().max().double() for g in grads if g.numel()]
-            part = (
-                torch.stack(maxima).max().cpu() if maxima else torch.zeros((), dtype=torch.float64)
-            )
-            if self.distributed:  # the ranks' maxima side by side, summed: then their max
-                spread = torch.zeros(self.schedule.num_ranks, dtype=torch.float64)
-                spread[self.rank] = part
-                self.transport.reduce_shared([spread])
-                part = spread.max()
-            total = part
-        else:
-            norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float64) for g in grads]
-            part = (
-                torch.stack(norms).pow(norm_type).sum().cpu()
-                if norms
-                else torch.zeros((), dtype=torch.float64)
-            )
-            if self.distributed:
-                self.transport.reduce_shared([part])
-            total = part ** (1.0 / norm_type)
+        total = grad_norm(
+            grads,
+            norm_type,
+            self.transport.reduce_shared if self.distributed else None,
+            self.schedule.num_ranks,
+            self.rank,
+        )
         if error_if_nonfinite and not torch.isfinite(total):
             raise PipelineError(
                 f"the total norm of order {norm_type:g} of the gradients is {total.item()}; "
@@ -544,7 +543,7 @@ class Pipeline:
                     loss = sum((ctx.losses[i] * ctx.weights[i] for i in range(m)), torch.zeros(()))
                 if ctx.reducer is not None:
                     ctx.reducer.wait_all()
-                    self.last_events = _reductions_as_run(self.last_events, ctx.reducer.last)
+                    self.last_events = reductions_as_run(self.last_events, ctx.reducer.last)
                 loss = self.transport.finish_step(loss)
                 if replicas is not None and loss is not None:
                     replicas.sum_([loss], "the data-parallel sum of the step's loss")
@@ -652,184 +651,6 @@ class Pipeline:
         return GradReducer(replicas.endpoint, owners)
 
 
-def _compute_device(
-    device: torch.device | str | None,
-    distributed: bool,
-    group: object | None,
-    stages: dict[int, Stage],
-) -> torch.device | None:
-    """Where this process's stages compute (None: where their parameters are, one device).
-
-    An NCCL group implies GPU number ``LOCAL_RANK`` (:func:`zeropipe.device.resolve_device`),
-    made the process's current device so that NCCL and the kernels agree on it.
-    """
-    backend = None
-    if distributed:
-        import torch.distributed as dist
-
-        backend = str(dist.get_backend(group))  # type: ignore[arg-type]
-    resolved = resolve_device(device, backend)
-    if resolved is None:
-        names = ", ".join(str(s) for s in sorted(stages))
-        single_device(
-            (p.device for st in stages.values() for p in st.parameters()),
-            f"the parameters of stage(s) {names}",
-        )
-    elif distributed:
-        make_current(resolved)
-    return resolved
-
-
-def _reductions_as_run(events: list[list[Event]], done: list[Reduction]) -> list[list[Event]]:
-    """Each REDUCE_GRAD event from its post to its all-reduce's completion (the executor saw
-    only the post), so the timeline shows the reduction while other actions run."""
-    ends = {red.stage: max(red.done) for red in done if red.done}
-    return [
-        [
-            replace(e, end=max(e.end, ends[e.action.stage]))
-            if e.action.kind is Kind.REDUCE_GRAD and e.action.stage in ends
-            else e
-            for e in evs
-        ]
-        for evs in events
-    ]
-
-
-def _groups(
-    pp_group: object | None,
-    dp_group: object | None,
-    mesh: object | None,
-    process_group: object | None,
-) -> tuple[object | None, object | None]:
-    """The pipeline group and the data-parallel group, from the groups or from a mesh."""
-    if process_group is not None:
-        if pp_group is not None:
-            raise PipelineError("pass pp_group= only (process_group= is its former name)")
-        warnings.warn(
-            "Pipeline(process_group=...) is now pp_group=...", DeprecationWarning, stacklevel=3
-        )
-        pp_group = process_group
-    if mesh is None:
-        return pp_group, dp_group
-    if pp_group is not None or dp_group is not None:
-        raise PipelineError("pass either mesh= or pp_group=/dp_group=, not both")
-    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
-    get_group = getattr(mesh, "get_group", None)
-    if get_group is None:
-        raise PipelineError(f"mesh must be a torch DeviceMesh, got {type(mesh).__name__}")
-    unknown = [n for n in names if n not in ("pp", "dp")]
-    if "pp" not in names or unknown:
-        raise PipelineError(
-            f"mesh has dimensions {names}; Pipeline needs one named 'pp' and at most one "
-            f"more, named 'dp' (init_device_mesh(device, (pp, dp), mesh_dim_names=('pp', 'dp')))"
-        )
-    return get_group("pp"), (get_group("dp") if "dp" in names else None)
-
-
-def _replicas(dp_group: object | None, timeout: float) -> Replicas | None:
-    """The data-parallel replicas (None without a group, or with a group of one)."""
-    if dp_group is None:
-        return None
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        raise PipelineError("dp_group= needs torch.distributed initialised first")
-    if dist.get_world_size(dp_group) == 1:  # type: ignore[arg-type]
-        return None
-    return Replicas(dp_group, timeout)
-
-
-def _executor(executor: str, group: object | None) -> tuple[bool, int, int]:
-    import torch.distributed as dist
-
-    initialised = dist.is_available() and dist.is_initialized()
-    if executor == "local":
-        return False, 0, 1
-    if executor == "distributed":
-        if not initialised:
-            raise PipelineError(
-                "executor='distributed' needs torch.distributed initialised first: run under "
-                "torchrun, or use zeropipe.launch(...)"
-            )
-    elif executor != "auto":
-        raise PipelineError(f"executor must be 'auto', 'local' or 'distributed', got {executor!r}")
-    if not initialised:
-        return False, 0, 1
-    world = dist.get_world_size(group)  # type: ignore[arg-type]
-    if executor == "auto" and world == 1:
-        return False, 0, 1
-    return True, dist.get_rank(group), world  # type: ignore[arg-type]
-
-
-def _named_ranks(
-    name: str,
-    stages: nn.Sequential | Sequence[nn.Module],
-    microbatches: int | None,
-    ranks: int | None,
-    chunks: int | None,
-    world: int,
-) -> int:
-    """The rank count a named schedule is built for: given, the world, or stages / chunks."""
-    if name == "auto":
-        raise PipelineError(
-            "Pipeline(..., 'auto'): plan first, then run the plan -- "
-            "plan = zeropipe.auto_plan(model, ranks, microbatches, sample=(inputs, target), "
-            "loss_fn=...) (or costs=...); Pipeline(model, plan.schedule, loss_fn=..., "
-            "balance=plan.balance)"
-        )
-    if microbatches is None:
-        raise PipelineError(f"Pipeline(..., {name!r}) needs microbatches=")
-    if ranks is not None:
-        return ranks
-    if world > 1:
-        return world
-    if isinstance(stages, nn.Sequential):
-        raise PipelineError("with an nn.Sequential and a schedule name, pass ranks= (and balance=)")
-    gen = GENERATORS.get(name)
-    v = chunks if chunks is not None else (gen.default_chunks if gen else 1)
-    if len(stages) % v:
-        raise PipelineError(
-            f"{len(stages)} stage modules cannot be spread as {v} chunk(s) per rank"
-        )
-    return len(stages) // v
-
-
-def _build_stages(
-    stages: nn.Sequential | Sequence[nn.Module], num: int, balance: Sequence[int] | None
-) -> list[Stage]:
-    if isinstance(stages, nn.Sequential):
-        # Cut even when it has exactly one layer per stage: each stage is then a
-        # one-layer slice seeded by the layer's index, like any other cut.
-        return split_sequential(stages, num, balance)
-    modules = list(stages)
-    if balance is not None:
-        raise PipelineError("balance= applies to an nn.Sequential, not to a list of stage modules")
-    if len(modules) != num:
-        raise PipelineError(
-            f"the schedule has {num} stages but {len(modules)} stage module(s) were given; "
-            f"give one module per stage (ranks x chunks) or an nn.Sequential to cut"
-        )
-    for i, mod in enumerate(modules):
-        if not isinstance(mod, nn.Module):
-            raise PipelineError(f"stage {i} is a {type(mod).__name__}, not an nn.Module")
-    return [Stage(s, m, None) for s, m in enumerate(modules)]
-
-
-def _shared_parameters(stages: list[Stage], placement: Sequence[int]) -> list[nn.Parameter]:
-    """Parameters used by stages on more than one rank (tied embeddings), in a stable order.
-
-    A parameter whose stages all run on one rank (the first and last stage of
-    a V placement) has its whole gradient there already: it needs no all-reduce.
-    """
-    ranks: dict[int, set[int]] = {}
-    params: dict[int, nn.Parameter] = {}
-    for stage in stages:
-        for p in stage.parameters():
-            ranks.setdefault(id(p), set()).add(placement[stage.index])
-            params.setdefault(id(p), p)
-    return [params[k] for k, r in ranks.items() if len(r) > 1]
-
-
 def _split_batch(inputs: tuple[Tensor, ...], m: int) -> tuple[list[tuple[Tensor, ...]], list[int]]:
     for k, t in enumerate(inputs):
         if t.dim() == 0:
@@ -877,28 +698,3 @@ def _signature(micro_inputs: list[tuple[Tensor, ...]], target: Tensor | None) ->
     first, last = micro_inputs[0], micro_inputs[-1]
     meta = tuple((t.dtype, tuple(t.shape)) for t in (*first, *last))
     return (meta, None if target is None else (target.dtype, tuple(target.shape)))
-
-
-def _distributed_transport(
-    schedule: Schedule,
-    rank: int,
-    group: object | None,
-    timeout: float,
-    p2p: str,
-    device: torch.device | None,
-) -> Transport:
-    import torch.distributed as dist
-
-    from zeropipe.runtime.distributed import DistributedTransport
-    from zeropipe.runtime.ordered import OrderedTransport
-
-    backend = str(dist.get_backend(group))  # type: ignore[arg-type]
-    if p2p == "tagged" and backend != "gloo":
-        raise PipelineError(
-            f"p2p='tagged' runs over gloo only, but the process group uses {backend!r}: "
-            f"{backend} matches messages in issue order and ignores tags; use p2p='ordered' "
-            f"(or the default, 'auto')"
-        )
-    if p2p == "ordered" or backend != "gloo":
-        return OrderedTransport(schedule, rank, group=group, timeout=timeout, device=device)
-    return DistributedTransport(schedule, rank, group=group, timeout=timeout)

@@ -118,7 +118,8 @@ def _grad_case(mesh: Any, dp: int, name: str, model_name: str, m: int) -> dict[s
     return {"steps": steps, "reductions": _reductions(pipe)}
 
 
-FSDP_SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "zbv")
+FSDP_SCHEDULES = tuple(sorted(GENERATORS))
+BOTH_MODELS = ("1f1b", "gpipe", "interleaved-1f1b", "zbv")  # the others: the tied model only
 
 
 def fsdp_grid() -> list[tuple[str, str, int]]:
@@ -128,7 +129,7 @@ def fsdp_grid() -> list[tuple[str, str, int]]:
         for name in FSDP_SCHEDULES
         for model in sorted(MODELS)
         for m in (2 * PP,)
-        if _supported(name, PP, m)
+        if _supported(name, PP, m) and (name in BOTH_MODELS or model == "tokens-tied")
     ]
 
 
@@ -162,8 +163,11 @@ def _fsdp_case(mesh: Any, dp: int, name: str, model_name: str, m: int) -> dict[s
     model = build()
     canonical = _canonical_names(model)
     x, y = global_batch(model, m)
+    schedule = (
+        auto_plan(model, PP, m, costs=CostModel.uniform(PP)).schedule if name == "auto" else name
+    )
     pipe = Pipeline(
-        model, name, microbatches=m, loss_fn=loss_fn, seed=SEED, mesh=mesh, options=OPTIONS,
+        model, schedule, microbatches=m, loss_fn=loss_fn, seed=SEED, mesh=mesh, options=OPTIONS,
         dp_shard=True,
     )  # fmt: skip
     steps = []
@@ -398,7 +402,12 @@ def _torchrun_main() -> None:
         sys.exit(f"dp_cases needs {WORLD} processes in all, got {world}")
     mesh = _mesh()
     dp = mesh.get_local_rank("dp")
-    picked = [c for c in grid() if c[0] in ("zbv", "1f1b")]
+    # every generator on the tied model; the MLP too for two of them
+    picked = [
+        c
+        for c in grid()
+        if c[2] == 2 * PP + 1 and (c[1] == "tokens-tied" or c[0] in ("zbv", "1f1b"))
+    ]
     mine = {
         f"{name}/{model}/m={m}": _guard(functools.partial(_grad_case, mesh, dp, name, model, m))
         for name, model, m in picked

@@ -179,3 +179,21 @@ def assert_same_loss(loss: Tensor, ref_loss: Tensor) -> None:
         assert abs(loss.item() - ref_loss.item()) <= 1e-10, (loss.item(), ref_loss.item())
     else:
         assert torch.allclose(loss.to(ref_loss.dtype), ref_loss, rtol=1e-5, atol=1e-6)
+
+
+def as_params(grads: dict[str, Tensor]) -> list[tuple[str, nn.Parameter]]:
+    """Gradients returned by a rank, as (name, parameter holding it) for assert_same_gradients."""
+    params = []
+    for name, g in grads.items():
+        p = nn.Parameter(torch.empty_like(g))
+        p.grad = g
+        params.append((name, p))
+    return params
+
+
+def no_crash(result: object, where: str) -> None:
+    """Fail with the traceback of a case that crashed inside a rank (``{"crashed": text}``)."""
+    if isinstance(result, dict) and "crashed" in result:
+        import pytest
+
+        pytest.fail(f"{where} crashed inside the rank:\n{result['crashed']}")

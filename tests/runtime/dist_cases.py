@@ -57,14 +57,14 @@ MODELS: dict[str, tuple[Callable[[], nn.Sequential], Callable[..., Tensor]]] = {
 }
 
 
-def _guard(fn: Callable[[], Any]) -> Any:
+def guard(fn: Callable[[], Any]) -> Any:
     try:
         return fn()
     except Exception:
         return {"crashed": traceback.format_exc()}
 
 
-def _supported(name: str, p: int, m: int) -> bool:
+def supported(name: str, p: int, m: int) -> bool:
     try:
         generate(name, p, m)
     except ScheduleError as err:
@@ -81,7 +81,7 @@ def grid(world: int) -> list[tuple[str, str, int]]:
         for name in sorted(GENERATORS)
         for model in sorted(MODELS)
         for m in sorted({1, world, 2 * world + 1})
-        if _supported(name, world, m)
+        if supported(name, world, m)
     ]
 
 
@@ -128,7 +128,7 @@ def _grad_case(rank: int, world: int, name: str, model_name: str, m: int) -> dic
 
 def _grad_cases(rank: int, world: int) -> dict[str, Any]:
     return {
-        f"{name}/{model}/m={m}": _guard(functools.partial(_grad_case, rank, world, name, model, m))
+        f"{name}/{model}/m={m}": guard(functools.partial(_grad_case, rank, world, name, model, m))
         for name, model, m in grid(world)
     }
 
@@ -140,10 +140,10 @@ def _grouped_weights(rank: int, world: int) -> dict[str, Any]:
     """W gathered in groups (run fused): the gradient case's model, m = 2p+1, two steps."""
     out = {}
     for name in GROUPED:
-        if not _supported(name, world, 2 * world + 1):
+        if not supported(name, world, 2 * world + 1):
             continue
         for size in (2, 3):
-            out[f"{name}/w{size}"] = _guard(
+            out[f"{name}/w{size}"] = guard(
                 functools.partial(_grouped_case, name, size, 2 * world + 1)
             )
     return out
@@ -465,21 +465,21 @@ def main_results(world: int) -> list[dict[str, Any]]:
 def main_cases(rank: int, world: int) -> dict[str, Any]:
     """Everything that runs in the one healthy launch per world size; failures last."""
     start = time.monotonic()
-    out: dict[str, Any] = {"fit": _guard(lambda: _fit_case(rank, world))}
-    out["store"] = _guard(lambda: _store_check(rank, world))
+    out: dict[str, Any] = {"fit": guard(lambda: _fit_case(rank, world))}
+    out["store"] = guard(lambda: _store_check(rank, world))
     out["grads"] = _grad_cases(rank, world)
-    out["same_seed"] = _guard(lambda: _same_seed(rank, world))
-    out["grouped"] = _guard(lambda: _grouped_weights(rank, world))
-    out["tuple"] = _guard(lambda: _tuple_case(rank, world))
-    out["eval_rebatch"] = _guard(lambda: _eval_and_rebatch(rank, world))
-    out["shared_accumulation"] = _guard(lambda: _shared_accumulation(rank, world))
-    out["auto_profiled"] = _guard(lambda: _auto_profiled(rank, world))
+    out["same_seed"] = guard(lambda: _same_seed(rank, world))
+    out["grouped"] = guard(lambda: _grouped_weights(rank, world))
+    out["tuple"] = guard(lambda: _tuple_case(rank, world))
+    out["eval_rebatch"] = guard(lambda: _eval_and_rebatch(rank, world))
+    out["shared_accumulation"] = guard(lambda: _shared_accumulation(rank, world))
+    out["auto_profiled"] = guard(lambda: _auto_profiled(rank, world))
     out["healthy_seconds"] = time.monotonic() - start
     # Each failure poisons only its own pipeline (own store keys and tags).
-    out["transport"] = _guard(lambda: _transport_case(rank, world))
-    out["mismatch"] = _guard(lambda: _mismatch_case(rank, world))
-    out["forward_error"] = _guard(lambda: _forward_error_case(rank, world))
-    out["stalled"] = _guard(lambda: _stalled_peer_case(rank, world))
+    out["transport"] = guard(lambda: _transport_case(rank, world))
+    out["mismatch"] = guard(lambda: _mismatch_case(rank, world))
+    out["forward_error"] = guard(lambda: _forward_error_case(rank, world))
+    out["stalled"] = guard(lambda: _stalled_peer_case(rank, world))
     return out
 
 

@@ -23,7 +23,6 @@ import functools
 import os
 import pickle
 import sys
-import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -33,8 +32,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tests.gradcheck import batch_for, mlp, token_loss, token_model
+from tests.runtime.dist_cases import MODELS, guard, supported
 from zeropipe.costs import CostModel
-from zeropipe.errors import PipelineError, ScheduleError
+from zeropipe.errors import PipelineError
 from zeropipe.fit import offload_weights
 from zeropipe.plan import auto_plan
 from zeropipe.runtime.pipeline import Pipeline, RuntimeOptions
@@ -46,27 +46,14 @@ OPTIONS = RuntimeOptions(timeout=60.0)
 LAUNCH_TIMEOUT = 300.0
 SEED = 5
 
-MODELS: dict[str, tuple[Callable[[], nn.Sequential], Callable[..., Tensor]]] = {
-    "mlp-dropout": (lambda: mlp(dropout=0.3), F.mse_loss),
-    "tokens-tied": (lambda: token_model(dropout=0.2), token_loss),
-}
 
-
-def _guard(fn: Callable[[], Any]) -> Any:
+def _outcome(make: Callable[[], object]) -> str:
+    """What building something says: its PipelineError's message, or "accepted"."""
     try:
-        return fn()
-    except Exception:
-        return {"crashed": traceback.format_exc()}
-
-
-def _supported(name: str, p: int, m: int) -> bool:
-    try:
-        generate(name, p, m)
-    except ScheduleError as err:
-        if err.rule != "unsupported":
-            raise
-        return False
-    return True
+        make()
+    except PipelineError as err:
+        return str(err)
+    return "accepted"
 
 
 def grid() -> list[tuple[str, str, int]]:
@@ -76,7 +63,7 @@ def grid() -> list[tuple[str, str, int]]:
         for name in sorted(GENERATORS)
         for model in sorted(MODELS)
         for m in (PP, 2 * PP + 1)
-        if _supported(name, PP, m)
+        if supported(name, PP, m)
     ]
 
 
@@ -129,7 +116,7 @@ def fsdp_grid() -> list[tuple[str, str, int]]:
         for name in FSDP_SCHEDULES
         for model in sorted(MODELS)
         for m in (2 * PP,)
-        if _supported(name, PP, m) and (name in BOTH_MODELS or model == "tokens-tied")
+        if supported(name, PP, m) and (name in BOTH_MODELS or model == "tokens-tied")
     ]
 
 
@@ -237,11 +224,7 @@ def _fsdp_refusals(mesh: Any) -> list[str]:
         lambda: Pipeline(mlp(), offload_weights(generate("1f1b", PP, 2)), loss_fn=F.mse_loss,
                          mesh=mesh, device="cpu", dp_shard=True),
     ):  # fmt: skip
-        try:
-            make()
-            messages.append("accepted")
-        except PipelineError as err:
-            messages.append(str(err))
+        messages.append(_outcome(make))
     return messages
 
 
@@ -349,11 +332,7 @@ def _refusals(mesh: Any) -> list[str]:
         lambda: Pipeline(mlp(), "1f1b", microbatches=2, loss_fn=F.mse_loss, mesh=mesh, dp_group=1),
         lambda: Pipeline(mlp(), "1f1b", microbatches=2, loss_fn=F.mse_loss, mesh=object()),
     ):
-        try:
-            make()
-            messages.append("accepted")
-        except PipelineError as err:
-            messages.append(str(err))
+        messages.append(_outcome(make))
     return messages
 
 
@@ -364,23 +343,22 @@ def cases(rank: int, world: int) -> dict[str, Any]:
     dp = mesh.get_local_rank("dp")
     out: dict[str, Any] = {"pp": pp, "dp": dp}
     out["grads"] = {
-        f"{name}/{model}/m={m}": _guard(functools.partial(_grad_case, mesh, dp, name, model, m))
+        f"{name}/{model}/m={m}": guard(functools.partial(_grad_case, mesh, dp, name, model, m))
         for name, model, m in grid()
     }
-    out["counted"] = _guard(lambda: _counted_case(mesh, dp))
-    out["clip"] = _guard(lambda: _clip_case(mesh, dp))
-    out["accumulate"] = _guard(lambda: _accumulate_case(mesh, dp))
-    out["local"] = _guard(lambda: _local_case(rank))
-    out["timeline"] = _guard(lambda: _timeline_case(mesh, dp))
-    out["refusals"] = _guard(lambda: _refusals(mesh))
+    out["counted"] = guard(lambda: _counted_case(mesh, dp))
+    out["clip"] = guard(lambda: _clip_case(mesh, dp))
+    out["accumulate"] = guard(lambda: _accumulate_case(mesh, dp))
+    out["local"] = guard(lambda: _local_case(rank))
+    out["timeline"] = guard(lambda: _timeline_case(mesh, dp))
+    out["refusals"] = guard(lambda: _refusals(mesh))
     out["fsdp"] = {
-        f"{name}/{model}/m={m}": _guard(functools.partial(_fsdp_case, mesh, dp, name, model, m))
+        f"{name}/{model}/m={m}": guard(functools.partial(_fsdp_case, mesh, dp, name, model, m))
         for name, model, m in fsdp_grid()
     }
-    out["fsdp_refusals"] = _guard(lambda: _fsdp_refusals(mesh))
+    out["fsdp_refusals"] = guard(lambda: _fsdp_refusals(mesh))
     out["fsdp_train"] = {
-        name: _guard(functools.partial(_fsdp_train_case, mesh, dp, name))
-        for name in ("1f1b", "zbv")
+        name: guard(functools.partial(_fsdp_train_case, mesh, dp, name)) for name in ("1f1b", "zbv")
     }
     return out
 
@@ -409,7 +387,7 @@ def _torchrun_main() -> None:
         if c[2] == 2 * PP + 1 and (c[1] == "tokens-tied" or c[0] in ("zbv", "1f1b"))
     ]
     mine = {
-        f"{name}/{model}/m={m}": _guard(functools.partial(_grad_case, mesh, dp, name, model, m))
+        f"{name}/{model}/m={m}": guard(functools.partial(_grad_case, mesh, dp, name, model, m))
         for name, model, m in picked
     }
     gathered: list[Any] = [None] * world

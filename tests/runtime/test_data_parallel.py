@@ -19,25 +19,19 @@ from typing import Any
 
 import pytest
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from tests.gradcheck import assert_same_gradients, mlp, reference, token_loss, token_model
+from tests.gradcheck import (
+    as_params,
+    assert_same_gradients,
+    mlp,
+    no_crash,
+    reference,
+    token_loss,
+    token_model,
+)
 from tests.runtime import dp_cases
 from zeropipe.schedules import GENERATORS
-
-
-def _no_crash(result: Any, where: str) -> None:
-    if isinstance(result, dict) and "crashed" in result:
-        pytest.fail(f"{where} crashed inside the rank:\n{result['crashed']}")
-
-
-def _as_params(grads: dict[str, Tensor]) -> list[tuple[str, nn.Parameter]]:
-    out = []
-    for name, g in grads.items():
-        p = nn.Parameter(torch.zeros_like(g))
-        p.grad = g
-        out.append((name, p))
-    return out
 
 
 @functools.cache
@@ -57,11 +51,27 @@ def _check_ranks(results: list[dict[str, Any]], key: str, got_of: Any, ref_loss:
         got = got_of(out)
         where = f"{key} on pp rank {out['pp']}, replica {out['dp']}"
         assert abs(got["loss"] - ref_loss) <= 1e-10, (where, got["loss"], ref_loss)
-        worst = assert_same_gradients(_as_params(got["grads"]), ref, only_owned=True)
+        worst = assert_same_gradients(as_params(got["grads"]), ref, only_owned=True)
         assert worst <= 1e-10, (where, worst)
         seen.setdefault(out["dp"], set()).update(got["grads"])
     for dp, names_seen in seen.items():
         assert names_seen == names, f"{key}: replica {dp} has no gradient for {names - names_seen}"
+
+
+def _check_steps(results: list[dict[str, Any]], field: str, key: str) -> None:
+    """Both steps of case ``key`` under ``field``: every rank has the global batch's loss and,
+    the ranks of each replica together, every gradient."""
+    _, model_name, m_text = key.split("/")
+    m = int(m_text.removeprefix("m="))
+    names = set(dict(dp_cases.MODELS[model_name][0]().named_parameters()))
+    for out in results:
+        no_crash(out[field][key], f"{field} {key} on pp={out['pp']} dp={out['dp']}")
+    for step in range(2):
+        ref_loss, ref = _reference(model_name, m, step)
+        _check_ranks(
+            results, f"{field} {key} step {step}",
+            lambda o, k=key, s=step: o[field][k]["steps"][s], ref_loss, ref, names,
+        )  # fmt: skip
 
 
 @pytest.mark.parametrize("name", sorted(GENERATORS))
@@ -71,18 +81,11 @@ def test_every_generator_on_2x2_matches_the_global_batch_float64(name: str) -> N
     assert len(cases) >= 2, f"{name}: fewer than two (model, m) combinations"
     for _, model_name, m in cases:
         key = f"{name}/{model_name}/m={m}"
-        names = set(dict(dp_cases.MODELS[model_name][0]().named_parameters()))
+        _check_steps(results, "grads", key)
         for out in results:
-            _no_crash(out["grads"][key], f"{key} on rank pp={out['pp']} dp={out['dp']}")
             # the schedule sums each of the rank's stages once, after its last backward
             stages = {int(a.split("R")[0]) for a in out["grads"][key]["reductions"]}
             assert len(out["grads"][key]["reductions"]) == len(stages) >= 1, key
-        for step in range(2):
-            ref_loss, ref = _reference(model_name, m, step)
-            _check_ranks(
-                results, f"{key} step {step}", lambda o, k=key, s=step: o["grads"][k]["steps"][s],
-                ref_loss, ref, names,
-            )  # fmt: skip
 
 
 def test_counted_tokens_differing_between_replicas_give_the_global_mean() -> None:
@@ -98,7 +101,7 @@ def test_counted_tokens_differing_between_replicas_give_the_global_mean() -> Non
     ref_loss.backward()
     ref = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     for out in results:
-        _no_crash(out["counted"], "counted")
+        no_crash(out["counted"], "counted")
     names = set(dict(model.named_parameters()))
     _check_ranks(results, "counted", lambda o: o["counted"], ref_loss.item(), ref, names)
 
@@ -113,10 +116,10 @@ def test_clip_grad_norm_equals_torch_on_the_plain_model(norm_type: float) -> Non
     assert ref_norm.item() > 0.05  # the reference does clip
     ref = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     for out in results:
-        _no_crash(out["clip"], "clip")
+        no_crash(out["clip"], "clip")
         got = out["clip"][str(norm_type)]
         assert abs(got["norm"] - ref_norm.item()) <= 1e-10 * ref_norm.item(), (got, ref_norm)
-        assert_same_gradients(_as_params(got["grads"]), ref, only_owned=True)
+        assert_same_gradients(as_params(got["grads"]), ref, only_owned=True)
 
 
 def test_steps_accumulated_without_zero_grad_add_up() -> None:
@@ -126,8 +129,8 @@ def test_steps_accumulated_without_zero_grad_add_up() -> None:
     token_loss(model(x), y).backward()
     ref = {n: 2 * p.grad for n, p in model.named_parameters() if p.grad is not None}
     for out in results:
-        _no_crash(out["accumulate"], "accumulate")
-        assert_same_gradients(_as_params(out["accumulate"]["grads"]), ref)
+        no_crash(out["accumulate"], "accumulate")
+        assert_same_gradients(as_params(out["accumulate"]["grads"]), ref)
 
 
 def test_replicas_running_whole_pipelines_locally_sum_to_the_global_batch() -> None:
@@ -138,10 +141,10 @@ def test_replicas_running_whole_pipelines_locally_sum_to_the_global_batch() -> N
     loss.backward()
     ref = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     for rank, out in enumerate(results):
-        _no_crash(out["local"], f"local on rank {rank}")
+        no_crash(out["local"], f"local on rank {rank}")
         assert out["local"]["dp_size"] == dp_cases.WORLD
         assert abs(out["local"]["loss"] - loss.item()) <= 1e-10
-        assert_same_gradients(_as_params(out["local"]["grads"]), ref)
+        assert_same_gradients(as_params(out["local"]["grads"]), ref)
 
 
 def test_the_measured_timeline_shows_each_reduction_from_its_post_to_its_completion() -> None:
@@ -150,7 +153,7 @@ def test_the_measured_timeline_shows_each_reduction_from_its_post_to_its_complet
     (``hidden``); here, what the timeline must hold whatever the timing."""
     results = dp_cases.results()
     for out in results:
-        _no_crash(out["timeline"], "timeline")
+        no_crash(out["timeline"], "timeline")
     for dp in range(dp_cases.DP):
         ranks = {o["pp"]: o["timeline"]["events"] for o in results if o["dp"] == dp}
         # 1f1b: one stage per rank, its reduction posted after its last backward
@@ -169,7 +172,7 @@ def test_the_measured_timeline_shows_each_reduction_from_its_post_to_its_complet
 
 def test_mesh_and_groups_together_or_a_non_mesh_are_refused() -> None:
     for out in dp_cases.results():
-        _no_crash(out["refusals"], "refusals")
+        no_crash(out["refusals"], "refusals")
         both, not_mesh = out["refusals"]
         assert "either mesh= or pp_group=/dp_group=" in both
         assert "DeviceMesh" in not_mesh
@@ -212,17 +215,7 @@ def test_two_torchrun_launches_as_two_nodes_match_the_global_batch(tmp_path: Pat
     keys = sorted(results[0]["grads"])
     assert {k.split("/")[0] for k in keys} == set(GENERATORS)
     for key in keys:
-        _, model_name, m_text = key.split("/")
-        m = int(m_text.removeprefix("m="))
-        names = set(dict(dp_cases.MODELS[model_name][0]().named_parameters()))
-        for r in results:
-            _no_crash(r["grads"][key], f"{key} on pp={r['pp']} dp={r['dp']}")
-        for step in range(2):
-            ref_loss, ref = _reference(model_name, m, step)
-            _check_ranks(
-                results, f"{key} step {step}", lambda o, k=key, s=step: o["grads"][k]["steps"][s],
-                ref_loss, ref, names,
-            )  # fmt: skip
+        _check_steps(results, "grads", key)
 
 
 @pytest.mark.parametrize("name", dp_cases.FSDP_SCHEDULES)
@@ -234,9 +227,8 @@ def test_dp_shard_on_2x2_matches_the_global_batch_float64(name: str) -> None:
     assert {c[1] for c in cases} == want, f"{name}: a model is not covered"
     for _, model_name, m in cases:
         key = f"{name}/{model_name}/m={m}"
-        names = set(dict(dp_cases.MODELS[model_name][0]().named_parameters()))
         for out in results:
-            _no_crash(out["fsdp"][key], f"dp_shard {key} on rank pp={out['pp']} dp={out['dp']}")
+            no_crash(out["fsdp"][key], f"dp_shard {key} on rank pp={out['pp']} dp={out['dp']}")
         for pp in range(dp_cases.PP):
             outs = [o["fsdp"][key] for o in results if o["pp"] == pp]
             # between steps each replica holds a part of the stages, the parts make the whole
@@ -249,19 +241,14 @@ def test_dp_shard_on_2x2_matches_the_global_batch_float64(name: str) -> None:
                     # one reduce-scatter per unit, at a REDUCE_GRAD of this rank's stages
                     assert len(step["reduced"]) == len(set(step["reduced"])) == o["units"] >= 1
                     assert set(step["reduced"]) <= set(stages), (key, step["reduced"], stages)
-        for step in range(2):
-            ref_loss, ref = _reference(model_name, m, step)
-            _check_ranks(
-                results, f"dp_shard {key} step {step}",
-                lambda o, k=key, s=step: o["fsdp"][k]["steps"][s], ref_loss, ref, names,
-            )  # fmt: skip
+        _check_steps(results, "fsdp", key)
 
 
 def test_dp_shard_without_a_dp_group_on_the_local_executor_or_with_weight_offload_is_refused() -> (
     None
 ):
     for out in dp_cases.results():
-        _no_crash(out["fsdp_refusals"], "fsdp_refusals")
+        no_crash(out["fsdp_refusals"], "fsdp_refusals")
         no_group, local, offload = out["fsdp_refusals"]
         for message in (no_group, local):
             assert "dp_shard=True shards the stages over a data-parallel group" in message
@@ -284,13 +271,13 @@ def test_dp_shard_trains_like_the_plain_model(name: str) -> None:
     names = set(ref)
     results = dp_cases.results()
     for out in results:
-        _no_crash(out["fsdp_train"][name], f"dp_shard training {name}")
+        no_crash(out["fsdp_train"][name], f"dp_shard training {name}")
         got = out["fsdp_train"][name]
         assert got["eval_loss"] is not None
         assert abs(got["eval_loss"] - ref_loss.item()) <= 1e-10, (got["eval_loss"], ref_loss)
         assert got["sharded_after_eval"]
         twice = {k: g / 2 for k, g in got["twice"].items()}
-        assert_same_gradients(_as_params(twice), ref, only_owned=True)
+        assert_same_gradients(as_params(twice), ref, only_owned=True)
     _check_ranks(
         results, f"dp_shard training {name}", lambda o: o["fsdp_train"][name], ref_loss.item(),
         ref, names,

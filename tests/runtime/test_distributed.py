@@ -19,9 +19,9 @@ from typing import Any
 
 import pytest
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from tests.gradcheck import assert_same_gradients, batch_for, mlp, reference
+from tests.gradcheck import as_params, assert_same_gradients, batch_for, mlp, no_crash, reference
 from tests.runtime import dist_cases
 from zeropipe.errors import PipelineError
 from zeropipe.schedules import GENERATORS
@@ -39,20 +39,6 @@ def _reference(model_name: str, m: int, step: int) -> tuple[float, dict[str, Ten
     return loss.item(), grads
 
 
-def _as_params(grads: dict[str, Tensor]) -> list[tuple[str, nn.Parameter]]:
-    params = []
-    for name, g in grads.items():
-        p = nn.Parameter(torch.empty_like(g))
-        p.grad = g
-        params.append((name, p))
-    return params
-
-
-def _no_crash(result: Any, where: str) -> None:
-    if isinstance(result, dict) and "crashed" in result:
-        pytest.fail(f"{where} crashed inside the rank:\n{result['crashed']}")
-
-
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("name", sorted(GENERATORS))
 def test_every_generator_matches_the_reference_float64(world: int, name: str) -> None:
@@ -63,7 +49,7 @@ def test_every_generator_matches_the_reference_float64(world: int, name: str) ->
         key = f"{name}/{model_name}/m={m}"
         all_names = set(dict(dist_cases.MODELS[model_name][0]().named_parameters()))
         for rank, out in enumerate(results):
-            _no_crash(out["grads"][key], f"{key} on rank {rank}")
+            no_crash(out["grads"][key], f"{key} on rank {rank}")
         steps = dist_cases.steps_for(world, m)
         assert all(len(out["grads"][key]["steps"]) == steps for out in results), key
         for step in range(steps):
@@ -73,7 +59,7 @@ def test_every_generator_matches_the_reference_float64(world: int, name: str) ->
             for rank, out in enumerate(results):
                 got = out["grads"][key]["steps"][step]
                 losses.append(got["loss"])
-                worst = assert_same_gradients(_as_params(got["grads"]), ref, only_owned=True)
+                worst = assert_same_gradients(as_params(got["grads"]), ref, only_owned=True)
                 assert worst <= 1e-10, (key, rank, step, worst)
                 seen |= set(got["grads"])
             assert len(set(losses)) == 1, f"{key} step {step}: ranks returned {losses}"
@@ -98,7 +84,7 @@ def test_three_ranks_share_the_loss_and_tied_gradients() -> None:
             assert got[0]["loss"] == pytest.approx(ref_loss.item(), rel=1e-5, abs=1e-10)
             seen: set[str] = set()
             for g in got:  # float64 to 1e-10, float32 allclose (the shared helper's rules)
-                assert_same_gradients(_as_params(g["grads"]), ref, only_owned=True)
+                assert_same_gradients(as_params(g["grads"]), ref, only_owned=True)
                 seen |= set(g["grads"])
             assert seen == set(dict(model.named_parameters()))
 
@@ -107,7 +93,7 @@ def test_three_ranks_share_the_loss_and_tied_gradients() -> None:
 def test_weights_run_in_groups_give_the_reference_gradients(world: int) -> None:
     results = dist_cases.main_results(world)
     for rank, out in enumerate(results):
-        _no_crash(out["grouped"], f"grouped on rank {rank}")
+        no_crash(out["grouped"], f"grouped on rank {rank}")
     keys = sorted(results[0]["grouped"])
     assert len(keys) >= 4, keys
     m = 2 * world + 1
@@ -116,9 +102,9 @@ def test_weights_run_in_groups_give_the_reference_gradients(world: int) -> None:
         for step in range(2):
             ref_loss, ref = _reference("tokens-tied", m, step)
             for rank, out in enumerate(results):
-                _no_crash(out["grouped"][key], f"{key} on rank {rank}")
+                no_crash(out["grouped"][key], f"{key} on rank {rank}")
                 got = out["grouped"][key]["steps"][step]
-                worst = assert_same_gradients(_as_params(got["grads"]), ref, only_owned=True)
+                worst = assert_same_gradients(as_params(got["grads"]), ref, only_owned=True)
                 assert worst <= 1e-10, (key, rank, step, worst)
                 assert abs(got["loss"] - ref_loss) <= 1e-10, (key, step)
 
@@ -129,7 +115,7 @@ def test_same_seed_same_result_on_two_ranks_four_ranks_and_locally() -> None:
         merged: dict[str, Tensor] = {}
         losses = set()
         for rank, out in enumerate(dist_cases.main_results(world)):
-            _no_crash(out["same_seed"], f"same-seed run on rank {rank} of {world}")
+            no_crash(out["same_seed"], f"same-seed run on rank {rank} of {world}")
             losses.add(out["same_seed"]["loss"])
             merged.update(out["same_seed"]["grads"])
         assert len(losses) == 1, (world, losses)
@@ -150,7 +136,7 @@ def test_same_seed_same_result_on_two_ranks_four_ranks_and_locally() -> None:
 def test_tuples_with_integer_tensors_cross_ranks(world: int) -> None:
     for rank, out in enumerate(dist_cases.main_results(world)):
         case = out["tuple"]
-        _no_crash(case, f"tuple case on rank {rank}")
+        no_crash(case, f"tuple case on rank {rank}")
         assert case["worst"] <= 1e-10, (rank, case["worst"])
         assert abs(case["loss"] - case["ref_loss"]) <= 1e-12, (rank, case)
 
@@ -159,7 +145,7 @@ def test_tuples_with_integer_tensors_cross_ranks(world: int) -> None:
 def test_eval_step_and_a_changing_batch_size(world: int) -> None:
     for rank, out in enumerate(dist_cases.main_results(world)):
         case = out["eval_rebatch"]
-        _no_crash(case, f"eval/rebatch case on rank {rank}")
+        no_crash(case, f"eval/rebatch case on rank {rank}")
         if rank == world - 1:  # the output exists where the last stage runs
             assert case["eval_output"] is not None and case["eval_output"] <= 1e-12, case
         else:
@@ -173,7 +159,7 @@ def test_eval_step_and_a_changing_batch_size(world: int) -> None:
 @pytest.mark.parametrize("world", WORLDS)
 def test_transport_moves_ints_bools_tuples_and_relearns_after_reset(world: int) -> None:
     receiver = dist_cases.main_results(world)[1]["transport"]
-    _no_crash(receiver, "transport case on rank 1")
+    no_crash(receiver, "transport case on rank 1")
     # step 0 learns (header), step 1 reuses, step 2 follows a reset with 5 rows
     assert receiver["received_ok"] == [True, True, True]
 
@@ -186,7 +172,7 @@ def test_launcher_store_is_the_store_the_ranks_poll(world: int) -> None:
 @pytest.mark.parametrize("world", WORLDS)
 def test_tied_gradients_accumulate_over_steps_like_backward(world: int) -> None:
     for out in dist_cases.main_results(world):
-        _no_crash(out["shared_accumulation"], "shared accumulation case")
+        no_crash(out["shared_accumulation"], "shared accumulation case")
         assert out["shared_accumulation"]["diff"] <= 1e-10
     assert any(
         out["shared_accumulation"]["checked"] == ["1f1b", "zbv"]
@@ -198,7 +184,7 @@ def test_tied_gradients_accumulate_over_steps_like_backward(world: int) -> None:
 def test_auto_profiles_on_every_rank_and_agrees_on_one_plan(world: int) -> None:
     results = dist_cases.main_results(world)
     for out in results:
-        _no_crash(out["auto_profiled"], "auto profiled case")
+        no_crash(out["auto_profiled"], "auto profiled case")
         assert out["auto_profiled"]["loss_diff"] <= 1e-10
         assert out["auto_profiled"]["grad_diff"] <= 1e-10
     assert len({out["auto_profiled"]["schedule"] for out in results}) == 1

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -35,7 +35,14 @@ from zeropipe.ir import Kind, Schedule
 from zeropipe.runtime.works import Endpoint, connect
 from zeropipe.simulate import Event
 
-__all__ = ["GradReducer", "Reduction", "Replicas", "reduction_owners", "reductions_as_run"]
+__all__ = [
+    "GradReducer",
+    "Reduction",
+    "Replicas",
+    "reduction_order",
+    "reduction_owners",
+    "reductions_as_run",
+]
 
 
 @dataclass
@@ -48,6 +55,19 @@ class Reduction:
     works: list[object]
     posted: float
     done: list[float] = field(default_factory=list)  # completion time (perf_counter), if seen
+
+
+def reduction_order(schedule: Schedule, rank: int, stages: Iterable[int]) -> list[int]:
+    """The stages of ``rank``'s REDUCE_GRAD actions, in order; every one of ``stages`` has one."""
+    order = [a.stage for a in schedule.actions[rank] if a.kind is Kind.REDUCE_GRAD]
+    missing = sorted(set(stages) - set(order))
+    if missing:
+        raise PipelineError(
+            f"rank {rank}: stage(s) {missing} have no REDUCE_GRAD action, so their gradients "
+            f"would never be reduced across data-parallel replicas; build the schedule with "
+            f"reduce_grad=True (Pipeline does this when given a data-parallel group)"
+        )
+    return order
 
 
 def reduction_owners(
@@ -63,14 +83,7 @@ def reduction_owners(
     stages, reduced at the end of the step) are left out.  A stage with no
     REDUCE_GRAD in the schedule is refused: its gradients would never be reduced.
     """
-    order = [a.stage for a in schedule.actions[rank] if a.kind is Kind.REDUCE_GRAD]
-    missing = sorted(set(params) - set(order))
-    if missing:
-        raise PipelineError(
-            f"rank {rank}: stage(s) {missing} have no REDUCE_GRAD action, so their gradients "
-            f"would never be reduced across data-parallel replicas; build the schedule with "
-            f"reduce_grad=True (Pipeline does this when given a data-parallel group)"
-        )
+    order = reduction_order(schedule, rank, params)
     owner: dict[int, int] = {}
     for s in order:  # later REDUCE_GRADs overwrite: a shared parameter goes to the last
         for p in params[s]:

@@ -52,8 +52,8 @@ from torch import Tensor, nn
 
 from zeropipe import _compat
 from zeropipe.errors import PipelineError
-from zeropipe.ir import Kind, Schedule
-from zeropipe.runtime.data_parallel import GradReducer, Replicas
+from zeropipe.ir import Schedule
+from zeropipe.runtime.data_parallel import GradReducer, Replicas, reduction_order
 from zeropipe.runtime.stage import Stage
 
 __all__ = ["ShardedReducer"]
@@ -114,13 +114,7 @@ class ShardedReducer(GradReducer):
             for name, p in stage.module.named_parameters(remove_duplicate=False):
                 if id(p) in index:
                     where.setdefault(index[id(p)], (stage.module, name))
-        order = [a.stage for a in schedule.actions[rank] if a.kind is Kind.REDUCE_GRAD]
-        unreduced = sorted(set(stages) - set(order))
-        if unreduced:
-            raise PipelineError(
-                f"rank {rank}: stage(s) {unreduced} have no REDUCE_GRAD action, so their "
-                f"gradients would never be reduce-scattered across data-parallel replicas"
-            )
+        order = reduction_order(schedule, rank, stages)
         self.units: list[nn.Module] = []
         self.unit_of: dict[int, nn.Module] = {}
         self.reduced_at: dict[int, int] = {}  # unit index -> the stage whose REDUCE_GRAD runs it

@@ -211,7 +211,19 @@ def _fsdp_train_case(mesh: Any, dp: int, name: str) -> dict[str, Any]:
         "twice": twice,
         "eval_loss": None if eval_loss is None else float(eval_loss.item()),  # type: ignore[union-attr]
         "sharded_after_eval": all(isinstance(p, DTensor) for p in pipe.parameters()),
+        "checkpoint": _checkpoint_refusal(pipe),
     }
+
+
+def _checkpoint_refusal(pipe: Pipeline) -> str:
+    """Saving a sharded pipeline is refused before anything is written."""
+    from zeropipe.runtime.checkpoint import CheckpointError, save_checkpoint
+
+    try:
+        save_checkpoint(pipe, None, "/nonexistent/zeropipe-checkpoint")
+    except CheckpointError as err:
+        return str(err)
+    return "accepted"
 
 
 def _fsdp_refusals(mesh: Any) -> list[str]:

@@ -276,6 +276,7 @@ def test_dp_shard_trains_like_the_plain_model(name: str) -> None:
         assert got["eval_loss"] is not None
         assert abs(got["eval_loss"] - ref_loss.item()) <= 1e-10, (got["eval_loss"], ref_loss)
         assert got["sharded_after_eval"]
+        assert "dp_shard=True pipeline are not supported yet" in got["checkpoint"]
         twice = {k: g / 2 for k, g in got["twice"].items()}
         assert_same_gradients(as_params(twice), ref, only_owned=True)
     _check_ranks(

@@ -203,6 +203,14 @@ def _is_lead(pipe: Pipeline) -> bool:
     return (not pipe.distributed or pipe.rank == 0) and pipe.dp_rank == 0
 
 
+def _not_sharded(pipe: Pipeline) -> None:
+    if pipe.sharded is not None:
+        raise CheckpointError(
+            "checkpoints of a dp_shard=True pipeline are not supported yet (each replica "
+            "holds other shards); save from a replicated pipeline (dp_shard=False)"
+        )
+
+
 def _collective(pipe: Pipeline) -> bool:
     """Whether several processes save and load together (pipeline ranks or replicas)."""
     return pipe.distributed or pipe.dp_size > 1
@@ -271,6 +279,7 @@ def save_checkpoint(
     without torch.  ``model``: the model the stages were cut from, whose
     names the tensors take (see the module).  Returns ``path``.
     """
+    _not_sharded(pipe)
     path = Path(path)
     tmp = _partial(path)
     distributed = _collective(pipe)
@@ -412,6 +421,7 @@ def load_checkpoint(
     are a :class:`CheckpointError` naming the key.  Returns the ``extra``
     given to :func:`save_checkpoint` (None if none was).
     """
+    _not_sharded(pipe)
     path = Path(path)
     verify_checkpoint(path)
     md = _metadata(path)

@@ -23,7 +23,7 @@ from torch import Tensor
 from zeropipe.runtime.wire import DTYPES, dtype_code
 from zeropipe.runtime.works import Endpoint, Label, Pending
 
-__all__ = ["all_reduce", "barrier", "grad_norm"]
+__all__ = ["all_reduce", "barrier", "flatten", "grad_norm", "unflatten"]
 
 
 def barrier(
@@ -106,22 +106,34 @@ def _shared_loss(loss: Tensor | None, known: Tensor) -> Tensor | None:
     return known[1].to(DTYPES[int(known[2].item())])
 
 
-def all_reduce(endpoint: Endpoint, grads: Sequence[Tensor]) -> None:
-    """Sum ``grads`` over the group in place, one flat all-reduce per (dtype, device)."""
+def flatten(tensors: Sequence[Tensor]) -> list[tuple[list[Tensor], Tensor]]:
+    """``tensors`` grouped by (dtype, device), each group with one flat copy of it."""
     groups: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
-    for g in grads:
-        groups.setdefault((g.dtype, g.device), []).append(g)
-    for gs in groups.values():
-        flat = torch.cat([g.reshape(-1) for g in gs])
-        what = "the all-reduce of shared parameters' gradients"
+    for t in tensors:
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    return [(ts, torch.cat([t.reshape(-1) for t in ts])) for ts in groups.values()]
+
+
+def unflatten(tensors: Sequence[Tensor], flat: Tensor) -> None:
+    """Copy ``flat`` back into ``tensors``, the group it was made from by :func:`flatten`."""
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
+def all_reduce(
+    endpoint: Endpoint,
+    tensors: Sequence[Tensor],
+    what: str = "the all-reduce of shared parameters' gradients",
+) -> None:
+    """Sum ``tensors`` over the group in place, one flat all-reduce per (dtype, device)."""
+    for ts, flat in flatten(tensors):
         work = endpoint.call(
             partial(dist.all_reduce, flat, group=endpoint.group, async_op=True), what
         )
         endpoint.wait(endpoint.pending([work], [(what, None)]))
-        offset = 0
-        for g in gs:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+        unflatten(ts, flat)
 
 
 def grad_norm(

@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from zeropipe.errors import PipelineError
 from zeropipe.ir import Kind, Schedule
+from zeropipe.runtime.collectives import all_reduce, flatten, unflatten
 from zeropipe.runtime.works import Endpoint, connect
 from zeropipe.simulate import Event
 
@@ -117,20 +118,19 @@ class GradReducer:
         params = self.owners.get(stage)
         if params is None:
             raise PipelineError(f"REDUCE_GRAD of stage {stage}: this rank does not run it")
-        groups: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+        grads: list[Tensor] = []
         for p in params:
             if p.grad is None:  # unused this step: it contributes zeros, as its peers expect
                 p.grad = torch.zeros_like(p)
-            groups.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
+            grads.append(p.grad)
         red = Reduction(stage, [], [], [], time.perf_counter())
-        for grads in groups.values():
-            flat = torch.cat([g.reshape(-1) for g in grads])
+        for group, flat in flatten(grads):
             what = f"the data-parallel all-reduce of stage {stage}'s gradients"
             work = self.endpoint.call(
                 partial(dist.all_reduce, flat, group=self.endpoint.group, async_op=True), what
             )
             _note_completion(work, red)
-            red.grads.append(grads)
+            red.grads.append(group)
             red.flats.append(flat)
             red.works.append(work)
         self.pending.append(red)
@@ -142,11 +142,8 @@ class GradReducer:
             self.endpoint.wait(self.endpoint.pending(red.works, [(what, None)] * len(red.works)))
             if not red.done:  # no completion callback: when the wait saw it done
                 red.done.append(time.perf_counter())
-            for grads, flat in zip(red.grads, red.flats, strict=True):
-                offset = 0
-                for g in grads:
-                    g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                    offset += g.numel()
+            for group, flat in zip(red.grads, red.flats, strict=True):
+                unflatten(group, flat)
             red.flats = []
         self.last = done
 
@@ -179,27 +176,12 @@ class Replicas:
     def total(self, local: float) -> float:
         """The sum of ``local`` over the replicas (a loss's item count)."""
         t = torch.tensor([local], dtype=torch.float64)
-        self._sum([t], "the data-parallel sum of the loss's item count")
+        all_reduce(self.endpoint, [t], "the data-parallel sum of the loss's item count")
         return float(t.item())
 
     def sum_(self, tensors: Sequence[Tensor], what: str) -> None:
         """Sum ``tensors`` over the replicas, in place (one flat all-reduce per dtype)."""
-        self._sum(list(tensors), what)
-
-    def _sum(self, tensors: list[Tensor], what: str) -> None:
-        groups: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
-        for t in tensors:
-            groups.setdefault((t.dtype, t.device), []).append(t)
-        for ts in groups.values():
-            flat = torch.cat([t.reshape(-1) for t in ts])
-            work = self.endpoint.call(
-                partial(dist.all_reduce, flat, group=self.endpoint.group, async_op=True), what
-            )
-            self.endpoint.wait(self.endpoint.pending([work], [(what, None)]))
-            offset = 0
-            for t in ts:
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
+        all_reduce(self.endpoint, tensors, what)
 
     def fail(self, error: BaseException) -> None:
         self.endpoint.failures.record(error)

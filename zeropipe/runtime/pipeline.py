@@ -588,14 +588,17 @@ class Pipeline:
         return earlier
 
     def _add_back(self, earlier: dict[int, Tensor]) -> None:
-        owned = {id(p) for p in self.parameters()}
-        for p in {id(p): p for p in [*self.parameters(), *self.shared]}.values():
+        if not earlier:
+            return
+        for p in self.parameters():  # a shared parameter this rank does not own stays unset
             before = earlier.get(id(p))
-            if before is not None and id(p) in owned and p.grad is not None:
+            if before is not None and p.grad is not None:
                 p.grad = before.add_(p.grad)
 
     def _reduce_shared(self) -> None:
         """Sum the gradients that no REDUCE_GRAD summed: shared parameters, across ranks."""
+        if not self.shared:
+            return
         owned = {id(p) for p in self.parameters()}
         if self.replicas is not None:
             # Used by stages on several pipeline ranks (or, in one process, several
@@ -609,7 +612,7 @@ class Pipeline:
                     [p.grad for p in late if p.grad is not None],
                     "the data-parallel sum of shared parameters' gradients",
                 )
-        if not self.shared or not self.distributed:
+        if not self.distributed:
             return
         # Every rank holds the whole model, but only ranks running a stage that
         # uses a shared parameter own its gradient.  The others contribute a

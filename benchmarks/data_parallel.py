@@ -8,7 +8,10 @@ per-replica batch, their steps interleaved so that load drift hits all alike:
     2x2       dp group: each stage's REDUCE_GRAD posted right after its last
               backward on its rank, in flight while the rank computes on
     2x2 end   the same schedule with every REDUCE_GRAD moved to the end of its
-              rank's actions: the reductions start only when the compute is over
+              rank's actions: the reductions start only when the rank's compute is
+              over (for 1f1b, one stage per rank, that is where they already are:
+              the row measures the same schedule twice; zbv's first stage on a rank
+              finishes well before its second)
 
 The table gives median step time (slowest rank), the ratios to 2x1, and,
 for 2x2, how much of the reductions' time ran while the pipeline still

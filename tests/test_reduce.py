@@ -148,6 +148,19 @@ def test_build_schedule_adds_reductions_only_when_asked() -> None:
     assert strip_reductions(reduced) == build_schedule("zb-h1", ranks=2, microbatches=4, group_w=2)
 
 
+def test_build_schedule_keeps_reductions_a_schedule_already_places() -> None:
+    """A hand-placed REDUCE_GRAD (here: every one at the end of its rank) runs as written."""
+    s = build_schedule("zbv", ranks=2, microbatches=4, reduce_grad=True)  # 2 stages per rank
+    at_end = s.replace_actions(
+        [
+            [a for a in acts if a.kind is not RG] + [a for a in acts if a.kind is RG]
+            for acts in s.actions
+        ]
+    )
+    assert at_end != s
+    assert build_schedule(at_end, reduce_grad=True) == at_end
+
+
 # -- costs -------------------------------------------------------------------------------
 def test_reduce_time_is_a_ring_all_reduce_and_zero_without_replicas() -> None:
     stages = (StageCost(weights=100.0), StageCost(weights=100.0, grad_bytes=40.0))

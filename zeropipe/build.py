@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from zeropipe.errors import ScheduleError
 from zeropipe.fuse import group_weights
-from zeropipe.ir import Schedule
+from zeropipe.ir import Kind, Schedule
 from zeropipe.lower import lower
 from zeropipe.reduce import add_reductions
 from zeropipe.schedules import generate
@@ -46,8 +46,9 @@ def build_schedule(
         recv_ahead: where each receive is posted (:func:`zeropipe.lower.lower`).
         reduce_grad: post each stage's data-parallel gradient all-reduce as a
             REDUCE_GRAD action right after its last B/W
-            (:func:`zeropipe.reduce.add_reductions`); a schedule that already
-            has them keeps them where they are when this is False.
+            (:func:`zeropipe.reduce.add_reductions`).  A schedule that already
+            has REDUCE_GRAD actions keeps them where they are (the validator
+            checks there is one per stage, after its backwards).
 
     Raises:
         ScheduleError: an unknown name, values a generator cannot take, or a
@@ -92,7 +93,7 @@ def build_schedule(
     built = group_weights(built, group_w)
     if built.num_ranks > 1 and (recv_ahead is not None or not built.is_lowered):
         built = lower(built, recv_ahead)
-    if reduce_grad:
+    if reduce_grad and not any(a.kind is Kind.REDUCE_GRAD for acts in built.actions for a in acts):
         built = add_reductions(built)
     validate(built)
     return built

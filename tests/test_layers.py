@@ -33,6 +33,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "core",
         (
             "zeropipe.errors",
+            "zeropipe.specs",
             "zeropipe.ir",
             "zeropipe.deps",
             "zeropipe.validate",

@@ -48,6 +48,20 @@ from typing import Any
 from zeropipe.deps import Dependencies, offloaded_at_start
 from zeropipe.errors import ScheduleError
 from zeropipe.ir import COMM_KINDS, COMPUTE_KINDS, Action, Kind, Schedule
+from zeropipe.specs import (
+    DEFAULT_EFFICIENCY,
+    DEFAULT_GRAD_BYTES,
+    DEFAULT_MEMORY_EFFICIENCY,
+    DEFAULT_STATE_BYTES,
+    HardwareSpec,
+    ModelSpec,
+    load_hardware,
+    load_model,
+    pipeline_crosses_nodes,
+    price_stages,
+    replicas_cross_nodes,
+    ring_allreduce_latency,
+)
 
 __all__ = ["CostModel", "StageCost", "initial_memory", "memory_deltas", "peak_memory", "per_rank"]
 
@@ -508,6 +522,102 @@ class CostModel:
         except ValueError as exc:  # JSONDecodeError, and RecursionError's cousins
             raise ScheduleError(f"cost model is not valid JSON: {exc}", rule="syntax") from None
         return cls.from_dict(data)
+
+    # -- from specs ------------------------------------------------------------
+    @classmethod
+    def from_spec(
+        cls,
+        model: ModelSpec | str,
+        hardware: HardwareSpec | str,
+        *,
+        stages: int,
+        seq: int,
+        microbatch_size: int = 1,
+        dtype: str = "bf16",
+        efficiency: float | None = None,
+        memory_efficiency: float | None = None,
+        recompute: bool = False,
+        pp: int | None = None,
+        dp: int = 1,
+        state_bytes: float = DEFAULT_STATE_BYTES,
+        grad_bytes: float = DEFAULT_GRAD_BYTES,
+        blocks: Sequence[int] | None = None,
+    ) -> CostModel:
+        """Price a decoder-only transformer on an accelerator from their specs (no profile).
+
+        ``model`` and ``hardware`` are specs or names (:func:`zeropipe.specs.load_model`
+        also takes a Hugging Face ``config.json``).  The model is cut into ``stages``
+        (``blocks``: transformer blocks per stage; default even) run by ``pp`` ranks
+        (default ``stages``; zbv's ``2p`` stages run on ``p``), with ``dp`` replicas.
+        Times are seconds, memory bytes (``unit="bytes"``); how each figure is
+        derived is in :mod:`zeropipe.specs`.  ``recompute`` makes R and ``ckpt``
+        available for :func:`zeropipe.fit.checkpoint`; it does not itself
+        checkpoint anything.  ``meta`` records the inputs and
+        ``flops_per_microbatch`` / ``peak_flops`` for MFU.
+        """
+        m = load_model(model) if isinstance(model, str) else model
+        hw = load_hardware(hardware) if isinstance(hardware, str) else hardware
+        ranks = stages if pp is None else pp
+        if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1:
+            raise ScheduleError(f"dp = {dp!r} must be a whole number >= 1")
+        eff = DEFAULT_EFFICIENCY if efficiency is None else efficiency
+        mem_eff = DEFAULT_MEMORY_EFFICIENCY if memory_efficiency is None else memory_efficiency
+        priced = price_stages(
+            m,
+            hw,
+            stages=stages,
+            seq=seq,
+            microbatch_size=microbatch_size,
+            dtype=dtype,
+            efficiency=eff,
+            memory_efficiency=mem_eff,
+            state_bytes=state_bytes,
+            grad_bytes=grad_bytes,
+            blocks=None if blocks is None else list(blocks),
+        )
+        costs = tuple(
+            StageCost(
+                F=p.F,
+                I=p.I,
+                W=p.W,
+                R=p.R,
+                act=p.act,
+                act_w=p.act_w,
+                ckpt=p.ckpt if recompute else 0.0,
+                weights=p.weights,
+                grad_bytes=p.grad_bytes,
+                boundary_bytes=p.boundary_bytes,
+            )
+            for p in priced
+        )
+        far = pipeline_crosses_nodes(ranks, dp, hw.gpus_per_node)
+        dp_far = replicas_cross_nodes(dp, hw.gpus_per_node)
+        tokens = microbatch_size * seq
+        return cls(
+            costs,
+            latency=hw.inter_latency if far else hw.intra_latency,
+            bandwidth=hw.inter_bandwidth if far else hw.intra_bandwidth,
+            unit="bytes",
+            dp=dp,
+            dp_latency=ring_allreduce_latency(dp, hw.inter_latency if dp_far else hw.intra_latency),
+            dp_bandwidth=hw.inter_bandwidth if dp_far else hw.intra_bandwidth,
+            meta={
+                "source": "spec",
+                "model": m.name,
+                "hardware": hw.name,
+                "params": m.params(),
+                "seq": seq,
+                "microbatch_size": microbatch_size,
+                "dtype": dtype,
+                "efficiency": eff,
+                "memory_efficiency": mem_eff,
+                "blocks": [p.blocks for p in priced],
+                "pipeline_link": "network" if far else "node",
+                "replica_link": "network" if dp_far else "node",
+                "flops_per_microbatch": m.flops_per_token(seq) * tokens,
+                "peak_flops": hw.peak(dtype),
+            },
+        )
 
 
 def memory_deltas(

@@ -1,0 +1,179 @@
+"""Specs and CostModel.from_spec: shapes, prices, cuts, links and errors."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from zeropipe.costs import CostModel
+from zeropipe.errors import ScheduleError
+from zeropipe.schedules import generate
+from zeropipe.simulate import simulate
+from zeropipe.specs import (
+    HardwareSpec,
+    ModelSpec,
+    hardware_names,
+    load_hardware,
+    load_model,
+    model_names,
+    price_stages,
+)
+
+# Published parameter counts (model cards).
+PUBLISHED = {"llama-2-7b": 6.74e9, "llama-3-8b": 8.03e9, "llama-3-70b": 70.6e9, "gpt3-175b": 175e9}
+
+TINY_GPU = HardwareSpec(
+    name="tiny",
+    flops={"bf16": 1e12},
+    memory=1e9,
+    memory_bandwidth=1e11,
+    gpus_per_node=4,
+    intra_bandwidth=1e10,
+    intra_latency=1e-5,
+    inter_bandwidth=1e9,
+    inter_latency=1e-4,
+)
+
+
+def test_shipped_models_have_their_published_sizes() -> None:
+    for name, params in PUBLISHED.items():
+        assert load_model(name).params() == pytest.approx(params, rel=0.01), name
+
+
+def test_every_shipped_spec_loads_and_says_where_it_comes_from() -> None:
+    assert len(model_names()) >= 5 and len(hardware_names()) >= 3
+    for name in model_names():
+        assert load_model(name).source
+    for name in hardware_names():
+        gpu = load_hardware(name)
+        assert gpu.source and gpu.peak("bf16") > 1e14
+        assert gpu.inter_bandwidth < gpu.intra_bandwidth
+
+
+def test_a_hugging_face_config_reads_as_its_model(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        num_hidden_layers=3,
+        hidden_size=64,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        intermediate_size=160,
+        vocab_size=1000,
+    )
+    config.save_pretrained(tmp_path)
+    spec = load_model(str(tmp_path))
+    assert (spec.layers, spec.hidden, spec.heads, spec.kv_heads) == (3, 64, 8, 2)
+    assert spec.gated and not spec.tied_embeddings
+    model = transformers.LlamaForCausalLM(config)
+    assert spec.params() == sum(p.numel() for p in model.parameters())
+
+
+def test_a_gpt2_config_reads_as_a_plain_ffn_with_tied_embeddings(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=500)
+    config.save_pretrained(tmp_path)
+    spec = load_model(str(tmp_path / "config.json"))
+    assert spec.tied_embeddings and not spec.gated and spec.ffn == 128
+    model = transformers.GPT2LMHeadModel(config)
+    # GPT-2 also has biases and learned positions, which the spec leaves out.
+    counted = sum(p.numel() for n, p in model.named_parameters() if "bias" not in n)
+    counted -= model.transformer.wpe.weight.numel()
+    assert spec.params() == counted
+
+
+def test_mixture_of_experts_and_unknown_names_are_refused(tmp_path: Path) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"num_local_experts": 8, "hidden_size": 8}))
+    with pytest.raises(ScheduleError, match="mixture of experts"):
+        load_model(str(path))
+    with pytest.raises(ScheduleError, match="llama-3-8b"):
+        load_model("no-such-model")
+    with pytest.raises(ScheduleError, match="h100-sxm"):
+        load_hardware("tpu-v9")
+    with pytest.raises(ScheduleError, match="dtype"):
+        load_hardware("a100-80gb").peak("int4")
+
+
+def test_a_block_is_priced_from_its_flops_and_bytes() -> None:
+    model = ModelSpec("m", layers=2, hidden=64, heads=4, kv_heads=4, ffn=256, vocab=100)
+    seq, b = 32, 2
+    t = seq * b
+    n = 4 * 64 * 64 + 3 * 64 * 256 + 2 * 64  # attention, gated FFN, two norms
+    assert model.layer_params() == n
+    (one,) = price_stages(model, TINY_GPU, stages=1, seq=seq, microbatch_size=b, efficiency=0.5)
+    flop = 1e12 * 0.6  # the default efficiency
+    attention = 2.0 * t * seq * 64
+    # W is the linears' weight gradients only: 2 t n per block, plus the head's and
+    # the embedding's scatter-add (memory bound).
+    head_w = 2.0 * t * 100 * 64 / flop
+    embed_w = t * 64 * 2 * 2 / (1e11 * 0.7)
+    f, i, w = one.F, one.I, one.W
+    assert w == pytest.approx(2 * 2.0 * t * n / flop + head_w + embed_w)
+    # F and I carry the same matmul work plus attention and elementwise work; I more.
+    assert f > 2 * (2.0 * t * n + attention) / flop
+    assert i > f > w
+    # Twice the microbatch, twice every figure.
+    (two,) = price_stages(model, TINY_GPU, stages=1, seq=seq, microbatch_size=2 * b)
+    f2 = two.F
+    assert f2 == pytest.approx(2 * f)
+    assert two.act == pytest.approx(2 * one.act)
+
+
+def test_activation_memory_is_near_the_published_transformer_figure() -> None:
+    # Korthikanti et al. 2022: 34 s b h bytes per layer (GPT, ffn 4h, fp16) without the
+    # attention scores a flash kernel does not keep; ours leaves out dropout masks.
+    model = ModelSpec(
+        "gpt", layers=4, hidden=1024, heads=16, kv_heads=16, ffn=4096, vocab=10, gated=False
+    )
+    seq = 512
+    stages = price_stages(model, TINY_GPU, stages=4, seq=seq, blocks=[1, 1, 1, 1])
+    per_layer = stages[1].act
+    assert per_layer == pytest.approx(34 * seq * 1024, rel=0.1)
+    assert 0 < stages[1].act_w <= per_layer
+
+
+def test_the_default_cut_gives_the_heavy_head_stage_fewer_blocks() -> None:
+    costs = CostModel.from_spec("llama-3-8b", "h100-sxm", stages=4, seq=4096)
+    blocks = costs.meta["blocks"]
+    assert sum(blocks) == 32 and blocks[-1] < max(blocks)
+    slowest = max(s.F + s.I + s.W for s in costs.stages)
+    even = CostModel.from_spec("llama-3-8b", "h100-sxm", stages=4, seq=4096, blocks=[8] * 4)
+    assert slowest < max(s.F + s.I + s.W for s in even.stages)
+    with pytest.raises(ScheduleError, match="summing"):
+        CostModel.from_spec("llama-3-8b", "h100-sxm", stages=4, seq=4096, blocks=[8, 8, 8])
+    with pytest.raises(ScheduleError, match="at most layers"):
+        CostModel.from_spec("llama-3-8b", "h100-sxm", stages=64, seq=4096)
+
+
+def test_links_are_chosen_by_where_the_ranks_sit() -> None:
+    gpu = load_hardware("a100-80gb")  # 8 per node
+    inside = CostModel.from_spec("llama-2-7b", gpu, stages=4, seq=1024, dp=2)
+    assert (inside.latency, inside.bandwidth) == (gpu.intra_latency, gpu.intra_bandwidth)
+    assert inside.dp_bandwidth == gpu.intra_bandwidth
+    across = CostModel.from_spec("llama-2-7b", gpu, stages=4, seq=1024, dp=4)
+    assert across.bandwidth == gpu.inter_bandwidth and across.dp_bandwidth == gpu.intra_bandwidth
+    wide = CostModel.from_spec("llama-2-7b", gpu, stages=4, seq=1024, dp=16)
+    assert wide.dp_bandwidth == gpu.inter_bandwidth
+    # A ring all-reduce: 2 (dp - 1) messages, 2 (dp - 1) / dp of the gradient each way.
+    grad = wide.stages[1].reduced_bytes
+    expected = 30 * gpu.inter_latency + 2 * 15 / 16 * grad / gpu.inter_bandwidth
+    assert wide.reduce_time(1) == pytest.approx(expected)
+    assert grad == pytest.approx(4 * 8 * load_model("llama-2-7b").layer_params())
+
+
+def test_a_spec_model_simulates_and_round_trips_as_json() -> None:
+    schedule = generate("1f1b", 4, 8)
+    costs = CostModel.from_spec("llama-3-8b", "h100-sxm", stages=4, seq=2048, dp=2)
+    again = CostModel.from_json(costs.to_json())
+    assert again == costs and again.meta["flops_per_microbatch"] > 0
+    timeline = simulate(schedule, costs=costs)
+    work = sum(s.F + s.I + s.W for s in costs.stages)
+    assert max(work, 0) < timeline.makespan * 4
+    mfu = (
+        costs.meta["flops_per_microbatch"] * 8 / (timeline.makespan * 4 * costs.meta["peak_flops"])
+    )
+    assert 0.1 < mfu < 0.6  # under the 0.6 efficiency: there is a bubble
+    assert math.isfinite(max(timeline.peak_memory))

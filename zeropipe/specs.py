@@ -1,0 +1,419 @@
+"""Model and accelerator specs, and what one pipeline stage costs on paper.
+
+Planning a run before the cluster exists needs costs without a profile: this
+module prices a decoder-only transformer stage from its shape and the
+accelerator's datasheet figures.  :meth:`zeropipe.costs.CostModel.from_spec`
+turns the figures into a cost model (seconds and bytes).
+
+The shipped specs are plain JSON beside this module (``spec_data/``); each
+entry says where its numbers come from.  A model can also be read from a
+Hugging Face ``config.json``.
+
+How a stage is priced (``T`` = tokens per microbatch = microbatch size x sequence):
+
+* **Compute** (at ``efficiency`` x the accelerator's dense peak for the dtype):
+  every linear costs ``2 T n`` FLOPs forward for ``n`` weights, the same again for the
+  input gradient (I) and for the weight gradient (W).  Causal attention (flash
+  style, masked blocks skipped) costs ``2 T s d`` forward for ``d`` = heads x head
+  dim and a sequence of ``s``, 2.5 times that backward, all of it in I (attention
+  has no weights).
+* **Memory-bound work** (norms, rotary embedding, residual adds, the activation
+  function; at ``memory_efficiency`` x the memory bandwidth): the bytes each reads
+  and writes, twice that backward (in I).  The loss reads and writes the logits in
+  float32.
+* **Activation memory** per layer and microbatch, ``dtype`` bytes per element: what
+  backward needs, ``T (6 h + 2 kv + 3 f)`` elements for a gated FFN (``2 f`` for a
+  plain one), ``h`` = hidden, ``kv`` = key/value width, ``f`` = FFN width.  Of it,
+  W still needs the linears' inputs and the gradients of their outputs (``act_w``).
+  A checkpointed stage keeps only its input.
+* **Static memory** per parameter: ``state_bytes`` (default 18: bf16 weight, fp32
+  gradient, fp32 master copy and two Adam moments, as mixed-precision training
+  without a sharded optimizer keeps them).
+* **Wires**: a pipeline hop inside a node uses the node's link (NVLink), across
+  nodes the network; see :func:`pipeline_crosses_nodes`.  Data-parallel
+  replicas are the innermost rank dimension, so a group of at most one node's
+  GPUs reduces inside the node.
+
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from zeropipe.errors import ScheduleError
+
+__all__ = [
+    "HardwareSpec",
+    "ModelSpec",
+    "StagePrice",
+    "hardware_names",
+    "load_hardware",
+    "load_model",
+    "model_names",
+    "pipeline_crosses_nodes",
+    "price_stages",
+    "replicas_cross_nodes",
+    "ring_allreduce_latency",
+]
+
+_DATA = Path(__file__).with_name("spec_data")
+_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
+#: models whose FFN is gated (SwiGLU/GeGLU: three matrices); others have two
+_GATED_TYPES = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3"}
+
+DEFAULT_EFFICIENCY = 0.6  # share of the dense peak a large bf16 matmul reaches
+DEFAULT_MEMORY_EFFICIENCY = 0.7  # share of the memory bandwidth elementwise kernels reach
+DEFAULT_STATE_BYTES = 18.0  # bytes of weight, gradient and Adam state per parameter
+DEFAULT_GRAD_BYTES = 4.0  # bytes per parameter a gradient all-reduce moves (fp32)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A decoder-only transformer's shape."""
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    tied_embeddings: bool = False
+    gated: bool = True  # SwiGLU-style FFN (gate, up, down) or a plain two-matrix one
+    head_dim: int | None = None  # None: hidden / heads
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ScheduleError(f"model {self.name!r}: {name} = {value!r} must be an int >= 1")
+        if self.heads % self.kv_heads:
+            raise ScheduleError(
+                f"model {self.name!r}: heads ({self.heads}) must be a multiple of "
+                f"kv_heads ({self.kv_heads})"
+            )
+        if self.head_dim is None and self.hidden % self.heads:
+            raise ScheduleError(
+                f"model {self.name!r}: hidden ({self.hidden}) is not a multiple of heads "
+                f"({self.heads}); give head_dim"
+            )
+
+    @property
+    def dim(self) -> int:
+        """Width of the attention heads together (``heads x head_dim``)."""
+        return self.heads * (self.head_dim or self.hidden // self.heads)
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * (self.head_dim or self.hidden // self.heads)
+
+    def layer_params(self) -> int:
+        """Weights of one transformer block (norm weights included)."""
+        attention = self.hidden * (self.dim + 2 * self.kv_dim) + self.dim * self.hidden
+        mlp = (3 if self.gated else 2) * self.hidden * self.ffn
+        return attention + mlp + 2 * self.hidden
+
+    def params(self) -> int:
+        """All weights: embedding, blocks, final norm and (unless tied) the output head."""
+        embedding = self.vocab * self.hidden
+        head = 0 if self.tied_embeddings else embedding
+        return embedding + self.layers * self.layer_params() + self.hidden + head
+
+    def flops_per_token(self, seq: int) -> float:
+        """Training FLOPs per token by the usual convention for MFU: ``6 N + 12 L d s``.
+
+        ``N`` counts every weight a token is multiplied by (blocks and output head,
+        not the embedding lookup); ``12 L d s`` is attention's score and value
+        products forward and backward without skipping the causal mask.  No
+        recomputation is counted: MFU counts the model's work, not the plan's.
+        """
+        matmul = self.layers * self.layer_params() + self.vocab * self.hidden
+        return 6.0 * matmul + 12.0 * self.layers * self.dim * seq
+
+    @classmethod
+    def from_hf_config(cls, config: dict[str, Any], name: str = "") -> ModelSpec:
+        """Read a Hugging Face ``config.json`` (Llama-, Mistral-, Qwen-, Gemma-, GPT-2-like)."""
+        if config.get("num_local_experts") or config.get("num_experts"):
+            raise ScheduleError(
+                f"model {name!r} is a mixture of experts; its cost cannot be priced from the "
+                f"dense formulas here (give a dense model, or profile it: zeropipe profile)"
+            )
+        get = config.get
+        try:
+            layers = get("num_hidden_layers", get("n_layer"))
+            hidden = get("hidden_size", get("n_embd"))
+            heads = get("num_attention_heads", get("n_head"))
+            kv = get("num_key_value_heads") or heads
+            ffn = get("intermediate_size", get("n_inner")) or 4 * hidden
+            kind = str(get("model_type", ""))
+            return cls(
+                name=name or kind or "model",
+                layers=int(layers),
+                hidden=int(hidden),
+                heads=int(heads),
+                kv_heads=int(kv),
+                ffn=int(ffn),
+                vocab=int(get("vocab_size")),
+                tied_embeddings=bool(get("tie_word_embeddings", kind == "gpt2")),
+                gated=kind in _GATED_TYPES,
+                head_dim=get("head_dim"),
+                source="Hugging Face config",
+            )
+        except (TypeError, ValueError):
+            raise ScheduleError(
+                f"cannot read model {name!r} from its config: it needs num_hidden_layers, "
+                f"hidden_size, num_attention_heads, intermediate_size and vocab_size "
+                f"(or GPT-2's n_layer, n_embd, n_head)"
+            ) from None
+
+
+@dataclass(frozen=True)
+class HardwareSpec:
+    """An accelerator and the links around it (bandwidths per GPU, one direction)."""
+
+    name: str
+    flops: dict[str, float]  # dtype -> dense peak FLOP/s
+    memory: float  # bytes
+    memory_bandwidth: float  # bytes/s
+    gpus_per_node: int
+    intra_bandwidth: float  # bytes/s between two GPUs of a node
+    intra_latency: float  # seconds per message inside a node
+    inter_bandwidth: float  # bytes/s of one GPU's share of the network
+    inter_latency: float  # seconds per message across nodes
+    source: str = ""
+
+    def peak(self, dtype: str) -> float:
+        if dtype not in self.flops:
+            raise ScheduleError(
+                f"{self.name} has no peak given for dtype {dtype!r}; known: "
+                f"{', '.join(sorted(self.flops))}"
+            )
+        return self.flops[dtype]
+
+
+def _read(kind: str) -> dict[str, dict[str, Any]]:
+    data: dict[str, dict[str, Any]] = json.loads((_DATA / f"{kind}.json").read_text())
+    return {k: v for k, v in data.items() if not k.startswith("_")}
+
+
+@cache
+def _shipped(kind: str) -> dict[str, dict[str, Any]]:
+    return _read(kind)
+
+
+def model_names() -> list[str]:
+    return sorted(_shipped("models"))
+
+
+def hardware_names() -> list[str]:
+    return sorted(_shipped("hardware"))
+
+
+def load_model(name_or_path: str) -> ModelSpec:
+    """A shipped model by name, or a Hugging Face ``config.json`` (a file or its folder)."""
+    shipped = _shipped("models")
+    if name_or_path.lower() in shipped:
+        entry = shipped[name_or_path.lower()]
+        return ModelSpec(name=name_or_path.lower(), **entry)
+    path = Path(name_or_path)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ScheduleError(
+            f"unknown model {name_or_path!r}: give a Hugging Face config.json (file or folder) "
+            f"or one of {', '.join(model_names())}"
+        )
+    try:
+        config = json.loads(path.read_text())
+    except ValueError as exc:
+        raise ScheduleError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise ScheduleError(f"{path} is not a model config (expected a JSON object)")
+    return ModelSpec.from_hf_config(config, name=path.parent.name or path.stem)
+
+
+def load_hardware(name: str) -> HardwareSpec:
+    shipped = _shipped("hardware")
+    entry = shipped.get(name.lower())
+    if entry is None:
+        raise ScheduleError(f"unknown GPU {name!r}; known: {', '.join(hardware_names())}")
+    known = {f.name for f in fields(HardwareSpec)}
+    return HardwareSpec(name=name.lower(), **{k: v for k, v in entry.items() if k in known})
+
+
+# -- pricing -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StagePrice:
+    """One stage's figures for one microbatch, in seconds and bytes (StageCost's fields)."""
+
+    F: float
+    I: float
+    W: float
+    R: float
+    act: float
+    act_w: float
+    ckpt: float
+    weights: float
+    grad_bytes: float
+    boundary_bytes: float
+    params: int
+    blocks: int  # transformer blocks in this stage
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def _cut(layers: int, stages: int, block: float, first: float, last: float) -> list[int]:
+    """Blocks per stage so the slowest stage is as fast as can be: the first stage also
+    runs the embedding (``first`` extra time), the last the head and loss (``last``).
+
+    Starts even and moves one block at a time from the slowest stage to the fastest
+    while that lowers the slowest; ties keep the even cut's order."""
+    base, extra = divmod(layers, stages)
+    counts = [base + (1 if s < extra else 0) for s in range(stages)]
+    extras = [0.0] * stages
+    extras[0] += first
+    extras[-1] += last
+
+    def time(s: int) -> float:
+        return counts[s] * block + extras[s]
+
+    for _ in range(layers):
+        slow = max(range(stages), key=time)
+        fast = min(range(stages), key=time)
+        if counts[slow] == 0 or (counts[fast] + 1) * block + extras[fast] >= time(slow):
+            break
+        counts[slow] -= 1
+        counts[fast] += 1
+    return counts
+
+
+def price_stages(
+    model: ModelSpec,
+    hardware: HardwareSpec,
+    *,
+    stages: int,
+    seq: int,
+    microbatch_size: int = 1,
+    dtype: str = "bf16",
+    efficiency: float = DEFAULT_EFFICIENCY,
+    memory_efficiency: float = DEFAULT_MEMORY_EFFICIENCY,
+    state_bytes: float = DEFAULT_STATE_BYTES,
+    grad_bytes: float = DEFAULT_GRAD_BYTES,
+    blocks: list[int] | None = None,
+) -> list[StagePrice]:
+    """Each stage's F, I, W, R times and memory for one microbatch (see the module docstring).
+
+    ``blocks`` gives the transformer blocks of each stage (default: the cut whose
+    slowest stage is fastest, see :func:`_cut`); the first stage also holds the embedding,
+    the last the final norm, output head and loss.
+    """
+    for name, value in (("efficiency", efficiency), ("memory_efficiency", memory_efficiency)):
+        if not (0 < value <= 1):
+            raise ScheduleError(f"{name} = {value!r} must be in (0, 1]")
+    for name, ivalue in (("stages", stages), ("seq", seq), ("microbatch_size", microbatch_size)):
+        if not isinstance(ivalue, int) or isinstance(ivalue, bool) or ivalue < 1:
+            raise ScheduleError(f"{name} = {ivalue!r} must be an int >= 1")
+    if dtype not in _DTYPE_BYTES:
+        raise ScheduleError(f"unknown dtype {dtype!r}; known: {', '.join(_DTYPE_BYTES)}")
+    if stages > model.layers + 2:
+        raise ScheduleError(
+            f"{stages} stages for a {model.layers}-layer model: at most layers + 2 "
+            f"(a stage each for the embedding and the head); use fewer stages"
+        )
+    flop = hardware.peak(dtype) * efficiency  # FLOP/s reached
+    mem = hardware.memory_bandwidth * memory_efficiency  # bytes/s reached
+    e = _DTYPE_BYTES[dtype]
+    t = microbatch_size * seq  # tokens
+    h, kv, f, d = model.hidden, model.kv_dim, model.ffn, model.dim
+    n = model.layer_params()
+    ffn_mats = 3 if model.gated else 2
+
+    # One block.  Linears: 2 t n FLOPs each for F, I and W.  Attention: 2 t s d forward
+    # (causal: half of the 4 t s d of a full square), 2.5x backward.
+    attention = 2.0 * t * seq * d
+    # Elementwise bytes forward: two norms (read + write h each), rotary on q and k,
+    # two residual adds (read 2, write 1), the activation (gated: read 2 f, write f).
+    elementwise = t * e * (4 * h + 2 * (d + kv) + 6 * h + (3 * f if model.gated else 2 * f))
+    block_f = (2.0 * t * n + attention) / flop + elementwise / mem
+    block_i = (2.0 * t * n + 2.5 * attention) / flop + 2 * elementwise / mem
+    block_w = 2.0 * t * n / flop
+    # Saved for backward: norm inputs and outputs (4 h), q k v (d + 2 kv), attention
+    # output (h-wide), FFN gate/up/product (3 f) or pre/post activation (2 f).
+    block_act = t * e * (5 * h + d + 2 * kv + (3 * f if model.gated else 2 * f))
+    # W needs each linear's input and its output's gradient.
+    linear_in = 2 * h + d + f
+    linear_out = (d + 2 * kv) + h + (ffn_mats - 1) * f + h
+    block_act_w = min(block_act, t * e * (linear_in + linear_out))
+
+    head_n = model.vocab * h
+    head_f = 2.0 * t * head_n / flop + t * model.vocab * 4 * 2 / mem  # logits + fp32 loss
+    head_i = 2.0 * t * head_n / flop + t * model.vocab * 4 * 3 / mem
+    head_w = 2.0 * t * head_n / flop
+    head_act = t * (e * h + 4 * model.vocab)  # head input, fp32 logits for the loss
+
+    embed_time = t * h * e * 3 / mem  # the lookup forward, the scatter-add in W
+    block_time = block_f + block_i + block_w
+    head_time = head_f + head_i + head_w
+    if blocks is None:
+        cut = _cut(model.layers, stages, block_time, embed_time, head_time)
+    else:
+        cut = list(blocks)
+    if len(cut) != stages or sum(cut) != model.layers or min(cut) < 0:
+        raise ScheduleError(
+            f"blocks {cut} must give each of the {stages} stage(s) a count >= 0, "
+            f"summing to the model's {model.layers} layers"
+        )
+
+    out: list[StagePrice] = []
+    for s, k in enumerate(cut):
+        first, last = s == 0, s == stages - 1
+        F, I, W = k * block_f, k * block_i, k * block_w
+        act, act_w, params = k * block_act, k * block_act_w, k * n
+        if first:
+            params += model.vocab * h  # embedding: a lookup forward, a scatter-add in W
+            F += embed_time / 3
+            W += embed_time * 2 / 3
+        if last:
+            F, I, W = F + head_f, I + head_i, W + head_w
+            act, act_w = act + head_act, act_w + t * e * h
+            params += h + (0 if model.tied_embeddings and stages == 1 else head_n)
+        out.append(
+            StagePrice(
+                F=F,
+                I=I,
+                W=W,
+                R=F,
+                act=act,
+                act_w=act_w,
+                ckpt=float(t * h * e if not first else t * 8),  # the stage's input
+                weights=params * state_bytes,
+                grad_bytes=params * grad_bytes,
+                boundary_bytes=float(t * h * e),
+                params=params,
+                blocks=k,
+            )
+        )
+    return out
+
+
+def pipeline_crosses_nodes(pp: int, dp: int, gpus_per_node: int) -> bool:
+    """Whether some pipeline hop leaves its node, ranks laid out with data parallel
+    innermost (rank = pipeline index x dp + replica index), as torch's DeviceMesh
+    ("pp", "dp") lays them out.  Any crossing hop prices every hop on the network:
+    the slow hop holds the pipeline back."""
+    return pp > 1 and pp * dp > gpus_per_node
+
+
+def replicas_cross_nodes(dp: int, gpus_per_node: int) -> bool:
+    """Whether a data-parallel group spans nodes (it is contiguous: see above)."""
+    return dp > gpus_per_node or gpus_per_node % dp != 0
+
+
+def ring_allreduce_latency(dp: int, latency: float) -> float:
+    """A ring all-reduce's fixed cost: ``2 (dp - 1)`` messages in sequence."""
+    return 2 * (dp - 1) * latency if dp > 1 else 0.0

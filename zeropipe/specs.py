@@ -144,25 +144,26 @@ class ModelSpec:
                 f"model {name!r} is a mixture of experts; its cost cannot be priced from the "
                 f"dense formulas here (give a dense model, or profile it: zeropipe profile)"
             )
-        get = config.get
+
+        def get(*keys: str) -> Any:
+            return next((config[k] for k in keys if config.get(k) is not None), None)
+
         try:
-            layers = get("num_hidden_layers", get("n_layer"))
-            hidden = get("hidden_size", get("n_embd"))
-            heads = get("num_attention_heads", get("n_head"))
-            kv = get("num_key_value_heads") or heads
-            ffn = get("intermediate_size", get("n_inner")) or 4 * hidden
-            kind = str(get("model_type", ""))
+            hidden = int(get("hidden_size", "n_embd"))
+            heads = int(get("num_attention_heads", "n_head"))
+            kind = str(config.get("model_type", ""))
+            head_dim = get("head_dim")
             return cls(
                 name=name or kind or "model",
-                layers=int(layers),
-                hidden=int(hidden),
-                heads=int(heads),
-                kv_heads=int(kv),
-                ffn=int(ffn),
+                layers=int(get("num_hidden_layers", "n_layer")),
+                hidden=hidden,
+                heads=heads,
+                kv_heads=int(get("num_key_value_heads") or heads),
+                ffn=int(get("intermediate_size", "n_inner") or 4 * hidden),
                 vocab=int(get("vocab_size")),
-                tied_embeddings=bool(get("tie_word_embeddings", kind == "gpt2")),
+                tied_embeddings=bool(config.get("tie_word_embeddings", kind == "gpt2")),
                 gated=kind in _GATED_TYPES,
-                head_dim=get("head_dim"),
+                head_dim=None if head_dim is None else int(head_dim),
                 source="Hugging Face config",
             )
         except (TypeError, ValueError):
@@ -330,7 +331,7 @@ def price_stages(
     e = _DTYPE_BYTES[dtype]
     t = microbatch_size * seq  # tokens
     h, kv, f, d = model.hidden, model.kv_dim, model.ffn, model.dim
-    n = model.layer_params()
+    n = model.layer_params() - 2 * h  # weights in linears (not the norms)
     ffn_mats = 3 if model.gated else 2
 
     # One block.  Linears: 2 t n FLOPs each for F, I and W.  Attention: 2 t s d forward
@@ -373,7 +374,7 @@ def price_stages(
     for s, k in enumerate(cut):
         first, last = s == 0, s == stages - 1
         F, I, W = k * block_f, k * block_i, k * block_w
-        act, act_w, params = k * block_act, k * block_act_w, k * n
+        act, act_w, params = k * block_act, k * block_act_w, k * model.layer_params()
         if first:
             params += model.vocab * h  # embedding: a lookup forward, a scatter-add in W
             F += embed_time / 3

@@ -33,6 +33,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -102,6 +103,7 @@ class BenchConfig:
     group_w: int | None = None  # None: Pipeline's default, what a user gets
     cut: str = "time"  # "time": each schedule's cut balanced by measured time; "even": by count
     timeout: float = 600.0
+    costs_out: str | None = None  # a folder: each model's measured per-layer costs, as JSON
 
 
 def default_group_w() -> int:
@@ -330,6 +332,10 @@ def _cuts(
     box: list[object] = [None]
     if rank == 0:
         box[0] = {name: balance_schedule(layers, sch) for name, sch in schedules.items()}
+        if cfg.costs_out is not None:  # what `zeropipe plan --costs` ranks the schedules by
+            out = Path(cfg.costs_out)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / f"{work.name}.json").write_text(layers.to_json())
     dist.broadcast_object_list(box, 0)
     cuts = box[0]
     assert isinstance(cuts, dict)
@@ -493,6 +499,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "of layers per stage)",
     )
     parser.add_argument(
+        "--costs-out",
+        metavar="DIR",
+        help="write each model's measured per-layer costs (the ones the time cut uses) to "
+        "DIR/<model>.json, for `zeropipe plan --costs`; needs --cut time",
+    )
+    parser.add_argument(
         "--runs",
         type=int,
         default=1,
@@ -526,7 +538,10 @@ def run_cli(args: argparse.Namespace) -> int:
         warmup=args.warmup,
         group_w=args.group_w,
         cut=args.cut,
+        costs_out=args.costs_out,
     )
+    if args.costs_out is not None and args.cut != "time":
+        raise ZeropipeError("--costs-out writes the costs the time cut measures: give --cut time")
     if args.runs < 1:
         raise ZeropipeError(f"--runs must be at least 1, got {args.runs}")
     runs: list[list[dict[str, Any]]] = []

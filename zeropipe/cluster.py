@@ -62,7 +62,7 @@ GiB = float(2**30)
 _STEPS = 8
 #: schedules with at most this many (stage, microbatch) pairs go to fit_memory, whose
 #: greedy search finds finer plans but costs a simulation per step (minutes at scale)
-FIT_PAIRS = 32
+FIT_PAIRS = 16
 
 
 @dataclass(frozen=True)

@@ -210,6 +210,14 @@ def run_cli(args: argparse.Namespace) -> int:
             f"{best.microbatches} microbatches, memory plan {best.memory_plan}"
         )
         print(f"wrote plot: {render.render_png(best.timeline, args.plot, title)}")
+    if best is not None and not best.fits:
+        # The table above says what each would need; the exit code says it failed.
+        raise ZeropipeError(
+            f"no configuration fits the memory limit; the best one ({best.schedule}, pp "
+            f"{best.pp} x dp {best.dp}, mbs {best.microbatch_size}) is {best.memory_plan}. "
+            f"Use more GPUs (a deeper pipeline holds fewer weights per GPU), a GPU with "
+            f"more memory, or shorter sequences" + ("" if args.costs else ", or check --memory")
+        )
     return 0
 
 
@@ -217,6 +225,13 @@ def _run_cluster(args: argparse.Namespace) -> tuple[list[str], Ranking, str]:
     model = load_model(args.model)
     hw = load_hardware(args.gpu)
     peak = hw.peak(args.dtype)
+    node = hw.gpus_per_node
+    if args.gpus > node and args.gpus % node:
+        raise ZeropipeError(
+            f"--gpus {args.gpus} is not a whole number of {hw.name} nodes ({node} GPUs "
+            f"each); give at most {node} or a multiple of {node}, e.g. "
+            f"{args.gpus // node * node} or {(args.gpus // node + 1) * node}"
+        )
     memory = args.memory * GiB if args.memory else hw.memory
     tokens = args.global_batch * args.seq
     header = [
@@ -226,7 +241,7 @@ def _run_cluster(args: argparse.Namespace) -> tuple[list[str], Ranking, str]:
         f"{hw.memory / GiB:.1f} GiB, {hw.gpus_per_node} per node; "
         f"{hw.intra_bandwidth / 1e9:.0f} GB/s in a node, {hw.inter_bandwidth / 1e9:.0f} GB/s "
         f"across nodes)",
-        f"step: {args.global_batch} sequences of {args.seq} tokens ({tokens / 1e6:.3g}M tokens); "
+        f"step: {args.global_batch} sequences of {args.seq} tokens ({tokens:,} tokens); "
         f"memory limit {memory / GiB:.1f} GiB per GPU",
         f"assumed: matmuls at {args.efficiency or DEFAULT_EFFICIENCY:.0%} of peak, "
         f"{DEFAULT_STATE_BYTES:g} bytes of weight/gradient/Adam state per parameter (no "

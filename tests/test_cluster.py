@@ -219,3 +219,20 @@ def test_fixed_costs_merge_and_cut_stages() -> None:
     with pytest.raises(ScheduleError, match="divisor or a multiple"):
         costs_for(Config(3, 1, 1, 4, 3))
     assert replace(base, dp=1) == same
+
+
+@pytest.mark.parametrize("name", NAMED)
+def test_a_recompute_share_fits_what_it_says_on_every_schedule(name: str) -> None:
+    # pp 4, m 8: 32+ (stage, microbatch) pairs, past fit_memory's size: the per-rank share.
+    costs = factory(act_w=2.0)
+    free = run(gpus=4, global_batch=8, microbatch_sizes=[1], schedules=[name], pp_options=[4],
+               costs_for=costs)  # fmt: skip
+    natural = free.candidates[0]
+    limit = 200.0 + (natural.peak_memory - 200.0) * 0.6  # weights 200: 2 layers per rank
+    ranking = run(gpus=4, global_batch=8, microbatch_sizes=[1], schedules=[name],
+                  pp_options=[4], memory=limit, costs_for=costs)  # fmt: skip
+    c = ranking.candidates[0]
+    if c.fits:
+        assert c.memory_plan.startswith("recompute") and c.peak_memory <= limit + 1e-9
+    else:  # W keeps act_w whatever is recomputed: the plan says what it would need
+        assert c.memory_plan.startswith("over: needs")

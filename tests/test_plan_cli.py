@@ -49,7 +49,7 @@ def test_cluster_mode_prints_a_ranked_table_and_round_trips_json(
     assert [r[0] for r in rows] == ["1", "2", "3", "4"]
     steps = [float(r[8]) for r in rows]
     assert steps == sorted(steps)
-    assert "configurations simulated" in out and "pruned by a lower bound" in out
+    assert "configurations simulated" in out and "pruned (a lower bound" in out
     data = json.loads(path.read_text())
     cands = candidates_from_json(data)
     assert len(cands) == 4 and cands[0].step_time == pytest.approx(steps[0], rel=1e-3)

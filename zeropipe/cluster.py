@@ -236,7 +236,9 @@ def lower_bound(
     (``recomputed[s]`` microbatches of stage ``s`` also recompute), plus what must
     follow its last action: the all-reduce of a stage (with dp > 1) and, when the
     schedule does not split backward (``split=False``: its last action is a whole B),
-    the backward chain down to stage 0.  The step is at least the largest of these.
+    the backward chain down to stage 0.  With several stages on a rank, their
+    all-reduces run one after another on its link, the first after one stage's last
+    backward.  The step is at least the largest of these.
     """
     n = len(placement)
     over = costs.overhead
@@ -267,6 +269,11 @@ def lower_bound(
         else:
             tail = min(max(r_s, bwd_below[s]) for s, r_s in zip(mine, reduce, strict=True))
         best = max(best, head + busy + tail)
+        if costs.dp > 1 and len(mine) > 1:
+            # The rank's all-reduces share one link, and none starts before some stage of
+            # the rank has run all its own forwards and backwards.
+            first_done = min(microbatches * (c[s].F + back[s] + 2 * over) for s in mine)
+            best = max(best, head + first_done + sum(reduce))
     return best
 
 
@@ -296,6 +303,37 @@ def _recompute_share(schedule: Schedule, levels: Sequence[int]) -> Schedule:
     if not any(chosen.values()):
         return schedule
     return checkpoint(schedule, lambda s, i: i in chosen[s])
+
+
+def _share_peaks(base: Schedule, costs: CostModel, levels: Sequence[int]) -> list[float]:
+    """The peaks :func:`_recompute_share` would give, without rewriting the schedule.
+
+    Rewriting a schedule of tens of thousands of actions costs a quarter of a second;
+    the binary search needs several.  :func:`zeropipe.fit.checkpoint` (``ahead=0``)
+    puts each R right before its backward, so walking ``base`` with the checkpointed
+    pairs' F keeping ``ckpt`` and an R before their first backward gives the same
+    accounting (:meth:`StageCost.held_change`).  ``base`` holds compute actions only.
+    """
+    m = base.microbatches
+    chosen = {s: _spread(levels[r], m) for s, r in enumerate(base.placement)}
+    out = []
+    for level, acts in zip(initial_memory(base, costs), base.actions, strict=True):
+        peak = level
+        recomputed: set[tuple[int, int]] = set()
+        for a in acts:
+            i = a.microbatch
+            if i is None or a.kind not in (Kind.F, Kind.B, Kind.I, Kind.W):
+                continue
+            c = costs.stages[a.stage]
+            ckpt = i in chosen[a.stage]
+            if ckpt and a.kind in (Kind.B, Kind.I) and (a.stage, i) not in recomputed:
+                recomputed.add((a.stage, i))
+                level += c.held_change(Kind.R)
+                peak = max(peak, level)
+            level += c.held_change(a.kind, checkpointed=ckpt)
+            peak = max(peak, level)
+        out.append(peak)
+    return out
 
 
 def _memory_plan(base: Schedule, natural: CostModel, ckpt: CostModel, limit: float) -> _Memory:
@@ -334,7 +372,7 @@ def _memory_plan(base: Schedule, natural: CostModel, ckpt: CostModel, limit: flo
     while any(lo < hi - 1 for lo, hi in zip(low, high, strict=True)):
         mid = [(lo + hi) // 2 if lo < hi - 1 else hi for lo, hi in zip(low, high, strict=True)]
         level = [min(x, _STEPS) for x in mid]
-        for r, p in enumerate(_peaks(_recompute_share(base, level), ckpt)):
+        for r, p in enumerate(_share_peaks(base, ckpt, level)):
             if low[r] < high[r] - 1:
                 if mid[r] <= _STEPS and p <= limit:
                     high[r] = mid[r]
@@ -346,6 +384,14 @@ def _memory_plan(base: Schedule, natural: CostModel, ckpt: CostModel, limit: flo
         share = sum(counts) / (n * m)
         plan = "recompute all" if share == 1 else f"recompute {share:.0%}"
         return _Memory(sched, plan, True, counts)
+    # Offload moves only what a checkpointed forward keeps: if dropping all of that
+    # from the all-recomputed peak is still over, the (slow) rewrite cannot fit.
+    recomputed = _share_peaks(base, ckpt, [_STEPS] * ranks)
+    kept = [m * sum(ckpt.stages[s].ckpt for s in base.stages_of(r)) for r in range(ranks)]
+    hopeless = max(p - k for p, k in zip(recomputed, kept, strict=True))
+    if hopeless > limit:
+        need = _fmt_mem(hopeless, ckpt)
+        return _Memory(base, f"over: needs > {need} recomputed+offloaded", False, none)
     everything = offload(checkpoint(base))
     floor = max(_peaks(everything, ckpt))
     if floor <= limit:
@@ -482,14 +528,17 @@ class _Search:
         ckpt = self.costs(replace(config, recompute=True))
         memory = _memory_plan(base, natural, ckpt, self.limit)
         costs = ckpt if any(memory.recomputed) else natural
+        bound = job.bound
         if any(memory.recomputed):
             bound = lower_bound(
                 ckpt, job.placement, config.microbatches, split=job.split,
                 recomputed=memory.recomputed,
             )  # fmt: skip
-            if self.beaten(memory.fits, bound):
-                self.ranking.pruned += 1
-                return None
+        # Now that its plan is known (recompute costs time; what does not fit ranks
+        # after all that does), it may no longer be able to enter the top.
+        if self.beaten(memory.fits, bound):
+            self.ranking.pruned += 1
+            return None
         self.ranking.priced += 1
         return self.candidate(config, job.schedule, base, memory, costs)
 
@@ -580,7 +629,7 @@ def search(
     pp_options: Sequence[int] | None = None,
     prune: bool = True,
     auto_runs: int = 3,
-    auto_budget: float = 5.0,
+    auto_budget: float = 2.0,
 ) -> Ranking:
     """Rank the ways to run a model on ``gpus`` accelerators by simulated step time.
 

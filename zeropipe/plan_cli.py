@@ -357,8 +357,9 @@ def format_table(candidates: Sequence[Candidate], *, unit: str, cluster: bool = 
 def _footer(ranking: Ranking) -> str:
     return (
         f"{ranking.priced} of {ranking.considered} configurations simulated, "
-        f"{ranking.pruned} pruned by a lower bound on the step time, {ranking.refused} "
-        f"refused by a schedule or the cost model; {ranking.seconds:.1f} s"
+        f"{ranking.pruned} pruned (a lower bound on their step time, or not fitting, kept "
+        f"them out of the top), {ranking.refused} refused by a schedule or the cost model; "
+        f"{ranking.seconds:.1f} s"
     )
 
 

@@ -236,3 +236,18 @@ def test_a_recompute_share_fits_what_it_says_on_every_schedule(name: str) -> Non
         assert c.memory_plan.startswith("recompute") and c.peak_memory <= limit + 1e-9
     else:  # W keeps act_w whatever is recomputed: the plan says what it would need
         assert c.memory_plan.startswith("over: needs")
+
+
+def test_spec_costs_price_offload_and_shard_the_optimizer_over_dp() -> None:
+    from zeropipe.cluster import HOST_BANDWIDTH, spec_costs
+    from zeropipe.specs import load_hardware, load_model
+
+    model, gpu = load_model("llama-3-8b"), load_hardware("h100-sxm")
+    config = Config(4, 8, 1, 8, 4)
+    plain = spec_costs(model, gpu, seq=1024)(config)
+    sharded = spec_costs(model, gpu, seq=1024, shard_optimizer=True)(config)
+    for p, s in zip(plain.stages, sharded.stages, strict=True):
+        assert s.weights == pytest.approx(p.weights * (6 + 12 / 8) / 18)
+        assert p.OFFLOAD == p.RELOAD == pytest.approx(p.act / HOST_BANDWIDTH)
+        assert p.OFFLOAD > 0
+    assert plain.unit == "bytes" and plain.dp == 8 and plain.meta["time_unit"] == "s"

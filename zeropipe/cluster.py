@@ -43,7 +43,7 @@ from zeropipe.fit import LimitTooLow, checkpoint, fit_memory, offload
 from zeropipe.ir import Kind, Schedule
 from zeropipe.schedules import GENERATORS, generate
 from zeropipe.simulate import Timeline, simulate
-from zeropipe.specs import HardwareSpec, ModelSpec
+from zeropipe.specs import DEFAULT_STATE_BYTES, HardwareSpec, ModelSpec
 
 __all__ = [
     "Candidate",
@@ -166,16 +166,23 @@ def spec_costs(
     dtype: str = "bf16",
     efficiency: float | None = None,
     host_bandwidth: float = HOST_BANDWIDTH,
+    shard_optimizer: bool = False,
 ) -> CostFactory:
     """The cost factory :func:`search` takes, from a model and an accelerator spec:
     :meth:`CostModel.from_spec` for each configuration (the one place the planner
-    meets the specs), with activation offload priced at ``host_bandwidth``."""
+    meets the specs), with activation offload priced at ``host_bandwidth``.
+
+    ``shard_optimizer``: the fp32 master weights and Adam moments (12 of the 18 bytes
+    per parameter) are sharded over the data-parallel replicas (ZeRO-1, a distributed
+    optimizer), so a rank keeps ``6 + 12 / dp`` bytes per parameter.
+    """
 
     def costs_for(config: Config) -> CostModel:
+        state = 6.0 + 12.0 / config.dp if shard_optimizer else DEFAULT_STATE_BYTES
         costs = CostModel.from_spec(
             model, hardware, stages=config.stages, seq=seq,
             microbatch_size=config.microbatch_size, dtype=dtype, efficiency=efficiency,
-            recompute=config.recompute, pp=config.pp, dp=config.dp,
+            recompute=config.recompute, pp=config.pp, dp=config.dp, state_bytes=state,
         )  # fmt: skip
         copy = [s.act / host_bandwidth for s in costs.stages]
         stages = tuple(

@@ -112,6 +112,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="LIST",
         help="sequences per microbatch to try (default 1,2,4,8)",
     )
+    spec.add_argument(
+        "--shard-optimizer",
+        action="store_true",
+        help="shard the fp32 master weights and Adam moments over the data-parallel "
+        "replicas (ZeRO-1 / a distributed optimizer): 6 + 12/dp bytes per parameter "
+        "instead of 18",
+    )
     measured = parser.add_argument_group("measured-costs mode")
     measured.add_argument(
         "--costs", metavar="COSTS.json", help="a cost model JSON (zeropipe profile --out)"
@@ -244,16 +251,27 @@ def _run_cluster(args: argparse.Namespace) -> tuple[list[str], Ranking, str]:
         f"step: {args.global_batch} sequences of {args.seq} tokens ({tokens:,} tokens); "
         f"memory limit {memory / GiB:.1f} GiB per GPU",
         f"assumed: matmuls at {args.efficiency or DEFAULT_EFFICIENCY:.0%} of peak, "
-        f"{DEFAULT_STATE_BYTES:g} bytes of weight/gradient/Adam state per parameter (no "
-        f"optimizer sharding), activation offload at {HOST_BANDWIDTH / 1e9:.0f} GB/s; ranks "
-        f"laid out dp innermost",
+        + (
+            "6 + 12/dp bytes of weight/gradient/Adam state per parameter (optimizer sharded "
+            "over dp)"
+            if args.shard_optimizer
+            else f"{DEFAULT_STATE_BYTES:g} bytes of weight/gradient/Adam state per parameter "
+            f"(no optimizer sharding)"
+        )
+        + f", activation offload at {HOST_BANDWIDTH / 1e9:.0f} GB/s; ranks laid out dp "
+        f"innermost",
     ]
     ranking = search(
         gpus=args.gpus,
         layers=model.layers,
         global_batch=args.global_batch,
         costs_for=spec_cost_factory(
-            model, hw, seq=args.seq, dtype=args.dtype, efficiency=args.efficiency
+            model,
+            hw,
+            seq=args.seq,
+            dtype=args.dtype,
+            efficiency=args.efficiency,
+            shard_optimizer=args.shard_optimizer,
         ),
         memory=memory,
         schedules=_schedules(args),

@@ -354,7 +354,7 @@ def format_table(candidates: Sequence[Candidate], *, unit: str, cluster: bool = 
         row = [str(n), str(c.pp), str(c.dp), str(c.microbatch_size), str(c.microbatches)]
         row += [str(c.chunks), c.schedule, c.memory_plan, f"{c.step_time:.4g}"]
         row += [_num(c.tokens_per_second, ",.0f"), _num(100 * c.mfu, ".1f") + "%"]
-        row += [f"{c.bubble:.1%}", f"{peak:.1f}" if unit == "bytes" else f"{peak:.4g}"]
+        row += [f"{c.bubble:.1%}", f"{peak:.3g}" if unit == "bytes" else f"{peak:.4g}"]
         row += ["yes" if c.fits else "NO"]
         rows.append(row)
     drop: set[int] = set()

@@ -9,7 +9,8 @@ TYPE_CHECKING blocks too, where cycles like to hide).
     autograd    autograd/
     torch base  _compat, device, storage
     core        errors, ir, deps, validate, lower, fuse, fit, costs, simulate,
-                render, build, balance, schedules/, cluster   (no torch)
+                render, build, balance, schedules/, cluster, cluster_costs,
+                plan_memory   (no torch)
 
 A module may import from its own layer and the layers below it, never from a
 layer above.  docs/architecture.md describes the same table.
@@ -49,6 +50,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "zeropipe.balance",
             "zeropipe.schedules",
             "zeropipe.cluster",
+            "zeropipe.cluster_costs",
+            "zeropipe.plan_memory",
         ),
     ),
     ("torch base", ("zeropipe._compat", "zeropipe.device", "zeropipe.storage")),

@@ -10,8 +10,8 @@ For ``gpus`` accelerators and a model of ``layers`` layers, :func:`search` enume
 prices each configuration with the cost model ``costs_for(config)`` returns (seconds
 and bytes), builds the schedule with :func:`zeropipe.build.build_schedule` (with the
 data-parallel gradient all-reduce when dp > 1) and simulates it.  Where the peak
-memory exceeds the limit, recompute and then activation offload are added (see
-:func:`_memory_plan`); what still does not fit is ranked after everything that does.
+memory exceeds the limit, recompute and then activation offload are added
+(:func:`zeropipe.plan_memory.plan_memory`); what still does not fit is ranked after everything that does.
 
 A cluster-sized grid holds schedules of tens of thousands of actions, so most
 configurations are never simulated: :func:`lower_bound` gives, without building
@@ -36,19 +36,23 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from zeropipe.build import build_schedule
-from zeropipe.costs import CostModel, StageCost, initial_memory, peak_memory
+from zeropipe.cluster_costs import HOST_BANDWIDTH, Config, CostFactory, fixed_costs, spec_costs
+from zeropipe.costs import CostModel
 from zeropipe.deps import Graph
 from zeropipe.errors import ScheduleError
-from zeropipe.fit import LimitTooLow, checkpoint, fit_memory, offload
 from zeropipe.ir import Kind, Schedule
+from zeropipe.plan_memory import GiB, MemoryPlan, plan_memory
 from zeropipe.schedules import GENERATORS, generate
 from zeropipe.simulate import Timeline, simulate
-from zeropipe.specs import DEFAULT_STATE_BYTES, HardwareSpec, ModelSpec
 
+# Config, the cost factories, GiB and HOST_BANDWIDTH are re-exported: with search they
+# are what a caller needs.
 __all__ = [
+    "HOST_BANDWIDTH",
     "Candidate",
     "Config",
     "CostFactory",
+    "GiB",
     "Ranking",
     "divisors",
     "fixed_costs",
@@ -56,32 +60,6 @@ __all__ = [
     "search",
     "spec_costs",
 ]
-
-GiB = float(2**30)
-#: recompute is chosen per rank in steps of 1/_STEPS of its (stage, microbatch) pairs
-_STEPS = 8
-#: schedules with at most this many (stage, microbatch) pairs go to fit_memory, whose
-#: greedy search finds finer plans but costs a simulation per step (minutes at scale)
-FIT_PAIRS = 16
-
-
-@dataclass(frozen=True)
-class Config:
-    """One way to run the model: what a cost factory needs to price it."""
-
-    pp: int
-    dp: int
-    microbatch_size: int
-    microbatches: int
-    stages: int  # pp x chunks: the model is cut into this many stages
-    recompute: bool = False  # price R and what a checkpointed forward keeps
-
-    @property
-    def chunks(self) -> int:
-        return self.stages // self.pp
-
-
-CostFactory = Callable[[Config], CostModel]
 
 
 @dataclass(frozen=True)
@@ -150,81 +128,6 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-# -- costs from specs ---------------------------------------------------------------------
-
-#: bytes/s an activation offload moves to host memory and back (PCIe 5.0 x16 gives ~64
-#: GB/s each way in theory; a pinned copy reaches about half).  The specs do not price
-#: offload yet; without a figure it would be free and win every memory plan.
-HOST_BANDWIDTH = 25e9
-
-
-def spec_costs(
-    model: ModelSpec,
-    hardware: HardwareSpec,
-    *,
-    seq: int,
-    dtype: str = "bf16",
-    efficiency: float | None = None,
-    host_bandwidth: float = HOST_BANDWIDTH,
-    shard_optimizer: bool = False,
-) -> CostFactory:
-    """The cost factory :func:`search` takes, from a model and an accelerator spec:
-    :meth:`CostModel.from_spec` for each configuration (the one place the planner
-    meets the specs), with activation offload priced at ``host_bandwidth``.
-
-    ``shard_optimizer``: the fp32 master weights and Adam moments (12 of the 18 bytes
-    per parameter) are sharded over the data-parallel replicas (ZeRO-1, a distributed
-    optimizer), so a rank keeps ``6 + 12 / dp`` bytes per parameter.
-    """
-
-    def costs_for(config: Config) -> CostModel:
-        state = 6.0 + 12.0 / config.dp if shard_optimizer else DEFAULT_STATE_BYTES
-        costs = CostModel.from_spec(
-            model, hardware, stages=config.stages, seq=seq,
-            microbatch_size=config.microbatch_size, dtype=dtype, efficiency=efficiency,
-            recompute=config.recompute, pp=config.pp, dp=config.dp, state_bytes=state,
-        )  # fmt: skip
-        copy = [s.act / host_bandwidth for s in costs.stages]
-        stages = tuple(
-            replace(s, OFFLOAD=t, RELOAD=t, weight_copy=s.weights / host_bandwidth)
-            for s, t in zip(costs.stages, copy, strict=True)
-        )
-        # from_spec's times are seconds; saying so labels the plotted axis.
-        return replace(costs, stages=stages, meta={**costs.meta, "time_unit": "s"})
-
-    return costs_for
-
-
-def fixed_costs(costs: CostModel) -> CostFactory:
-    """A cost factory from one cost model (e.g. what ``zeropipe profile`` wrote).
-
-    A configuration with as many stages gets it as it is (``dp`` set); one with a
-    divisor of that many gets consecutive stages merged, one with a multiple gets each
-    stage cut into equal parts (:meth:`StageCost.scaled`), so schedules with one and
-    with two chunks per rank can be compared on the same measurement.
-    """
-    have = len(costs.stages)
-
-    def costs_for(config: Config) -> CostModel:
-        want = config.stages
-        if want == have:
-            stages = costs.stages
-        elif want < have and have % want == 0:
-            k = have // want
-            stages = tuple(StageCost.merged(costs.stages[i : i + k]) for i in range(0, have, k))
-        elif want % have == 0:
-            k = want // have
-            stages = tuple(s.scaled(1 / k) for s in costs.stages for _ in range(k))
-        else:
-            raise ScheduleError(
-                f"the cost model has {have} stage(s); {want} cannot be made of them "
-                f"(give a divisor or a multiple of {have})"
-            )
-        return replace(costs, stages=stages, dp=config.dp)
-
-    return costs_for
-
-
 # -- the lower bound --------------------------------------------------------------------
 
 
@@ -282,132 +185,6 @@ def lower_bound(
             first_done = min(microbatches * (c[s].F + back[s] + 2 * over) for s in mine)
             best = max(best, head + first_done + sum(reduce))
     return best
-
-
-# -- memory plans ------------------------------------------------------------------------
-
-
-@dataclass
-class _Memory:
-    schedule: Schedule  # compute-only, with R / OFFLOAD / RELOAD as chosen
-    plan: str
-    fits: bool
-    recomputed: list[int]  # per stage, microbatches recomputed
-
-
-def _peaks(schedule: Schedule, costs: CostModel) -> list[float]:
-    return [p for p, _ in peak_memory(schedule, costs)]
-
-
-def _spread(k: int, m: int) -> set[int]:
-    """``k / _STEPS`` of microbatches 0..m-1, evenly spread (all of them for k = _STEPS)."""
-    return {i for i in range(m) if (i + 1) * k // _STEPS > i * k // _STEPS}
-
-
-def _recompute_share(schedule: Schedule, levels: Sequence[int]) -> Schedule:
-    m = schedule.microbatches
-    chosen = {s: _spread(levels[r], m) for s, r in enumerate(schedule.placement)}
-    if not any(chosen.values()):
-        return schedule
-    return checkpoint(schedule, lambda s, i: i in chosen[s])
-
-
-def _share_peaks(base: Schedule, costs: CostModel, levels: Sequence[int]) -> list[float]:
-    """The peaks :func:`_recompute_share` would give, without rewriting the schedule.
-
-    Rewriting a schedule of tens of thousands of actions costs a quarter of a second;
-    the binary search needs several.  :func:`zeropipe.fit.checkpoint` (``ahead=0``)
-    puts each R right before its backward, so walking ``base`` with the checkpointed
-    pairs' F keeping ``ckpt`` and an R before their first backward gives the same
-    accounting (:meth:`StageCost.held_change`).  ``base`` holds compute actions only.
-    """
-    m = base.microbatches
-    chosen = {s: _spread(levels[r], m) for s, r in enumerate(base.placement)}
-    out = []
-    for level, acts in zip(initial_memory(base, costs), base.actions, strict=True):
-        peak = level
-        recomputed: set[tuple[int, int]] = set()
-        for a in acts:
-            i = a.microbatch
-            if i is None or a.kind not in (Kind.F, Kind.B, Kind.I, Kind.W):
-                continue
-            c = costs.stages[a.stage]
-            ckpt = i in chosen[a.stage]
-            if ckpt and a.kind in (Kind.B, Kind.I) and (a.stage, i) not in recomputed:
-                recomputed.add((a.stage, i))
-                level += c.held_change(Kind.R)
-                peak = max(peak, level)
-            level += c.held_change(a.kind, checkpointed=ckpt)
-            peak = max(peak, level)
-        out.append(peak)
-    return out
-
-
-def _memory_plan(base: Schedule, natural: CostModel, ckpt: CostModel, limit: float) -> _Memory:
-    """Fit ``base`` (compute-only) into ``limit`` per rank.
-
-    Peaks come from the memory accounting alone (no simulation: memory does not
-    depend on timing).  Small schedules go to :func:`zeropipe.fit.fit_memory`; larger
-    ones get, per rank, the least share of recomputed microbatches that fits (a rank
-    recomputes only what its own peak needs), then everything recomputed and
-    offloaded.  ``ckpt`` prices R and what a checkpointed forward keeps.
-    """
-    m, n = base.microbatches, base.num_stages
-    none = [0] * n
-    peaks = _peaks(base, natural)
-    if max(peaks) <= limit:
-        return _Memory(base, "none", True, none)
-    weights = max(initial_memory(base, ckpt))
-    if weights > limit:
-        return _Memory(base, f"over: weights alone {_fmt_mem(weights, ckpt)}", False, none)
-    if n * m <= FIT_PAIRS:
-        try:
-            fit = fit_memory(base, limit, ckpt)
-        except LimitTooLow as exc:
-            need = _fmt_mem(max(exc.smallest), ckpt)
-            return _Memory(base, f"over: needs {need} even recomputed+offloaded", False, none)
-        counts = [0] * n
-        for s, _ in fit.recompute:
-            counts[s] += 1
-        parts = [f"recompute {len(fit.recompute)}"] if fit.recompute else []
-        parts += [f"offload {len(fit.offload)}"] if fit.offload else []
-        return _Memory(fit.schedule, " + ".join(parts) + f" of {n * m} (fit_memory)", True, counts)
-    # Per rank, a binary search for the least recompute level that fits: a rank's peak
-    # depends only on what its own stages keep, so all ranks search at once.
-    ranks = base.num_ranks
-    low, high = [0] * ranks, [_STEPS + 1] * ranks  # level high: known to fit (or none)
-    while any(lo < hi - 1 for lo, hi in zip(low, high, strict=True)):
-        mid = [(lo + hi) // 2 if lo < hi - 1 else hi for lo, hi in zip(low, high, strict=True)]
-        level = [min(x, _STEPS) for x in mid]
-        for r, p in enumerate(_share_peaks(base, ckpt, level)):
-            if low[r] < high[r] - 1:
-                if mid[r] <= _STEPS and p <= limit:
-                    high[r] = mid[r]
-                else:
-                    low[r] = mid[r]
-    if max(high) <= _STEPS:
-        sched = _recompute_share(base, high)
-        counts = [len(_spread(high[r], m)) for r in sched.placement]
-        share = sum(counts) / (n * m)
-        plan = "recompute all" if share == 1 else f"recompute {share:.0%}"
-        return _Memory(sched, plan, True, counts)
-    # Offload moves only what a checkpointed forward keeps: if dropping all of that
-    # from the all-recomputed peak is still over, the (slow) rewrite cannot fit.
-    recomputed = _share_peaks(base, ckpt, [_STEPS] * ranks)
-    kept = [m * sum(ckpt.stages[s].ckpt for s in base.stages_of(r)) for r in range(ranks)]
-    hopeless = max(p - k for p, k in zip(recomputed, kept, strict=True))
-    if hopeless > limit:
-        need = _fmt_mem(hopeless, ckpt)
-        return _Memory(base, f"over: needs > {need} recomputed+offloaded", False, none)
-    everything = offload(checkpoint(base))
-    floor = max(_peaks(everything, ckpt))
-    if floor <= limit:
-        return _Memory(everything, "recompute + offload all", True, [m] * n)
-    return _Memory(base, f"over: needs {_fmt_mem(floor, ckpt)} recomputed+offloaded", False, none)
-
-
-def _fmt_mem(value: float, costs: CostModel) -> str:
-    return f"{value / GiB:.1f} GiB" if costs.unit == "bytes" else f"{value:.4g} {costs.unit}"
 
 
 # -- the search ---------------------------------------------------------------------------
@@ -495,7 +272,7 @@ class _Search:
         del cands[self.top :]
 
     def candidate(
-        self, config: Config, name: str, sched: Schedule, memory: _Memory, costs: CostModel
+        self, config: Config, name: str, sched: Schedule, memory: MemoryPlan, costs: CostModel
     ) -> Candidate:
         built = build_schedule(memory.schedule, reduce_grad=config.dp > 1)
         timeline = simulate(built, costs, graph=Graph(built))
@@ -533,7 +310,7 @@ class _Search:
             return None
         natural = self.costs(config)
         ckpt = self.costs(replace(config, recompute=True))
-        memory = _memory_plan(base, natural, ckpt, self.limit)
+        memory = plan_memory(base, natural, ckpt, self.limit)
         costs = ckpt if any(memory.recomputed) else natural
         bound = job.bound
         if any(memory.recomputed):
@@ -567,7 +344,7 @@ class _Search:
         base = found.schedule.compute_only()
         stages = replace(config, stages=base.num_stages)
         natural, ckpt = self.costs(stages), self.costs(replace(stages, recompute=True))
-        memory = _memory_plan(base, natural, ckpt, self.limit)
+        memory = plan_memory(base, natural, ckpt, self.limit)
         self.ranking.priced += 1
         costs = ckpt if any(memory.recomputed) else natural
         return self.candidate(stages, "auto", base, memory, costs)

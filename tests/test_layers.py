@@ -1,7 +1,7 @@
 """The package's layers, checked by parsing every import (inside functions and
 TYPE_CHECKING blocks too, where cycles like to hide).
 
-    apps        cli, train, train_setup, train_state, bench, data, models/
+    apps        cli, plan_cli, train, train_setup, train_state, bench, data, models/
     adapters    adapters/
     planning    plan
     runtime     runtime/
@@ -9,7 +9,8 @@ TYPE_CHECKING blocks too, where cycles like to hide).
     autograd    autograd/
     torch base  _compat, device, storage
     core        errors, ir, deps, validate, lower, fuse, fit, costs, simulate,
-                render, build, balance, schedules/   (no torch)
+                render, build, balance, schedules/, cluster, cluster_costs,
+                plan_memory   (no torch)
 
 A module may import from its own layer and the layers below it, never from a
 layer above.  docs/architecture.md describes the same table.
@@ -48,6 +49,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "zeropipe.message_order",
             "zeropipe.balance",
             "zeropipe.schedules",
+            "zeropipe.cluster",
+            "zeropipe.cluster_costs",
+            "zeropipe.plan_memory",
         ),
     ),
     ("torch base", ("zeropipe._compat", "zeropipe.device", "zeropipe.storage")),
@@ -60,6 +64,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "apps",
         (
             "zeropipe.cli",
+            "zeropipe.plan_cli",
             "zeropipe.__main__",
             "zeropipe.train",
             "zeropipe.train_setup",
@@ -262,6 +267,22 @@ def _without_torch(argv: list[str], cwd: Path) -> subprocess.CompletedProcess[st
         ["schedules"],
         ["simulate", "--schedule", "zbv", "--stages", "4", "--microbatches", "8"],
         ["simulate", "--schedule", "auto", "--stages", "2", "--microbatches", "4"],
+        [
+            "plan",
+            "--model",
+            "llama-3-8b",
+            "--gpus",
+            "8",
+            "--gpu",
+            "h100-sxm",
+            "--seq",
+            "1024",
+            "--global-batch",
+            "16",
+            "--schedules",
+            "1f1b,zbv,auto",
+            "--quiet",
+        ],
     ],
 )
 def test_schedule_commands_run_without_torch(tmp_path: Path, argv: list[str]) -> None:

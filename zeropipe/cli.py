@@ -490,16 +490,31 @@ def _run_export(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- zeropipe plan -----------------------------------------------------------------------
+def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    from zeropipe import plan_cli  # no torch: specs, search and simulation only
+
+    plan_cli.add_arguments(parser)
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    """Rank pp x dp, microbatch size, schedule and memory plan for a model on a cluster."""
+    from zeropipe import plan_cli
+
+    return plan_cli.run_cli(args)
+
+
 # -- the table and the entry point ------------------------------------------------------
 AddArguments = Callable[[argparse.ArgumentParser], None]
 Run = Callable[[argparse.Namespace], int]
 
 #: name -> (add_arguments, run); the first docstring line of ``run`` is the help.  A
-#: command's arguments are added only when it is the one run, so ``schedules`` and
-#: ``simulate`` never import torch.
+#: command's arguments are added only when it is the one run, so ``schedules``,
+#: ``simulate`` and ``plan`` never import torch.
 COMMANDS: dict[str, tuple[AddArguments, Run]] = {
     "schedules": (_add_schedules_arguments, _run_schedules),
     "simulate": (_add_simulate_arguments, _run_simulate),
+    "plan": (_add_plan_arguments, _run_plan),
     "profile": (_add_profile_arguments, _run_profile),
     "train": (_add_train_arguments, _run_train),
     "bench": (_add_bench_arguments, _run_bench),
@@ -550,7 +565,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ModuleNotFoundError as exc:
         if exc.name is None or exc.name.split(".")[0] != "torch":
             raise
-        # Only `schedules` and `simulate` work without torch.
+        # Only `schedules`, `simulate` and `plan` work without torch.
         print(
             f"{_PROG}: error: '{_PROG} {chosen}' needs PyTorch, which is not installed; "
             f"install it first (pip install torch==2.13.0, or the CPU build: see the README)",

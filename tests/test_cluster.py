@@ -1,0 +1,253 @@
+"""zeropipe.cluster: the cluster-scale search, its lower bound and its memory plans,
+on synthetic cost factories (seconds and bytes) whose answers can be checked by hand."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+
+from zeropipe.build import build_schedule
+from zeropipe.cluster import (
+    Candidate,
+    Config,
+    CostFactory,
+    Ranking,
+    fixed_costs,
+    lower_bound,
+    search,
+)
+from zeropipe.costs import CostModel, StageCost
+from zeropipe.errors import ScheduleError
+from zeropipe.simulate import simulate
+
+LAYERS = 8
+NAMED = ["gpipe", "1f1b", "zb-h1", "zb-h2", "interleaved-1f1b", "zbv", "dualpipev"]
+
+
+def factory(
+    *,
+    layers: int = LAYERS,
+    F: float = 1.0,
+    I: float = 1.0,
+    W: float = 1.0,
+    act: float = 10.0,
+    act_w: float = 0.0,
+    weights: float = 100.0,
+    comm: float = 0.0,
+    grad_bytes: float = 4.0,
+    dp_bandwidth: float = 8.0,
+    dp_latency: float = 0.01,
+) -> CostFactory:
+    """Per layer and per sample: times ``F``, ``I``, ``W`` (seconds); bytes ``act``
+    (a checkpointed forward keeps a tenth), ``weights`` and ``grad_bytes``."""
+
+    def costs_for(c: Config) -> CostModel:
+        per = layers / c.stages
+        b = c.microbatch_size
+        stage = StageCost(
+            F=per * F * b,
+            I=per * I * b,
+            W=per * W * b,
+            act=per * act * b,
+            act_w=per * act_w * b,
+            ckpt=per * act * b / 10 if c.recompute else 0.0,
+            weights=per * weights,
+            grad_bytes=per * grad_bytes,
+        )
+        return CostModel(
+            tuple(stage for _ in range(c.stages)),
+            latency=comm,
+            unit="bytes",
+            dp=c.dp,
+            dp_latency=dp_latency if c.dp > 1 else 0.0,
+            dp_bandwidth=dp_bandwidth,
+        )
+
+    return costs_for
+
+
+def run(**kwargs: object) -> Ranking:
+    options: dict[str, object] = {
+        "gpus": 8,
+        "layers": LAYERS,
+        "global_batch": 16,
+        "costs_for": factory(),
+        "memory": None,
+        "schedules": NAMED,
+        "microbatch_sizes": [1, 2],
+        "flops_per_sample": 1.0,
+        "peak_flops": 1.0,
+        "seq": 1,
+        "top": 6,
+    }
+    options.update(kwargs)
+    return search(**options)  # type: ignore[arg-type]
+
+
+def test_ranking_is_sorted_fitting_first_then_by_step_time() -> None:
+    # 230 bytes: a 1-deep pipeline's 800 bytes of weights never fit, deep ones do.
+    ranking = run(memory=230.0, top=15, schedules=["gpipe", "1f1b", "zbv"])
+    cands = ranking.candidates
+    assert cands and any(c.fits for c in cands) and any(not c.fits for c in cands)
+    keys = [(not c.fits, c.step_time) for c in cands]
+    assert keys == sorted(keys)
+    assert all(c.peak_memory <= 230.0 for c in cands if c.fits)
+    assert ranking.best is cands[0] and cands[0].timeline is not None
+
+
+@pytest.mark.parametrize("memory", [None, 240.0, 150.0])
+def test_pruning_never_changes_the_top(memory: float | None) -> None:
+    costs = factory(comm=0.05, act_w=3.0)
+    pruned = run(costs_for=costs, memory=memory, top=5)
+    full = run(costs_for=costs, memory=memory, top=5, prune=False)
+    assert pruned.candidates == full.candidates
+    assert full.pruned == 0 and pruned.pruned > 0
+    assert pruned.priced < full.priced
+
+
+@pytest.mark.parametrize("name", NAMED)
+@pytest.mark.parametrize("dp", [1, 4])
+def test_the_bound_is_below_every_simulated_step(name: str, dp: int) -> None:
+    chunks = 2 if name in ("interleaved-1f1b", "zbv", "dualpipev") else 1
+    pp, m = 4, 8
+    config = Config(pp, dp, 1, m, pp * chunks)
+    costs = factory(comm=0.1, W=0.5)(config)
+    sched = build_schedule(name, ranks=pp, microbatches=m, chunks=chunks, reduce_grad=dp > 1)
+    split = any(a.kind.value in ("I", "W") for acts in sched.actions for a in acts)
+    bound = lower_bound(costs, sched.placement, m, split=split)
+    assert 0 < bound <= simulate(sched, costs).makespan + 1e-9
+
+
+def test_the_bound_is_1f1b_closed_form_on_uniform_costs() -> None:
+    # (m + p - 1)(F + B) for a uniform 1F1B without wires: the bound is exact there.
+    pp, m = 4, 8
+    costs = factory()(Config(pp, 1, 1, m, pp))
+    per = LAYERS / pp
+    expected = (m + pp - 1) * per * 3
+    bound = lower_bound(costs, tuple(range(pp)), m, split=False)
+    assert bound == pytest.approx(expected)
+    assert simulate(build_schedule("1f1b", ranks=pp, microbatches=m), costs).makespan == (
+        pytest.approx(expected)
+    )
+
+
+def test_a_tight_limit_brings_recompute_and_a_tighter_one_unfit() -> None:
+    schedules = ["1f1b"]
+    free = run(memory=None, schedules=schedules, top=40)
+    deep = next(c for c in free.candidates if c.pp == 8 and c.microbatch_size == 1)
+    assert deep.memory_plan == "none"
+    weights = 100.0  # pp 8: one layer per rank
+    limit = (weights + deep.peak_memory) / 2
+    tight = run(memory=limit, schedules=schedules, top=40, pp_options=[8])
+    planned = next(c for c in tight.candidates if c.microbatch_size == 1)
+    assert planned.fits and planned.peak_memory <= limit
+    assert "recompute" in planned.memory_plan or "offload" in planned.memory_plan
+    assert planned.step_time > deep.step_time  # recompute costs time
+    over = run(memory=weights / 2, schedules=schedules, top=40, pp_options=[8])
+    assert all(not c.fits and c.memory_plan.startswith("over") for c in over.candidates)
+
+
+def test_small_pipelines_fit_memory_and_large_ones_recompute_by_share() -> None:
+    # pp 2, m 4: 8 (stage, microbatch) pairs go to fit_memory; pp 8, m 16 gets a share.
+    small = run(gpus=2, global_batch=4, microbatch_sizes=[1], schedules=["1f1b"], top=1,
+                memory=400 + 45.0, pp_options=[2])  # fmt: skip
+    assert small.candidates[0].fits
+    assert small.candidates[0].memory_plan.endswith("(fit_memory)")
+    large = run(gpus=8, global_batch=16, microbatch_sizes=[1], schedules=["1f1b"], top=1,
+                memory=100 + 35.0, pp_options=[8])  # fmt: skip
+    best = large.candidates[0]
+    assert best.fits and best.memory_plan.startswith("recompute")
+    assert best.peak_memory <= 135.0
+
+
+def test_mfu_and_tokens_by_hand() -> None:
+    # One GPU, one stage, one microbatch of 2 samples: F 2 s, B 4 s: a 6 s step.
+    ranking = run(
+        gpus=1, layers=1, global_batch=2, microbatch_sizes=[2], schedules=["gpipe"],
+        costs_for=factory(layers=1), flops_per_sample=30.0, peak_flops=100.0, seq=50,
+    )  # fmt: skip
+    (c,) = ranking.candidates
+    assert (c.pp, c.dp, c.microbatches, c.step_time) == (1, 1, 1, pytest.approx(6.0))
+    assert c.tokens_per_second == pytest.approx(2 * 50 / 6.0)
+    assert c.mfu == pytest.approx(30.0 * 2 / (6.0 * 1 * 100.0))
+    assert c.bubble == pytest.approx(0.0)
+
+
+def test_data_parallel_prices_the_all_reduce() -> None:
+    # 2 GPUs, pp 1 x dp 2: the step ends with the all-reduce of 8 layers x 4 bytes.
+    ranking = run(gpus=2, global_batch=2, microbatch_sizes=[1], schedules=["gpipe"], top=5)
+    (c,) = [c for c in ranking.candidates if c.pp == 1]
+    reduce = 0.01 + 2 * (2 - 1) / 2 * (LAYERS * 4.0) / 8.0
+    assert c.step_time == pytest.approx(LAYERS * 3 + reduce)
+
+
+def test_candidate_round_trips_through_a_dict() -> None:
+    c = run(top=1).candidates[0]
+    again = Candidate.from_dict(c.to_dict())
+    assert again == c and again.timeline is None
+    with pytest.raises(ScheduleError, match="needs"):
+        Candidate.from_dict({"pp": 1})
+
+
+def test_errors_name_what_is_wrong() -> None:
+    with pytest.raises(ScheduleError, match="unknown schedule"):
+        run(schedules=["nope"])
+    with pytest.raises(ScheduleError, match="global batch"):
+        run(gpus=8, global_batch=1, microbatch_sizes=[2])
+    with pytest.raises(ScheduleError, match="gpus"):
+        run(gpus=0)
+
+
+def test_auto_is_searched_for_the_best_bounds_only() -> None:
+    ranking = run(schedules=["1f1b", "auto"], auto_runs=1, auto_budget=1.0, top=20)
+    assert any(c.schedule == "auto" for c in ranking.candidates)
+    assert ranking.notes and "auto ran for the 1" in ranking.notes[0]
+
+
+def test_fixed_costs_merge_and_cut_stages() -> None:
+    base = factory()(Config(2, 1, 1, 4, 4))  # 4 stages of 2 layers
+    costs_for = fixed_costs(base)
+    same = costs_for(Config(2, 1, 1, 4, 4))
+    merged = costs_for(Config(2, 1, 1, 4, 2))
+    cut = costs_for(Config(2, 3, 1, 4, 8))
+    assert same.stages == base.stages
+    assert [s.F for s in merged.stages] == [4.0, 4.0]
+    assert [s.F for s in cut.stages] == [1.0] * 8 and cut.dp == 3
+    assert math.isclose(sum(s.weights for s in cut.stages), sum(s.weights for s in base.stages))
+    with pytest.raises(ScheduleError, match="divisor or a multiple"):
+        costs_for(Config(3, 1, 1, 4, 3))
+    assert replace(base, dp=1) == same
+
+
+@pytest.mark.parametrize("name", NAMED)
+def test_a_recompute_share_fits_what_it_says_on_every_schedule(name: str) -> None:
+    # pp 4, m 8: 32+ (stage, microbatch) pairs, past fit_memory's size: the per-rank share.
+    costs = factory(act_w=2.0)
+    free = run(gpus=4, global_batch=8, microbatch_sizes=[1], schedules=[name], pp_options=[4],
+               costs_for=costs)  # fmt: skip
+    natural = free.candidates[0]
+    limit = 200.0 + (natural.peak_memory - 200.0) * 0.6  # weights 200: 2 layers per rank
+    ranking = run(gpus=4, global_batch=8, microbatch_sizes=[1], schedules=[name],
+                  pp_options=[4], memory=limit, costs_for=costs)  # fmt: skip
+    c = ranking.candidates[0]
+    if c.fits:
+        assert c.memory_plan.startswith("recompute") and c.peak_memory <= limit + 1e-9
+    else:  # W keeps act_w whatever is recomputed: the plan says what it would need
+        assert c.memory_plan.startswith("over: needs")
+
+
+def test_spec_costs_price_offload_and_shard_the_optimizer_over_dp() -> None:
+    from zeropipe.cluster import HOST_BANDWIDTH, spec_costs
+    from zeropipe.specs import load_hardware, load_model
+
+    model, gpu = load_model("llama-3-8b"), load_hardware("h100-sxm")
+    config = Config(4, 8, 1, 8, 4)
+    plain = spec_costs(model, gpu, seq=1024)(config)
+    sharded = spec_costs(model, gpu, seq=1024, shard_optimizer=True)(config)
+    for p, s in zip(plain.stages, sharded.stages, strict=True):
+        assert s.weights == pytest.approx(p.weights * (6 + 12 / 8) / 18)
+        assert p.OFFLOAD == p.RELOAD == pytest.approx(p.act / HOST_BANDWIDTH)
+        assert p.OFFLOAD > 0
+    assert plain.unit == "bytes" and plain.dp == 8 and plain.meta["time_unit"] == "s"

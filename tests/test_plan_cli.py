@@ -1,0 +1,147 @@
+"""``zeropipe plan``: the ranked table from specs or a measured cost model, its JSON,
+its plot, and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from zeropipe import cli
+from zeropipe.cluster import Config
+from zeropipe.costs import CostModel, StageCost
+from zeropipe.plan_cli import candidates_from_json
+
+SMALL = (
+    "plan", "--model", "llama-3-8b", "--gpus", "16", "--gpu", "h100-sxm", "--seq", "2048",
+    "--global-batch", "32", "--schedules", "1f1b,zbv", "--microbatch-sizes", "1,2", "--quiet",
+)  # fmt: skip
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _rows(out: str) -> list[list[str]]:
+    lines = out.splitlines()
+    start = next(n for n, line in enumerate(lines) if line.split()[:2] == ["#", "pp"])
+    rows = []
+    for line in lines[start + 1 :]:
+        if not line.strip():
+            break
+        rows.append(re.split(r"\s{2,}", line.strip()))  # a memory plan has single spaces
+    return rows
+
+
+def test_cluster_mode_prints_a_ranked_table_and_round_trips_json(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    path = tmp_path / "plan.json"
+    code, out, err = run(capsys, *SMALL, "--top", "4", "--json", str(path))
+    assert (code, err) == (0, "")
+    assert "llama-3-8b, 8.0B parameters" in out and "16 x h100-sxm" in out
+    assert "matmuls at 60% of peak" in out
+    rows = _rows(out)
+    assert [r[0] for r in rows] == ["1", "2", "3", "4"]
+    steps = [float(r[8]) for r in rows]
+    assert steps == sorted(steps)
+    assert "configurations simulated" in out and "pruned (a lower bound" in out
+    data = json.loads(path.read_text())
+    cands = candidates_from_json(data)
+    assert len(cands) == 4 and cands[0].step_time == pytest.approx(steps[0], rel=1e-3)
+    assert [c.to_dict() for c in cands] == data["candidates"]
+    assert {c.schedule for c in cands} <= {"1f1b", "zbv"}
+    for c in cands:
+        assert c.pp * c.dp == 16 and c.dp * c.microbatch_size * c.microbatches == 32
+
+
+def test_progress_goes_to_stderr_only(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, *SMALL[:-1], "--top", "2")
+    assert code == 0
+    assert "plan:" not in out
+    assert all(line.startswith("plan: ") for line in err.splitlines())
+
+
+def test_plot_draws_the_best_timeline(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "best.png"
+    code, out, _ = run(capsys, *SMALL, "--top", "1", "--plot", str(path))
+    assert code == 0 and f"wrote plot: {path}" in out
+    assert path.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def _cost_file(tmp_path: Path) -> Path:
+    stage = StageCost(F=1.0, I=1.0, W=1.0, act=10.0, weights=5.0, boundary_bytes=1.0)
+    costs = CostModel(tuple(stage for _ in range(4)), latency=0.1, unit="bytes")
+    path = tmp_path / "costs.json"
+    path.write_text(costs.to_json())
+    return path
+
+
+def test_costs_mode_ranks_schedules_for_one_pipeline(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    argv = ("plan", "--costs", str(_cost_file(tmp_path)), "--ranks", "2", "--microbatches", "8")
+    code, out, err = run(capsys, *argv, "--quiet", "--top", "20")
+    assert (code, err) == (0, "")
+    rows = _rows(out)
+    names = [r[4] for r in rows]  # no dp / mbs / throughput columns here
+    assert {"1f1b", "zb-h1", "zbv", "interleaved-1f1b"} <= set(names)
+    assert {r[3] for r in rows} == {"1", "2"}  # stages merged for one chunk, kept for two
+    assert "tokens/s" not in out and "dp" not in out.split("\n\n")[1].splitlines()[0].split()
+    steps = [float(r[6]) for r in rows]
+    assert steps == sorted(steps)
+    # zb-h1 beats 1f1b on the same costs: W fills the bubbles.
+    assert names.index("zb-h1") < names.index("1f1b")
+
+
+def test_costs_mode_with_a_limit_nothing_fits(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    argv = ("plan", "--costs", str(_cost_file(tmp_path)), "--ranks", "2", "--microbatches", "4")
+    code, out, err = run(capsys, *argv, "--quiet", "--memory", str(5 / 2**30))
+    assert code == 2 and "NO" in out
+    assert err.startswith("zeropipe: error: no configuration fits the memory limit")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (("--gpu", "tpu-v9"), "unknown GPU 'tpu-v9'; known: a100-40gb"),
+        (("--model", "nope-1b"), "unknown model 'nope-1b'"),
+        (("--gpus", "12"), "--gpus 12 is not a whole number of h100-sxm nodes"),
+        (("--gpus", "64", "--global-batch", "1"), "no configuration to price"),
+        (("--memory", "1"), "no configuration fits the memory limit"),
+        (("--schedules", "1f1b,bogus"), "unknown schedule(s) bogus"),
+        (("--ranks", "2"), "--ranks and --microbatches go with --costs"),
+    ],
+)
+def test_bad_input_is_one_line(
+    capsys: pytest.CaptureFixture[str], argv: tuple[str, ...], message: str
+) -> None:
+    args = list(SMALL)
+    for flag, value in zip(argv[::2], argv[1::2], strict=True):
+        if flag in args:
+            args[args.index(flag) + 1] = value
+        else:
+            args += [flag, value]
+    code, _, err = run(capsys, *args)
+    assert code == 2
+    assert err.startswith("zeropipe: error: ") and message in err, err
+
+
+def test_missing_flags_are_named(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, _, err = run(capsys, "plan", "--model", "llama-3-8b")
+    assert code == 2 and "--gpus, --gpu, --seq, --global-batch" in err
+    code, _, err = run(capsys, "plan", "--costs", str(tmp_path / "none.json"), "--ranks", "2")
+    assert code == 2 and "--costs needs --ranks R and --microbatches M" in err
+    code, _, err = run(capsys, "plan", "--costs", "x.json", "--gpus", "8")
+    assert code == 2 and "drop --gpus" in err
+
+
+def test_config_chunks() -> None:
+    assert Config(4, 2, 1, 8, 8).chunks == 2

@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from zeropipe.build import build_schedule
-from zeropipe.cluster_costs import HOST_BANDWIDTH, Config, CostFactory, fixed_costs, spec_costs
+from zeropipe.cluster_costs import Config, CostFactory, fixed_costs, spec_costs
 from zeropipe.costs import CostModel
 from zeropipe.deps import Graph
 from zeropipe.errors import ScheduleError
@@ -45,10 +45,9 @@ from zeropipe.plan_memory import GiB, MemoryPlan, plan_memory
 from zeropipe.schedules import GENERATORS, generate
 from zeropipe.simulate import Timeline, simulate
 
-# Config, the cost factories, GiB and HOST_BANDWIDTH are re-exported: with search they
+# Config, the cost factories and GiB are re-exported: with search they
 # are what a caller needs.
 __all__ = [
-    "HOST_BANDWIDTH",
     "Candidate",
     "Config",
     "CostFactory",

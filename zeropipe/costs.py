@@ -587,6 +587,9 @@ class CostModel:
                 weights=p.weights,
                 grad_bytes=p.grad_bytes,
                 boundary_bytes=p.boundary_bytes,
+                OFFLOAD=p.act / hw.host_bandwidth,
+                RELOAD=p.act / hw.host_bandwidth,
+                weight_copy=p.weights / hw.host_bandwidth,
             )
             for p in priced
         )
@@ -603,6 +606,7 @@ class CostModel:
             dp_bandwidth=hw.inter_bandwidth if dp_far else hw.intra_bandwidth,
             meta={
                 "source": "spec",
+                "time_unit": "s",
                 "model": m.name,
                 "hardware": hw.name,
                 "params": m.params(),

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from zeropipe import render
-from zeropipe.cluster import HOST_BANDWIDTH, Candidate, GiB, Ranking, fixed_costs, search
+from zeropipe.cluster import Candidate, GiB, Ranking, fixed_costs, search
 from zeropipe.cluster import spec_costs as spec_cost_factory
 from zeropipe.costs import CostModel
 from zeropipe.errors import ScheduleError, ZeropipeError
@@ -258,7 +258,7 @@ def _run_cluster(args: argparse.Namespace) -> tuple[list[str], Ranking, str]:
             else f"{DEFAULT_STATE_BYTES:g} bytes of weight/gradient/Adam state per parameter "
             f"(no optimizer sharding)"
         )
-        + f", activation offload at {HOST_BANDWIDTH / 1e9:.0f} GB/s; ranks laid out dp "
+        + f", offload at {hw.host_bandwidth / 1e9:.0f} GB/s to host; ranks laid out dp "
         f"innermost",
     ]
     ranking = search(

@@ -29,6 +29,7 @@ How a stage is priced (``T`` = tokens per microbatch = microbatch size x sequenc
 * **Static memory** per parameter: ``state_bytes`` (default 18: bf16 weight, fp32
   gradient, fp32 master copy and two Adam moments, as mixed-precision training
   without a sharded optimizer keeps them).
+* **Copies to host** (offload, reload) at the ``host_bandwidth`` a pinned copy reaches.
 * **Wires**: a pipeline hop inside a node uses the node's link (NVLink), across
   nodes the network; see :func:`pipeline_crosses_nodes`.  Data-parallel
   replicas are the innermost rank dimension, so a group of at most one node's
@@ -187,6 +188,7 @@ class HardwareSpec:
     intra_latency: float  # seconds per message inside a node
     inter_bandwidth: float  # bytes/s of one GPU's share of the network
     inter_latency: float  # seconds per message across nodes
+    host_bandwidth: float = 25e9  # bytes/s of a pinned copy to or from host memory
     source: str = ""
 
     def peak(self, dtype: str) -> float:

@@ -35,6 +35,7 @@ costs, as :func:`zeropipe.balance.plan` does.
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -46,6 +47,7 @@ from zeropipe.errors import ScheduleError
 from zeropipe.fuse import group_weights
 from zeropipe.ir import Action, Kind, Schedule
 from zeropipe.schedules.list_scheduler import (
+    ListPlan,
     ListScheduler,
     Policy,
     Step,
@@ -160,6 +162,9 @@ def default_policies(ranks: int, max_chunks: int, split_options: Sequence[bool])
 
 
 Limit = float | Sequence[float] | str | None
+# One candidate to time: label, source ("named" or "list"), policy, schedule (or its
+# shape), costs, and the F/I order it follows (a named schedule's, or None).
+Run = tuple[str, str, Policy, Schedule, CostModel, list[list[Step]] | None]
 
 
 def _limits(memory_limit: Limit, ranks: int, m: int, costs: CostsLike) -> list[float]:
@@ -257,7 +262,7 @@ def search(
     if base is None or any(c.time(Kind.B) < c.I + c.W - _EPS for c in base.stages):
         split_options.append(False)  # a fused backward is cheaper: try it too
     named_runs = _named_schedules(ranks, microbatches, costs, max_chunks) if named else []
-    runs: list[tuple[str, str, Policy, Schedule, CostModel, list[list[Step]] | None]] = []
+    runs: list[Run] = []
     for label, sched, c in named_runs:
         chunks = sched.num_stages // ranks
         # Exact replay: its makespan as simulated, and whether it fits.
@@ -276,39 +281,14 @@ def search(
         if derived is not None:
             shape = Schedule(place, [[] for _ in range(ranks)], microbatches, "auto")
             runs.append((policy.describe(), "list", policy, shape, derived, None))
-    listed: list[Candidate] = []
-    planners: dict[tuple[tuple[int, ...], bool], ListScheduler] = {}
-    for label, source, policy, sched, c, order in runs:
-        if source == "list" and listed and time.perf_counter() - start > time_budget:
-            continue
-        place = tuple(sched.placement)
-        if source == "named":
-            plan = replay(sched, c, limits)
-        else:
-            planner = planners.get((place, policy.split))
-            if planner is None or planner.costs != c:
-                planner = ListScheduler(c, place, microbatches, split=policy.split)
-                planners[(place, policy.split)] = planner
-            plan = planner.run(policy, limits, order)
-        if plan is None:
-            continue
-        steps = plan.steps if source == "list" else None
-        listed.append(Candidate(label, source, c, plan.makespan, plan.steady, None, sched, steps))
+    deadline = start + time_budget
+    listed, cut = _timed(runs, microbatches, limits, max(verify, 0), deadline)
     listed.sort(key=lambda c: (round(c.makespan, 9), round(c.steady, 9), c.source != "named"))
     tried = listed[:verify]
     best_named = next((c for c in listed if c.source == "named"), None)
     if best_named is not None and all(c is not best_named for c in tried):
         tried.append(best_named)  # auto is never worse than a named schedule that fits
-    scored = []
-    for cand in tried:
-        try:
-            graph = validate(cand.schedule, memory_limit=limits, costs=cand.costs)
-        except ScheduleError:
-            continue  # a list-scheduler bug must not win; the ground truth decides
-        cand.timeline = simulate(cand.schedule, cand.costs, graph=graph)
-        cand.makespan = cand.timeline.makespan
-        cand.steady = cand.timeline.steady_bubble_rate
-        scored.append(cand)
+    scored = _verified(tried, limits)
     scored += _grouped(scored, limits)
     finite = any(math.isfinite(x) for x in limits)
     if finite and (recompute or (recompute is None and not scored)):
@@ -344,10 +324,100 @@ def search(
         f"auto: {how}; makespan {tl.makespan:.5g} ({versus}); steady bubble "
         f"{tl.steady_bubble_rate:.4f}; peak {max(tl.peak_memory):.4g} of limit "
         f"{_fmt_limits(limits)} {best.costs.unit}; {len(listed)} candidates fit, "
-        f"{len(scored)} verified, {seconds:.2g} s"
+        f"{cut} cut short, {len(scored)} verified, {seconds:.2g} s"
     )
     sched = best.schedule if best.source == "list" else _renamed(best.schedule, "auto")
     return AutoResult(sched, best.costs, tl, explanation, listed, seconds)
+
+
+def _timed(
+    runs: Sequence[Run], m: int, limits: list[float], keep: int, deadline: float
+) -> tuple[list[Candidate], int]:
+    """The runs that fit, timed by the list scheduler, in the order of ``runs``; and how
+    many list runs were cut short.
+
+    Only the best ``keep`` go on to be verified, so a list run is given up as soon as it
+    cannot end before ``keep`` plans already found (``cutoff``): it could not be one of
+    them, ties included, as they sort first on a makespan rounded to 1e-9.  Runs alike
+    (one planner and order, policies apart in ``gap``, ``first`` or ``reserve`` only)
+    share one run while they decide alike (``ListScheduler.run_alike``).
+    """
+    plans: dict[int, ListPlan | None] = {}
+    ends: list[float] = []  # makespans of the plans found so far
+    planners: dict[tuple[tuple[int, ...], bool], ListScheduler] = {}
+    cut = 0
+    for n, (_, source, policy, sched, c, order) in enumerate(runs):
+        if n in plans:
+            continue  # timed along with an earlier run
+        if source == "named":
+            plans[n] = replay(sched, c, limits)  # never cut: auto is never worse than these
+        elif ends and time.perf_counter() > deadline:
+            plans[n] = None
+            continue
+        else:
+            place = tuple(sched.placement)
+            planner = planners.get((place, policy.split))
+            if planner is None or planner.costs != c:
+                planner = ListScheduler(c, place, m, split=policy.split)
+                planners[(place, policy.split)] = planner
+            group = [
+                k
+                for k in range(n, len(runs))
+                if k not in plans
+                and runs[k][1] == "list"
+                and runs[k][5] is order
+                and runs[k][4] is c
+                and tuple(runs[k][3].placement) == place
+            ]
+            kth = heapq.nsmallest(keep, ends)[-1] if keep and len(ends) >= keep else math.inf
+            cutoff = kth + 1e-6 * max(1.0, abs(kth)) if keep else -math.inf
+            plan, alike = planner.run_alike([runs[k][2] for k in group], limits, order, cutoff)
+            for j in alike:
+                plans[group[j]] = plan
+            if plan is None and cutoff < math.inf:
+                cut += len(alike)  # (or it does not fit: a cut run cannot tell)
+        found = plans[n]
+        if found is not None:
+            ends.append(found.makespan)
+    listed = []
+    for n, (label, source, _, sched, c, _) in enumerate(runs):
+        plan = plans.get(n)
+        if plan is not None:
+            steps = plan.steps if source == "list" else None
+            listed.append(
+                Candidate(label, source, c, plan.makespan, plan.steady, None, sched, steps)
+            )
+    return listed, cut
+
+
+def _verified(tried: Sequence[Candidate], limits: list[float]) -> list[Candidate]:
+    """``tried`` validated and simulated (the ground truth); those that fail are dropped.
+
+    Candidates that share one list-scheduled plan share its schedule and its check.
+    """
+    done: dict[int, tuple[Schedule, Timeline | None]] = {}
+    scored = []
+    for cand in tried:
+        key = id(cand._steps) if cand._steps is not None else None
+        if key is not None and key in done:
+            cand._shape, cand._steps = done[key][0], None
+            tl = done[key][1]
+        else:
+            sched = cand.schedule
+            try:
+                graph = validate(sched, memory_limit=limits, costs=cand.costs)
+                tl = simulate(sched, cand.costs, graph=graph)
+            except ScheduleError:
+                tl = None  # a list-scheduler bug must not win; the ground truth decides
+            if key is not None:
+                done[key] = (sched, tl)
+        if tl is None:
+            continue
+        cand.timeline = tl
+        cand.makespan = tl.makespan
+        cand.steady = tl.steady_bubble_rate
+        scored.append(cand)
+    return scored
 
 
 def _grouped(scored: Sequence[Candidate], limits: list[float]) -> list[Candidate]:
@@ -359,17 +429,24 @@ def _grouped(scored: Sequence[Candidate], limits: list[float]) -> list[Candidate
     the simulation says whether that beats their fused backward.
     """
     out = []
+    done: dict[tuple[int, int], tuple[Schedule, Timeline] | None] = {}  # shared schedules
     for cand in scored:
         stages = cand.costs.stages
         if not any(c.W_fused is not None and c.W_fused < c.W - _EPS for c in stages):
             continue
         for size in (2, 4):
-            sched = group_weights(cand.schedule, size)
-            try:
-                graph = validate(sched, memory_limit=limits, costs=cand.costs)
-            except ScheduleError:
-                continue  # holding the W-parts longer does not fit the limit
-            tl = simulate(sched, cand.costs, graph=graph)
+            key = (id(cand.schedule), size)
+            if key not in done:
+                sched = group_weights(cand.schedule, size)
+                try:
+                    graph = validate(sched, memory_limit=limits, costs=cand.costs)
+                    done[key] = (sched, simulate(sched, cand.costs, graph=graph))
+                except ScheduleError:
+                    done[key] = None  # holding the W-parts longer does not fit the limit
+            found = done[key]
+            if found is None:
+                continue
+            sched, tl = found
             name = f"{cand.name}, W in groups of {size}"
             out.append(
                 Candidate(

@@ -28,7 +28,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from zeropipe.costs import CostModel, initial_memory
@@ -255,7 +255,43 @@ class ListScheduler:
                 f"the policy asks for {'split' if policy.split else 'full'} ones",
                 rule="unsupported",
             )
-        return _Run(self._facts, self.microbatches, policy, limits, order, replay=False).run()
+        return self.run_alike([policy], limits, order)[0]
+
+    def run_alike(
+        self,
+        policies: Sequence[Policy],
+        limits: Sequence[float],
+        order: Sequence[Sequence[Step]] | None = None,
+        cutoff: float = math.inf,
+    ) -> tuple[ListPlan | None, list[int]]:
+        """The plan of ``policies[0]``, and the indices of those in ``policies`` with that plan.
+
+        Policies that differ from the first only in ``gap``, ``first`` and
+        ``reserve`` mostly take the same decisions: each is followed along the
+        same run and dropped at the first decision it would take otherwise, so
+        that the ones never dropped share its plan without a run of their own.
+
+        ``cutoff``: give up (``None``) once some rank's end plus its work still to
+        do exceeds it: the plan could not end sooner.  ``None`` is shared too,
+        for the same reason (a shared run ends where the first one does).
+        """
+        lead = policies[0]
+        if lead.split != self.split:
+            raise ScheduleError(
+                f"this list scheduler plans {'split' if self.split else 'full'} backwards; "
+                f"the policy asks for {'split' if lead.split else 'full'} ones",
+                rule="unsupported",
+            )
+        alike = [
+            (k, p)
+            for k, p in enumerate(policies)
+            if k > 0
+            and (p.placement, p.chunks, p.split, p.depth)
+            == (lead.placement, lead.chunks, lead.split, lead.depth)
+        ]
+        run = _Run(self._facts, self.microbatches, lead, limits, order, False, alike, cutoff)
+        plan = run.run()
+        return plan, [0] + [k for k, _ in run.alike]
 
 
 def replay(schedule: Schedule, costs: CostModel, limits: Sequence[float]) -> ListPlan | None:
@@ -292,6 +328,8 @@ class _Run:
         limits: Sequence[float],
         order: Sequence[Sequence[Step]] | None,
         replay: bool,
+        alike: Sequence[tuple[int, Policy]] = (),
+        cutoff: float = math.inf,
     ) -> None:
         self.facts, self.m, self.policy, self.limits = facts, m, policy, limits
         self.replay = replay
@@ -300,7 +338,14 @@ class _Run:
         ranks = max(place) + 1
         self.local = [[s for s in range(len(place)) if place[s] == r] for r in range(ranks)]
         self.later = [[u for u in self.local[place[s]] if u > s] for s in range(len(place))]
-        self.want = self._reserve()
+        self.want = self._reserve(policy.reserve)
+        # Policies still taking this run's decisions (see ListScheduler.run_alike), and
+        # the room each other ``reserve`` among them keeps.
+        self.alike = list(alike)
+        self.wants = {
+            p.reserve: self._reserve(p.reserve) for _, p in alike if p.reserve != policy.reserve
+        }
+        self.cutoff = cutoff
         self.end = [[[-1.0] * m for _ in place] for _ in _TIMED]  # -1: not scheduled yet
         self.done_f, self.done_b = [0] * len(place), [0] * len(place)
         self.mem = list(facts.initial)
@@ -316,8 +361,9 @@ class _Run:
         self.heap = [(0.0, r, r, 0) for r in range(ranks)]
         self.seq = ranks
         self.bound = math.inf  # while a rank decides: see _choose
+        self.work = self._work(ranks)  # per rank, the time its actions still to start take
 
-    def _reserve(self) -> list[int]:
+    def _reserve(self, share: float) -> list[int]:
         """Per stage, how many of its F a shallower F of its rank leaves room for."""
         f, place = self.facts, self.facts.placement
         forward, backward = f.duration[_F], f.duration[f.backward]
@@ -328,7 +374,6 @@ class _Run:
             sum(forward[u] + backward[u] for u in range(s + 1, n)) + 2 * sum(f.wire[s:])
             for s in range(n)
         ]
-        share = self.policy.reserve
         return [1 + math.ceil(share * trip[s] / max(cycle[place[s]], _EPS)) for s in range(n)]
 
     def _counts(self, ranks: int) -> list[int]:
@@ -339,6 +384,20 @@ class _Run:
         if self.replay:
             return [len(o) for o in self.order]
         return [len(o) + sum(1 for k, _, _ in o if k == _I) for o in self.order]  # I brings W
+
+    def _work(self, ranks: int) -> list[float]:
+        duration = self.facts.duration
+        if self.order is None:
+            kinds = [_F, self.facts.backward] + ([_W] if self.policy.split else [])
+            per_stage = [sum(duration[k][s] for k in kinds) for s in range(len(duration[0]))]
+            return [self.m * sum(per_stage[s] for s in self.local[r]) for r in range(ranks)]
+        out = []
+        for steps in self.order:
+            work = sum(duration[k][s] for k, s, _ in steps)
+            if not self.replay:  # each I brings its W
+                work += sum(duration[_W][s] for k, s, _ in steps if k == _I)
+            out.append(work)
+        return out
 
     def _push(self, t: float, r: int) -> None:
         self.version[r] += 1
@@ -357,7 +416,8 @@ class _Run:
                 return None  # the replayed schedule does not fit its limit
             pick, since, wake = choice
             if pick is not None:
-                self._start(r, pick, since)
+                if self._start(r, pick, since) > self.cutoff:
+                    return None  # it cannot end by the cutoff
             elif wake < math.inf:
                 self._push(wake, r)
             elif not self.heap:
@@ -385,9 +445,12 @@ class _Run:
         self.bound = math.inf  # earliest possible arrival of a dependency not yet scheduled
         blocked_by_w = False  # an F waits for memory that deferred W hold
         limit = self.limits[r] + _EPS
+        kinds_ready = 0  # bit 1: an F is ready, bit 2: a backward
         for step in self._candidates(r):
             if step[0] == _F:
-                room = self._room(r, step[1])
+                room = self._room(r, step[1], self.want)
+                if self.wants:
+                    self._same_room(r, step[1], room, limit)
                 if room > limit:
                     if self.replay:
                         return None
@@ -395,16 +458,23 @@ class _Run:
                     continue
             ready = self._ready(step, t)
             if ready <= t + _EPS:
+                kinds_ready |= 1 if step[0] == _F else 2
                 key = self._key(step)
                 if best is None or key < best:
                     best, pick, since = key, step, ready
             elif ready < known:
                 known = ready
+        if kinds_ready == 3 and self.alike:  # which runs first is ``first``'s to say
+            self._keep(lambda p: p.first == self.policy.first)
         pending, bound = self.pending[r], self.bound
         if pick is None and pending and not self.replay:
             s, i = pending[0]
             gap = min(known, bound) - t
-            if blocked_by_w or gap >= self.policy.gap * self.facts.duration[_W][s] - _EPS:
+            w = self.facts.duration[_W][s]
+            fill = blocked_by_w or gap >= self.policy.gap * w - _EPS
+            if self.alike and not blocked_by_w:
+                self._keep(lambda p: (gap >= p.gap * w - _EPS) == fill)
+            if fill:
                 pending.popleft()
                 pick = (_W, s, i)
                 since = self._ready(pick, t)
@@ -416,7 +486,7 @@ class _Run:
             return None, t, known
         return None, t, bound if pending and bound > t + _EPS else math.inf
 
-    def _room(self, r: int, s: int) -> float:
+    def _room(self, r: int, s: int, want: list[int]) -> float:
         """Memory of ``r`` after an F of ``s``, with room kept for its deeper stages' F."""
         held_f, m = self.facts.held[_F], self.m
         room = self.mem[r] + held_f[s]
@@ -424,8 +494,27 @@ class _Run:
             for u in self.later[s]:
                 done = self.done_f[u]
                 if done < m:
-                    room += held_f[u] * min(m - done, max(1, self.want[u] - done + self.done_b[u]))
+                    room += held_f[u] * min(m - done, max(1, want[u] - done + self.done_b[u]))
         return room
+
+    def _same_room(self, r: int, s: int, room: float, limit: float) -> None:
+        """Drop the alike policies whose ``reserve`` would decide otherwise about an F of ``s``."""
+        if not self.later[s]:
+            return  # the deepest local stage keeps no room: every reserve agrees
+        held = self.held_w[r]
+        for reserve, want in list(self.wants.items()):
+            other = self._room(r, s, want)
+            if (other > limit) != (room > limit) or (
+                room > limit and (other - held <= limit) != (room - held <= limit)
+            ):
+                self._keep(lambda p, gone=reserve: p.reserve != gone)  # type: ignore[misc]
+
+    def _keep(self, same: Callable[[Policy], bool]) -> None:
+        """Keep the alike policies that take this decision as the run's own does."""
+        self.alike = [(k, p) for k, p in self.alike if same(p)]
+        self.wants = {
+            x: w for x, w in self.wants.items() if any(p.reserve == x for _, p in self.alike)
+        }
 
     def _ready(self, step: _Slot, t: float) -> float:
         """When ``step``'s inputs are there (inf: not scheduled yet).  Lowers ``bound`` to
@@ -459,13 +548,15 @@ class _Run:
             return (0.0, 0, 0)  # replay only: its I ran before it, here
         return (0.0 if first_i else 1.0, i, -s)
 
-    def _start(self, r: int, step: _Slot, since: float) -> None:
+    def _start(self, r: int, step: _Slot, since: float) -> float:
+        """Start ``step`` on ``r``; the soonest ``r`` can then end all its work."""
         kind, s, i = step
         f = self.facts
         # The rank may have waited past the moment this became ready (it hoped for
         # something better); run in order, it starts as soon as it can, as simulated.
         t = max(self.free[r], since)
         end = t + f.duration[kind][s]
+        self.work[r] -= f.duration[kind][s]
         self.end[kind][s][i] = end
         self.mem[r] += f.held[kind][s]
         if kind == _F:
@@ -491,6 +582,7 @@ class _Run:
             if self.left[q] and self.clock[q] <= end:
                 # It may be waiting for this: let it decide again now, knowing when it lands.
                 self._push(max(t, self.clock[q]), q)
+        return end + self.work[r]
 
     def _plan(self) -> ListPlan:
         duration = self.facts.duration

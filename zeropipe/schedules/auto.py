@@ -256,6 +256,7 @@ def search(
             rule="unsupported",
         )
     start = time.perf_counter()
+    costs = _remembered(costs)
     limits = _limits(memory_limit, ranks, microbatches, costs)
     base = costs_for(costs, ranks)
     split_options = [True]
@@ -337,13 +338,12 @@ def _timed(
     many list runs were cut short.
 
     Only the best ``keep`` go on to be verified, so a list run is given up as soon as it
-    cannot end before ``keep`` plans already found (``cutoff``): it could not be one of
-    them, ties included, as they sort first on a makespan rounded to 1e-9.  Runs alike
-    (one planner and order, policies apart in ``gap``, ``first`` or ``reserve`` only)
-    share one run while they decide alike (``ListScheduler.run_alike``).
+    cannot end before ``keep`` plans already found (:func:`_cutoff`).  Runs alike (one
+    planner and order, policies apart in ``gap``, ``first`` or ``reserve`` only) share
+    one run while they decide alike (``ListScheduler.run_alike``).
     """
     plans: dict[int, ListPlan | None] = {}
-    ends: list[float] = []  # makespans of the plans found so far
+    found: list[tuple[float, float, str, int]] = []  # makespan, steady, source, index
     planners: dict[tuple[tuple[int, ...], bool], ListScheduler] = {}
     cut = 0
     for n, (_, source, policy, sched, c, order) in enumerate(runs):
@@ -351,7 +351,8 @@ def _timed(
             continue  # timed along with an earlier run
         if source == "named":
             plans[n] = replay(sched, c, limits)  # never cut: auto is never worse than these
-        elif ends and time.perf_counter() > deadline:
+            alike = [n]
+        elif found and time.perf_counter() > deadline:
             plans[n] = None
             continue
         else:
@@ -369,16 +370,16 @@ def _timed(
                 and runs[k][4] is c
                 and tuple(runs[k][3].placement) == place
             ]
-            kth = heapq.nsmallest(keep, ends)[-1] if keep and len(ends) >= keep else math.inf
-            cutoff = kth + 1e-6 * max(1.0, abs(kth)) if keep else -math.inf
-            plan, alike = planner.run_alike([runs[k][2] for k in group], limits, order, cutoff)
-            for j in alike:
-                plans[group[j]] = plan
+            cutoff = _cutoff(found, keep, n, planner.exact)
+            plan, shared = planner.run_alike([runs[k][2] for k in group], limits, order, cutoff)
+            alike = [group[j] for j in shared]
+            for k in alike:
+                plans[k] = plan
             if plan is None and cutoff < math.inf:
                 cut += len(alike)  # (or it does not fit: a cut run cannot tell)
-        found = plans[n]
-        if found is not None:
-            ends.append(found.makespan)
+        got = plans[n]
+        if got is not None:
+            found += [(got.makespan, got.steady, source, k) for k in alike]
     listed = []
     for n, (label, source, _, sched, c, _) in enumerate(runs):
         plan = plans.get(n)
@@ -388,6 +389,30 @@ def _timed(
                 Candidate(label, source, c, plan.makespan, plan.steady, None, sched, steps)
             )
     return listed, cut
+
+
+def _cutoff(
+    found: Sequence[tuple[float, float, str, int]], keep: int, n: int, exact: bool
+) -> float:
+    """The end past which run ``n`` (and the later runs alike) cannot be among the best ``keep``.
+
+    Candidates sort on (makespan, steady bubble, named first), both rounded to 1e-9, then
+    on their index (a stable sort).  A found plan is surely ahead of run ``n`` once ``n``'s
+    makespan is past its own by more than the rounding.  With times the floats hold
+    exactly (``exact``) a found plan with no steady bubble is ahead already at an equal
+    makespan when a tie would put it first: named, or earlier in ``runs``; the
+    schedules that reach the busiest rank's bound are cut at once so.
+    """
+    if keep <= 0:
+        return -math.inf  # none of them is verified: no need to time any
+    needs = []  # per found plan: the end of run n that puts it surely ahead
+    for makespan, steady, source, k in found:
+        first = source == "named" or k < n
+        if exact and round(steady, 9) <= 0 and first:
+            needs.append(math.nextafter(makespan, -math.inf))  # an end >= its makespan
+        else:
+            needs.append(makespan + 1e-6 * max(1.0, abs(makespan)))
+    return heapq.nsmallest(keep, needs)[-1] if len(needs) >= keep else math.inf
 
 
 def _verified(tried: Sequence[Candidate], limits: list[float]) -> list[Candidate]:
@@ -481,6 +506,19 @@ def _fit(
     how = free.explanation.split(";")[0].removeprefix("auto: ")
     label = f"{how}, with {actions} recompute/offload pair(s) inserted by fit_memory"
     return Candidate(label, "list", free.costs, tl.makespan, tl.steady_bubble_rate, tl, sched)
+
+
+def _remembered(costs: CostsLike) -> Callable[[int], CostModel | None]:
+    """``costs_for(costs, n)``, each ``n`` made once: the candidates of one stage count
+    share one cost model (split or merged anew it would be an equal copy each time)."""
+    made: dict[int, CostModel | None] = {}
+
+    def costs_of(num_stages: int) -> CostModel | None:
+        if num_stages not in made:
+            made[num_stages] = costs_for(costs, num_stages)
+        return made[num_stages]
+
+    return costs_of
 
 
 def _renamed(schedule: Schedule, name: str) -> Schedule:

@@ -186,6 +186,16 @@ class _Facts:
         self.initial = initial_memory(deps.schedule, costs)
         self._per_mb: dict[_Slot, tuple[_Need, ...]] = {}
 
+    def exact(self, m: int) -> bool:
+        """Whether every time of a run is a float sum without rounding: each duration and
+        wire a multiple of 2**-20, and all of them together (``m`` times) below 2**32."""
+        values = [x for per_stage in self.duration for x in per_stage] + self.wire
+        values += [n.wire for per_kind in self.needs for per_stage in per_kind for n in per_stage
+                   if n.wire is not None]  # fmt: skip
+        return all(math.isfinite(x) and (x * 2**20).is_integer() for x in values) and (
+            m * sum(abs(x) for x in values) < 2**32
+        )
+
     def needs_of(self, kind: int, stage: int, mb: int) -> tuple[_Need, ...]:
         if self.uniform:
             return self.needs[kind][stage]
@@ -241,6 +251,7 @@ class ListScheduler:
         self.microbatches, self.split = microbatches, split
         deps = Dependencies.planned(placement, microbatches, split=split)
         self._facts = _Facts(self.costs, deps, uniform=True)
+        self.exact = self._facts.exact(microbatches)
 
     def run(
         self,
@@ -289,7 +300,7 @@ class ListScheduler:
             and (p.placement, p.chunks, p.split, p.depth)
             == (lead.placement, lead.chunks, lead.split, lead.depth)
         ]
-        run = _Run(self._facts, self.microbatches, lead, limits, order, False, alike, cutoff)
+        run = _Run(self._facts, self.microbatches, lead, limits, order, alike, cutoff)
         plan = run.run()
         return plan, [0] + [k for k, _ in run.alike]
 
@@ -307,7 +318,7 @@ def replay(schedule: Schedule, costs: CostModel, limits: Sequence[float]) -> Lis
     uniform = len({deps.split(s, i) for s, i in pairs}) == 1
     facts = _Facts(costs.for_stages(base.num_stages), deps, uniform=uniform)
     order = compute_order(base, keep_w=True)
-    plan = _Run(facts, base.microbatches, Policy(), limits, order, replay=True).run()
+    plan = _replayed(facts, base.microbatches, limits, order)
     if plan is None or not base.overlaps:
         return plan
     # An overlapped pair starts only when the inputs of both its actions are ready, which
@@ -315,6 +326,57 @@ def replay(schedule: Schedule, costs: CostModel, limits: Sequence[float]) -> Lis
     timeline = simulate(base, costs.for_stages(base.num_stages))
     starts = [[e.start for e in evs if e.lane == "compute"] for evs in timeline.events]
     return ListPlan(plan.steps, starts, timeline.makespan, timeline.steady_bubble_rate)
+
+
+def _replayed(
+    facts: _Facts, m: int, limits: Sequence[float], order: Sequence[Sequence[Step]]
+) -> ListPlan | None:
+    """Each rank's ``order`` timed as it stands: every action starts when its rank is free
+    and its inputs are there, as :class:`_Run` (and the simulator) would start it, without
+    the choices: no heap, each rank advanced as far as it goes whenever an input lands."""
+    slots = [[(_SLOT[k], s, i) for k, s, i in steps] for steps in order]
+    held, duration = facts.held, facts.duration
+    for r, steps in enumerate(slots):  # an F that does not fit: the same in any timing
+        mem, limit = facts.initial[r], limits[r] + _EPS
+        for k, s, _ in steps:
+            if k == _F and mem + held[_F][s] > limit:
+                return None
+            mem += held[k][s]
+    end = [[[-1.0] * m for _ in facts.placement] for _ in _TIMED]  # -1: not yet
+    pos, free = [0] * len(slots), [0.0] * len(slots)
+    starts: list[list[float]] = [[] for _ in slots]
+    todo, moved = list(range(len(slots))), True
+    while moved:  # (wakes say who may move; one more sweep over all ranks makes sure)
+        moved = False
+        while todo:
+            r = todo.pop()
+            steps, at, now = slots[r], pos[r], free[r]
+            while at < len(steps):
+                k, s, i = steps[at]
+                ready = 0.0
+                for need in facts.needs[k][s] if facts.uniform else facts.needs_of(k, s, i):
+                    e = end[need.kind][need.stage][i]
+                    if e < 0:
+                        break
+                    if need.wire is not None:
+                        e = e + need.wire
+                    if e > ready:
+                        ready = e
+                else:
+                    start = now if now >= ready else ready
+                    now = start + duration[k][s]
+                    end[k][s][i] = now
+                    starts[r].append(start)
+                    at += 1
+                    todo.extend(facts.wakes[k][s])
+                    continue
+                break
+            moved = moved or at > pos[r]
+            pos[r], free[r] = at, now
+        todo = [r for r in range(len(slots)) if pos[r] < len(slots[r])] if moved else []
+    if any(pos[r] < len(steps) for r, steps in enumerate(slots)):
+        return None  # some rank waits on another for ever
+    return _plan_of(facts, slots, starts)
 
 
 class _Run:
@@ -327,12 +389,10 @@ class _Run:
         policy: Policy,
         limits: Sequence[float],
         order: Sequence[Sequence[Step]] | None,
-        replay: bool,
         alike: Sequence[tuple[int, Policy]] = (),
         cutoff: float = math.inf,
     ) -> None:
         self.facts, self.m, self.policy, self.limits = facts, m, policy, limits
-        self.replay = replay
         self.order = None if order is None else [[(_SLOT[k], s, i) for k, s, i in o] for o in order]
         place = facts.placement
         ranks = max(place) + 1
@@ -345,6 +405,8 @@ class _Run:
         self.wants = {
             p.reserve: self._reserve(p.reserve) for _, p in alike if p.reserve != policy.reserve
         }
+        self.other_first = any(p.first != policy.first for _, p in alike)
+        self.other_gap = any(p.gap != policy.gap for _, p in alike)
         self.cutoff = cutoff
         self.end = [[[-1.0] * m for _ in place] for _ in _TIMED]  # -1: not scheduled yet
         self.done_f, self.done_b = [0] * len(place), [0] * len(place)
@@ -381,8 +443,6 @@ class _Run:
         if self.order is None:
             per_pair = 3 if self.policy.split else 2  # F, I, W or F, B
             return [len(self.local[r]) * self.m * per_pair for r in range(ranks)]
-        if self.replay:
-            return [len(o) for o in self.order]
         return [len(o) + sum(1 for k, _, _ in o if k == _I) for o in self.order]  # I brings W
 
     def _work(self, ranks: int) -> list[float]:
@@ -394,8 +454,7 @@ class _Run:
         out = []
         for steps in self.order:
             work = sum(duration[k][s] for k, s, _ in steps)
-            if not self.replay:  # each I brings its W
-                work += sum(duration[_W][s] for k, s, _ in steps if k == _I)
+            work += sum(duration[_W][s] for k, s, _ in steps if k == _I)  # each I brings its W
             out.append(work)
         return out
 
@@ -405,39 +464,41 @@ class _Run:
         self.seq += 1
 
     # -- the loop ---------------------------------------------------------------------
+    # Hot: run hundreds of thousands of times a search, hence the local names.
     def run(self) -> ListPlan | None:
-        while self.heap:
-            t, _, r, ver = heapq.heappop(self.heap)
-            if ver != self.version[r]:
+        heap, version, clock, cutoff = self.heap, self.version, self.clock, self.cutoff
+        pop, choose, start = heapq.heappop, self._choose, self._start
+        while heap:
+            t, _, r, ver = pop(heap)
+            if ver != version[r]:
                 continue
-            self.clock[r] = t
-            choice = self._choose(r, t)
-            if choice is None:
-                return None  # the replayed schedule does not fit its limit
-            pick, since, wake = choice
+            clock[r] = t
+            pick, since, wake = choose(r, t)
             if pick is not None:
-                if self._start(r, pick, since) > self.cutoff:
+                if start(r, pick, since) > cutoff:
                     return None  # it cannot end by the cutoff
             elif wake < math.inf:
                 self._push(wake, r)
-            elif not self.heap:
+            elif not heap:
                 return None  # every rank waits on another: deadlock under this limit
         return None if any(self.left) else self._plan()
 
     def _candidates(self, r: int) -> list[_Slot]:
         if self.order is not None:
-            at = self.pos[r]
-            return [self.order[r][at]] if at < len(self.order[r]) else []
+            at, order = self.pos[r], self.order[r]
+            return [order[at]] if at < len(order) else []
         out: list[_Slot] = []
+        done_f, done_b, m, back = self.done_f, self.done_b, self.m, self.facts.backward
         for s in self.local[r]:
-            if self.done_f[s] < self.m:
-                out.append((_F, s, self.done_f[s]))
-            if self.done_b[s] < self.done_f[s]:
-                out.append((self.facts.backward, s, self.done_b[s]))
+            done = done_f[s]
+            if done < m:
+                out.append((_F, s, done))
+            if done_b[s] < done:
+                out.append((back, s, done_b[s]))
         return out
 
-    def _choose(self, r: int, t: float) -> tuple[_Slot | None, float, float] | None:
-        """``(pick, when it became ready, when to decide again)``; ``None``: replay does not fit."""
+    def _choose(self, r: int, t: float) -> tuple[_Slot | None, float, float]:
+        """``(pick, when it became ready, when to decide again)``."""
         best: tuple[float, ...] | None = None
         pick: _Slot | None = None
         since = t
@@ -445,34 +506,40 @@ class _Run:
         self.bound = math.inf  # earliest possible arrival of a dependency not yet scheduled
         blocked_by_w = False  # an F waits for memory that deferred W hold
         limit = self.limits[r] + _EPS
+        soon = t + _EPS
         kinds_ready = 0  # bit 1: an F is ready, bit 2: a backward
+        first_f = 0.0 if self.policy.first == "I" else 1.0  # the F's place among ready ones
+        depth = self.policy.depth
         for step in self._candidates(r):
-            if step[0] == _F:
-                room = self._room(r, step[1], self.want)
+            kind, s, i = step
+            if kind == _F:
+                room = self._room(r, s, self.want)
                 if self.wants:
-                    self._same_room(r, step[1], room, limit)
+                    self._same_room(r, s, room, limit)
                 if room > limit:
-                    if self.replay:
-                        return None
                     blocked_by_w = blocked_by_w or room - self.held_w[r] <= limit
                     continue
             ready = self._ready(step, t)
-            if ready <= t + _EPS:
-                kinds_ready |= 1 if step[0] == _F else 2
-                key = self._key(step)
+            if ready <= soon:
+                if kind == _F:
+                    kinds_ready |= 1
+                    key = (1.0 - first_f, -s if depth else i, s)
+                else:
+                    kinds_ready |= 2
+                    key = (first_f, i, -s)
                 if best is None or key < best:
                     best, pick, since = key, step, ready
             elif ready < known:
                 known = ready
-        if kinds_ready == 3 and self.alike:  # which runs first is ``first``'s to say
+        if kinds_ready == 3 and self.other_first:  # which runs first is ``first``'s to say
             self._keep(lambda p: p.first == self.policy.first)
         pending, bound = self.pending[r], self.bound
-        if pick is None and pending and not self.replay:
+        if pick is None and pending:
             s, i = pending[0]
             gap = min(known, bound) - t
             w = self.facts.duration[_W][s]
             fill = blocked_by_w or gap >= self.policy.gap * w - _EPS
-            if self.alike and not blocked_by_w:
+            if self.other_gap and not blocked_by_w:
                 self._keep(lambda p: (gap >= p.gap * w - _EPS) == fill)
             if fill:
                 pending.popleft()
@@ -511,7 +578,12 @@ class _Run:
 
     def _keep(self, same: Callable[[Policy], bool]) -> None:
         """Keep the alike policies that take this decision as the run's own does."""
-        self.alike = [(k, p) for k, p in self.alike if same(p)]
+        kept = [(k, p) for k, p in self.alike if same(p)]
+        if len(kept) == len(self.alike):
+            return
+        self.alike = kept
+        self.other_first = any(p.first != self.policy.first for _, p in kept)
+        self.other_gap = any(p.gap != self.policy.gap for _, p in kept)
         self.wants = {
             x: w for x, w in self.wants.items() if any(p.reserve == x for _, p in self.alike)
         }
@@ -522,31 +594,23 @@ class _Run:
         kind, s, i = step
         f = self.facts
         ready = 0.0
-        for need in f.needs[kind][s] if f.uniform else f.needs_of(kind, s, i):
-            end = self.end[need.kind][need.stage][i]
+        end_of = self.end
+        for need in f.needs[kind][s]:
+            end = end_of[need.kind][need.stage][i]
+            wire = need.wire
             if end >= 0:
-                arrives = end if need.wire is None else end + need.wire
+                arrives = end if wire is None else end + wire
                 if arrives > ready:
                     ready = arrives
-            elif need.wire is None:
+            elif wire is None:
                 return math.inf  # its producer is still to come on this rank
             else:
-                q = f.placement[need.stage]
-                soonest = max(self.clock[q], t) + f.duration[need.kind][need.stage] + need.wire
+                clock = self.clock[f.placement[need.stage]]
+                soonest = (clock if clock > t else t) + f.duration[need.kind][need.stage] + wire
                 if soonest < self.bound:
                     self.bound = soonest
                 ready = math.inf
         return ready
-
-    def _key(self, step: _Slot) -> tuple[float, ...]:
-        """Lower runs first: the policy's order among ready actions."""
-        kind, s, i = step
-        first_i = self.policy.first == "I"
-        if kind == _F:
-            return (1.0 if first_i else 0.0, -s if self.policy.depth else i, s)
-        if kind == _W:
-            return (0.0, 0, 0)  # replay only: its I ran before it, here
-        return (0.0 if first_i else 1.0, i, -s)
 
     def _start(self, r: int, step: _Slot, since: float) -> float:
         """Start ``step`` on ``r``; the soonest ``r`` can then end all its work."""
@@ -554,46 +618,59 @@ class _Run:
         f = self.facts
         # The rank may have waited past the moment this became ready (it hoped for
         # something better); run in order, it starts as soon as it can, as simulated.
-        t = max(self.free[r], since)
-        end = t + f.duration[kind][s]
-        self.work[r] -= f.duration[kind][s]
+        free = self.free[r]
+        t = free if free >= since else since
+        took = f.duration[kind][s]
+        end = t + took
+        self.work[r] -= took
         self.end[kind][s][i] = end
         self.mem[r] += f.held[kind][s]
         if kind == _F:
             self.done_f[s] += 1
-        elif kind != _W:
-            self.done_b[s] += 1
-        if kind == _W:
-            self.held_w[r] += f.held[_W][s]
-        elif kind == _I and not self.replay:
-            self.pending[r].append((s, i))
-            self.held_w[r] -= f.held[_W][s]
-        if kind != _W or self.replay:
             self.pos[r] += 1
+        elif kind == _W:
+            self.held_w[r] += f.held[_W][s]
+        else:
+            self.done_b[s] += 1
+            self.pos[r] += 1
+            if kind == _I:
+                self.pending[r].append((s, i))
+                self.held_w[r] -= f.held[_W][s]
         self.steps[r].append(step)
         self.starts[r].append(t)
-        self.left[r] -= 1
-        self.clock[r] = self.free[r] = end
-        if self.left[r]:
-            self._push(end, r)
+        left = self.left
+        left[r] -= 1
+        clock = self.clock
+        clock[r] = self.free[r] = end
+        heap, version = self.heap, self.version
+        if left[r]:
+            version[r] += 1
+            heapq.heappush(heap, (end, self.seq, r, version[r]))
+            self.seq += 1
         else:
-            self.version[r] += 1  # done: nothing of it in the heap is current
+            version[r] += 1  # done: nothing of it in the heap is current
         for q in f.wakes[kind][s]:
-            if self.left[q] and self.clock[q] <= end:
+            if left[q] and clock[q] <= end:
                 # It may be waiting for this: let it decide again now, knowing when it lands.
-                self._push(max(t, self.clock[q]), q)
+                version[q] += 1
+                heapq.heappush(heap, (t if t >= clock[q] else clock[q], self.seq, q, version[q]))
+                self.seq += 1
         return end + self.work[r]
 
     def _plan(self) -> ListPlan:
-        duration = self.facts.duration
-        spans = []
-        for steps, starts in zip(self.steps, self.starts, strict=True):
-            busy = sum(duration[k][s] for k, s, _ in steps)
-            k, s, _ = steps[-1]
-            end = starts[-1] + duration[k][s]
-            spans.append((end - starts[0], busy, end))
-        makespan = max(end for _, _, end in spans)
-        span, busy, _ = max(spans)  # the longest span (the busiest among equal ones)
-        steady = (span - busy) / span if span > 0 else 0.0
-        named = [[(_TIMED[k], s, i) for k, s, i in rank] for rank in self.steps]
-        return ListPlan(named, self.starts, makespan, steady)
+        return _plan_of(self.facts, self.steps, self.starts)
+
+
+def _plan_of(facts: _Facts, steps_of: list[list[_Slot]], starts_of: list[list[float]]) -> ListPlan:
+    duration = facts.duration
+    spans = []
+    for steps, starts in zip(steps_of, starts_of, strict=True):
+        busy = sum(duration[k][s] for k, s, _ in steps)
+        k, s, _ = steps[-1]
+        end = starts[-1] + duration[k][s]
+        spans.append((end - starts[0], busy, end))
+    makespan = max(end for _, _, end in spans)
+    span, busy, _ = max(spans)  # the longest span (the busiest among equal ones)
+    steady = (span - busy) / span if span > 0 else 0.0
+    named = [[(_TIMED[k], s, i) for k, s, i in rank] for rank in steps_of]
+    return ListPlan(named, starts_of, makespan, steady)

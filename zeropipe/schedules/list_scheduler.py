@@ -422,7 +422,6 @@ class _Run:
         self.starts: list[list[float]] = [[] for _ in range(ranks)]
         self.heap = [(0.0, r, r, 0) for r in range(ranks)]
         self.seq = ranks
-        self.bound = math.inf  # while a rank decides: see _choose
         self.work = self._work(ranks)  # per rank, the time its actions still to start take
 
     def _reserve(self, share: float) -> list[int]:
@@ -499,11 +498,12 @@ class _Run:
 
     def _choose(self, r: int, t: float) -> tuple[_Slot | None, float, float]:
         """``(pick, when it became ready, when to decide again)``."""
+        f, end_of, clock = self.facts, self.end, self.clock
         best: tuple[float, ...] | None = None
         pick: _Slot | None = None
         since = t
         known = math.inf  # earliest known future ready time
-        self.bound = math.inf  # earliest possible arrival of a dependency not yet scheduled
+        bound = math.inf  # earliest possible arrival of a dependency not yet scheduled
         blocked_by_w = False  # an F waits for memory that deferred W hold
         limit = self.limits[r] + _EPS
         soon = t + _EPS
@@ -519,7 +519,25 @@ class _Run:
                 if room > limit:
                     blocked_by_w = blocked_by_w or room - self.held_w[r] <= limit
                     continue
-            ready = self._ready(step, t)
+            # When its inputs are there (inf: not scheduled yet); ``bound``: the earliest a
+            # producer on another rank not scheduled yet could deliver.  Inlined: hottest.
+            ready = 0.0
+            for need in f.needs[kind][s]:
+                end = end_of[need.kind][need.stage][i]
+                wire = need.wire
+                if end >= 0:
+                    arrives = end if wire is None else end + wire
+                    if arrives > ready:
+                        ready = arrives
+                elif wire is None:
+                    ready = math.inf  # its producer is still to come on this rank
+                    break
+                else:
+                    c = clock[f.placement[need.stage]]
+                    soonest = (c if c > t else t) + f.duration[need.kind][need.stage] + wire
+                    if soonest < bound:
+                        bound = soonest
+                    ready = math.inf
             if ready <= soon:
                 if kind == _F:
                     kinds_ready |= 1
@@ -533,7 +551,7 @@ class _Run:
                 known = ready
         if kinds_ready == 3 and self.other_first:  # which runs first is ``first``'s to say
             self._keep(lambda p: p.first == self.policy.first)
-        pending, bound = self.pending[r], self.bound
+        pending = self.pending[r]
         if pick is None and pending:
             s, i = pending[0]
             gap = min(known, bound) - t
@@ -544,7 +562,7 @@ class _Run:
             if fill:
                 pending.popleft()
                 pick = (_W, s, i)
-                since = self._ready(pick, t)
+                since = self._ready(pick)
         if pick is not None:
             return pick, since, math.inf
         # Wait: until a known arrival, or (pending W) until the earliest possible one, to
@@ -588,28 +606,17 @@ class _Run:
             x: w for x, w in self.wants.items() if any(p.reserve == x for _, p in self.alike)
         }
 
-    def _ready(self, step: _Slot, t: float) -> float:
-        """When ``step``'s inputs are there (inf: not scheduled yet).  Lowers ``bound`` to
-        the earliest a cross-rank producer not yet scheduled could deliver."""
+    def _ready(self, step: _Slot) -> float:
+        """When ``step``'s inputs are there; for a pending W, whose inputs ran already."""
         kind, s, i = step
-        f = self.facts
         ready = 0.0
-        end_of = self.end
-        for need in f.needs[kind][s]:
-            end = end_of[need.kind][need.stage][i]
-            wire = need.wire
-            if end >= 0:
-                arrives = end if wire is None else end + wire
-                if arrives > ready:
-                    ready = arrives
-            elif wire is None:
-                return math.inf  # its producer is still to come on this rank
-            else:
-                clock = self.clock[f.placement[need.stage]]
-                soonest = (clock if clock > t else t) + f.duration[need.kind][need.stage] + wire
-                if soonest < self.bound:
-                    self.bound = soonest
-                ready = math.inf
+        for need in self.facts.needs[kind][s]:
+            end = self.end[need.kind][need.stage][i]
+            if end < 0:
+                return math.inf  # not scheduled yet (a W's never: its I ran first)
+            arrives = end if need.wire is None else end + need.wire
+            if arrives > ready:
+                ready = arrives
         return ready
 
     def _start(self, r: int, step: _Slot, since: float) -> float:

@@ -340,46 +340,55 @@ def _timed(
     Only the best ``keep`` go on to be verified, so a list run is given up as soon as it
     cannot end before ``keep`` plans already found (:func:`_cutoff`).  Runs alike (one
     planner and order, policies apart in ``gap``, ``first`` or ``reserve`` only) share
-    one run while they decide alike (``ListScheduler.run_alike``).
+    one run while they decide alike (``ListScheduler.run_alike``).  The named schedules
+    are timed first, then the list runs that follow their orders, the best named
+    first, then the rest: any order gives the same candidates, and the best ones found
+    early make the cut early.
     """
     plans: dict[int, ListPlan | None] = {}
     found: list[tuple[float, float, str, int]] = []  # makespan, steady, source, index
+    named_end: dict[int, float] = {}  # id of a named schedule -> its makespan
+    for n, (_, source, _, sched, c, _) in enumerate(runs):
+        if source == "named":
+            plan = plans[n] = replay(sched, c, limits)  # never cut: auto is never worse
+            named_end[id(sched)] = math.inf if plan is None else plan.makespan
+            if plan is not None:
+                found.append((plan.makespan, plan.steady, source, n))
+
+    def priority(n: int) -> tuple[bool, float, int]:
+        follows = runs[n][5] is not None  # a named schedule's order
+        return not follows, named_end.get(id(runs[n][3]), math.inf) if follows else 0.0, n
+
     planners: dict[tuple[tuple[int, ...], bool], ListScheduler] = {}
     cut = 0
-    for n, (_, source, policy, sched, c, order) in enumerate(runs):
+    for n in sorted((n for n in range(len(runs)) if n not in plans), key=priority):
+        _, _, policy, sched, c, order = runs[n]
         if n in plans:
             continue  # timed along with an earlier run
-        if source == "named":
-            plans[n] = replay(sched, c, limits)  # never cut: auto is never worse than these
-            alike = [n]
-        elif found and time.perf_counter() > deadline:
+        if found and time.perf_counter() > deadline:
             plans[n] = None
             continue
-        else:
-            place = tuple(sched.placement)
-            planner = planners.get((place, policy.split))
-            if planner is None or planner.costs != c:
-                planner = ListScheduler(c, place, m, split=policy.split)
-                planners[(place, policy.split)] = planner
-            group = [
-                k
-                for k in range(n, len(runs))
-                if k not in plans
-                and runs[k][1] == "list"
-                and runs[k][5] is order
-                and runs[k][4] is c
-                and tuple(runs[k][3].placement) == place
-            ]
-            cutoff = _cutoff(found, keep, n, planner.exact)
-            plan, shared = planner.run_alike([runs[k][2] for k in group], limits, order, cutoff)
-            alike = [group[j] for j in shared]
-            for k in alike:
-                plans[k] = plan
-            if plan is None and cutoff < math.inf:
-                cut += len(alike)  # (or it does not fit: a cut run cannot tell)
-        got = plans[n]
-        if got is not None:
-            found += [(got.makespan, got.steady, source, k) for k in alike]
+        place = tuple(sched.placement)
+        planner = planners.get((place, policy.split))
+        if planner is None or planner.costs != c:
+            planner = ListScheduler(c, place, m, split=policy.split)
+            planners[(place, policy.split)] = planner
+        group = [
+            k
+            for k in range(n, len(runs))
+            if k not in plans
+            and runs[k][5] is order
+            and runs[k][4] is c
+            and tuple(runs[k][3].placement) == place
+        ]
+        cutoff = _cutoff(found, keep, n, planner.exact)
+        plan, shared = planner.run_alike([runs[k][2] for k in group], limits, order, cutoff)
+        for j in shared:
+            plans[group[j]] = plan
+            if plan is not None:
+                found.append((plan.makespan, plan.steady, "list", group[j]))
+        if plan is None and cutoff < math.inf:
+            cut += len(shared)  # (or it does not fit: a cut run cannot tell)
     listed = []
     for n, (label, source, _, sched, c, _) in enumerate(runs):
         plan = plans.get(n)

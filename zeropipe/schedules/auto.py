@@ -26,6 +26,11 @@ steady bubble.  Recompute and offload come in through
 :func:`zeropipe.fit.fit_memory` applied to the best schedule found without a
 limit: when nothing fits without them, or on request (``recompute=True``).
 
+Only those few matter, which keeps the search fast without changing its answer: a
+list run is given up once it cannot end before the best few found so far (ties
+included, see ``_cutoff``), the most promising runs go first so that this happens
+early, and policies that differ only where a run never asks share that run.
+
 Costs: a :class:`~zeropipe.costs.CostModel` with ``p`` stages is read as "one
 rank's worth of layers per stage" and is split evenly for ``v`` chunks per
 rank (and one with ``p*v`` stages is merged for fewer chunks); pass a callable

@@ -445,9 +445,9 @@ def _verified(tried: Sequence[Candidate], limits: list[float]) -> list[Candidate
             sched = cand.schedule
             try:
                 graph = validate(sched, memory_limit=limits, costs=cand.costs)
-                tl = simulate(sched, cand.costs, graph=graph)
             except ScheduleError:
-                tl = None  # a list-scheduler bug must not win; the ground truth decides
+                graph = None  # a list-scheduler bug must not win; the ground truth decides
+            tl = None if graph is None else simulate(sched, cand.costs, graph=graph)
             if key is not None:
                 done[key] = (sched, tl)
         if tl is None:
@@ -479,9 +479,10 @@ def _grouped(scored: Sequence[Candidate], limits: list[float]) -> list[Candidate
                 sched = group_weights(cand.schedule, size)
                 try:
                     graph = validate(sched, memory_limit=limits, costs=cand.costs)
-                    done[key] = (sched, simulate(sched, cand.costs, graph=graph))
                 except ScheduleError:
-                    done[key] = None  # holding the W-parts longer does not fit the limit
+                    graph = None  # holding the W-parts longer does not fit the limit
+                tl = None if graph is None else simulate(sched, cand.costs, graph=graph)
+                done[key] = None if tl is None else (sched, tl)
             found = done[key]
             if found is None:
                 continue

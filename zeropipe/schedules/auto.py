@@ -26,6 +26,11 @@ steady bubble.  Recompute and offload come in through
 :func:`zeropipe.fit.fit_memory` applied to the best schedule found without a
 limit: when nothing fits without them, or on request (``recompute=True``).
 
+Only those few matter, which keeps the search fast without changing its answer: a
+list run is given up once it cannot end before the best few found so far (ties
+included, see ``_cutoff``), the most promising runs go first so that this happens
+early, and policies that differ only where a run never asks share that run.
+
 Costs: a :class:`~zeropipe.costs.CostModel` with ``p`` stages is read as "one
 rank's worth of layers per stage" and is split evenly for ``v`` chunks per
 rank (and one with ``p*v`` stages is merged for fewer chunks); pass a callable
@@ -35,6 +40,7 @@ costs, as :func:`zeropipe.balance.plan` does.
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -46,6 +52,7 @@ from zeropipe.errors import ScheduleError
 from zeropipe.fuse import group_weights
 from zeropipe.ir import Action, Kind, Schedule
 from zeropipe.schedules.list_scheduler import (
+    ListPlan,
     ListScheduler,
     Policy,
     Step,
@@ -160,6 +167,9 @@ def default_policies(ranks: int, max_chunks: int, split_options: Sequence[bool])
 
 
 Limit = float | Sequence[float] | str | None
+# One candidate to time: label, source ("named" or "list"), policy, schedule (or its
+# shape), costs, and the F/I order it follows (a named schedule's, or None).
+Run = tuple[str, str, Policy, Schedule, CostModel, list[list[Step]] | None]
 
 
 def _limits(memory_limit: Limit, ranks: int, m: int, costs: CostsLike) -> list[float]:
@@ -251,13 +261,14 @@ def search(
             rule="unsupported",
         )
     start = time.perf_counter()
+    costs = _remembered(costs)
     limits = _limits(memory_limit, ranks, microbatches, costs)
     base = costs_for(costs, ranks)
     split_options = [True]
     if base is None or any(c.time(Kind.B) < c.I + c.W - _EPS for c in base.stages):
         split_options.append(False)  # a fused backward is cheaper: try it too
     named_runs = _named_schedules(ranks, microbatches, costs, max_chunks) if named else []
-    runs: list[tuple[str, str, Policy, Schedule, CostModel, list[list[Step]] | None]] = []
+    runs: list[Run] = []
     for label, sched, c in named_runs:
         chunks = sched.num_stages // ranks
         # Exact replay: its makespan as simulated, and whether it fits.
@@ -276,39 +287,14 @@ def search(
         if derived is not None:
             shape = Schedule(place, [[] for _ in range(ranks)], microbatches, "auto")
             runs.append((policy.describe(), "list", policy, shape, derived, None))
-    listed: list[Candidate] = []
-    planners: dict[tuple[tuple[int, ...], bool], ListScheduler] = {}
-    for label, source, policy, sched, c, order in runs:
-        if source == "list" and listed and time.perf_counter() - start > time_budget:
-            continue
-        place = tuple(sched.placement)
-        if source == "named":
-            plan = replay(sched, c, limits)
-        else:
-            planner = planners.get((place, policy.split))
-            if planner is None or planner.costs != c:
-                planner = ListScheduler(c, place, microbatches, split=policy.split)
-                planners[(place, policy.split)] = planner
-            plan = planner.run(policy, limits, order)
-        if plan is None:
-            continue
-        steps = plan.steps if source == "list" else None
-        listed.append(Candidate(label, source, c, plan.makespan, plan.steady, None, sched, steps))
+    deadline = start + time_budget
+    listed, cut = _timed(runs, microbatches, limits, max(verify, 0), deadline)
     listed.sort(key=lambda c: (round(c.makespan, 9), round(c.steady, 9), c.source != "named"))
     tried = listed[:verify]
     best_named = next((c for c in listed if c.source == "named"), None)
     if best_named is not None and all(c is not best_named for c in tried):
         tried.append(best_named)  # auto is never worse than a named schedule that fits
-    scored = []
-    for cand in tried:
-        try:
-            graph = validate(cand.schedule, memory_limit=limits, costs=cand.costs)
-        except ScheduleError:
-            continue  # a list-scheduler bug must not win; the ground truth decides
-        cand.timeline = simulate(cand.schedule, cand.costs, graph=graph)
-        cand.makespan = cand.timeline.makespan
-        cand.steady = cand.timeline.steady_bubble_rate
-        scored.append(cand)
+    scored = _verified(tried, limits)
     scored += _grouped(scored, limits)
     finite = any(math.isfinite(x) for x in limits)
     if finite and (recompute or (recompute is None and not scored)):
@@ -344,10 +330,133 @@ def search(
         f"auto: {how}; makespan {tl.makespan:.5g} ({versus}); steady bubble "
         f"{tl.steady_bubble_rate:.4f}; peak {max(tl.peak_memory):.4g} of limit "
         f"{_fmt_limits(limits)} {best.costs.unit}; {len(listed)} candidates fit, "
-        f"{len(scored)} verified, {seconds:.2g} s"
+        f"{cut} cut short, {len(scored)} verified, {seconds:.2g} s"
     )
     sched = best.schedule if best.source == "list" else _renamed(best.schedule, "auto")
     return AutoResult(sched, best.costs, tl, explanation, listed, seconds)
+
+
+def _timed(
+    runs: Sequence[Run], m: int, limits: list[float], keep: int, deadline: float
+) -> tuple[list[Candidate], int]:
+    """The runs that fit, timed by the list scheduler, in the order of ``runs``; and how
+    many list runs were cut short.
+
+    Only the best ``keep`` go on to be verified, so a list run is given up as soon as it
+    cannot end before ``keep`` plans already found (:func:`_cutoff`).  Runs alike (one
+    planner and order, policies apart in ``gap``, ``first`` or ``reserve`` only) share
+    one run while they decide alike (``ListScheduler.run_alike``).  The named schedules
+    are timed first, then the list runs that follow their orders, the best named
+    first, then the rest: any order gives the same candidates, and the best ones found
+    early make the cut early.
+    """
+    plans: dict[int, ListPlan | None] = {}
+    found: list[tuple[float, float, str, int]] = []  # makespan, steady, source, index
+    named_end: dict[int, float] = {}  # id of a named schedule -> its makespan
+    for n, (_, source, _, sched, c, _) in enumerate(runs):
+        if source == "named":
+            plan = plans[n] = replay(sched, c, limits)  # never cut: auto is never worse
+            named_end[id(sched)] = math.inf if plan is None else plan.makespan
+            if plan is not None:
+                found.append((plan.makespan, plan.steady, source, n))
+
+    def priority(n: int) -> tuple[bool, float, int]:
+        follows = runs[n][5] is not None  # a named schedule's order
+        return not follows, named_end.get(id(runs[n][3]), math.inf) if follows else 0.0, n
+
+    planners: dict[tuple[tuple[int, ...], bool], ListScheduler] = {}
+    cut = 0
+    for n in sorted((n for n in range(len(runs)) if n not in plans), key=priority):
+        _, _, policy, sched, c, order = runs[n]
+        if n in plans:
+            continue  # timed along with an earlier run
+        if found and time.perf_counter() > deadline:
+            plans[n] = None
+            continue
+        place = tuple(sched.placement)
+        planner = planners.get((place, policy.split))
+        if planner is None or planner.costs != c:
+            planner = ListScheduler(c, place, m, split=policy.split)
+            planners[(place, policy.split)] = planner
+        group = [
+            k
+            for k in range(n, len(runs))
+            if k not in plans
+            and runs[k][5] is order
+            and runs[k][4] is c
+            and tuple(runs[k][3].placement) == place
+        ]
+        cutoff = _cutoff(found, keep, n, planner.exact)
+        plan, shared = planner.run_alike([runs[k][2] for k in group], limits, order, cutoff)
+        for j in shared:
+            plans[group[j]] = plan
+            if plan is not None:
+                found.append((plan.makespan, plan.steady, "list", group[j]))
+        if plan is None and cutoff < math.inf:
+            cut += len(shared)  # (or it does not fit: a cut run cannot tell)
+    listed = []
+    for n, (label, source, _, sched, c, _) in enumerate(runs):
+        plan = plans.get(n)
+        if plan is not None:
+            steps = plan.steps if source == "list" else None
+            listed.append(
+                Candidate(label, source, c, plan.makespan, plan.steady, None, sched, steps)
+            )
+    return listed, cut
+
+
+def _cutoff(
+    found: Sequence[tuple[float, float, str, int]], keep: int, n: int, exact: bool
+) -> float:
+    """The end past which run ``n`` (and the later runs alike) cannot be among the best ``keep``.
+
+    Candidates sort on (makespan, steady bubble, named first), both rounded to 1e-9, then
+    on their index (a stable sort).  A found plan is surely ahead of run ``n`` once ``n``'s
+    makespan is past its own by more than the rounding.  With times the floats hold
+    exactly (``exact``) a found plan with no steady bubble is ahead already at an equal
+    makespan when a tie would put it first: named, or earlier in ``runs``; the
+    schedules that reach the busiest rank's bound are cut at once so.
+    """
+    if keep <= 0:
+        return -math.inf  # none of them is verified: no need to time any
+    needs = []  # per found plan: the end of run n that puts it surely ahead
+    for makespan, steady, source, k in found:
+        first = source == "named" or k < n
+        if exact and round(steady, 9) <= 0 and first:
+            needs.append(math.nextafter(makespan, -math.inf))  # an end >= its makespan
+        else:
+            needs.append(makespan + 1e-6 * max(1.0, abs(makespan)))
+    return heapq.nsmallest(keep, needs)[-1] if len(needs) >= keep else math.inf
+
+
+def _verified(tried: Sequence[Candidate], limits: list[float]) -> list[Candidate]:
+    """``tried`` validated and simulated (the ground truth); those that fail are dropped.
+
+    Candidates that share one list-scheduled plan share its schedule and its check.
+    """
+    done: dict[int, tuple[Schedule, Timeline | None]] = {}
+    scored = []
+    for cand in tried:
+        key = id(cand._steps) if cand._steps is not None else None
+        if key is not None and key in done:
+            cand._shape, cand._steps = done[key][0], None
+            tl = done[key][1]
+        else:
+            sched = cand.schedule
+            try:
+                graph = validate(sched, memory_limit=limits, costs=cand.costs)
+            except ScheduleError:
+                graph = None  # a list-scheduler bug must not win; the ground truth decides
+            tl = None if graph is None else simulate(sched, cand.costs, graph=graph)
+            if key is not None:
+                done[key] = (sched, tl)
+        if tl is None:
+            continue
+        cand.timeline = tl
+        cand.makespan = tl.makespan
+        cand.steady = tl.steady_bubble_rate
+        scored.append(cand)
+    return scored
 
 
 def _grouped(scored: Sequence[Candidate], limits: list[float]) -> list[Candidate]:
@@ -359,17 +468,25 @@ def _grouped(scored: Sequence[Candidate], limits: list[float]) -> list[Candidate
     the simulation says whether that beats their fused backward.
     """
     out = []
+    done: dict[tuple[int, int], tuple[Schedule, Timeline] | None] = {}  # shared schedules
     for cand in scored:
         stages = cand.costs.stages
         if not any(c.W_fused is not None and c.W_fused < c.W - _EPS for c in stages):
             continue
         for size in (2, 4):
-            sched = group_weights(cand.schedule, size)
-            try:
-                graph = validate(sched, memory_limit=limits, costs=cand.costs)
-            except ScheduleError:
-                continue  # holding the W-parts longer does not fit the limit
-            tl = simulate(sched, cand.costs, graph=graph)
+            key = (id(cand.schedule), size)
+            if key not in done:
+                sched = group_weights(cand.schedule, size)
+                try:
+                    graph = validate(sched, memory_limit=limits, costs=cand.costs)
+                except ScheduleError:
+                    graph = None  # holding the W-parts longer does not fit the limit
+                tl = None if graph is None else simulate(sched, cand.costs, graph=graph)
+                done[key] = None if tl is None else (sched, tl)
+            found = done[key]
+            if found is None:
+                continue
+            sched, tl = found
             name = f"{cand.name}, W in groups of {size}"
             out.append(
                 Candidate(
@@ -404,6 +521,19 @@ def _fit(
     how = free.explanation.split(";")[0].removeprefix("auto: ")
     label = f"{how}, with {actions} recompute/offload pair(s) inserted by fit_memory"
     return Candidate(label, "list", free.costs, tl.makespan, tl.steady_bubble_rate, tl, sched)
+
+
+def _remembered(costs: CostsLike) -> Callable[[int], CostModel | None]:
+    """``costs_for(costs, n)``, each ``n`` made once: the candidates of one stage count
+    share one cost model (split or merged anew it would be an equal copy each time)."""
+    made: dict[int, CostModel | None] = {}
+
+    def costs_of(num_stages: int) -> CostModel | None:
+        if num_stages not in made:
+            made[num_stages] = costs_for(costs, num_stages)
+        return made[num_stages]
+
+    return costs_of
 
 
 def _renamed(schedule: Schedule, name: str) -> Schedule:

@@ -64,6 +64,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "apps",
         (
             "zeropipe.cli",
+            "zeropipe.cli_args",
             "zeropipe.plan_cli",
             "zeropipe.__main__",
             "zeropipe.train",

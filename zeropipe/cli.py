@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from zeropipe import render
+from zeropipe.cli_args import int_at_least, positive_float
 from zeropipe.costs import CostModel
 from zeropipe.errors import ScheduleError, ZeropipeError
 from zeropipe.ir import Schedule
@@ -70,30 +71,6 @@ def _default_schedule() -> str:
     return "zbv" if "zbv" in GENERATORS else "1f1b"
 
 
-def _int_at_least(low: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
-        return value
-
-    parse.__name__ = f"integer >= {low}"
-    return parse
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
 def _add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "Build (or read) a schedule, validate it, simulate it under a cost model and "
@@ -110,20 +87,20 @@ def _add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--stages",
-        type=_int_at_least(1),
+        type=int_at_least(1),
         metavar="P",
         help=f"pipeline depth p = number of ranks (default {_DEFAULT_STAGES}); "
         "the model has p*v stages with --chunks v",
     )
     parser.add_argument(
         "--microbatches",
-        type=_int_at_least(1),
+        type=int_at_least(1),
         metavar="M",
         help=f"microbatches per step (default {_DEFAULT_MICROBATCHES})",
     )
     parser.add_argument(
         "--chunks",
-        type=_int_at_least(1),
+        type=int_at_least(1),
         metavar="V",
         help="model chunks (stages) per rank (default: the generator's)",
     )
@@ -137,7 +114,7 @@ def _add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--memory-limit",
-        type=_positive_float,
+        type=positive_float,
         metavar="X",
         help="fail unless every rank's peak memory fits X (unit: microbatches of one "
         "rank's activations, or the cost file's unit); with --schedule auto, the limit "
@@ -161,7 +138,7 @@ def _add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--width",
-        type=_int_at_least(10),
+        type=int_at_least(10),
         metavar="COLUMNS",
         help="columns of the time axis in the grid (default: fit the terminal)",
     )
@@ -312,31 +289,31 @@ def _add_profile_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--layers",
-        type=_int_at_least(1),
+        type=int_at_least(1),
         default=4,
         metavar="N",
         help="transformer blocks / MLP blocks (default 4)",
     )
     parser.add_argument(
-        "--width", type=_int_at_least(1), default=128, metavar="D", help="model width (default 128)"
+        "--width", type=int_at_least(1), default=128, metavar="D", help="model width (default 128)"
     )
     parser.add_argument(
         "--seq",
-        type=_int_at_least(1),
+        type=int_at_least(1),
         default=64,
         metavar="T",
         help="GPT sequence length (default 64)",
     )
     parser.add_argument(
         "--microbatch-size",
-        type=_int_at_least(1),
+        type=int_at_least(1),
         default=8,
         metavar="B",
         help="rows per microbatch (default 8)",
     )
     parser.add_argument(
         "--stages",
-        type=_int_at_least(1),
+        type=int_at_least(1),
         metavar="S",
         help="cut the model into S stages (default: one stage per layer)",
     )
@@ -347,21 +324,21 @@ def _add_profile_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--repeat",
-        type=_int_at_least(1),
+        type=int_at_least(1),
         default=7,
         metavar="R",
         help="timed repetitions, median kept (default 7)",
     )
     parser.add_argument(
         "--warmup",
-        type=_int_at_least(0),
+        type=int_at_least(0),
         default=2,
         metavar="K",
         help="untimed repetitions first (default 2)",
     )
     parser.add_argument(
         "--threads",
-        type=_int_at_least(1),
+        type=int_at_least(1),
         default=1,
         metavar="T",
         help="intra-op threads while measuring (default 1, as one pipeline rank)",

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from zeropipe import render
+from zeropipe.cli_args import int_at_least, positive_float
 from zeropipe.cluster import Candidate, GiB, Ranking, fixed_costs, search
 from zeropipe.cluster import spec_costs as spec_cost_factory
 from zeropipe.costs import CostModel
@@ -59,26 +60,6 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "Rank pipeline depth (pp), data-parallel degree (dp), microbatch size, chunks, "
@@ -92,16 +73,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="CONFIG",
         help="a shipped model name or a Hugging Face config.json (file or folder)",
     )
-    spec.add_argument("--gpus", type=_positive_int, metavar="N", help="GPUs in the run")
+    spec.add_argument("--gpus", type=int_at_least(1), metavar="N", help="GPUs in the run")
     spec.add_argument("--gpu", metavar="KIND", help=f"GPU kind: {', '.join(hardware_names())}")
-    spec.add_argument("--seq", type=_positive_int, metavar="S", help="tokens per sequence")
+    spec.add_argument("--seq", type=int_at_least(1), metavar="S", help="tokens per sequence")
     spec.add_argument(
-        "--global-batch", type=_positive_int, metavar="G", help="sequences per optimizer step"
+        "--global-batch", type=int_at_least(1), metavar="G", help="sequences per optimizer step"
     )
     spec.add_argument("--dtype", default="bf16", help="compute dtype (default bf16)")
     spec.add_argument(
         "--efficiency",
-        type=_positive_float,
+        type=positive_float,
         metavar="E",
         help=f"share of the GPU's dense peak a matmul reaches (default {DEFAULT_EFFICIENCY})",
     )
@@ -123,9 +104,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     measured.add_argument(
         "--costs", metavar="COSTS.json", help="a cost model JSON (zeropipe profile --out)"
     )
-    measured.add_argument("--ranks", type=_positive_int, metavar="R", help="pipeline ranks")
+    measured.add_argument("--ranks", type=int_at_least(1), metavar="R", help="pipeline ranks")
     measured.add_argument(
-        "--microbatches", type=_positive_int, metavar="M", help="microbatches per step"
+        "--microbatches", type=int_at_least(1), metavar="M", help="microbatches per step"
     )
     parser.add_argument(
         "--schedules",
@@ -142,13 +123,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--memory",
-        type=_positive_float,
+        type=positive_float,
         metavar="GiB",
         help="memory per GPU (default: the GPU's; with --costs: no limit, and the cost "
         "file's unit unless it is bytes)",
     )
     parser.add_argument(
-        "--top", type=_positive_int, default=10, metavar="K", help="rows to show (default 10)"
+        "--top", type=int_at_least(1), default=10, metavar="K", help="rows to show (default 10)"
     )
     parser.add_argument("--plot", metavar="FILE.png", help="draw the best plan's timeline")
     parser.add_argument("--json", metavar="FILE", help="write the ranking as JSON")

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import random
+
 from hypothesis import strategies as st
 
+from zeropipe.costs import CostModel, StageCost
 from zeropipe.ir import Action, Kind, Schedule
 
 
@@ -55,3 +58,23 @@ def valid_schedules(draw: st.DrawFn, max_ranks: int = 4, max_mb: int = 5) -> Sch
         done.add((s, i, kind))
         out[placement[s]].append(Action(kind, s, i))
     return Schedule(tuple(placement), out, m, "random")
+
+
+def random_costs(stages: int, rng: random.Random) -> CostModel:
+    """Uneven stage costs (B priced apart from I + W) and a wire, drawn from ``rng``."""
+    return CostModel(
+        tuple(
+            StageCost(
+                F=rng.uniform(0.5, 2),
+                I=rng.uniform(0.5, 2),
+                W=rng.uniform(0.2, 1.5),
+                B=rng.uniform(1, 3),
+                act=rng.uniform(0.5, 1.5),
+                act_w=rng.uniform(0, 0.5),
+                boundary_bytes=rng.uniform(0, 100),
+            )
+            for _ in range(stages)
+        ),
+        latency=0.05,
+        bandwidth=400.0,
+    )

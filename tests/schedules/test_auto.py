@@ -20,6 +20,7 @@ from types import ModuleType
 
 import pytest
 
+from tests.strategies import random_costs
 from zeropipe import cli
 from zeropipe.costs import CostModel, StageCost, peak_memory
 from zeropipe.errors import ScheduleError
@@ -143,33 +144,13 @@ def test_quoted_costs_halve_the_published_bubbles(
     assert steady == pytest.approx(pinned, abs=5e-4)  # the figure reached, pinned
 
 
-def _random_costs(stages: int, seed: int) -> CostModel:
-    rng = random.Random(seed)
-    return CostModel(
-        tuple(
-            StageCost(
-                F=rng.uniform(0.5, 2),
-                I=rng.uniform(0.5, 2),
-                W=rng.uniform(0.2, 1.5),
-                B=rng.uniform(1, 3),
-                act=rng.uniform(0.5, 1.5),
-                act_w=rng.uniform(0, 0.5),
-                boundary_bytes=rng.uniform(0, 100),
-            )
-            for _ in range(stages)
-        ),
-        latency=0.05,
-        bandwidth=400.0,
-    )
-
-
 def test_fast_event_loop_times_named_schedules_as_the_simulator_does(
     registered: ModuleType,
 ) -> None:
     """The search ranks candidates with its own event loop; it must agree with simulate()."""
     for seed, (ranks, m) in enumerate([(2, 3), (3, 7), (4, 8), (4, 12)]):
         for name, sched in _named(ranks, m):
-            costs = _random_costs(sched.num_stages, seed)
+            costs = random_costs(sched.num_stages, random.Random(seed))
             plan = replay(sched, costs, [math.inf] * ranks)
             assert plan is not None, name
             want = simulate(sched, costs)
@@ -324,7 +305,7 @@ def test_list_scheduled_plans_are_valid_and_timed_as_simulated(registered: Modul
     checked = 0
     for _ in range(150):
         p, m = rng.randint(1, 4), rng.randint(1, 8)
-        base = _random_costs(p, rng.randint(0, 10**6))
+        base = random_costs(p, random.Random(rng.randint(0, 10**6)))
         policy = rng.choice(module.default_policies(p, 3, [True, False]))
         place = placement_of(policy.placement, p, policy.chunks)
         costs = module.costs_for(base, len(place))

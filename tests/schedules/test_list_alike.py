@@ -13,7 +13,8 @@ import random
 
 import pytest
 
-from zeropipe.costs import CostModel, StageCost
+from tests.strategies import random_costs
+from zeropipe.costs import CostModel
 from zeropipe.schedules.auto import costs_for, default_policies
 from zeropipe.schedules.list_scheduler import ListScheduler, list_schedule, placement_of
 
@@ -21,19 +22,7 @@ from zeropipe.schedules.list_scheduler import ListScheduler, list_schedule, plac
 def _costs(rng: random.Random, ranks: int) -> CostModel:
     if rng.random() < 0.4:
         return CostModel.uniform(ranks, act_w=rng.choice([0.0, 0.9]), comm=rng.choice([0, 0.3]))
-    stages = tuple(
-        StageCost(
-            F=rng.uniform(0.5, 2),
-            I=rng.uniform(0.5, 2),
-            W=rng.uniform(0.2, 1.5),
-            B=rng.uniform(1, 3),
-            act=rng.uniform(0.5, 1.5),
-            act_w=rng.uniform(0, 0.5),
-            boundary_bytes=rng.uniform(0, 100),
-        )
-        for _ in range(ranks)
-    )
-    return CostModel(stages, latency=0.05, bandwidth=400.0)
+    return random_costs(ranks, rng)
 
 
 @pytest.mark.parametrize("seed", range(6))

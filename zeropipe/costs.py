@@ -47,7 +47,7 @@ from typing import Any
 
 from zeropipe.deps import Dependencies, offloaded_at_start
 from zeropipe.errors import ScheduleError
-from zeropipe.ir import COMM_KINDS, COMPUTE_KINDS, Action, Kind, Schedule
+from zeropipe.ir import COMM_KINDS, COMPUTE_KINDS, KINDS, Action, Kind, Schedule
 from zeropipe.specs import (
     DEFAULT_EFFICIENCY,
     DEFAULT_GRAD_BYTES,
@@ -174,6 +174,8 @@ class StageCost:
         return 0.0  # sends and receives take no time on the rank itself
 
 
+_NO = {k: n for n, k in enumerate(KINDS)}
+_HELD_FIXED = frozenset(_NO[k] for k in (Kind.B, Kind.I, Kind.W, Kind.R))
 _OPTIONAL = frozenset({"B", "R", "W_fused", "grad_bytes"})  # None stands for a sum of other figures
 
 
@@ -630,26 +632,32 @@ def memory_deltas(
     """Per rank, the change in held memory caused by each action, in program order."""
     deps = deps or Dependencies(schedule)
     costs.for_stages(schedule.num_stages)
+    stages = costs.stages
+    f, offload, reload = _NO[Kind.F], _NO[Kind.OFFLOAD], _NO[Kind.RELOAD]
+    # B, I, W and R of a stage change memory by the same amount every time.
+    fixed: dict[int, float] = {}  # stage << 4 | kind_no -> change
     out: list[list[float]] = []
     for acts in schedule.actions:
-        held: dict[tuple[int, int], float] = {}  # what each (s,i) holds on this rank now
+        held: dict[int, float] = {}  # what each (s,i) holds on this rank now, by mb << 32 | s
         deltas: list[float] = []
         for a in acts:
-            c = costs.stages[a.stage]
-            kind, i = a.kind, a.microbatch
+            kind, s, i = a.kind_no, a.stage, a.microbatch
             d = 0.0
-            if kind is Kind.REDUCE_GRAD:
-                pass  # the gradients are held whether reduced or not
-            elif i is None:
-                d = -c.weights if kind is Kind.OFFLOAD else c.weights
-            elif kind is Kind.OFFLOAD:
-                d = -held.get((a.stage, i), 0.0)
-            elif kind is Kind.RELOAD:
-                d = held.get((a.stage, i), 0.0)
-            elif kind in COMPUTE_KINDS:
-                d = c.held_change(kind, checkpointed=deps.checkpointed(a.stage, i))
-                if kind is Kind.F:
-                    held[(a.stage, i)] = d
+            if i is None:
+                if a.kind is not Kind.REDUCE_GRAD:  # the gradients are held, reduced or not
+                    d = -stages[s].weights if kind == offload else stages[s].weights
+            elif kind == f:
+                d = held[(i << 32) | s] = stages[s].held_change(
+                    Kind.F, checkpointed=deps.checkpointed(s, i)
+                )
+            elif kind in _HELD_FIXED:
+                key = (s << 4) | kind
+                got = fixed.get(key)
+                d = fixed[key] = stages[s].held_change(a.kind) if got is None else got
+            elif kind == offload:
+                d = -held.get((i << 32) | s, 0.0)
+            elif kind == reload:
+                d = held.get((i << 32) | s, 0.0)
             deltas.append(d)
         out.append(deltas)
     return out

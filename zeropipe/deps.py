@@ -48,11 +48,40 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from zeropipe.errors import ScheduleError
-from zeropipe.ir import COMPUTE_KINDS, Action, Kind, Schedule, format_grid
+from zeropipe.ir import COMPUTE_KINDS, KINDS, Action, Kind, Schedule, format_grid
 
 __all__ = ["CommPair", "Dep", "Dependencies", "Graph", "keep_overlaps", "offloaded_at_start"]
 
 CommPair = tuple[Action, Action]  # (SEND on the producer's rank, RECV on the consumer's)
+
+# The rules work on integers: a kind is its ``Action.kind_no``, an action with a
+# microbatch is its *code* ``mb << 32 | stage << 4 | kind_no`` (see :func:`_code`), and
+# a (stage, microbatch) remembers the kinds it has as one bit each.  Big schedules
+# have ~10^5 actions; building an Action and a Dep per dependency is what would cost.
+_NO = {k: n for n, k in enumerate(KINDS)}
+_F, _B, _I, _W, _R = _NO[Kind.F], _NO[Kind.B], _NO[Kind.I], _NO[Kind.W], _NO[Kind.R]
+_OFFLOAD, _RELOAD = _NO[Kind.OFFLOAD], _NO[Kind.RELOAD]
+_SEND_F, _RECV_F, _SEND_B, _RECV_B = (
+    _NO[Kind.SEND_F],
+    _NO[Kind.RECV_F],
+    _NO[Kind.SEND_B],
+    _NO[Kind.RECV_B],
+)
+_REDUCE_GRAD = _NO[Kind.REDUCE_GRAD]
+_COMPUTE = frozenset(_NO[k] for k in COMPUTE_KINDS)
+_SPLIT_BITS = (1 << _I) | (1 << _W)
+_NO_VIA = -1
+# One dependency as integers: (code of the producer, whether it is a transfer, code of
+# the RECV it lands through or _NO_VIA).
+_Entry = tuple[int, bool, int]
+
+
+def _code(kind_no: int, stage: int, mb: int) -> int:
+    return (mb << 32) | (stage << 4) | kind_no
+
+
+def _action_of(code: int) -> Action:
+    return Action(KINDS[code & 0xF], (code >> 4) & 0xFFFFFFF, code >> 32)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,11 +113,14 @@ class Dependencies:
         self.num_stages = schedule.num_stages
         self.lowered = schedule.is_lowered
         self._split_default = split
-        kinds: dict[tuple[int, int], set[Kind]] = {}
+        masks: dict[int, int] = {}  # mb << 32 | stage -> one bit per kind it has
+        get = masks.get
         for a in itertools.chain(itertools.chain.from_iterable(schedule.actions), adding):
-            if a.microbatch is not None:
-                kinds.setdefault((a.stage, a.microbatch), set()).add(a.kind)
-        self._kinds = kinds
+            i = a.microbatch
+            if i is not None:
+                key = (i << 32) | a.stage
+                masks[key] = get(key, 0) | (1 << a.kind_no)
+        self._masks = masks
         self._requires: dict[Action, tuple[Dep, ...]] = {}
 
     @classmethod
@@ -102,18 +134,22 @@ class Dependencies:
         return Dependencies(self.schedule, split=self._split_default, adding=actions)
 
     # -- what a (stage, microbatch) chose --------------------------------------
+    def kind_bits(self, stage: int, mb: int) -> int:
+        """The kinds the schedule has for (stage, mb), as bit ``Action.kind_no`` of each."""
+        return self._masks.get((mb << 32) | stage, 0)
+
     def checkpointed(self, stage: int, mb: int) -> bool:
-        return Kind.R in self._kinds.get((stage, mb), ())
+        return bool(self._masks.get((mb << 32) | stage, 0) & (1 << _R))
 
     def offloaded(self, stage: int, mb: int) -> bool:
-        return Kind.OFFLOAD in self._kinds.get((stage, mb), ())
+        return bool(self._masks.get((mb << 32) | stage, 0) & (1 << _OFFLOAD))
 
     def split(self, stage: int, mb: int) -> bool:
         """True when (stage, mb)'s backward is split into I and W."""
-        got = self._kinds.get((stage, mb))
+        got = self._masks.get((mb << 32) | stage, 0)
         if not got:
             return self._split_default
-        return Kind.I in got or Kind.W in got
+        return bool(got & _SPLIT_BITS)
 
     def backward(self, stage: int, mb: int) -> Action:
         """The action producing (stage, mb)'s input gradient: I if split, else B."""
@@ -152,49 +188,66 @@ class Dependencies:
         """What must finish before ``action`` may start."""
         found = self._requires.get(action)
         if found is None:
-            found = self._requires[action] = self._rule(action)
+            found = self._requires[action] = tuple(
+                Dep(_action_of(c), transfer, None if via == _NO_VIA else _action_of(via))
+                for c, transfer, via in self._rule(action.kind_no, action.stage, action.microbatch)
+            )
         return found
 
     def kinds(self, stage: int, mb: int) -> frozenset[Kind]:
         """The kinds of action the schedule has for (stage, mb)."""
-        return frozenset(self._kinds.get((stage, mb), ()))
+        bits = self.kind_bits(stage, mb)
+        return frozenset(k for n, k in enumerate(KINDS) if bits >> n & 1)
 
-    def _rule(self, action: Action) -> tuple[Dep, ...]:
-        kind, s, i = action.kind, action.stage, action.microbatch
-        if kind is Kind.REDUCE_GRAD:
-            return tuple(Dep(self.final_backward(s, m)) for m in range(self.schedule.microbatches))
-        if i is None:  # weight copies: residency, not data (see module doc)
+    def _rule(self, kind: int, s: int, i: int | None) -> tuple[_Entry, ...]:
+        """The rules of the module docstring, for the action ``(KINDS[kind], s, i)``."""
+        if i is None:
+            if kind == _REDUCE_GRAD:
+                return tuple(
+                    (_code(_W if self.split(s, m) else _B, s, m), False, _NO_VIA)
+                    for m in range(self.schedule.microbatches)
+                )
+            return ()  # weight copies: residency, not data (see module doc)
+        base = (i << 32) | (s << 4)
+        if kind == _F:
+            return self._input(True, s - 1, s, i) if 1 <= s <= self.num_stages else ()
+        if kind in (_B, _I):
+            saved = self._masks.get((i << 32) | s, 0)
+            own: tuple[_Entry, ...]
+            if saved & (1 << _R):
+                own = ((base | _F, False, _NO_VIA), (base | _R, False, _NO_VIA))
+            elif saved & (1 << _OFFLOAD):
+                own = ((base | _F, False, _NO_VIA), (base | _RELOAD, False, _NO_VIA))
+            else:
+                own = ((base | _F, False, _NO_VIA),)
+            return own + self._input(False, s + 1, s, i) if s + 1 < self.num_stages else own
+        if kind == _W:
+            return ((base | _I, False, _NO_VIA),)
+        if kind == _R:
+            if self._masks.get((i << 32) | s, 0) & (1 << _OFFLOAD):
+                return ((base | _F, False, _NO_VIA), (base | _RELOAD, False, _NO_VIA))
+            return ((base | _F, False, _NO_VIA),)
+        if kind in (_OFFLOAD, _SEND_F):
+            return ((base | _F, False, _NO_VIA),)
+        if kind == _RELOAD:
+            return ((base | _OFFLOAD, False, _NO_VIA),)
+        if kind == _SEND_B:
+            return ((base | (_I if self.split(s, i) else _B), False, _NO_VIA),)
+        if kind in (_RECV_F, _RECV_B):
             return ()
-        if kind is Kind.F:
-            up = self._upstream_stage(Kind.F, s)
-            return self._input(Kind.F, up, s, i) if up is not None else ()
-        if kind is Kind.R:
-            return (Dep(Action(Kind.F, s, i)),) + (
-                (Dep(Action(Kind.RELOAD, s, i)),) if self.offloaded(s, i) else ()
-            )
-        if kind in (Kind.B, Kind.I):
-            deps = [Dep(Action(Kind.F, s, i))]
-            if self.checkpointed(s, i):
-                deps.append(Dep(Action(Kind.R, s, i)))
-            elif self.offloaded(s, i):
-                deps.append(Dep(Action(Kind.RELOAD, s, i)))
-            up = self._upstream_stage(Kind.B, s)
-            if up is not None:
-                deps.extend(self._input(Kind.B, up, s, i))
-            return tuple(deps)
-        if kind is Kind.W:
-            return (Dep(Action(Kind.I, s, i)),)
-        if kind is Kind.OFFLOAD:
-            return (Dep(Action(Kind.F, s, i)),)
-        if kind is Kind.RELOAD:
-            return (Dep(Action(Kind.OFFLOAD, s, i)),)
-        if kind is Kind.SEND_F:
-            return (Dep(Action(Kind.F, s, i)),)
-        if kind is Kind.SEND_B:
-            return (Dep(self.backward(s, i)),)
-        if kind in (Kind.RECV_F, Kind.RECV_B):
-            return ()
-        raise ScheduleError(f"no dependency rule for action kind {kind}", rule="unsupported")
+        raise ScheduleError(f"no dependency rule for action kind {KINDS[kind]}", rule="unsupported")
+
+    def _input(self, forward: bool, src: int, dst: int, i: int) -> tuple[_Entry, ...]:
+        """Deps of stage ``dst`` on the activation (``forward``) or gradient from ``src``."""
+        at = (i << 32) | (src << 4)
+        producer = at | (_F if forward else _I if self.split(src, i) else _B)
+        if self.placement[src] == self.placement[dst]:
+            return ((producer, False, _NO_VIA),)  # same rank: handed over, nothing sent
+        if not self.lowered:
+            return ((producer, True, _NO_VIA),)
+        send = at | (_SEND_F if forward else _SEND_B)
+        recv = (i << 32) | (dst << 4) | (_RECV_F if forward else _RECV_B)
+        return ((recv, False, _NO_VIA), (send, True, recv))
 
     def _upstream_stage(self, direction: Kind, stage: int) -> int | None:
         """The stage whose activation (F) or input gradient (B) ``stage`` consumes."""
@@ -205,20 +258,6 @@ class Dependencies:
         """The stage that consumes ``stage``'s activation (F) or input gradient (B)."""
         down = stage + 1 if direction is Kind.F else stage - 1
         return down if 0 <= down < self.num_stages else None
-
-    def _producer(self, direction: Kind, stage: int, i: int) -> Action:
-        """The action producing ``stage``'s activation (F) or input gradient (B)."""
-        return Action(Kind.F, stage, i) if direction is Kind.F else self.backward(stage, i)
-
-    def _input(self, direction: Kind, src: int, dst: int, i: int) -> tuple[Dep, ...]:
-        """Deps of stage ``dst`` on the activation (F) or gradient (B) from ``src``."""
-        producer = self._producer(direction, src, i)
-        if not self.crosses(src, dst):
-            return (Dep(producer),)  # same rank: handed over, nothing sent
-        if not self.lowered:
-            return (Dep(producer, transfer=True),)
-        send, recv = self.comm_pair(direction, src, dst, i)
-        return (Dep(recv), Dep(send, transfer=True, via=recv))
 
     @staticmethod
     def comm_pair(direction: Kind, src: int, dst: int, i: int) -> tuple[Action, Action]:
@@ -320,97 +359,171 @@ def offloaded_at_start(schedule: Schedule, rank: int) -> frozenset[int]:
 
 
 class Graph:
-    """The schedule as a DAG of ``(rank, step)`` nodes: program order plus dependencies.
+    """The schedule as a DAG of steps: program order plus dependencies.
 
-    ``preds[r][k]`` lists ``(rank, step, dep)`` for node ``(r, k)``: its
-    predecessor on the same rank (with ``dep=None``) and the nodes of its
-    dependencies.  ``order`` is a topological order; building the graph raises
-    ``ScheduleError(rule="missing")`` for a dependency absent from the schedule
-    and ``ScheduleError(rule="deadlock")`` for a cycle, i.e. ranks waiting on
-    each other.
+    Steps are numbered rank by rank: node ``first[r] + k`` is step ``k`` of rank
+    ``r`` (``actions[n]`` its action).  Node ``n`` waits for the node before it
+    on its rank, for every node in ``waits[n]`` to end, and for every
+    ``(src, via)`` in ``transfers.get(n, ())``: ``src``'s data to cross the wire
+    (once the RECV node ``via`` has been posted; ``-1``: no RECV, a compute-only
+    schedule).  ``node_order`` (node numbers) and ``order`` (``(rank, step)``)
+    are a topological order.
+
+    Building the graph raises ``ScheduleError(rule="missing")`` for a dependency
+    absent from the schedule, and sorting it ``ScheduleError(rule="deadlock")``
+    for a cycle, i.e. ranks waiting on each other.  ``sort=False`` leaves the
+    sort to :meth:`sort` (the validator checks the order of each rank first);
+    ``backward_edge`` is then the first ``(node, dep)`` whose dependency comes
+    later on the same rank, if any.
     """
 
-    def __init__(self, schedule: Schedule, deps: Dependencies | None = None) -> None:
+    def __init__(
+        self, schedule: Schedule, deps: Dependencies | None = None, *, sort: bool = True
+    ) -> None:
         self.schedule = schedule
-        self.deps = deps or Dependencies(schedule)
-        where: dict[Action, tuple[int, int]] = {}
-        for r, acts in enumerate(schedule.actions):
-            for k, a in enumerate(acts):
-                if a.microbatch is not None:
-                    where.setdefault(a, (r, k))
-        self.preds: list[list[list[tuple[int, int, Dep | None]]]] = []
-        for r, acts in enumerate(schedule.actions):
-            last_weight_reload: dict[int, int] = {}
-            rank_preds = []
-            for k, a in enumerate(acts):
-                node: list[tuple[int, int, Dep | None]] = [(r, k - 1, None)] if k else []
-                for dep in self.deps.requires(a):
-                    at = where.get(dep.action)
-                    if at is None:
-                        raise ScheduleError(
-                            f"{a} needs {dep.action}, which the schedule does not contain",
-                            rule="missing",
-                            actions=(str(a), str(dep.action)),
-                            grid=format_grid(schedule.actions, [(r, k)]),
-                        )
-                    node.append((at[0], at[1], dep))
-                if a.is_weight_copy and a.kind is Kind.RELOAD:
-                    last_weight_reload[a.stage] = k
-                elif self.deps.uses_weights(a) and a.stage in last_weight_reload:
-                    reload = Action(Kind.RELOAD, a.stage)
-                    node.append((r, last_weight_reload[a.stage], Dep(reload)))
-                rank_preds.append(node)
-            for k in schedule.overlapped(r):  # the pair starts when both inputs are ready
-                rank_preds[k].extend(p for p in rank_preds[k + 1] if p[2] is not None)
-            self.preds.append(rank_preds)
-        self.order = self._topological_order()
-
-    def _topological_order(self) -> list[tuple[int, int]]:
-        acts = self.schedule.actions
-        # Nodes numbered rank by rank (node of (r, k) = first[r] + k), so that the
-        # bookkeeping is lists of ints rather than dicts keyed by tuples.
+        self.deps = deps = deps or Dependencies(schedule)
+        actions: list[Action] = []
         first: list[int] = []
-        nodes: list[tuple[int, int]] = []
-        for r, rank_preds in enumerate(self.preds):
-            first.append(len(nodes))
-            nodes.extend((r, k) for k in range(len(rank_preds)))
-        waiting = [len(p) for rank_preds in self.preds for p in rank_preds]
-        succs: list[list[int]] = [[] for _ in nodes]
-        for n, preds in enumerate(p for rank_preds in self.preds for p in rank_preds):
-            for pr, pk, _ in preds:
-                succs[first[pr] + pk].append(n)
+        for rank_acts in schedule.actions:
+            first.append(len(actions))
+            actions.extend(rank_acts)
+        self.actions = actions
+        self.first = first
+        self.rank_of = [r for r, rank_acts in enumerate(schedule.actions) for _ in rank_acts]
+        where: dict[int, int] = {}
+        for n, a in enumerate(actions):
+            i = a.microbatch
+            if i is not None:
+                where.setdefault((i << 32) | (a.stage << 4) | a.kind_no, n)
+        waits: list[list[int]] = []
+        transfers: dict[int, list[tuple[int, int]]] = {}
+        self.backward_edge: tuple[int, int] | None = None
+        rule, find, wait = deps._rule, where.get, waits.append
+        ends = [*first[1:], len(actions)]
+        for r, (lo, hi) in enumerate(zip(first, ends, strict=True)):
+            last_reload: dict[int, int] = {}  # stage -> node of its latest weight RELOAD
+            for n in range(lo, hi):
+                a = actions[n]
+                mine: list[int] = []
+                for code, transfer, via in rule(a.kind_no, a.stage, a.microbatch):
+                    d = find(code)
+                    if d is None:
+                        raise ScheduleError(
+                            f"{a} needs {_action_of(code)}, which the schedule does not contain",
+                            rule="missing",
+                            actions=(str(a), str(_action_of(code))),
+                            grid=format_grid(schedule.actions, [(r, n - lo)]),
+                        )
+                    if transfer:
+                        transfers.setdefault(n, []).append(
+                            (d, -1 if via == _NO_VIA else where[via])
+                        )
+                    else:
+                        if d > n and d < hi and self.backward_edge is None:
+                            self.backward_edge = (n, d)
+                        mine.append(d)
+                if last_reload or a.microbatch is None:
+                    if a.microbatch is None and a.kind_no == _RELOAD:
+                        last_reload[a.stage] = n
+                    elif a.kind_no in _COMPUTE and a.stage in last_reload:
+                        mine.append(last_reload[a.stage])
+                wait(mine)
+            for k in schedule.overlapped(r):  # the pair starts when both inputs are ready
+                n = lo + k
+                waits[n].extend(waits[n + 1])
+                if n + 1 in transfers:
+                    transfers.setdefault(n, []).extend(transfers[n + 1])
+        self.waits = waits
+        self.transfers = transfers
+        self._preds: list[list[list[tuple[int, int, Dep | None]]]] | None = None
+        self.node_order: list[int] = []
+        self.order: list[tuple[int, int]] = []
+        if sort:
+            self.sort()
+
+    def rank_step(self, node: int) -> tuple[int, int]:
+        """``(rank, step)`` of a node."""
+        r = self.rank_of[node]
+        return r, node - self.first[r]
+
+    @property
+    def preds(self) -> list[list[list[tuple[int, int, Dep | None]]]]:
+        """Per rank and step, ``(rank, step, dep)`` of each node it waits for: the step
+        before it on its rank (``dep=None``), then its dependencies.  Built on first use."""
+        if self._preds is None:
+            acts = self.actions
+            out: list[list[list[tuple[int, int, Dep | None]]]] = []
+            for r, rank_acts in enumerate(self.schedule.actions):
+                rank_preds: list[list[tuple[int, int, Dep | None]]] = []
+                for k in range(len(rank_acts)):
+                    n = self.first[r] + k
+                    node: list[tuple[int, int, Dep | None]] = [(r, k - 1, None)] if k else []
+                    node.extend((*self.rank_step(d), Dep(acts[d])) for d in self.waits[n])
+                    for src, via in self.transfers.get(n, ()):
+                        dep = Dep(acts[src], True, acts[via] if via >= 0 else None)
+                        node.append((*self.rank_step(src), dep))
+                    rank_preds.append(node)
+                out.append(rank_preds)
+            self._preds = out
+        return self._preds
+
+    def sort(self) -> None:
+        """Fill ``order`` and ``node_order``; raise ``rule="deadlock"`` on a cycle."""
+        total = len(self.actions)
+        waits, transfers = self.waits, self.transfers
+        waiting = [0] * total
+        succs: list[list[int]] = [[] for _ in range(total)]
+        for lo, hi in zip(self.first, [*self.first[1:], total], strict=True):
+            for n in range(lo, hi):
+                count = 0
+                if n > lo:  # the step before it on its rank
+                    succs[n - 1].append(n)
+                    count = 1
+                for d in waits[n]:
+                    succs[d].append(n)
+                count += len(waits[n])
+                for src, _ in transfers.get(n, ()):
+                    succs[src].append(n)
+                    count += 1
+                waiting[n] = count
         ready = [n for n, c in enumerate(waiting) if c == 0]
-        order: list[tuple[int, int]] = []
+        order: list[int] = []
         while ready:
-            node = ready.pop()
-            order.append(nodes[node])
-            for nxt in succs[node]:
+            n = ready.pop()
+            order.append(n)
+            for nxt in succs[n]:
                 waiting[nxt] -= 1
                 if waiting[nxt] == 0:
                     ready.append(nxt)
-        if len(order) < len(waiting):
-            done = set(order)
-            stuck = []
-            lines = []
-            for r, rank_acts in enumerate(acts):
-                head = next((k for k in range(len(rank_acts)) if (r, k) not in done), None)
-                if head is None:
-                    continue
-                stuck.append((r, head))
-                blockers = [
-                    str(acts[pr][pk]) + (f" (rank {pr})" if pr != r else "")
-                    for pr, pk, dep in self.preds[r][head]
-                    if dep is not None and (pr, pk) not in done
-                ]
-                lines.append(
-                    f"  rank {r} is stuck at step {head} ({rank_acts[head]}), waiting for "
-                    + (", ".join(blockers) or "an earlier step")
-                )
-            raise ScheduleError(
-                "the schedule deadlocks: every remaining rank waits for an action that can "
-                "only run after its own wait ends\n" + "\n".join(lines),
-                rule="deadlock",
-                actions=tuple(str(acts[r][k]) for r, k in stuck),
-                grid=format_grid(acts, stuck),
+        if len(order) < total:
+            self._deadlock(set(order))
+        rank_of, first = self.rank_of, self.first
+        self.node_order = order
+        self.order = [(rank_of[n], n - first[rank_of[n]]) for n in order]
+
+    def _deadlock(self, done_nodes: set[int]) -> None:
+        acts = self.schedule.actions
+        done = {self.rank_step(n) for n in done_nodes}
+        stuck = []
+        lines = []
+        for r, rank_acts in enumerate(acts):
+            head = next((k for k in range(len(rank_acts)) if (r, k) not in done), None)
+            if head is None:
+                continue
+            stuck.append((r, head))
+            blockers = [
+                str(acts[pr][pk]) + (f" (rank {pr})" if pr != r else "")
+                for pr, pk, dep in self.preds[r][head]
+                if dep is not None and (pr, pk) not in done
+            ]
+            lines.append(
+                f"  rank {r} is stuck at step {head} ({rank_acts[head]}), waiting for "
+                + (", ".join(blockers) or "an earlier step")
             )
-        return order
+        raise ScheduleError(
+            "the schedule deadlocks: every remaining rank waits for an action that can "
+            "only run after its own wait ends\n" + "\n".join(lines),
+            rule="deadlock",
+            actions=tuple(str(acts[r][k]) for r, k in stuck),
+            grid=format_grid(acts, stuck),
+        )

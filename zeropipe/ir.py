@@ -58,6 +58,7 @@ __all__ = [
     "COMM_KINDS",
     "COMPUTE_KINDS",
     "COPY_KINDS",
+    "KINDS",
     "STAGE_KINDS",
     "Action",
     "Kind",
@@ -86,7 +87,11 @@ class Kind(str, Enum):
     REDUCE_GRAD = "REDUCE_GRAD"
 
 
-_KIND_NUMBER = {k: n for n, k in enumerate(Kind)}
+# Every kind in a fixed order: ``Action.kind_no`` indexes it.  Integer kinds let the
+# dependency graph and the simulator key their tables by ints on their hot paths
+# (hashing an Enum member runs Python code).
+KINDS: tuple[Kind, ...] = tuple(Kind)
+_KIND_NUMBER = {k: n for n, k in enumerate(KINDS)}
 
 COMPUTE_KINDS = frozenset({Kind.F, Kind.B, Kind.I, Kind.W, Kind.R})
 COPY_KINDS = frozenset({Kind.OFFLOAD, Kind.RELOAD})
@@ -115,6 +120,8 @@ class Action:
     microbatch: int | None = None
     # Actions are dict keys everywhere; Enum hashing runs Python code, so hash once.
     _hash: int = field(init=False, repr=False, compare=False, default=0)
+    # ``KINDS.index(kind)``, kept so that hot loops need no Enum lookup.
+    kind_no: int = field(init=False, repr=False, compare=False, default=0)
 
     def __hash__(self) -> int:
         return self._hash
@@ -139,7 +146,9 @@ class Action:
         # Integers only: str hashes (and None's, before Python 3.12) differ between
         # processes, and a pickled Action carries its cached hash with it.
         mb = -1 if self.microbatch is None else self.microbatch
-        object.__setattr__(self, "_hash", hash((_KIND_NUMBER[self.kind], self.stage, mb)))
+        number = _KIND_NUMBER[self.kind]
+        object.__setattr__(self, "kind_no", number)
+        object.__setattr__(self, "_hash", hash((number, self.stage, mb)))
         if self.stage < 0:
             raise ScheduleError(f"action stage must be >= 0, got {self.stage}")
         if self.kind in STAGE_KINDS:

@@ -33,7 +33,7 @@ from zeropipe.costs import CostModel, StageCost, peak_memory
 from zeropipe.deps import Graph
 from zeropipe.errors import ScheduleError
 from zeropipe.fuse import fused_weights
-from zeropipe.ir import COMM_KINDS, COMPUTE_KINDS, COPY_KINDS, Action, Kind, Schedule
+from zeropipe.ir import COMM_KINDS, COMPUTE_KINDS, COPY_KINDS, KINDS, Action, Kind, Schedule
 from zeropipe.lower import lower
 from zeropipe.validate import validate
 
@@ -164,53 +164,79 @@ def simulate(
         # Lowering a valid schedule gives a valid one: its graph needs no second validation.
         schedule = lower(schedule)
         graph = Graph(schedule)
-    acts = schedule.actions
-    start: list[list[float]] = [[0.0] * len(a) for a in acts]
-    end: list[list[float]] = [[0.0] * len(a) for a in acts]
+    return _run(schedule, costs, graph)
+
+
+# Lanes of the module docstring, by ``Action.kind_no``.
+_COMPUTE, _COPY, _REDUCE, _COMM = range(4)
+_LANE = [
+    _COMPUTE
+    if k in COMPUTE_KINDS
+    else _COPY
+    if k in COPY_KINDS
+    else _REDUCE
+    if k is Kind.REDUCE_GRAD
+    else _COMM
+    for k in KINDS
+]
+
+
+def _run(schedule: Schedule, costs: CostModel, graph: Graph) -> Timeline:
+    """The event loop over the graph's nodes (see :class:`zeropipe.deps.Graph`)."""
+    acts = graph.actions
+    total = len(acts)
+    first, rank_of, waits, transfers = graph.first, graph.rank_of, graph.waits, graph.transfers
+    duration = _durations(schedule, costs, graph)
+    wire = [costs.transfer_time(s) for s in range(schedule.num_stages)]
+    start = [0.0] * total
+    end = [0.0] * total
     # When each action was issued: its start, but for REDUCE_GRAD its post, which is
     # what the next action on the rank waits for (the all-reduce runs on).
-    issued: list[list[float]] = [[0.0] * len(a) for a in acts]
-    lane_free = [[0.0, 0.0, 0.0] for _ in acts]  # compute, copy, data-parallel link
-    seconds = [{k + 1 for k in schedule.overlapped(r)} for r in range(len(acts))]
-    # W run together with the next W of their stage; found only when some stage prices it.
-    priced = any(c.W_fused is not None for c in costs.stages)
-    fused = fused_weights(schedule) if priced else frozenset()
-    for r, k in graph.order:  # program order within a rank is respected by the graph
-        a = acts[r][k]
-        t = issued[r][k - 1] if k else 0.0
-        for pr, pk, dep in graph.preds[r][k]:
-            if dep is None:
-                continue
-            ready = end[pr][pk]
-            if dep.transfer:
-                if dep.via is not None:
-                    rr, rk = _locate_recv(graph, r, k, dep.via)
-                    ready = max(ready, start[rr][rk])
-                ready += costs.boundary_time(dep.action.stage, a.stage)
-            t = max(t, ready)
-        duration = costs.time(a)
-        if a in fused:
-            duration += costs.stages[a.stage].fused_w - costs.stages[a.stage].W
-        if k in seconds[r]:  # the backward of an overlapped pair: less what is hidden
-            duration = costs.overlapped_time(acts[r][k - 1], a) - costs.time(acts[r][k - 1])
-        if a.kind is Kind.REDUCE_GRAD:
-            t = max(t, lane_free[r][0])
-            lane_free[r][0] = posted = t + duration
-            issued[r][k] = t
-            t = max(posted, lane_free[r][2])
-            duration = costs.reduce_time(a.stage)
-            lane_free[r][2] = t + duration
-            start[r][k], end[r][k] = t, t + duration
+    issued = [0.0] * total
+    ranks = len(first)
+    compute_free, copy_free, link_free = [0.0] * ranks, [0.0] * ranks, [0.0] * ranks
+    for n in graph.node_order:  # program order within a rank is respected by the graph
+        a = acts[n]
+        r = rank_of[n]
+        t = issued[n - 1] if n != first[r] else 0.0
+        for d in waits[n]:
+            ready = end[d]
+            if ready > t:
+                t = ready
+        incoming = transfers.get(n)
+        if incoming is not None:
+            stage = a.stage
+            for src, via in incoming:
+                ready = end[src]
+                if via >= 0 and start[via] > ready:
+                    ready = start[via]
+                src_stage = acts[src].stage
+                ready += wire[src_stage if src_stage < stage else stage]
+                if ready > t:
+                    t = ready
+        took = duration[n]
+        lane = _LANE[a.kind_no]
+        if lane == _REDUCE:
+            if compute_free[r] > t:
+                t = compute_free[r]
+            compute_free[r] = posted = t + took
+            issued[n] = t
+            t = posted if posted >= link_free[r] else link_free[r]
+            took = costs.reduce_time(a.stage)
+            link_free[r] = t + took
+            start[n], end[n] = t, t + took
             continue
         # A post that costs time runs on the rank's one thread, like compute.
-        if a.kind in COMPUTE_KINDS or (duration > 0 and a.kind in COMM_KINDS):
-            t = max(t, lane_free[r][0])
-            lane_free[r][0] = t + duration
-        elif a.kind in COPY_KINDS:
-            t = max(t, lane_free[r][1])
-            lane_free[r][1] = t + duration
-        start[r][k], end[r][k], issued[r][k] = t, t + duration, t
-    finish = max((max(e) for e in end if e), default=0.0)
+        if lane == _COMPUTE or (took > 0 and lane == _COMM):
+            if compute_free[r] > t:
+                t = compute_free[r]
+            compute_free[r] = t + took
+        elif lane == _COPY:
+            if copy_free[r] > t:
+                t = copy_free[r]
+            copy_free[r] = t + took
+        start[n], end[n], issued[n] = t, t + took, t
+    finish = max(end, default=0.0)
     if not math.isfinite(finish):
         # Every figure is finite (CostModel checks), but their sums can still overflow.
         raise ScheduleError(
@@ -219,8 +245,8 @@ def simulate(
             rule="costs",
         )
     events = [
-        [Event(r, k, a, start[r][k], end[r][k]) for k, a in enumerate(rank_acts)]
-        for r, rank_acts in enumerate(acts)
+        [Event(r, k, a, start[lo + k], end[lo + k]) for k, a in enumerate(rank_acts)]
+        for r, (lo, rank_acts) in enumerate(zip(first, schedule.actions, strict=True))
     ]
     peaks = [p for p, _ in peak_memory(schedule, costs, graph.deps)]
     meta: dict[str, object] = {}
@@ -229,11 +255,35 @@ def simulate(
     return Timeline(schedule, events, peaks, memory_unit=costs.unit, meta=meta)
 
 
-def _locate_recv(graph: Graph, rank: int, step: int, recv: Action) -> tuple[int, int]:
-    for pr, pk, dep in graph.preds[rank][step]:
-        if dep is not None and dep.action == recv:
-            return pr, pk
-    raise AssertionError(f"{recv} not among the dependencies of step {step} on rank {rank}")
+def _durations(schedule: Schedule, costs: CostModel, graph: Graph) -> list[float]:
+    """How long each node occupies its lane (for REDUCE_GRAD: its post)."""
+    table: dict[int, float] = {}  # stage << 5 | no microbatch << 4 | kind_no -> time
+    out = []
+    for a in graph.actions:
+        key = (a.stage << 5) | ((a.microbatch is None) << 4) | a.kind_no
+        took = table.get(key)
+        if took is None:
+            took = table[key] = costs.time(a)
+        out.append(took)
+    # W run together with the next W of their stage; found only when some stage prices it.
+    if any(c.W_fused is not None for c in costs.stages):
+        for r, k in _steps_of(schedule, fused_weights(schedule)):
+            c = costs.stages[schedule.actions[r][k].stage]
+            out[graph.first[r] + k] += c.fused_w - c.W
+    for r in range(schedule.num_ranks):
+        for k in schedule.overlapped(r):  # the pair's backward: less what is hidden
+            first, second = schedule.actions[r][k], schedule.actions[r][k + 1]
+            out[graph.first[r] + k + 1] = costs.overlapped_time(first, second) - costs.time(first)
+    return out
+
+
+def _steps_of(schedule: Schedule, actions: frozenset[Action]) -> list[tuple[int, int]]:
+    return [
+        (r, k)
+        for r, rank_acts in enumerate(schedule.actions)
+        for k, a in enumerate(rank_acts)
+        if a in actions
+    ]
 
 
 def costs_from_timeline(timeline: Timeline) -> CostModel:

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from zeropipe.costs import CostModel, peak_memory, per_rank
 from zeropipe.deps import Dependencies, Graph, offloaded_at_start
 from zeropipe.errors import ScheduleError
-from zeropipe.ir import COMM_KINDS, Action, Kind, Schedule, format_grid
+from zeropipe.ir import COMM_KINDS, KINDS, Action, Kind, Schedule, format_grid
 
 __all__ = ["validate"]
 
@@ -42,16 +42,79 @@ def validate(
     of ``costs`` (default: uniform costs, i.e. microbatches of one rank's layers).
     """
     deps = Dependencies(schedule)
-    _check_shape(schedule)
-    _check_complete(schedule, deps)
-    _check_reductions(schedule)
-    _check_order(schedule, deps)
+    graph = Graph(schedule, deps, sort=False) if _looks_valid(schedule, deps) else None
+    if graph is None or graph.backward_edge is not None:
+        # Something is off, or the schedule has weight copies: the full checks, in order,
+        # name the first broken rule.
+        _check_shape(schedule)
+        _check_complete(schedule, deps)
+        _check_reductions(schedule)
+        _check_order(schedule, deps)
+        graph = graph or Graph(schedule, deps, sort=False)
     _check_overlaps(schedule, deps)
-    graph = Graph(schedule, deps)
+    graph.sort()
     if memory_limit is not None:
         costs = costs or CostModel.uniform_for(schedule)
         _check_memory(schedule, costs, deps, memory_limit)
     return graph
+
+
+_NO = {k: n for n, k in enumerate(KINDS)}
+_BIT = {k: 1 << n for n, k in enumerate(KINDS)}
+_CORE = _BIT[Kind.F] | _BIT[Kind.B] | _BIT[Kind.I] | _BIT[Kind.W]
+_WHOLE = (_BIT[Kind.F] | _BIT[Kind.B], _BIT[Kind.F] | _BIT[Kind.I] | _BIT[Kind.W])
+_COMM_BITS = _BIT[Kind.SEND_F] | _BIT[Kind.RECV_F] | _BIT[Kind.SEND_B] | _BIT[Kind.RECV_B]
+
+
+def _looks_valid(schedule: Schedule, deps: Dependencies) -> bool:
+    """Whether the shape, completeness and reduction checks would all pass, on integers.
+
+    True only when they would (the tests pin it); False also for what this quick
+    pass does not judge (weight copies), and for every broken rule, which the full
+    checks then name.  A big schedule has ~10^5 actions: the full checks build an
+    object per action and dependency, this looks at each action once.
+    """
+    m, stages, place = schedule.microbatches, schedule.num_stages, schedule.placement
+    if any(not schedule.stages_of(r) for r in range(schedule.num_ranks)):
+        return False
+    reduce_no = _NO[Kind.REDUCE_GRAD]
+    counted = 0  # actions with a microbatch
+    reduced: list[int] = []
+    for r, acts in enumerate(schedule.actions):
+        for a in acts:
+            s, i = a.stage, a.microbatch
+            if s >= stages or place[s] != r:
+                return False
+            if i is None:
+                if a.kind_no != reduce_no:
+                    return False  # a weight copy
+                reduced.append(s)
+            elif i >= m:
+                return False
+            else:
+                counted += 1
+    if reduced and sorted(reduced) != list(range(stages)):
+        return False
+    comm = [0] * stages  # the SEND/RECV bits a lowered schedule has at each stage
+    if schedule.is_lowered:
+        for s in range(stages - 1):
+            if deps.crosses(s, s + 1):
+                comm[s] |= _BIT[Kind.SEND_F] | _BIT[Kind.RECV_B]
+                comm[s + 1] |= _BIT[Kind.RECV_F] | _BIT[Kind.SEND_B]
+    offload, reload = _NO[Kind.OFFLOAD], _NO[Kind.RELOAD]
+    bits_total = 0
+    for s in range(stages):
+        want = comm[s]
+        for i in range(m):
+            bits = deps.kind_bits(s, i)
+            if (
+                (bits & _CORE) not in _WHOLE
+                or (bits & _COMM_BITS) != want
+                or (bits >> offload & 1) != (bits >> reload & 1)
+            ):
+                return False
+            bits_total += bits.bit_count()
+    return bits_total == counted  # else some action appears twice
 
 
 def _fail(

@@ -34,6 +34,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "core",
         (
             "zeropipe.errors",
+            "zeropipe.gc_pause",
             "zeropipe.specs",
             "zeropipe.ir",
             "zeropipe.deps",

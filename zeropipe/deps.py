@@ -48,6 +48,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from zeropipe.errors import ScheduleError
+from zeropipe.gc_pause import paused_gc
 from zeropipe.ir import COMPUTE_KINDS, KINDS, Action, Kind, Schedule, format_grid
 
 __all__ = ["CommPair", "Dep", "Dependencies", "Graph", "keep_overlaps", "offloaded_at_start"]
@@ -380,8 +381,12 @@ class Graph:
     def __init__(
         self, schedule: Schedule, deps: Dependencies | None = None, *, sort: bool = True
     ) -> None:
+        with paused_gc():
+            self._build(schedule, deps or Dependencies(schedule), sort)
+
+    def _build(self, schedule: Schedule, deps: Dependencies, sort: bool) -> None:
         self.schedule = schedule
-        self.deps = deps = deps or Dependencies(schedule)
+        self.deps = deps
         actions: list[Action] = []
         first: list[int] = []
         for rank_acts in schedule.actions:

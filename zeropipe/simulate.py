@@ -33,6 +33,7 @@ from zeropipe.costs import CostModel, StageCost, peak_memory
 from zeropipe.deps import Graph
 from zeropipe.errors import ScheduleError
 from zeropipe.fuse import fused_weights
+from zeropipe.gc_pause import paused_gc
 from zeropipe.ir import COMM_KINDS, COMPUTE_KINDS, COPY_KINDS, KINDS, Action, Kind, Schedule
 from zeropipe.lower import lower
 from zeropipe.validate import validate
@@ -159,12 +160,13 @@ def simulate(
     make is paid.  The timeline's ``schedule`` is then the lowered one.
     """
     costs = (costs or CostModel.uniform_for(schedule)).for_stages(schedule.num_stages)
-    graph = graph or validate(schedule)
-    if costs.post > 0 and schedule.num_ranks > 1 and not schedule.is_lowered:
-        # Lowering a valid schedule gives a valid one: its graph needs no second validation.
-        schedule = lower(schedule)
-        graph = Graph(schedule)
-    return _run(schedule, costs, graph)
+    with paused_gc():
+        graph = graph or validate(schedule)
+        if costs.post > 0 and schedule.num_ranks > 1 and not schedule.is_lowered:
+            # Lowering a valid schedule gives a valid one: its graph needs no second validation.
+            schedule = lower(schedule)
+            graph = Graph(schedule)
+        return _run(schedule, costs, graph)
 
 
 # Lanes of the module docstring, by ``Action.kind_no``.

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from zeropipe.costs import CostModel, peak_memory, per_rank
 from zeropipe.deps import Dependencies, Graph, offloaded_at_start
 from zeropipe.errors import ScheduleError
+from zeropipe.gc_pause import paused_gc
 from zeropipe.ir import COMM_KINDS, KINDS, Action, Kind, Schedule, format_grid
 
 __all__ = ["validate"]
@@ -41,6 +42,13 @@ def validate(
     ``memory_limit`` is one number for every rank or one per rank, in the unit
     of ``costs`` (default: uniform costs, i.e. microbatches of one rank's layers).
     """
+    with paused_gc():
+        return _validate(schedule, memory_limit, costs)
+
+
+def _validate(
+    schedule: Schedule, memory_limit: float | Sequence[float] | None, costs: CostModel | None
+) -> Graph:
     deps = Dependencies(schedule)
     graph = Graph(schedule, deps, sort=False) if _looks_valid(schedule, deps) else None
     if graph is None or graph.backward_edge is not None:

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from zeropipe.errors import ScheduleError
+from zeropipe.gc_pause import paused_gc
 from zeropipe.ir import Schedule
 
 __all__ = ["GENERATORS", "Generator", "generate", "register"]
@@ -68,4 +69,5 @@ def generate(name: str, ranks: int, microbatches: int, chunks: int | None = None
             f"or pick interleaved-1f1b / looped-bfs",
             rule="unsupported",
         )
-    return gen.build(ranks, microbatches, chunks)
+    with paused_gc():
+        return gen.build(ranks, microbatches, chunks)

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import importlib
+import random
+
 import pytest
 from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.strategies import valid_schedules
+from zeropipe.deps import Dependencies, Graph
 from zeropipe.errors import ScheduleError
-from zeropipe.ir import Schedule
+from zeropipe.ir import Action, Schedule
 from zeropipe.lower import lower
+from zeropipe.reduce import add_reductions
 from zeropipe.validate import validate
 
 GOOD = """
@@ -122,3 +128,57 @@ def test_weight_offload_rules() -> None:
     bad = Schedule.from_text("microbatches: 1\nplacement: 0\nrank 0: 0F0 0OFFLOAD 0B0\n")
     with pytest.raises(ScheduleError, match="0B0 runs while stage 0's weights are offloaded"):
         validate(bad)
+
+
+def _full_checks(schedule: Schedule) -> str | None:
+    """The rule the validator's full checks name for ``schedule``, or None if it is valid."""
+    v = importlib.import_module("zeropipe.validate")  # the package's name is the function
+    deps = Dependencies(schedule)
+    try:
+        v._check_shape(schedule)
+        v._check_complete(schedule, deps)
+        v._check_reductions(schedule)
+        v._check_order(schedule, deps)
+        v._check_overlaps(schedule, deps)
+        Graph(schedule, deps)
+    except ScheduleError as err:
+        return err.rule
+    return None
+
+
+@given(valid_schedules(), st.randoms(use_true_random=False), st.booleans(), st.booleans())
+@settings(max_examples=150, deadline=None)
+def test_the_quick_pass_judges_as_the_full_checks_do(
+    schedule: Schedule, rng: random.Random, lowered: bool, reduced: bool
+) -> None:
+    # validate() takes a quick integer pass over the actions and runs the full checks
+    # only when it finds something off; what it says must be what they say.
+    if reduced:
+        schedule = add_reductions(schedule)
+    if lowered:
+        schedule = lower(schedule)
+    acts = [list(a) for a in schedule.actions]
+    r = rng.randrange(len(acts))
+    if acts[r]:
+        k, j = rng.randrange(len(acts[r])), rng.randrange(len(acts[r]))
+        op = rng.choice(["keep", "swap", "drop", "duplicate", "move", "stray"])
+        if op == "swap":
+            acts[r][k], acts[r][j] = acts[r][j], acts[r][k]
+        elif op == "drop":
+            del acts[r][k]
+        elif op == "duplicate":
+            acts[r].insert(j, acts[r][k])
+        elif op == "move":
+            acts[(r + 1) % len(acts)].append(acts[r].pop(k))
+        elif op == "stray":  # an action of a microbatch the schedule does not have
+            a = acts[r][k]
+            if a.microbatch is not None:
+                acts[r].append(Action(a.kind, a.stage, schedule.microbatches))
+    mutant = schedule.replace_actions(acts)
+    want = _full_checks(mutant)
+    try:
+        validate(mutant)
+        got = None
+    except ScheduleError as err:
+        got = err.rule
+    assert got == want

@@ -16,10 +16,12 @@ from zeropipe.cluster import (
     Ranking,
     fixed_costs,
     lower_bound,
+    schedule_cut,
     search,
 )
 from zeropipe.costs import CostModel, StageCost
 from zeropipe.errors import ScheduleError
+from zeropipe.schedules import generate
 from zeropipe.simulate import simulate
 
 LAYERS = 8
@@ -222,6 +224,29 @@ def test_fixed_costs_merge_and_cut_stages() -> None:
     with pytest.raises(ScheduleError, match="or a multiple"):
         costs_for(Config(3, 1, 1, 4, 6))
     assert replace(base, dp=1) == same
+
+
+def test_schedule_cut_cuts_each_schedule_for_its_own_step() -> None:
+    # An embedding-like first layer and a head-like last one, six light blocks between:
+    # zbv pairs the first and last stages on rank 0, so its best cut is not balance's.
+    heavy, light = StageCost(F=3.0, I=3.0, W=1.0), StageCost(F=1.0, I=1.0, W=1.0)
+    layers = CostModel((heavy, *[light] * 6, heavy))
+    config = Config(2, 1, 1, 8, 4)
+    zbv = generate("zbv", 2, 8)
+    by_balance = simulate(zbv, fixed_costs(layers)(config)).makespan
+    own = schedule_cut(layers)(config, zbv)
+    assert sum(own.meta["cut"]) == 8
+    assert simulate(zbv, own).makespan < by_balance
+    # Priced through the search, zbv's step is the one under its own cut.
+    ranking = search(
+        gpus=2, layers=8, global_batch=8, costs_for=fixed_costs(layers), memory=None,
+        schedules=["zbv", "1f1b"], microbatch_sizes=[1], flops_per_sample=0.0,
+        peak_flops=0.0, seq=0, pp_options=[2], costs_for_schedule=schedule_cut(layers),
+    )  # fmt: skip
+    got = {c.schedule: c.step_time for c in ranking.candidates}
+    assert got["zbv"] == simulate(zbv, own).makespan
+    one = generate("1f1b", 2, 8)
+    assert got["1f1b"] == simulate(one, schedule_cut(layers)(Config(2, 1, 1, 8, 2), one)).makespan
 
 
 @pytest.mark.parametrize("name", NAMED)

@@ -36,7 +36,14 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from zeropipe.build import build_schedule
-from zeropipe.cluster_costs import Config, CostFactory, fixed_costs, spec_costs
+from zeropipe.cluster_costs import (
+    Config,
+    CostFactory,
+    ScheduleCosts,
+    fixed_costs,
+    schedule_cut,
+    spec_costs,
+)
 from zeropipe.costs import CostModel
 from zeropipe.deps import Graph
 from zeropipe.errors import ScheduleError
@@ -53,9 +60,11 @@ __all__ = [
     "CostFactory",
     "GiB",
     "Ranking",
+    "ScheduleCosts",
     "divisors",
     "fixed_costs",
     "lower_bound",
+    "schedule_cut",
     "search",
     "spec_costs",
 ]
@@ -216,8 +225,10 @@ class _Search:
         gpus: int,
         top: int,
         layers: int,
+        costs_for_schedule: ScheduleCosts | None = None,
     ) -> None:
         self.costs_for, self.limit, self.top = costs_for, limit, top
+        self.costs_for_schedule = costs_for_schedule
         self.flops, self.peak, self.seq = flops_per_sample, peak_flops, seq
         self.global_batch, self.gpus, self.layers = global_batch, gpus, layers
         self._costs: dict[Config, CostModel] = {}
@@ -228,6 +239,13 @@ class _Search:
         if config not in self._costs:
             self._costs[config] = self.costs_for(config)
         return self._costs[config]
+
+    def run_costs(self, config: Config, schedule: Schedule) -> tuple[CostModel, CostModel]:
+        """The cost models ``schedule`` runs under: as it is, and recomputing."""
+        ckpt = replace(config, recompute=True)
+        if self.costs_for_schedule is None:
+            return self.costs(config), self.costs(ckpt)
+        return self.costs_for_schedule(config, schedule), self.costs_for_schedule(ckpt, schedule)
 
     def probe(self, name: str, pp: int, chunks: int, m: int) -> tuple[tuple[int, ...], bool]:
         """The placement a generator gives and whether it splits backward, from a small
@@ -307,8 +325,7 @@ class _Search:
         except ScheduleError:
             self.ranking.refused += 1
             return None
-        natural = self.costs(config)
-        ckpt = self.costs(replace(config, recompute=True))
+        natural, ckpt = self.run_costs(config, base)
         memory = plan_memory(base, natural, ckpt, self.limit)
         costs = ckpt if any(memory.recomputed) else natural
         bound = job.bound
@@ -342,7 +359,7 @@ class _Search:
             return None
         base = found.schedule.compute_only()
         stages = replace(config, stages=base.num_stages)
-        natural, ckpt = self.costs(stages), self.costs(replace(stages, recompute=True))
+        natural, ckpt = self.run_costs(stages, base)
         memory = plan_memory(base, natural, ckpt, self.limit)
         self.ranking.priced += 1
         costs = ckpt if any(memory.recomputed) else natural
@@ -413,6 +430,7 @@ def search(
     prune: bool = True,
     auto_runs: int = 3,
     auto_budget: float = 2.0,
+    costs_for_schedule: ScheduleCosts | None = None,
 ) -> Ranking:
     """Rank the ways to run a model on ``gpus`` accelerators by simulated step time.
 
@@ -434,6 +452,10 @@ def search(
         chunks: chunks per rank for generators that take any (interleaved).
         pp_options: pipeline depths to consider (default: every divisor of ``gpus``).
         prune: False prices every configuration (slow; the ranking is the same).
+        costs_for_schedule: when given, each schedule is priced under the cost model
+            it returns for it (e.g. :func:`schedule_cut`: its own cut of measured
+            layers) rather than ``costs_for``'s, which then only orders the work.
+            Bounds from ``costs_for`` do not hold for other cuts: nothing is pruned.
 
     Returns:
         a :class:`Ranking`: fitting candidates first, each group by step time.
@@ -458,8 +480,10 @@ def search(
         raise ScheduleError(f"microbatch sizes must be >= 1, got {list(microbatch_sizes)}")
     limit = math.inf if memory is None else float(memory)
     state = _Search(
-        costs_for, limit, flops_per_sample, peak_flops, seq, global_batch, gpus, top, layers
-    )
+        costs_for, limit, flops_per_sample, peak_flops, seq, global_batch, gpus, top, layers,
+        costs_for_schedule,
+    )  # fmt: skip
+    prune = prune and costs_for_schedule is None
     ranking = state.ranking
     jobs = sorted(
         _jobs(

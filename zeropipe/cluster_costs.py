@@ -8,13 +8,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from zeropipe.balance import balance
+from zeropipe.balance import balance, balance_schedule, stage_costs
 from zeropipe.costs import CostModel, StageCost
 from zeropipe.errors import ScheduleError
-from zeropipe.ir import Kind
+from zeropipe.ir import Kind, Schedule
 from zeropipe.specs import DEFAULT_STATE_BYTES, HardwareSpec, ModelSpec
 
-__all__ = ["Config", "CostFactory", "fixed_costs", "spec_costs"]
+__all__ = ["Config", "CostFactory", "ScheduleCosts", "fixed_costs", "schedule_cut", "spec_costs"]
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,8 @@ class Config:
 
 
 CostFactory = Callable[[Config], CostModel]
+# The cost model of a configuration as one schedule runs it (its own cut of the layers).
+ScheduleCosts = Callable[[Config, Schedule], CostModel]
 
 
 def spec_costs(
@@ -98,5 +100,23 @@ def fixed_costs(costs: CostModel) -> CostFactory:
                 f"(give fewer than {have}, or a multiple of {have})"
             )
         return replace(costs, stages=stages, dp=config.dp)
+
+    return costs_for
+
+
+def schedule_cut(costs: CostModel) -> ScheduleCosts:
+    """Per schedule, ``costs``' layers cut where that schedule's simulated step is shortest
+    (:func:`zeropipe.balance.balance_schedule`), as ``zeropipe bench`` and
+    ``Pipeline(balance=balance_schedule(...))`` cut them: a V or interleaved placement
+    wants other cuts than one stage per rank.  Fewer layers than stages: as
+    :func:`fixed_costs` (each layer cut into equal parts).
+    """
+    fallback = fixed_costs(costs)
+
+    def costs_for(config: Config, schedule: Schedule) -> CostModel:
+        if config.stages >= len(costs.stages):
+            return fallback(config)
+        cut = balance_schedule(costs, schedule)
+        return replace(stage_costs(costs, cut), dp=config.dp)
 
     return costs_for

@@ -7,7 +7,9 @@ Two modes, one table:
   depth, data-parallel degree, microbatch size, chunking and schedule
   (:func:`zeropipe.cluster.search`).
 * ``--costs COSTS.json --ranks R --microbatches M``: one pipeline whose costs were
-  measured (``zeropipe profile --out``); rank the schedules for it.
+  measured (``zeropipe profile --out``, ``zeropipe bench --costs-out``); rank the
+  schedules for it, each with the measured layers cut where its own simulated step is
+  shortest (as ``zeropipe bench`` cuts them).
 
 No torch: like ``schedules`` and ``simulate`` it runs on a laptop.  matplotlib is
 loaded only for ``--plot``.
@@ -25,7 +27,7 @@ from typing import Any
 
 from zeropipe import render
 from zeropipe.cli_args import int_at_least, positive_float
-from zeropipe.cluster import Candidate, GiB, Ranking, fixed_costs, search
+from zeropipe.cluster import Candidate, GiB, Ranking, fixed_costs, schedule_cut, search
 from zeropipe.cluster import spec_costs as spec_cost_factory
 from zeropipe.costs import CostModel
 from zeropipe.errors import ScheduleError, ZeropipeError
@@ -301,6 +303,7 @@ def _run_measured(args: argparse.Namespace) -> tuple[list[str], Ranking, str]:
         layers=max(len(costs.stages), 2 * args.ranks),
         global_batch=args.microbatches * mbs,
         costs_for=fixed_costs(costs),
+        costs_for_schedule=schedule_cut(costs),
         memory=memory,
         schedules=_schedules(args),
         microbatch_sizes=[mbs],

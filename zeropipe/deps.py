@@ -372,10 +372,10 @@ class Graph:
 
     Building the graph raises ``ScheduleError(rule="missing")`` for a dependency
     absent from the schedule, and sorting it ``ScheduleError(rule="deadlock")``
-    for a cycle, i.e. ranks waiting on each other.  ``sort=False`` leaves the
-    sort to :meth:`sort` (the validator checks the order of each rank first);
-    ``backward_edge`` is then the first ``(node, dep)`` whose dependency comes
-    later on the same rank, if any.
+    for a cycle, i.e. ranks waiting on each other.  ``sort=False`` defers the
+    sort to :meth:`sort` or the first use of an order (the validator checks the
+    order of each rank first); ``backward_edge`` is the first ``(node, dep)``
+    whose dependency comes later on the same rank, if any.
     """
 
     def __init__(
@@ -441,10 +441,23 @@ class Graph:
         self.waits = waits
         self.transfers = transfers
         self._preds: list[list[list[tuple[int, int, Dep | None]]]] | None = None
-        self.node_order: list[int] = []
-        self.order: list[tuple[int, int]] = []
+        self._node_order: list[int] | None = None
+        self._order: list[tuple[int, int]] | None = None
         if sort:
             self.sort()
+
+    @property
+    def node_order(self) -> list[int]:
+        """A topological order of the nodes (sorted on first use if not yet)."""
+        return self.sort() if self._node_order is None else self._node_order
+
+    @property
+    def order(self) -> list[tuple[int, int]]:
+        """``node_order`` as ``(rank, step)`` pairs."""
+        if self._order is None:
+            rank_of, first = self.rank_of, self.first
+            self._order = [(rank_of[n], n - first[rank_of[n]]) for n in self.node_order]
+        return self._order
 
     def rank_step(self, node: int) -> tuple[int, int]:
         """``(rank, step)`` of a node."""
@@ -472,8 +485,8 @@ class Graph:
             self._preds = out
         return self._preds
 
-    def sort(self) -> None:
-        """Fill ``order`` and ``node_order``; raise ``rule="deadlock"`` on a cycle."""
+    def sort(self) -> list[int]:
+        """A topological order of the nodes; raise ``rule="deadlock"`` if there is a cycle."""
         total = len(self.actions)
         waits, transfers = self.waits, self.transfers
         waiting = [0] * total
@@ -502,9 +515,8 @@ class Graph:
                     ready.append(nxt)
         if len(order) < total:
             self._deadlock(set(order))
-        rank_of, first = self.rank_of, self.first
-        self.node_order = order
-        self.order = [(rank_of[n], n - first[rank_of[n]]) for n in order]
+        self._node_order = order
+        return order
 
     def _deadlock(self, done_nodes: set[int]) -> None:
         acts = self.schedule.actions

@@ -53,7 +53,7 @@ def _validate(
     graph = Graph(schedule, deps, sort=False) if _looks_valid(schedule, deps) else None
     if graph is None or graph.backward_edge is not None:
         # Something is off, or the schedule has weight copies: the full checks, in order,
-        # name the first broken rule.
+        # name the first broken rule (if there is one).
         _check_shape(schedule)
         _check_complete(schedule, deps)
         _check_reductions(schedule)

@@ -5,6 +5,7 @@ schedule, because a collective that a failed peer never joins cannot be
 cancelled, while the barrier's point-to-point receives are waited on like
 any other (bounded, watching for failed peers)::
 
+    start_step:   the barrier's receives posted (gloo; NCCL posts them in the barrier)
     finish_step:  sends done -> barrier (carries the loss to every rank)
     after it:     all_reduce of the gradients of parameters shared across ranks
 """
@@ -21,9 +22,31 @@ import torch.distributed as dist
 from torch import Tensor
 
 from zeropipe.runtime.wire import DTYPES, dtype_code
-from zeropipe.runtime.works import Endpoint, Label, Pending
+from zeropipe.runtime.works import Endpoint, Label
 
-__all__ = ["all_reduce", "barrier", "flatten", "grad_norm", "unflatten"]
+__all__ = ["Heard", "all_reduce", "barrier", "flatten", "grad_norm", "post_barrier", "unflatten"]
+
+
+Heard = list[tuple[Tensor, Any, int]]
+"""A barrier's receives, posted: per round, (buffer, work, source rank)."""
+
+
+def post_barrier(endpoint: Endpoint, tag: Callable[[int], int], device: torch.device) -> Heard:
+    """Post the receives of the next :func:`barrier` (not batched), one per round.
+
+    Posted when the step starts, a round's message from a peer that finished
+    first is already here when this rank reaches the barrier: the rank that
+    ends the step last then pays no round trip for it (over gloo, a message
+    whose receive is not yet posted waits for the receiver's notice).
+    """
+    rank, w = endpoint.rank, endpoint.world
+    heard: Heard = []
+    for k in range((w - 1).bit_length()):
+        src = (rank - (1 << k)) % w
+        what = f"the end-of-step barrier (round {k}) from rank {src}"
+        buf = torch.empty(3, dtype=torch.float64, device=device)
+        heard.append((buf, endpoint.post(dist.irecv, buf, src, tag(k), what), src))
+    return heard
 
 
 def barrier(
@@ -33,6 +56,7 @@ def barrier(
     device: torch.device,
     *,
     batched: bool = False,
+    heard: Heard | None = None,
 ) -> Tensor | None:
     """Every rank finished this step's schedule (so the collectives after it will be joined).
 
@@ -51,7 +75,8 @@ def barrier(
     ``batched``: each round's send and receive are one ``batch_isend_irecv``,
     issued only after the round before completed, for backends that match
     messages in issue order and let a posted receive hold back later
-    operations (NCCL); otherwise every round's receive is posted up front.
+    operations (NCCL); otherwise every round's receive is posted up front:
+    ``heard``, if :func:`post_barrier` posted them already, or here.
     """
     rank, w = endpoint.rank, endpoint.world
     rounds = (w - 1).bit_length()
@@ -77,22 +102,18 @@ def barrier(
             if buf[0] > 0 and known[0] == 0:
                 known = buf
         return _shared_loss(loss, known)
-    heard: list[tuple[Tensor, Pending]] = []
-    for k in range(rounds):
-        src = (rank - (1 << k)) % w
-        what = f"the end-of-step barrier (round {k}) from rank {src}"
-        buf = torch.empty(3, dtype=torch.float64, device=device)
-        work = endpoint.post(dist.irecv, buf, src, tag(k), what)
-        heard.append((buf, endpoint.pending([work], [(what, src)])))
+    if heard is None:
+        heard = post_barrier(endpoint, tag, device)
     told: list[Any] = []
     labels: list[Label] = []
-    for k, (buf, pending) in enumerate(heard):
+    for k, (buf, work, src) in enumerate(heard):
         dst = (rank + (1 << k)) % w
         what = f"the end-of-step barrier (round {k}) to rank {dst}"
         token = known.clone()  # in flight while ``known`` may still change
         told.append(endpoint.post(dist.isend, token, dst, tag(k), what))
         labels.append((what, dst))
-        endpoint.wait(pending)
+        got = f"the end-of-step barrier (round {k}) from rank {src}"
+        endpoint.wait(endpoint.pending([work], [(got, src)]))
         if buf[0] > 0 and known[0] == 0:
             known = buf
     if told:

@@ -18,7 +18,8 @@ microbatch named instead of corrupting memory.
 The rest lives beside it: every wait is bounded and watches for failed
 peers (:mod:`zeropipe.runtime.works`), a failure reaches every rank through
 the rendezvous store (:mod:`zeropipe.runtime.failures`), and the step ends
-with a barrier that carries the loss, then the all-reduce of shared
+with a barrier that carries the loss (its receives posted as the step
+starts), then the all-reduce of shared
 parameters' gradients (:mod:`zeropipe.runtime.collectives`).
 
 gloo only, CPU tensors only: NCCL matches point-to-point messages in issue
@@ -120,6 +121,7 @@ class DistributedTransport:
         self._recvs: dict[Action, _Recv] = {}
         self._sends: list[_Sent] = []
         self._signature: Hashable = None
+        self._heard: collectives.Heard | None = None  # the barrier's receives, once posted
 
     @property
     def timeout(self) -> float:
@@ -136,6 +138,9 @@ class DistributedTransport:
         if signature != self._signature:
             self._signature = signature
             self.reset()
+        if self._heard is None:
+            self._failures.usable()
+            self._heard = collectives.post_barrier(self._endpoint, self._barrier_tag, self._device)
 
     def send(self, action: Action, tensors: tuple[Tensor, ...]) -> None:
         self._failures.usable()
@@ -221,8 +226,9 @@ class DistributedTransport:
             works = [w for sent in sends for w in sent.works]
             labels = [lab for sent in sends for lab in sent.labels]
             self._endpoint.wait(self._endpoint.pending(works, labels))
+        heard, self._heard = self._heard, None
         return collectives.barrier(
-            self._endpoint, loss, lambda k: self._tag(self._barrier_tags, k), self._device
+            self._endpoint, loss, self._barrier_tag, self._device, heard=heard
         )
 
     def reset(self) -> None:
@@ -245,6 +251,9 @@ class DistributedTransport:
 
     def _tag(self, transfer: int, slot: int) -> int:
         return TAGGED_TAGS + self._tag0 + transfer * SLOTS + slot
+
+    def _barrier_tag(self, round_: int) -> int:
+        return self._tag(self._barrier_tags, round_)
 
     def _post_payload(self, rec: _Recv, meta: Meta) -> None:
         t = self._transfer_of(rec.action)

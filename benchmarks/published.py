@@ -140,6 +140,15 @@ def activation_limits(c: CostModel, microbatches: int) -> list[float]:
     return [s.weights + microbatches * s.act for s in c.stages]
 
 
+def rank_imbalance(c: CostModel, ranks: int) -> float:
+    """The busiest rank's F + I + W over the mean rank's (stage ``s`` on rank ``s % ranks``):
+    a bound on what a schedule on this cut can reach, whatever its bubbles."""
+    work = [0.0] * ranks
+    for s, stage in enumerate(c.stages):
+        work[s % ranks] += stage.F + stage.I + stage.W
+    return max(work) / (sum(work) / ranks)
+
+
 def predict(setting: Setting, m: int, chunks: int | None = None) -> dict[str, float]:
     """Simulated step seconds of each schedule for ``m`` microbatches of ``setting``."""
     p = setting.gpus
@@ -177,6 +186,7 @@ def ranking(throughput: Mapping[str, float]) -> str:
 def row(setting: Setting, m: int, chunks: int | None = None) -> dict[str, Any]:
     """One row of the comparison: published and predicted ratios, errors, ranking."""
     step = predict(setting, m, chunks)
+    v = setting.paper_chunks() if chunks is None else chunks
     predicted = {name: m / seconds for name, seconds in step.items()}
     pub = published(setting.model, m)
     pub_ratio, pred_ratio = ratios(pub), ratios(predicted)
@@ -186,7 +196,9 @@ def row(setting: Setting, m: int, chunks: int | None = None) -> dict[str, Any]:
         "gpus": setting.gpus,
         "microbatches": m,
         "microbatch_size": setting.microbatch_size,
-        "chunks_1f1b_i": setting.paper_chunks() if chunks is None else chunks,
+        "chunks_1f1b_i": v,
+        "imbalance_1f1b": rank_imbalance(costs(setting), setting.gpus),
+        "imbalance_1f1b_i": rank_imbalance(costs(setting, v), setting.gpus),
         "published": pub,
         "predicted_step_s": step,
         "predicted": predicted,
@@ -218,7 +230,7 @@ def run(models: Sequence[str] | None = None, chunks: int | None = None) -> list[
 
 def table(rows: Sequence[dict[str, Any]]) -> str:
     head = (
-        f"{'model':>6} {'GPUs':>4} {'m':>4} {'v':>2} | "
+        f"{'model':>6} {'GPUs':>4} {'m':>4} {'v':>2} {'load':>11} | "
         + " | ".join(f"{s + ' pub/pred (err)':>26}" for s in SCHEDULES[1:])
         + " | ranking"
     )
@@ -229,7 +241,8 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
             for s in SCHEDULES[1:]
         ]
         lines.append(
-            f"{r['model']:>6} {r['gpus']:>4} {r['microbatches']:>4} {r['chunks_1f1b_i']:>2} | "
+            f"{r['model']:>6} {r['gpus']:>4} {r['microbatches']:>4} {r['chunks_1f1b_i']:>2} "
+            f"{r['imbalance_1f1b']:>5.2f}/{r['imbalance_1f1b_i']:<5.2f} | "
             + " | ".join(f"{c:>26}" for c in cells)
             + f" | {'agrees' if r['ranking_agrees'] else 'differs: ' + r['predicted_ranking']}"
         )
@@ -271,7 +284,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     print(
         f"{SOURCE}: Table 4 (samples per GPU per second) against zeropipe's prediction "
         f"(CostModel.from_spec, {HARDWARE}, default efficiencies, no per-row factors); "
-        f"ratios to 1F1B, error = predicted / published - 1"
+        f"ratios to 1F1B, error = predicted / published - 1; v: 1F1B-I chunks per rank; "
+        f"load: busiest rank's work / mean rank's, 1F1B / 1F1B-I cut"
     )
     print(table(rows))
     print(summary(rows))

@@ -141,3 +141,12 @@ def test_the_script_writes_rows_that_read_back_and_match_what_it_printed(
 def test_an_unknown_model_is_refused_by_name() -> None:
     with pytest.raises(SystemExit, match="7B"):
         pub.main(["--models", "7B"])
+
+
+def test_rank_imbalance_is_one_for_equal_stages_and_sees_a_heavy_rank() -> None:
+    assert pub.rank_imbalance(CostModel.uniform(8), 4) == pytest.approx(1.0)  # 2 chunks each
+    c = pub.costs(pub.SETTINGS[0], pub.SETTINGS[0].paper_chunks())
+    heavy = pub.rank_imbalance(c, 8)
+    slowest = max(s.F + s.I + s.W for s in c.stages)
+    mean = sum(s.F + s.I + s.W for s in c.stages) / 8
+    assert heavy >= 1.0 and heavy * mean >= slowest

@@ -129,7 +129,8 @@ def test_the_script_writes_rows_that_read_back_and_match_what_it_printed(
     assert [r["microbatches"] for r in data["rows"]] == [24, 32, 64]
     for r in data["rows"]:
         pred = r["predicted"]
-        assert pred["1F1B"] == pytest.approx(r["microbatches"] / r["predicted_step_s"]["1F1B"])
+        samples = r["microbatches"] * r["microbatch_size"] / r["gpus"]
+        assert pred["1F1B"] == pytest.approx(samples / r["predicted_step_s"]["1F1B"])
         for name in pub.SCHEDULES[1:]:
             ratio = pred[name] / pred["1F1B"]
             assert r["predicted_ratio"][name] == pytest.approx(ratio)

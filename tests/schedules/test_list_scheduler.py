@@ -8,9 +8,12 @@ start when the simulator starts it, and the makespans must be equal.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import random
+import signal
+from collections.abc import Iterator
 
 import pytest
 
@@ -157,3 +160,45 @@ def test_a_reused_scheduler_plans_as_a_fresh_one() -> None:
                 assert again.steps == fresh.steps and again.starts == fresh.starts
     with pytest.raises(ScheduleError, match="full"):
         planner.run(Policy("v", 2, split=False), [math.inf] * 3)
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: int) -> Iterator[None]:
+    """Fail instead of hanging (the alarm interrupts a pure-Python loop)."""
+    if not hasattr(signal, "SIGALRM"):
+        pytest.skip("needs SIGALRM to guard against a hang")
+
+    def expired(*_: object) -> None:
+        raise TimeoutError(f"still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.mark.parametrize("gap", [0.0, 0.5, 1.0])
+def test_a_run_stuck_under_the_limit_with_w_pending_ends(gap: float) -> None:
+    # zb-h2's order needs more than 2 microbatches of memory on rank 0 here: rank 0 stops
+    # at an F that does not fit, and rank 1, its W pending, waited for an arrival from
+    # rank 0 that could never come, re-deciding forever (gap x W above the wait it
+    # expected).  Now the W run and the run ends: None, the order does not fit.
+    costs = CostModel.uniform(2, F=1.0, I=1.0, W=2.0)
+    sched = GENERATORS["zb-h2"].build(2, 4, 1)
+    order = compute_order(sched, keep_w=False)
+    scheduler = ListScheduler(costs, sched.placement, 4, split=True)
+    with _time_limit(10):
+        assert scheduler.run(Policy("order", 1, True, gap), [2.0, 2.0], order) is None
+        assert scheduler.run(Policy("order", 1, True, gap), [4.0, 4.0], order) is not None
+
+
+def test_auto_ends_where_a_named_order_deadlocks_under_the_limit() -> None:
+    from zeropipe.schedules.auto import search
+
+    costs = CostModel.uniform(2, F=1.0, I=1.0, W=2.0)
+    with _time_limit(30):
+        result = search(costs, 2, 4, 2.0, max_chunks=1)
+    assert max(result.timeline.peak_memory) <= 2.0 + 1e-9

@@ -385,6 +385,13 @@ class ListRun:
         pending = self.pending[r]
         if pick is None and pending:
             s, i = pending[0]
+            if known == math.inf and not self._others_due():
+                # ``bound`` assumes a producer's rank will run, but no other rank is due to
+                # decide again: only this rank's actions could wake one, and a W wakes
+                # none.  Waiting until ``bound`` would only recompute it, forever (a
+                # deadlock under the limit, unnoticed while this rank keeps its heap
+                # entry); the idle gap is unbounded: run the W, then the run ends.
+                bound = math.inf
             gap = min(known, bound) - t
             w = self.facts.duration[_W][s]
             fill = blocked_by_w or gap >= self.policy.gap * w - _EPS
@@ -401,6 +408,12 @@ class ListRun:
         if known < math.inf:
             return None, t, known
         return None, t, bound if pending and bound > t + _EPS else math.inf
+
+    def _others_due(self) -> bool:
+        """Whether another rank is due to decide again (a current entry in the heap; the
+        deciding rank's own was popped)."""
+        version = self.version
+        return any(ver == version[q] for _, _, q, ver in self.heap)
 
     def _room(self, r: int, s: int, want: list[int]) -> float:
         """Memory of ``r`` after an F of ``s``, with room kept for its deeper stages' F."""

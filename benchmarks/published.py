@@ -1,0 +1,304 @@
+"""Benchmark: zeropipe's spec cost model against the zero-bubble paper's measured throughput.
+
+The paper (Qi, Wan, Huang, Lin, "Zero Bubble Pipeline Parallelism", ICLR 2024,
+arXiv 2401.10241) measured four schedules on GPT-3-like models on A100 SXM 80GB
+GPUs (Megatron-LM, 8 GPUs a node, RoCE between nodes, pipeline only: no data or
+tensor parallelism) and published samples per GPU per second in its Table 4.
+Here every row is predicted from the published setting alone (Table 3: layers,
+hidden size, heads, GPUs, microbatch size and count; sequence 1024) with
+``CostModel.from_spec`` on the shipped ``a100-80gb`` spec, its default
+efficiencies, and nothing fitted per row::
+
+    1F1B     the named schedule 1f1b
+    1F1B-I   interleaved-1f1b with the paper's chunking: "the maximum number of
+             chunks, each transformer layer a chunk"; every model has
+             layers = k x GPUs - 2, so k = (layers + 2) / GPUs chunks per rank,
+             embedding and head in the place of one layer each (--chunks overrides)
+    ZB-1p    auto (one chunk per rank, as the paper's ZB-1p) with each rank's
+             activation memory limited to p microbatches of its stage (the paper's
+             "activation memory limited to p M_B"; weights on top): rank 0's limit
+             is exactly its 1F1B peak
+    ZB-2p    the same with 2p microbatches
+
+Predicted throughput is samples per GPU per second, m x microbatch size / (GPUs x
+simulated step time), as the paper counts; each schedule's ratio to 1F1B
+is compared with the published ratio (relative error), and the ranking of the
+four schedules with the published one.
+
+Assumed where the paper is silent: the model is GPT-2/3-style (plain GELU FFN of
+4 x hidden, multi-head attention, learned positions), the GPT-2 vocabulary (50257)
+and tied input/output embeddings (Megatron's default; the last stage still holds
+its copy of the head), bf16.  The network between nodes is the spec's 25 GB/s per
+GPU (the paper names RoCE, not its speed).
+
+    python benchmarks/published.py
+    python benchmarks/published.py --json rows.json
+    python benchmarks/published.py --models 1.5B --chunks 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from itertools import combinations
+from typing import Any
+
+from zeropipe.costs import CostModel
+from zeropipe.schedules import generate
+from zeropipe.schedules.auto import search
+from zeropipe.simulate import simulate
+from zeropipe.specs import ModelSpec
+
+SOURCE = "Qi et al., Zero Bubble Pipeline Parallelism, ICLR 2024, arXiv 2401.10241"
+HARDWARE = "a100-80gb"
+SEQ = 1024
+VOCAB = 50257  # GPT-2 tokenizer (assumed: the paper says "analogous to GPT-3")
+SCHEDULES = ("1F1B", "1F1B-I", "ZB-1p", "ZB-2p")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One model of the paper's Table 3 (fixed settings of the experiments)."""
+
+    model: str
+    layers: int
+    heads: int
+    hidden: int
+    gpus: int  # = pipeline stages: no data or tensor parallelism
+    microbatch_size: int
+    microbatches: tuple[int, ...]
+
+    def spec(self) -> ModelSpec:
+        return ModelSpec(
+            name=f"zb-paper-{self.model}",
+            layers=self.layers,
+            hidden=self.hidden,
+            heads=self.heads,
+            kv_heads=self.heads,
+            ffn=4 * self.hidden,
+            vocab=VOCAB,
+            tied_embeddings=True,
+            gated=False,
+            source=f"{SOURCE}, Table 3",
+        )
+
+    def paper_chunks(self) -> int:
+        """1F1B-I's chunks per rank: one layer a chunk, embedding and head counted as one
+        each (layers = k x GPUs - 2 for every model of the paper)."""
+        return (self.layers + 2) // self.gpus
+
+
+# Table 3 of the paper, typed in: layers, attention heads, hidden size, GPUs,
+# microbatch size, numbers of microbatches (sequence length 1024 for all).
+SETTINGS: tuple[Setting, ...] = (
+    Setting("1.5B", 22, 24, 2304, 8, 6, (24, 32, 64)),
+    Setting("6.2B", 30, 32, 4096, 8, 3, (24, 32, 64)),
+    Setting("14.6B", 46, 40, 5120, 16, 1, (48, 64, 128)),
+    Setting("28.3B", 62, 48, 6144, 32, 1, (96, 128, 256)),
+)
+
+# Table 4 of the paper, typed in: samples per GPU per second, by (model, microbatches),
+# in the order of SCHEDULES (1F1B, 1F1B-I, ZB-1p, ZB-2p).
+PUBLISHED: dict[tuple[str, int], tuple[float, float, float, float]] = {
+    ("1.5B", 24): (11.8, 13.1, 12.9, 14.5),
+    ("1.5B", 32): (12.5, 13.4, 13.4, 14.8),
+    ("1.5B", 64): (13.6, 13.9, 14.2, 14.9),
+    ("6.2B", 24): (3.50, 4.01, 3.88, 4.32),
+    ("6.2B", 32): (3.70, 4.08, 4.00, 4.35),
+    ("6.2B", 64): (4.03, 4.19, 4.20, 4.39),
+    ("14.6B", 48): (1.40, 1.54, 1.61, 1.81),
+    ("14.6B", 64): (1.49, 1.59, 1.67, 1.83),
+    ("14.6B", 128): (1.64, 1.66, 1.76, 1.85),
+    ("28.3B", 96): (0.76, 0.82, 0.87, 0.99),
+    ("28.3B", 128): (0.80, 0.85, 0.90, 1.00),
+    ("28.3B", 256): (0.88, 0.90, 0.96, 1.00),
+}
+
+
+def published(model: str, microbatches: int) -> dict[str, float]:
+    """The paper's samples per GPU per second of one row, by schedule."""
+    return dict(zip(SCHEDULES, PUBLISHED[(model, microbatches)], strict=True))
+
+
+def costs(setting: Setting, chunks: int = 1) -> CostModel:
+    """The cost model of ``setting`` cut into ``chunks`` stages per rank, from specs only."""
+    return CostModel.from_spec(
+        setting.spec(),
+        HARDWARE,
+        stages=setting.gpus * chunks,
+        pp=setting.gpus,
+        seq=SEQ,
+        microbatch_size=setting.microbatch_size,
+    )
+
+
+def activation_limits(c: CostModel, microbatches: int) -> list[float]:
+    """Per rank: its weights plus ``microbatches`` microbatches of its stage's activations."""
+    return [s.weights + microbatches * s.act for s in c.stages]
+
+
+def rank_imbalance(c: CostModel, ranks: int) -> float:
+    """The busiest rank's F + I + W over the mean rank's (stage ``s`` on rank ``s % ranks``):
+    a bound on what a schedule on this cut can reach, whatever its bubbles."""
+    work = [0.0] * ranks
+    for s, stage in enumerate(c.stages):
+        work[s % ranks] += stage.F + stage.I + stage.W
+    return max(work) / (sum(work) / ranks)
+
+
+def predict(setting: Setting, m: int, chunks: int | None = None) -> dict[str, float]:
+    """Simulated step seconds of each schedule for ``m`` microbatches of ``setting``."""
+    p = setting.gpus
+    v = setting.paper_chunks() if chunks is None else chunks
+    one = costs(setting)
+    step = {
+        "1F1B": simulate(generate("1f1b", p, m), one).makespan,
+        "1F1B-I": simulate(generate("interleaved-1f1b", p, m, v), costs(setting, v)).makespan,
+    }
+    for name, k in (("ZB-1p", 1), ("ZB-2p", 2)):
+        found = search(one, p, m, activation_limits(one, k * p), max_chunks=1)
+        step[name] = found.timeline.makespan
+    return step
+
+
+def ratios(throughput: Mapping[str, float]) -> dict[str, float]:
+    """Each schedule's throughput over 1F1B's."""
+    return {name: throughput[name] / throughput["1F1B"] for name in SCHEDULES}
+
+
+def ranking_agrees(published: Mapping[str, float], predicted: Mapping[str, float]) -> bool:
+    """Whether every pair the paper orders (different throughputs) is ordered alike;
+    a published tie accepts either order."""
+    for a, b in combinations(SCHEDULES, 2):
+        pub = published[a] - published[b]
+        if pub != 0 and (pub > 0) != (predicted[a] - predicted[b] > 0):
+            return False
+    return True
+
+
+def ranking(throughput: Mapping[str, float]) -> str:
+    return " > ".join(sorted(SCHEDULES, key=lambda s: -throughput[s]))
+
+
+def row(setting: Setting, m: int, chunks: int | None = None) -> dict[str, Any]:
+    """One row of the comparison: published and predicted ratios, errors, ranking."""
+    step = predict(setting, m, chunks)
+    v = setting.paper_chunks() if chunks is None else chunks
+    samples = m * setting.microbatch_size / setting.gpus  # per GPU, as the paper counts
+    predicted = {name: samples / seconds for name, seconds in step.items()}
+    pub = published(setting.model, m)
+    pub_ratio, pred_ratio = ratios(pub), ratios(predicted)
+    errors = {s: pred_ratio[s] / pub_ratio[s] - 1 for s in SCHEDULES if s != "1F1B"}
+    return {
+        "model": setting.model,
+        "gpus": setting.gpus,
+        "microbatches": m,
+        "microbatch_size": setting.microbatch_size,
+        "chunks_1f1b_i": v,
+        "imbalance_1f1b": rank_imbalance(costs(setting), setting.gpus),
+        "imbalance_1f1b_i": rank_imbalance(costs(setting, v), setting.gpus),
+        "published": pub,
+        "predicted_step_s": step,
+        "predicted": predicted,
+        "published_ratio": pub_ratio,
+        "predicted_ratio": pred_ratio,
+        "error": errors,
+        "max_error": max(abs(e) for e in errors.values()),
+        "ranking_agrees": ranking_agrees(pub, predicted),
+        "published_ranking": ranking(pub),
+        "predicted_ranking": ranking(predicted),
+    }
+
+
+def run(models: Sequence[str] | None = None, chunks: int | None = None) -> list[dict[str, Any]]:
+    out = []
+    for setting in SETTINGS:
+        if models and setting.model not in models:
+            continue
+        for m in setting.microbatches:
+            t0 = time.perf_counter()
+            out.append(row(setting, m, chunks))
+            print(
+                f"  {setting.model} m={m}: {time.perf_counter() - t0:.1f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+    return out
+
+
+def table(rows: Sequence[dict[str, Any]]) -> str:
+    head = (
+        f"{'model':>6} {'GPUs':>4} {'m':>4} {'v':>2} {'load':>11} | {'1F1B pub/pred':>13} | "
+        + " | ".join(f"{s + ' pub/pred (err)':>26}" for s in SCHEDULES[1:])
+        + " | ranking"
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        cells = [
+            f"{r['published_ratio'][s]:.3f} / {r['predicted_ratio'][s]:.3f} ({r['error'][s]:+6.1%})"
+            for s in SCHEDULES[1:]
+        ]
+        lines.append(
+            f"{r['model']:>6} {r['gpus']:>4} {r['microbatches']:>4} {r['chunks_1f1b_i']:>2} "
+            f"{r['imbalance_1f1b']:>5.2f}/{r['imbalance_1f1b_i']:<5.2f} | "
+            f"{r['published']['1F1B']:>6.2f}/{r['predicted']['1F1B']:<6.2f} | "
+            + " | ".join(f"{c:>26}" for c in cells)
+            + f" | {'agrees' if r['ranking_agrees'] else 'differs: ' + r['predicted_ranking']}"
+        )
+    return "\n".join(lines)
+
+
+def summary(rows: Sequence[dict[str, Any]]) -> str:
+    worst = max(rows, key=lambda r: r["max_error"])
+    within = sum(r["max_error"] <= 0.10 for r in rows)
+    agree = sum(r["ranking_agrees"] for r in rows)
+    return (
+        f"max |error| {worst['max_error']:.1%} ({worst['model']} m={worst['microbatches']}); "
+        f"rows with every ratio within 10%: {within}/{len(rows)}; "
+        f"ranking agrees: {agree}/{len(rows)}"
+    )
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    p.add_argument("--models", help="comma-separated subset, e.g. 1.5B,6.2B")
+    p.add_argument(
+        "--chunks", type=int, help="1F1B-I chunks per rank (default: the paper's, (layers+2)/GPUs)"
+    )
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    args = _parse(argv)
+    models = args.models.split(",") if args.models else None
+    if models:
+        unknown = set(models) - {s.model for s in SETTINGS}
+        if unknown:
+            raise SystemExit(
+                f"unknown model(s) {sorted(unknown)}; the paper has 1.5B, 6.2B, 14.6B, 28.3B"
+            )
+    t0 = time.perf_counter()
+    rows = run(models, args.chunks)
+    print(
+        f"{SOURCE}: Table 4 (samples per GPU per second) against zeropipe's prediction "
+        f"(CostModel.from_spec, {HARDWARE}, default efficiencies, no per-row factors); "
+        f"ratios to 1F1B, error = predicted / published - 1; v: 1F1B-I chunks per rank; "
+        f"load: busiest rank's work / mean rank's, 1F1B / 1F1B-I cut; 1F1B in samples "
+        f"per GPU per second"
+    )
+    print(table(rows))
+    print(summary(rows))
+    print(f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"source": SOURCE, "hardware": HARDWARE, "rows": rows}, f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

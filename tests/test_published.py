@@ -1,0 +1,153 @@
+"""benchmarks/published.py: the zero-bubble paper's table as data, and predictions made from
+the published setting alone (no per-row factor), checked by properties of the model."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from zeropipe.costs import CostModel, peak_memory
+from zeropipe.schedules import generate
+from zeropipe.simulate import simulate
+
+
+def _load() -> ModuleType:
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "published.py"
+    spec = importlib.util.spec_from_file_location("published_benchmark", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+pub = _load()
+SMALL = pub.Setting("small", 14, 16, 2048, 4, 1, (8,))  # a reduced GPT: 4 ranks, 8 microbatches
+
+
+def test_the_table_has_every_row_of_every_setting_and_nothing_else() -> None:
+    keys = {(s.model, m) for s in pub.SETTINGS for m in s.microbatches}
+    assert keys == set(pub.PUBLISHED)
+    assert len(keys) == 12
+    for s in pub.SETTINGS:
+        assert (s.layers + 2) % s.gpus == 0  # the paper's layers = k x GPUs - 2
+        assert s.paper_chunks() >= 2
+        assert s.hidden % s.heads == 0
+        for m in s.microbatches:
+            assert m >= s.gpus  # every row has at least p microbatches
+            row = pub.published(s.model, m)
+            assert list(row) == list(pub.SCHEDULES)
+            assert all(x > 0 for x in row.values())
+            # What the paper reports: ZB-2p is the fastest of all, 1F1B the slowest.
+            assert row["ZB-2p"] == max(row.values()) and row["1F1B"] == min(row.values())
+
+
+def test_within_a_setting_more_microbatches_never_lower_a_published_throughput() -> None:
+    for s in pub.SETTINGS:
+        for name in pub.SCHEDULES:
+            values = [pub.published(s.model, m)[name] for m in s.microbatches]
+            assert values == sorted(values), (s.model, name)
+
+
+def test_model_spec_is_the_published_shape_and_about_the_published_size() -> None:
+    for s in pub.SETTINGS:
+        spec = s.spec()
+        assert (spec.layers, spec.hidden, spec.heads) == (s.layers, s.hidden, s.heads)
+        # The names are the parameter counts (tied embeddings counted once): within 2%.
+        assert spec.params() / (float(s.model.removesuffix("B")) * 1e9) == pytest.approx(
+            1, abs=0.02
+        )
+
+
+def test_ratios_and_ranking_are_computed_from_throughputs() -> None:
+    row = pub.published("28.3B", 96)
+    r = pub.ratios(row)
+    assert r["1F1B"] == 1.0
+    assert r["ZB-2p"] == pytest.approx(0.99 / 0.76)
+    assert pub.ranking_agrees(row, row)
+    swapped = {**row, "1F1B": row["ZB-2p"], "ZB-2p": row["1F1B"]}
+    assert not pub.ranking_agrees(row, swapped)
+    # A published tie (1.5B, m=32: 1F1B-I = ZB-1p = 13.4) accepts either order.
+    tie = pub.published("1.5B", 32)
+    assert pub.ranking_agrees(tie, {**tie, "1F1B-I": 13.3})
+    assert pub.ranking_agrees(tie, {**tie, "ZB-1p": 13.3})
+
+
+def test_a_prediction_is_from_spec_and_the_simulator_with_no_factor() -> None:
+    s = pub.SETTINGS[0]  # 1.5B on 8 GPUs
+    step = pub.predict(s, 24)
+    direct = CostModel.from_spec(
+        s.spec(), "a100-80gb", stages=8, seq=1024, microbatch_size=s.microbatch_size
+    )
+    assert step["1F1B"] == simulate(generate("1f1b", 8, 24), direct).makespan
+    v = s.paper_chunks()
+    inter = CostModel.from_spec(
+        s.spec(), "a100-80gb", stages=8 * v, pp=8, seq=1024, microbatch_size=s.microbatch_size
+    )
+    assert step["1F1B-I"] == simulate(generate("interleaved-1f1b", 8, 24, v), inter).makespan
+
+
+def test_zb_limits_hold_one_f_one_b_and_zb_2p_gets_twice_the_activations() -> None:
+    c = pub.costs(SMALL)
+    p = SMALL.gpus
+    one, two = pub.activation_limits(c, p), pub.activation_limits(c, 2 * p)
+    peaks = [x for x, _ in peak_memory(generate("1f1b", p, 8), c)]
+    assert all(peak <= limit * (1 + 1e-12) for peak, limit in zip(peaks, one, strict=True))
+    assert peaks[0] == pytest.approx(one[0])  # rank 0 holds p microbatches in 1F1B
+    for s, a, b in zip(c.stages, one, two, strict=True):
+        assert b - s.weights == pytest.approx(2 * (a - s.weights))
+
+
+def test_reduced_setting_orders_zero_bubble_ahead_and_stays_under_the_work_bound() -> None:
+    m = 8
+    step = pub.predict(SMALL, m)
+    c = pub.costs(SMALL)
+    # No schedule ends before its busiest rank has done all its work.
+    busiest = max(m * (s.F + s.I + s.W) for s in c.stages)
+    assert all(t >= busiest * (1 - 1e-9) for t in step.values())
+    # 1F1B fits both ZB limits, and auto is never worse than a named schedule that fits.
+    assert step["ZB-1p"] <= step["1F1B"] * (1 + 1e-9)
+    assert step["ZB-2p"] <= step["1F1B"] * (1 + 1e-9)
+    # With few microbatches the 1F1B bubble is large: zero bubble must gain here.
+    assert step["ZB-2p"] < 0.95 * step["1F1B"]
+
+
+def test_the_script_writes_rows_that_read_back_and_match_what_it_printed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "rows.json"
+    rows = pub.main(["--models", "1.5B", "--json", str(path)])
+    out = capsys.readouterr()
+    data = json.loads(path.read_text())
+    assert data["source"] == pub.SOURCE and data["hardware"] == "a100-80gb"
+    assert data["rows"] == json.loads(json.dumps(rows))
+    assert [r["microbatches"] for r in data["rows"]] == [24, 32, 64]
+    for r in data["rows"]:
+        pred = r["predicted"]
+        samples = r["microbatches"] * r["microbatch_size"] / r["gpus"]
+        assert pred["1F1B"] == pytest.approx(samples / r["predicted_step_s"]["1F1B"])
+        for name in pub.SCHEDULES[1:]:
+            ratio = pred[name] / pred["1F1B"]
+            assert r["predicted_ratio"][name] == pytest.approx(ratio)
+            assert r["error"][name] == pytest.approx(ratio / r["published_ratio"][name] - 1)
+        assert r["max_error"] == max(abs(e) for e in r["error"].values())
+    assert "ranking agrees:" in out.out and "1.5B m=24" in out.err
+
+
+def test_an_unknown_model_is_refused_by_name() -> None:
+    with pytest.raises(SystemExit, match="7B"):
+        pub.main(["--models", "7B"])
+
+
+def test_rank_imbalance_is_one_for_equal_stages_and_sees_a_heavy_rank() -> None:
+    assert pub.rank_imbalance(CostModel.uniform(8), 4) == pytest.approx(1.0)  # 2 chunks each
+    c = pub.costs(pub.SETTINGS[0], pub.SETTINGS[0].paper_chunks())
+    heavy = pub.rank_imbalance(c, 8)
+    slowest = max(s.F + s.I + s.W for s in c.stages)
+    mean = sum(s.F + s.I + s.W for s in c.stages) / 8
+    assert heavy >= 1.0 and heavy * mean >= slowest

@@ -30,7 +30,7 @@ from zeropipe.ir import Action, Kind
 from zeropipe.runtime import launch as launch_module
 from zeropipe.runtime.launch import init_from_env, launch
 from zeropipe.runtime.pipeline import Pipeline
-from zeropipe.runtime.works import WaitPool
+from zeropipe.runtime.works import Pending, WaitPool
 
 WORLDS = (2, 4)
 ROOT = Path(__file__).resolve().parents[2]
@@ -298,6 +298,38 @@ def test_wait_pool_counts_the_waits_still_blocked() -> None:
     while pool.busy and time.monotonic() < deadline:
         time.sleep(0.01)
     assert pool.busy == 0
+    pool.close()
+
+
+class _Work:
+    """A stand-in for a c10d work: ``wait()`` blocks until released, then returns or raises."""
+
+    def __init__(self, error: BaseException | None = None) -> None:
+        self.release = threading.Event()
+        self.error = error
+
+    def wait(self) -> bool:
+        self.release.wait(10)
+        if self.error is not None:
+            raise self.error
+        return True
+
+
+def test_pending_finishes_once_every_work_is_done_and_stays_finished() -> None:
+    pool = WaitPool()
+    first, second = _Work(), _Work(RuntimeError("peer gone"))
+    pending = Pending([first, second], [("first", 1), ("second", 2)], pool)
+    assert not pending.finished(0.02)
+    assert not pending.finished(0)  # a zero slice looks without waiting
+    first.release.set()
+    time.sleep(0.05)
+    assert not pending.finished(0.02)  # the second is still out
+    assert pending.label() == ("second", 2)
+    second.release.set()
+    assert pending.finished(5)
+    assert pending.finished(0) and pending.finished(0.01)  # and stays so
+    assert isinstance(pending.error, RuntimeError)
+    assert Pending([], [], pool).finished(0)  # nothing to wait for
     pool.close()
 
 

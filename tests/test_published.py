@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
 
@@ -80,16 +81,28 @@ def test_ratios_and_ranking_are_computed_from_throughputs() -> None:
 
 def test_a_prediction_is_from_spec_and_the_simulator_with_no_factor() -> None:
     s = pub.SETTINGS[0]  # 1.5B on 8 GPUs
-    step = pub.predict(s, 24)
+    v = s.paper_chunks()
     direct = CostModel.from_spec(
         s.spec(), "a100-80gb", stages=8, seq=1024, microbatch_size=s.microbatch_size
     )
-    assert step["1F1B"] == simulate(generate("1f1b", 8, 24), direct).makespan
-    v = s.paper_chunks()
     inter = CostModel.from_spec(
         s.spec(), "a100-80gb", stages=8 * v, pp=8, seq=1024, microbatch_size=s.microbatch_size
     )
-    assert step["1F1B-I"] == simulate(generate("interleaved-1f1b", 8, 24, v), inter).makespan
+    overlapped = pub.predict(s, 24, p2p="overlapped")
+    assert overlapped["1F1B"] == simulate(generate("1f1b", 8, 24), direct).makespan
+    assert overlapped["1F1B-I"] == simulate(generate("interleaved-1f1b", 8, 24, v), inter).makespan
+    # Blocking transfers: the same models, each send and receive taking the wire time.
+    blocking = pub.predict(s, 24)
+    wire = direct.transfer_time(0)
+    assert wire == inter.transfer_time(0) > 0
+    for name, model, sched in (
+        ("1F1B", direct, generate("1f1b", 8, 24)),
+        ("1F1B-I", inter, generate("interleaved-1f1b", 8, 24, v)),
+    ):
+        priced = replace(model, post=wire)
+        assert blocking[name] == simulate(sched, priced).makespan > overlapped[name]
+    with pytest.raises(ValueError, match="p2p must be one of"):
+        pub.costs(s, 1, "eager")
 
 
 def test_zb_limits_hold_one_f_one_b_and_zb_2p_gets_twice_the_activations() -> None:

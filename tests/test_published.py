@@ -79,20 +79,34 @@ def test_ratios_and_ranking_are_computed_from_throughputs() -> None:
     assert pub.ranking_agrees(tie, {**tie, "ZB-1p": 13.3})
 
 
+def test_the_paper_layout_gives_embedding_and_head_a_block_place_each() -> None:
+    s = pub.SETTINGS[0]  # 1.5B: 22 layers on 8 GPUs, 24 places
+    assert s.blocks(8) == [2, 3, 3, 3, 3, 3, 3, 2]
+    assert s.blocks(24) == [0] + [1] * 22 + [0]  # 1F1B-I: a block a chunk
+    for setting in pub.SETTINGS:
+        for stages in (setting.gpus, setting.gpus * setting.paper_chunks()):
+            cut = setting.blocks(stages)
+            assert sum(cut) == setting.layers and min(cut) >= 0
+            assert max(cut[1:-1]) - min(cut[1:-1]) <= 1  # the middle cut evenly
+
+
 def test_a_prediction_is_from_spec_and_the_simulator_with_no_factor() -> None:
     s = pub.SETTINGS[0]  # 1.5B on 8 GPUs
     v = s.paper_chunks()
     direct = CostModel.from_spec(
-        s.spec(), "a100-80gb", stages=8, seq=1024, microbatch_size=s.microbatch_size
-    )
+        s.spec(), "a100-80gb", stages=8, seq=1024, microbatch_size=s.microbatch_size,
+        blocks=s.blocks(8),
+    )  # fmt: skip
     inter = CostModel.from_spec(
-        s.spec(), "a100-80gb", stages=8 * v, pp=8, seq=1024, microbatch_size=s.microbatch_size
-    )
-    overlapped = pub.predict(s, 24, p2p="overlapped")
+        s.spec(), "a100-80gb", stages=8 * v, pp=8, seq=1024, microbatch_size=s.microbatch_size,
+        blocks=s.blocks(8 * v),
+    )  # fmt: skip
+    plain = pub.Pricing("overlapped", "makespan")
+    overlapped = pub.predict(s, 24, pricing=plain)
     assert overlapped["1F1B"] == simulate(generate("1f1b", 8, 24), direct).makespan
     assert overlapped["1F1B-I"] == simulate(generate("interleaved-1f1b", 8, 24, v), inter).makespan
     # Blocking transfers: the same models, each send and receive taking the wire time.
-    blocking = pub.predict(s, 24)
+    blocking = pub.predict(s, 24, pricing=pub.Pricing("blocking", "makespan"))
     wire = direct.transfer_time(0)
     assert wire == inter.transfer_time(0) > 0
     for name, model, sched in (
@@ -102,7 +116,27 @@ def test_a_prediction_is_from_spec_and_the_simulator_with_no_factor() -> None:
         priced = replace(model, post=wire)
         assert blocking[name] == simulate(sched, priced).makespan > overlapped[name]
     with pytest.raises(ValueError, match="p2p must be one of"):
-        pub.costs(s, 1, "eager")
+        pub.Pricing("eager")
+    with pytest.raises(ValueError, match="timing must be one of"):
+        pub.Pricing("blocking", "wall")
+
+
+def test_iteration_time_is_the_longest_rank_span_and_the_makespan_for_1f1b() -> None:
+    c = pub.costs(SMALL)
+    one = simulate(generate("1f1b", SMALL.gpus, 8), c)
+    assert pub.iteration_time(one) == pytest.approx(one.makespan)  # rank 0 starts and ends
+    found = pub.search(c, SMALL.gpus, 8, pub.activation_limits(c, 2 * SMALL.gpus), max_chunks=1)
+    tl = found.timeline
+    span = pub.iteration_time(tl)
+    assert span <= tl.makespan
+    assert pub.iteration_time(tl, "makespan") == tl.makespan
+    # No rank computes for longer than the span, and one rank for exactly as long.
+    lengths = [
+        max(e.end for e in evs if e.action.kind.value in "FBIW")
+        - min(e.start for e in evs if e.action.kind.value in "FBIW")
+        for evs in tl.events
+    ]
+    assert max(lengths) == pytest.approx(span)
 
 
 def test_zb_limits_hold_one_f_one_b_and_zb_2p_gets_twice_the_activations() -> None:

@@ -19,6 +19,13 @@ stage that receives nothing (stage 0's F, the last stage's B): elsewhere they
 include the wait for the peer.  The step's share outside the actions
 (splitting the batch, the end-of-step barrier) is "per step, outside actions".
 
+A second table puts the whole runtime beside torch's on one stage (no
+transfers): a step of 1f1b over 8 microbatches of the tiny MLP that
+``zeropipe bench --blocks 4 --width 64 --hidden 128`` runs (4 blocks of
+Linear(64, 128) - GELU - Linear(128, 64), batch 64), zeropipe's ``Pipeline``
+against torch's ``Schedule1F1B`` and a plain loop over the microbatches, in one
+process, interleaved, median of ``--steps`` steps.
+
     python benchmarks/per_action.py
     python benchmarks/per_action.py --steps 400 --json
 """
@@ -37,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zeropipe.ir import Kind
+from zeropipe.models.mlp import mlp_blocks
 from zeropipe.runtime.launch import launch
 from zeropipe.runtime.pipeline import Pipeline
 from zeropipe.simulate import Event
@@ -154,6 +162,38 @@ def _distributed(steps: int) -> dict[str, float]:
     return _merge([part for rank in results for part in rank])
 
 
+def _one_stage_rank(rank: int, world: int, steps: int) -> dict[str, float]:
+    """One process: a 1f1b step of the tiny MLP under zeropipe, torch, and a plain loop."""
+    from torch.distributed import pipelining
+
+    x, y = torch.randn(64, 64), torch.randn(64, 64)
+    ours, theirs = mlp_blocks(4, 64, 128), mlp_blocks(4, 64, 128)
+    pipe = Pipeline(ours, "1f1b", MICROBATCHES, F.mse_loss, ranks=1, group_w=1)
+    stage = pipelining.PipelineStage(theirs, 0, 1, torch.device("cpu"))
+    sched = pipelining.Schedule1F1B(stage, n_microbatches=MICROBATCHES, loss_fn=F.mse_loss)
+
+    def zeropipe_step() -> None:
+        pipe.step(x, y)
+        ours.zero_grad(set_to_none=True)
+
+    def torch_step() -> None:
+        sched.step(x, target=y, losses=[])
+        theirs.zero_grad(set_to_none=True)
+
+    def plain_step() -> None:
+        for xi, yi in zip(x.tensor_split(MICROBATCHES), y.tensor_split(MICROBATCHES), strict=True):
+            torch.autograd.backward(F.mse_loss(theirs(xi), yi) / MICROBATCHES)
+        theirs.zero_grad(set_to_none=True)
+
+    runs = {"zeropipe Pipeline": zeropipe_step, "torch Schedule1F1B": torch_step}
+    runs["plain loop"] = plain_step
+    found: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(3):  # interleaved blocks, so drift hits all alike
+        for name, fn in runs.items():
+            found[name].append(_median(fn, steps))
+    return {name: statistics.median(times) for name, times in found.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=200, help="measured steps per schedule")
@@ -163,8 +203,18 @@ def main(argv: list[str] | None = None) -> int:
     plain = _plain(args.steps * 10)
     local = _local(args.steps)
     dist_ = _distributed(args.steps)
+    one_stage: dict[str, float] = launch(_one_stage_rank, 1, args.steps, threads=1)[0]
     if args.json:
-        print(json.dumps({"local_s": local, "distributed_s": dist_, "plain_s": plain}))
+        print(
+            json.dumps(
+                {
+                    "local_s": local,
+                    "distributed_s": dist_,
+                    "plain_s": plain,
+                    "one_stage_s": one_stage,
+                }
+            )
+        )
         return 0
     ref = {"F": plain["F"], "B": plain["F+B"] - plain["F"]}
     print(
@@ -176,6 +226,13 @@ def main(argv: list[str] | None = None) -> int:
     for key, label in ROWS:
         cells = [_cell(local.get(key)), _cell(dist_.get(key)), _cell(ref.get(key))]
         print(f"{label:<36}{cells[0]:>10}{cells[1]:>16}{cells[2]:>16}")
+    base = one_stage["plain loop"]
+    print(
+        f"\none stage, 1f1b over {MICROBATCHES} microbatches of 4 x Linear(64,128)-GELU-"
+        f"Linear(128,64), batch 64, one process, median step (ms) and over the plain loop"
+    )
+    for name, seconds in one_stage.items():
+        print(f"{name:<36}{seconds * 1e3:>10.3f}{seconds / base:>16.2f}")
     return 0
 
 

@@ -21,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 from zeropipe.autograd.split import (
     WeightGradStash,
     prepare_split,
+    split_linears,
     unprepare_split,
     weight_backward_together,
 )
@@ -346,6 +347,28 @@ def test_stage_without_linears_has_nothing_to_defer() -> None:
 def test_recording_an_unprepared_module_raises() -> None:
     with pytest.raises(PipelineError, match="prepare_split"), WeightGradStash().recording(Stage()):
         pass
+
+
+def test_split_linears_finds_the_prepared_linears_once_for_every_recording() -> None:
+    model = Stage().double()
+    with pytest.raises(PipelineError, match=r"not prepared for split backward \(blocks\.0\."):
+        split_linears(model)
+    prepare_split(model)
+    found = split_linears(model)
+    assert found and all(isinstance(m, nn.Linear) for m in found)
+    assert len(found) == sum(isinstance(m, nn.Linear) for m in model.modules())
+    # Recording with the list found once defers exactly what a fresh lookup defers.
+    x = torch.randn(B, S, D, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(B, S, D, dtype=torch.float64)
+    counts = []
+    for linears in (None, found):
+        stash = WeightGradStash()
+        with stash.recording(model, linears):
+            out = model(x)
+        stash.input_backward(out, g)
+        counts.append(len(stash))
+        stash.weight_backward()
+    assert counts[0] == counts[1] == len(found)
 
 
 def test_frozen_linear_is_not_deferred_and_stays_exact() -> None:

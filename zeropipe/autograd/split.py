@@ -75,7 +75,13 @@ from zeropipe.autograd.grad_memory import GradMemory
 from zeropipe.errors import PipelineError
 from zeropipe.storage import distinct_bytes
 
-__all__ = ["WeightGradStash", "prepare_split", "unprepare_split", "weight_backward_together"]
+__all__ = [
+    "WeightGradStash",
+    "prepare_split",
+    "split_linears",
+    "unprepare_split",
+    "weight_backward_together",
+]
 
 
 @dataclass(frozen=True)
@@ -166,31 +172,27 @@ class WeightGradStash:
     # -- F -----------------------------------------------------------------------------
 
     @contextmanager
-    def recording(self, module: nn.Module) -> Iterator[None]:
+    def recording(
+        self, module: nn.Module, linears: Sequence[nn.Module] | None = None
+    ) -> Iterator[None]:
         """Bind this stash to the prepared linears of ``module`` for the forwards run inside.
 
         The binding is captured by each linear's autograd node, so the
-        context may close before I runs.  Raises :class:`PipelineError` if
-        ``module`` still has a plain ``nn.Linear`` (forgot :func:`prepare_split`)
-        or if this stash still holds deferred work from a previous microbatch.
+        context may close before I runs.  ``linears``: ``module``'s prepared
+        linears as :func:`split_linears` found them, for a caller that records
+        the same module many times (default: looked up on every call).  Raises
+        :class:`PipelineError` if ``module`` still has a plain ``nn.Linear``
+        (forgot :func:`prepare_split`) or if this stash still holds deferred
+        work from a previous microbatch.
         """
-        # One walk over the modules per recorded forward (it runs once per F): the linears to
-        # bind, and whether any was left unprepared (named only when it is an error).
-        modules = list(module.modules())
-        if any(type(m) is nn.Linear for m in modules):
-            unprepared = [name for name, m in module.named_modules() if type(m) is nn.Linear]
-            raise PipelineError(
-                f"{self._where()}: module has nn.Linear layers that are not prepared for split "
-                f"backward ({', '.join(n or '<root>' for n in unprepared[:5])}); call "
-                "prepare_split(module) once before recording"
-            )
+        if linears is None:
+            linears = split_linears(module, self._where())
         if self._awaiting_weight:
             raise PipelineError(
                 f"{self._where()}: cannot record a new forward while W of the previous one is "
                 f"pending ({len(self)} deferred entries); run weight_backward() or clear() first"
             )
         self._weight_done = False
-        linears = [m for m in modules if isinstance(m, _SplitLinear)]
         previous = [m.__dict__.get(_STASH_ATTR) for m in linears]
         for m in linears:
             m.__dict__[_STASH_ATTR] = self
@@ -310,8 +312,9 @@ def _stacked(group: list[_Deferred]) -> list[_Deferred]:
 
 
 def _rows(t: Tensor) -> Tensor:
-    # Leading dims (batch, seq, ...) are all rows of one matrix product.
-    return t.reshape(-1, t.shape[-1])
+    # Leading dims (batch, seq, ...) are all rows of one matrix product; a matrix as it is
+    # (a reshape to the same shape is a view all the same, and costs a call per use).
+    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
 
 
 def _weight_grad(input: Tensor, grad_output: Tensor) -> Tensor:
@@ -395,7 +398,7 @@ class _DeferrableLinearFn(torch.autograd.Function):
         if need_input:
             grad_input = grad_output.matmul(weight)
         if need_bias:
-            grad_bias = (grad_output if grad_output.dim() == 2 else _rows(grad_output)).sum(0)
+            grad_bias = _rows(grad_output).sum(0)
         if need_weight:
             # Only a leaf can be written to directly in W; anything else (a parametrized
             # weight) must send its gradient back through autograd now.
@@ -471,6 +474,24 @@ def prepare_split(module: nn.Module) -> nn.Module:
         if type(m) is nn.Linear:
             m.__class__ = _SplitLinear
     return module
+
+
+def split_linears(module: nn.Module, where: str = "split backward") -> tuple[nn.Module, ...]:
+    """The linears of ``module`` that :func:`prepare_split` made deferrable, in module order.
+
+    One walk over the modules, for :meth:`WeightGradStash.recording`; a caller that
+    records the same module for every microbatch looks them up once.  Raises
+    :class:`PipelineError` naming any plain ``nn.Linear`` left unprepared.
+    """
+    modules = list(module.modules())
+    if any(type(m) is nn.Linear for m in modules):
+        unprepared = [name for name, m in module.named_modules() if type(m) is nn.Linear]
+        raise PipelineError(
+            f"{where}: module has nn.Linear layers that are not prepared for split "
+            f"backward ({', '.join(n or '<root>' for n in unprepared[:5])}); call "
+            "prepare_split(module) once before recording"
+        )
+    return tuple(m for m in modules if isinstance(m, _SplitLinear))
 
 
 def unprepare_split(module: nn.Module) -> nn.Module:

@@ -156,7 +156,7 @@ def _run_forward(
     last = s == ctx.last and ctx.targets is not None
     with (
         torch.set_grad_enabled(grad),
-        stash.recording(stage.module) if stash is not None else nullcontext(),
+        stash.recording(stage.module, stage.linears) if stash is not None else nullcontext(),
         saved.hooks() if saved is not None else nullcontext(),
     ):
         outputs = stage.forward(

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from zeropipe.autograd.grad_memory import GradMemory
-from zeropipe.autograd.split import prepare_split
+from zeropipe.autograd.split import prepare_split, split_linears
 from zeropipe.build import build_schedule
 from zeropipe.costs import CostModel
 from zeropipe.deps import Dependencies, Graph
@@ -272,6 +272,7 @@ class Pipeline:
         self.device = compute_device(device, self.distributed, process_group, self.stages)
         for stage in self.stages.values():  # every backward runs through the split stash
             prepare_split(stage.module)
+            stage.linears = split_linears(stage.module)
             stage.autocast = self.options.autocast
         self.shared = shared_parameters(self.all_stages, self.schedule.placement)
         if self.replicas is not None and not dp_shard:

@@ -69,6 +69,10 @@ class Stage:
         # The dtype F and R compute in under torch.autocast (None: none); the pipeline
         # sets it from RuntimeOptions.autocast.  The backward runs outside autocast.
         self.autocast: torch.dtype | None = None
+        # The module's prepared linears (zeropipe.autograd.split.split_linears), found once
+        # when the pipeline prepares the stage, so a recorded forward does not walk the
+        # module again (None: looked up on every forward).
+        self.linears: tuple[nn.Module, ...] | None = None
 
     def forward(
         self, inputs: tuple[Tensor, ...], seed: int, step: int, mb: int, device: torch.device

@@ -184,12 +184,15 @@ atexit.register(_exit_with_blocked_waits)
 class Pending:
     """Works in flight, waited on without blocking the caller past a slice.
 
-    A pool thread calls ``wait()`` on each work in turn (gloo point-to-point
-    works never report completion otherwise, and for collectives it wakes the
-    caller sooner than polling ``is_completed()`` with backoff) and releases a
-    lock the caller waits on in slices (a bare lock: an ``Event``'s condition
-    costs the hand-over 10-20 us more, on the critical path of every transfer).
-    ``labels`` say, per work, what it is and which peer it involves.
+    From the first :meth:`finished` on, a pool thread calls ``wait()`` on each
+    work in turn (gloo point-to-point works never report completion otherwise,
+    and for collectives it wakes the caller sooner than polling
+    ``is_completed()`` with backoff) and releases a lock the caller waits on in
+    slices (a bare lock: an ``Event``'s condition costs the hand-over 10-20 us
+    more, on the critical path of every transfer).  Not before: a thread
+    blocked from the post on would wake when the data lands, whatever this
+    rank is computing then, and take the GIL from it.  ``labels`` say, per
+    work, what it is and which peer it involves.
     """
 
     def __init__(self, works: list[Any], labels: list[Label], pool: WaitPool) -> None:
@@ -198,9 +201,10 @@ class Pending:
         self.at = 0  # index of the work being waited on
         self._done = threading.Lock()  # held until every work is done
         self._finished = not works
+        self._pool: WaitPool | None = None
         if works:
             self._done.acquire()
-            pool.submit(self._wait_all)
+            self._pool = pool  # handed to a pool thread when first waited on
 
     def _wait_all(self) -> None:
         try:
@@ -214,6 +218,9 @@ class Pending:
 
     def finished(self, slice_s: float) -> bool:
         """Wait at most ``slice_s`` seconds; True once every work is done (or one failed)."""
+        if self._pool is not None:
+            self._pool.submit(self._wait_all)
+            self._pool = None
         if not self._finished:
             got = self._done.acquire(timeout=slice_s) if slice_s > 0 else self._done.acquire(False)
             self._finished = got

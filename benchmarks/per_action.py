@@ -185,8 +185,11 @@ def _one_stage_rank(rank: int, world: int, steps: int) -> dict[str, float]:
             torch.autograd.backward(F.mse_loss(theirs(xi), yi) / MICROBATCHES)
         theirs.zero_grad(set_to_none=True)
 
-    runs = {"zeropipe Pipeline": zeropipe_step, "torch Schedule1F1B": torch_step}
-    runs["plain loop"] = plain_step
+    runs = {
+        "zeropipe Pipeline": zeropipe_step,
+        "torch Schedule1F1B": torch_step,
+        "plain loop": plain_step,
+    }
     found: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(3):  # interleaved blocks, so drift hits all alike
         for name, fn in runs.items():

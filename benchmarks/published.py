@@ -61,7 +61,7 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from itertools import combinations
+from itertools import combinations, pairwise
 from typing import Any
 
 from zeropipe.balance import even_cut
@@ -245,18 +245,31 @@ def ratios(throughput: Mapping[str, float]) -> dict[str, float]:
     return {name: throughput[name] / throughput["1F1B"] for name in SCHEDULES}
 
 
+def _order(x: float, y: float) -> int:
+    """1 if ``x`` is faster, -1 if ``y`` is, 0 for a tie (equal up to rounding: two
+    schedules the simulator times alike can differ in the last bits)."""
+    if abs(x - y) <= 1e-9 * max(abs(x), abs(y)):
+        return 0
+    return 1 if x > y else -1
+
+
 def ranking_agrees(published: Mapping[str, float], predicted: Mapping[str, float]) -> bool:
-    """Whether every pair the paper orders (different throughputs) is ordered alike;
-    a published tie accepts either order."""
+    """Whether every pair the paper orders is ordered alike: a published tie accepts
+    either order, a predicted tie of a pair the paper orders is a disagreement."""
     for a, b in combinations(SCHEDULES, 2):
-        pub = published[a] - published[b]
-        if pub != 0 and (pub > 0) != (predicted[a] - predicted[b] > 0):
+        pub = _order(published[a], published[b])
+        if pub != 0 and _order(predicted[a], predicted[b]) != pub:
             return False
     return True
 
 
 def ranking(throughput: Mapping[str, float]) -> str:
-    return " > ".join(sorted(SCHEDULES, key=lambda s: -throughput[s]))
+    """The schedules fastest first, ``=`` between tied ones."""
+    order = sorted(SCHEDULES, key=lambda s: -throughput[s])
+    text = order[0]
+    for before, name in pairwise(order):
+        text += (" = " if _order(throughput[before], throughput[name]) == 0 else " > ") + name
+    return text
 
 
 def row(

@@ -77,6 +77,9 @@ def test_ratios_and_ranking_are_computed_from_throughputs() -> None:
     tie = pub.published("1.5B", 32)
     assert pub.ranking_agrees(tie, {**tie, "1F1B-I": 13.3})
     assert pub.ranking_agrees(tie, {**tie, "ZB-1p": 13.3})
+    assert pub.ranking(tie) == "ZB-2p > 1F1B-I = ZB-1p > 1F1B"
+    # A predicted tie where the paper orders the pair is a disagreement.
+    assert not pub.ranking_agrees(row, {**row, "ZB-1p": row["ZB-2p"]})
 
 
 def test_the_paper_layout_gives_embedding_and_head_a_block_place_each() -> None:

@@ -59,8 +59,8 @@ __all__ = ["DistributedTransport"]
 
 # What a failed step left posted (receives, sends, the barrier's receives), kept until the
 # process ends.  A wait starts only when the consumer waits, so nothing else holds these
-# works; destroying gloo receives that never completed disturbed the next pipeline on the
-# same group in the failure tests (its first shape header never arrived, 2 of 13 runs).
+# works, and gloo receives destroyed before they complete can keep a later pipeline on the
+# same group from getting its messages.
 _FAILED_STEPS: list[object] = []
 
 

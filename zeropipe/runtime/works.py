@@ -188,8 +188,8 @@ class Pending:
     work in turn (gloo point-to-point works never report completion otherwise,
     and for collectives it wakes the caller sooner than polling
     ``is_completed()`` with backoff) and releases a lock the caller waits on in
-    slices (a bare lock: an ``Event``'s condition costs the hand-over 10-20 us
-    more, on the critical path of every transfer).  Not before: a thread
+    slices (a bare lock, the cheapest hand-over, on the critical path of every
+    transfer).  Not before: a thread
     blocked from the post on would wake when the data lands, whatever this
     rank is computing then, and take the GIL from it.  ``labels`` say, per
     work, what it is and which peer it involves.

@@ -16,9 +16,19 @@ efficiencies, and nothing fitted per row::
              embedding and head in the place of one layer each (--chunks overrides)
     ZB-1p    auto (one chunk per rank, as the paper's ZB-1p) with each rank's
              activation memory limited to p microbatches of its stage (the paper's
-             "activation memory limited to p M_B"; weights on top): rank 0's limit
-             is exactly its 1F1B peak
+             "activation memory limited to p M_B"; weights on top), searched on
+             uniform stages and run on the real ones (below)
     ZB-2p    the same with 2p microbatches
+
+The paper's code base plans its ZB schedules for uniform stages: its scheduler
+takes one F, B and W time for all stages, the median of the ranks' profiled
+times ("Using uniform f/b/w timing for now", megatron/core/pipeline_parallel/
+zb_schedules.py of sail-sg/zero-bubble-pipeline-parallelism, December 2023), and
+one memory limit.  So the ZB schedules here are searched on a cost model whose
+every stage has the median stage's F, I, W, B and activation memory, and the
+order found is simulated on the real stages, where the first and last are
+lighter or heavier (``--planning per-stage`` searches on the real stages, as
+``zeropipe plan`` does: the schedule a planner that sees them would run).
 
 Every schedule runs the paper's layout of the layers: the embedding and the head
 each take a transformer block's place and the places are cut evenly, so the first
@@ -51,6 +61,7 @@ GPU (the paper names RoCE, not its speed).
     python benchmarks/published.py --json rows.json
     python benchmarks/published.py --models 1.5B --chunks 2
     python benchmarks/published.py --p2p overlapped --timing makespan
+    python benchmarks/published.py --planning per-stage
 """
 
 from __future__ import annotations
@@ -79,6 +90,7 @@ VOCAB = 50257  # GPT-2 tokenizer (assumed: the paper says "analogous to GPT-3")
 SCHEDULES = ("1F1B", "1F1B-I", "ZB-1p", "ZB-2p")
 P2P = ("blocking", "overlapped")  # how a pipeline transfer is priced (see the docstring)
 TIMING = ("span", "makespan")  # what an iteration's time is (see the docstring)
+PLANNING = ("uniform", "per-stage")  # the costs the ZB schedules are searched on
 
 
 @dataclass(frozen=True)
@@ -87,12 +99,15 @@ class Pricing:
 
     p2p: str = "blocking"
     timing: str = "span"
+    planning: str = "uniform"
 
     def __post_init__(self) -> None:
         if self.p2p not in P2P:
             raise ValueError(f"p2p must be one of {P2P}, got {self.p2p!r}")
         if self.timing not in TIMING:
             raise ValueError(f"timing must be one of {TIMING}, got {self.timing!r}")
+        if self.planning not in PLANNING:
+            raise ValueError(f"planning must be one of {PLANNING}, got {self.planning!r}")
 
 
 @dataclass(frozen=True)
@@ -194,6 +209,18 @@ def activation_limits(c: CostModel, microbatches: int) -> list[float]:
     return [s.weights + microbatches * s.act for s in c.stages]
 
 
+def uniform_stages(c: CostModel) -> CostModel:
+    """``c`` with every stage given the median stage's times and memory (the upper
+    median, ``sorted(x)[n // 2]``, as the paper's code takes it): the model the
+    paper's scheduler plans on."""
+    median: dict[str, float] = {}
+    for name in ("F", "I", "W", "B", "R", "act", "act_w", "weights"):
+        values = [getattr(s, name) for s in c.stages]
+        if None not in values:  # B and R may be left to their defaults (I + W, F)
+            median[name] = sorted(values)[len(values) // 2]
+    return replace(c, stages=tuple(replace(s, **median) for s in c.stages))
+
+
 def rank_imbalance(c: CostModel, ranks: int) -> float:
     """The busiest rank's F + I + W over the mean rank's (stage ``s`` on rank ``s % ranks``):
     a bound on what a schedule on this cut can reach, whatever its bubbles."""
@@ -234,9 +261,11 @@ def predict(
             simulate(generate("interleaved-1f1b", p, m, v), interleaved), timed
         ),
     }
+    planned = uniform_stages(one) if pricing.planning == "uniform" else one
     for name, k in (("ZB-1p", 1), ("ZB-2p", 2)):
-        found = search(one, p, m, activation_limits(one, k * p), max_chunks=1)
-        step[name] = iteration_time(found.timeline, timed)
+        found = search(planned, p, m, activation_limits(planned, k * p), max_chunks=1)
+        timeline = found.timeline if planned is one else simulate(found.schedule, one)
+        step[name] = iteration_time(timeline, timed)
     return step
 
 
@@ -291,6 +320,7 @@ def row(
         "chunks_1f1b_i": v,
         "p2p": pricing.p2p,
         "timing": pricing.timing,
+        "planning": pricing.planning,
         "imbalance_1f1b": rank_imbalance(costs(setting), setting.gpus),
         "imbalance_1f1b_i": rank_imbalance(costs(setting, v), setting.gpus),
         "published": pub,
@@ -378,6 +408,14 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         help="span (default): an iteration is the longest rank's span of compute, as the "
         "paper's optimizer post-validation lets ranks go on; makespan: the whole step",
     )
+    p.add_argument(
+        "--planning",
+        choices=PLANNING,
+        default="uniform",
+        help="uniform (default): the ZB schedules are searched on uniform stages (the "
+        "median stage), as the paper's code plans them, and run on the real ones; "
+        "per-stage: searched on the real stages",
+    )
     return p.parse_args(argv)
 
 
@@ -391,11 +429,11 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
                 f"unknown model(s) {sorted(unknown)}; the paper has 1.5B, 6.2B, 14.6B, 28.3B"
             )
     t0 = time.perf_counter()
-    rows = run(models, args.chunks, Pricing(args.p2p, args.timing))
+    rows = run(models, args.chunks, Pricing(args.p2p, args.timing, args.planning))
     print(
         f"{SOURCE}: Table 4 (samples per GPU per second) against zeropipe's prediction "
         f"(CostModel.from_spec, {HARDWARE}, default efficiencies, {args.p2p} transfers, "
-        f"{args.timing} timing, "
+        f"{args.timing} timing, ZB planned on {args.planning} stages, "
         f"no per-row factors); "
         f"ratios to 1F1B, error = predicted / published - 1; v: 1F1B-I chunks per rank; "
         f"load: busiest rank's work / mean rank's, 1F1B / 1F1B-I cut; 1F1B in samples "

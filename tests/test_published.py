@@ -122,6 +122,38 @@ def test_a_prediction_is_from_spec_and_the_simulator_with_no_factor() -> None:
         pub.Pricing("eager")
     with pytest.raises(ValueError, match="timing must be one of"):
         pub.Pricing("blocking", "wall")
+    with pytest.raises(ValueError, match="planning must be one of"):
+        pub.Pricing(planning="exact")
+
+
+def test_uniform_stages_take_the_upper_median_stage_and_keep_the_wire() -> None:
+    c = pub.costs(pub.SETTINGS[0])  # 1.5B: lighter first stage, heavier last (the head)
+    u = pub.uniform_stages(c)
+    assert len(u.stages) == len(c.stages) and u.post == c.post and u.latency == c.latency
+    for name in ("F", "I", "W", "act", "weights"):
+        values = sorted(getattr(s, name) for s in c.stages)
+        assert {getattr(s, name) for s in u.stages} == {values[4]}  # 8 stages: index 4
+    assert c.stages[-1].F > u.stages[-1].F  # the head's cost is what planning does not see
+    # Fields the planner does not read are left as they were.
+    assert [s.boundary_bytes for s in u.stages] == [s.boundary_bytes for s in c.stages]
+
+
+def test_zb_is_searched_on_uniform_stages_and_timed_on_the_real_ones() -> None:
+    m = 8
+    p = SMALL.gpus
+    real = pub.costs(SMALL)
+    planned = pub.uniform_stages(real)
+    step = pub.predict(SMALL, m, pricing=pub.Pricing(timing="makespan"))
+    for name, k in (("ZB-1p", 1), ("ZB-2p", 2)):
+        found = pub.search(planned, p, m, pub.activation_limits(planned, k * p), max_chunks=1)
+        assert step[name] == simulate(found.schedule, real).makespan
+    # On 1.5B the head makes the last stage 1.3x the mean: ZB-1p planned without
+    # seeing it runs slower than ZB-1p planned on the real stages; named ones are alike.
+    big = pub.SETTINGS[0]
+    uniform = pub.predict(big, 24)
+    per_stage = pub.predict(big, 24, pricing=pub.Pricing(planning="per-stage"))
+    assert per_stage["ZB-1p"] < 0.97 * uniform["ZB-1p"]
+    assert (per_stage["1F1B"], per_stage["1F1B-I"]) == (uniform["1F1B"], uniform["1F1B-I"])
 
 
 def test_iteration_time_is_the_longest_rank_span_and_the_makespan_for_1f1b() -> None:
@@ -155,7 +187,7 @@ def test_zb_limits_hold_one_f_one_b_and_zb_2p_gets_twice_the_activations() -> No
 
 def test_reduced_setting_orders_zero_bubble_ahead_and_stays_under_the_work_bound() -> None:
     m = 8
-    step = pub.predict(SMALL, m)
+    step = pub.predict(SMALL, m, pricing=pub.Pricing(planning="per-stage"))
     c = pub.costs(SMALL)
     # No schedule ends before its busiest rank has done all its work.
     busiest = max(m * (s.F + s.I + s.W) for s in c.stages)

@@ -25,9 +25,9 @@ takes one F, B and W time for all stages, the median of the ranks' profiled
 times ("Using uniform f/b/w timing for now", megatron/core/pipeline_parallel/
 zb_schedules.py of sail-sg/zero-bubble-pipeline-parallelism, December 2023), and
 one memory limit.  So the ZB schedules here are searched on a cost model whose
-every stage has the median stage's F, I, W, B and activation memory, and the
-order found is simulated on the real stages, where the first and last are
-lighter or heavier (``--planning per-stage`` searches on the real stages, as
+every stage has the median stage's times and memory (F, I, W, B, R, activations,
+weights; :func:`uniform_stages`), and the order found is simulated on the real
+stages, where the first and last are lighter or heavier (``--planning per-stage`` searches on the real stages, as
 ``zeropipe plan`` does: the schedule a planner that sees them would run).
 
 Every schedule runs the paper's layout of the layers: the embedding and the head

@@ -48,8 +48,11 @@ Transfers are priced as Megatron-LM (the paper's code base) runs them by default
 each pipeline exchange is issued and waited on before the rank computes on, so a
 send or receive occupies its rank for the wire time (``CostModel.post`` set to
 the boundary's transfer time; ``--p2p overlapped`` prices them as zeropipe's own
-runtime runs them, posted and overlapped with compute).  It is the same setting
-for every row and schedule.
+runtime runs them, posted and overlapped with compute).  The receives are posted
+where zeropipe's runtime posts them, all of a step's before the rank's first consumer,
+each charged its wire time there (``--receives at-use`` posts each one compute action
+ahead of its consumer, as Megatron receives).  It is the same setting for every row
+and schedule.
 
 Assumed where the paper is silent: the model is GPT-2/3-style (plain GELU FFN of
 4 x hidden, multi-head attention, learned positions), the GPT-2 vocabulary (50257)
@@ -62,6 +65,7 @@ GPU (the paper names RoCE, not its speed).
     python benchmarks/published.py --models 1.5B --chunks 2
     python benchmarks/published.py --p2p overlapped --timing makespan
     python benchmarks/published.py --planning per-stage
+    python benchmarks/published.py --receives at-use
 """
 
 from __future__ import annotations
@@ -77,7 +81,8 @@ from typing import Any
 
 from zeropipe.balance import even_cut
 from zeropipe.costs import CostModel
-from zeropipe.ir import COMPUTE_KINDS
+from zeropipe.ir import COMPUTE_KINDS, Schedule
+from zeropipe.lower import lower
 from zeropipe.schedules import generate
 from zeropipe.schedules.auto import search
 from zeropipe.simulate import Timeline, simulate
@@ -91,6 +96,7 @@ SCHEDULES = ("1F1B", "1F1B-I", "ZB-1p", "ZB-2p")
 P2P = ("blocking", "overlapped")  # how a pipeline transfer is priced (see the docstring)
 TIMING = ("span", "makespan")  # what an iteration's time is (see the docstring)
 PLANNING = ("uniform", "per-stage")  # the costs the ZB schedules are searched on
+RECEIVES = ("upfront", "at-use")  # where blocking receives are posted (see the docstring)
 
 
 @dataclass(frozen=True)
@@ -100,6 +106,7 @@ class Pricing:
     p2p: str = "blocking"
     timing: str = "span"
     planning: str = "uniform"
+    receives: str = "upfront"
 
     def __post_init__(self) -> None:
         if self.p2p not in P2P:
@@ -108,6 +115,8 @@ class Pricing:
             raise ValueError(f"timing must be one of {TIMING}, got {self.timing!r}")
         if self.planning not in PLANNING:
             raise ValueError(f"planning must be one of {PLANNING}, got {self.planning!r}")
+        if self.receives not in RECEIVES:
+            raise ValueError(f"receives must be one of {RECEIVES}, got {self.receives!r}")
 
 
 @dataclass(frozen=True)
@@ -255,17 +264,21 @@ def predict(
     one = costs(setting, 1, pricing)
     interleaved = costs(setting, v, pricing)
     timed = pricing.timing
+
+    def run(schedule: Schedule, c: CostModel) -> Timeline:
+        if pricing.receives == "at-use" and c.post > 0 and not schedule.is_lowered:
+            schedule = lower(schedule, ahead=1)
+        return simulate(schedule, c)
+
     step = {
-        "1F1B": iteration_time(simulate(generate("1f1b", p, m), one), timed),
-        "1F1B-I": iteration_time(
-            simulate(generate("interleaved-1f1b", p, m, v), interleaved), timed
-        ),
+        "1F1B": iteration_time(run(generate("1f1b", p, m), one), timed),
+        "1F1B-I": iteration_time(run(generate("interleaved-1f1b", p, m, v), interleaved), timed),
     }
     planned = uniform_stages(one) if pricing.planning == "uniform" else one
     for name, k in (("ZB-1p", 1), ("ZB-2p", 2)):
         found = search(planned, p, m, activation_limits(planned, k * p), max_chunks=1)
-        timeline = found.timeline if planned is one else simulate(found.schedule, one)
-        step[name] = iteration_time(timeline, timed)
+        same = planned is one and pricing.receives == "upfront"
+        step[name] = iteration_time(found.timeline if same else run(found.schedule, one), timed)
     return step
 
 
@@ -321,6 +334,7 @@ def row(
         "p2p": pricing.p2p,
         "timing": pricing.timing,
         "planning": pricing.planning,
+        "receives": pricing.receives,
         "imbalance_1f1b": rank_imbalance(costs(setting), setting.gpus),
         "imbalance_1f1b_i": rank_imbalance(costs(setting, v), setting.gpus),
         "published": pub,
@@ -416,6 +430,15 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         "median stage), as the paper's code plans them, and run on the real ones; "
         "per-stage: searched on the real stages",
     )
+    p.add_argument(
+        "--receives",
+        choices=RECEIVES,
+        default="upfront",
+        help="blocking transfers only; upfront (default): each rank posts a step's receives "
+        "before its first consumer, as zeropipe's runtime does (each post charged its wire "
+        "time there); at-use: each one compute action ahead of its consumer, as Megatron "
+        "receives",
+    )
     return p.parse_args(argv)
 
 
@@ -429,11 +452,12 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
                 f"unknown model(s) {sorted(unknown)}; the paper has 1.5B, 6.2B, 14.6B, 28.3B"
             )
     t0 = time.perf_counter()
-    rows = run(models, args.chunks, Pricing(args.p2p, args.timing, args.planning))
+    rows = run(models, args.chunks, Pricing(args.p2p, args.timing, args.planning, args.receives))
     print(
         f"{SOURCE}: Table 4 (samples per GPU per second) against zeropipe's prediction "
         f"(CostModel.from_spec, {HARDWARE}, default efficiencies, {args.p2p} transfers, "
-        f"{args.timing} timing, ZB planned on {args.planning} stages, "
+        f"{args.timing} timing, ZB planned on {args.planning} stages, receives "
+        f"{args.receives}, "
         f"no per-row factors); "
         f"ratios to 1F1B, error = predicted / published - 1; v: 1F1B-I chunks per rank; "
         f"load: busiest rank's work / mean rank's, 1F1B / 1F1B-I cut; 1F1B in samples "

@@ -13,6 +13,7 @@ from types import ModuleType
 import pytest
 
 from zeropipe.costs import CostModel, peak_memory
+from zeropipe.lower import lower
 from zeropipe.schedules import generate
 from zeropipe.simulate import simulate
 
@@ -124,6 +125,21 @@ def test_a_prediction_is_from_spec_and_the_simulator_with_no_factor() -> None:
         pub.Pricing("blocking", "wall")
     with pytest.raises(ValueError, match="planning must be one of"):
         pub.Pricing(planning="exact")
+    with pytest.raises(ValueError, match="receives must be one of"):
+        pub.Pricing(receives="late")
+
+
+def test_receives_at_use_post_each_one_compute_action_ahead_of_its_consumer() -> None:
+    c = pub.costs(SMALL)
+    assert c.post > 0
+    at_use = pub.predict(SMALL, 8, pricing=pub.Pricing("blocking", "makespan", receives="at-use"))
+    upfront = pub.predict(SMALL, 8, pricing=pub.Pricing("blocking", "makespan"))
+    one = generate("1f1b", SMALL.gpus, 8)
+    assert at_use["1F1B"] == simulate(lower(one, ahead=1), c).makespan
+    assert upfront["1F1B"] == simulate(one, c).makespan == simulate(lower(one), c).makespan
+    # Posted all at once, every receive's wire time is paid before the first compute that
+    # waits for data; one ahead, it is spread between the computes.
+    assert at_use["1F1B"] != upfront["1F1B"]
 
 
 def test_uniform_stages_take_the_upper_median_stage_and_keep_the_wire() -> None:

@@ -27,8 +27,8 @@ from zeropipe.runtime.works import Endpoint, Label
 __all__ = ["Heard", "all_reduce", "barrier", "flatten", "grad_norm", "post_barrier", "unflatten"]
 
 
-Heard = list[tuple[Tensor, Any, int]]
-"""A barrier's receives, posted: per round, (buffer, work, source rank)."""
+Heard = list[tuple[Tensor, Any, Label]]
+"""A barrier's receives, posted: per round, (buffer, work, what it is and its source rank)."""
 
 
 def post_barrier(endpoint: Endpoint, tag: Callable[[int], int], device: torch.device) -> Heard:
@@ -45,7 +45,7 @@ def post_barrier(endpoint: Endpoint, tag: Callable[[int], int], device: torch.de
         src = (rank - (1 << k)) % w
         what = f"the end-of-step barrier (round {k}) from rank {src}"
         buf = torch.empty(3, dtype=torch.float64, device=device)
-        heard.append((buf, endpoint.post(dist.irecv, buf, src, tag(k), what), src))
+        heard.append((buf, endpoint.post(dist.irecv, buf, src, tag(k), what), (what, src)))
     return heard
 
 
@@ -106,14 +106,13 @@ def barrier(
         heard = post_barrier(endpoint, tag, device)
     told: list[Any] = []
     labels: list[Label] = []
-    for k, (buf, work, src) in enumerate(heard):
+    for k, (buf, work, label) in enumerate(heard):
         dst = (rank + (1 << k)) % w
         what = f"the end-of-step barrier (round {k}) to rank {dst}"
         token = known.clone()  # in flight while ``known`` may still change
         told.append(endpoint.post(dist.isend, token, dst, tag(k), what))
         labels.append((what, dst))
-        got = f"the end-of-step barrier (round {k}) from rank {src}"
-        endpoint.wait(endpoint.pending([work], [(got, src)]))
+        endpoint.wait(endpoint.pending([work], [label]))
         if buf[0] > 0 and known[0] == 0:
             known = buf
     if told:

@@ -28,6 +28,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
+from zeropipe.autograd.split import prepare_split
 from zeropipe.balance import balance, stage_costs
 from zeropipe.costs import CostModel
 from zeropipe.errors import PipelineError
@@ -115,6 +116,7 @@ def runtime_overhead(
         if threads is not None:
             torch.set_num_threads(threads)
         pipe = Pipeline([layer], "1f1b", microbatches=m, loss_fn=loss_fn, executor="local")
+        prepare_split(layer)  # the probe times F, I and W apart
         probe = StageProbe(layer, (x[:1],), (loss_fn, x[:1]), set(), device, last=True)
         steps = []
         # The bare layer's repetitions interleave with the pipeline's, so that load on a

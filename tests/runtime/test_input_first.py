@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tests.gradcheck import assert_same_gradients, batch_for, mlp, reference
 from zeropipe.autograd.priority import record_backward_order
+from zeropipe.fit import checkpoint
 from zeropipe.ir import Kind
 from zeropipe.runtime.input_first import backward_input_first
 from zeropipe.runtime.pipeline import Pipeline, RuntimeOptions
 from zeropipe.runtime.transport import LocalTransport
+from zeropipe.schedules.registry import generate
 
 
 class SideBranch(nn.Module):
@@ -78,3 +81,32 @@ def _in_backward() -> bool:
     import inspect
 
     return any(f.function == "backward_input_first" for f in inspect.stack())
+
+
+@pytest.mark.parametrize(
+    ("schedule", "input_first", "recording"),
+    [
+        ("1f1b", True, [False, True]),  # stage 1's B sends its input gradient first
+        ("1f1b", False, [False, False]),  # nothing to send first: one plain autograd pass
+        ("recomputed 1f1b", True, [False, True]),  # R, then a plain B
+        ("zb-h1", True, [True, True]),  # I and W need the split
+    ],
+)
+def test_a_stage_records_for_split_backward_only_where_it_buys_something(
+    schedule: str, input_first: bool, recording: list[bool]
+) -> None:
+    model = mlp(layers=4)
+    x, y = batch_for(model, batch=8)
+    _, ref = reference(model, x, y, F.mse_loss, 4)
+    named = checkpoint(generate("1f1b", 2, 4)) if schedule.startswith("recomputed") else schedule
+    pipe = Pipeline(model, named, microbatches=4, loss_fn=F.mse_loss, ranks=2,
+                    options=RuntimeOptions(input_first=input_first))  # fmt: skip
+    # A recording linear is an nn.Linear of another class (prepare_split swaps it).
+    swapped = [
+        any(isinstance(m, nn.Linear) and type(m) is not nn.Linear for m in stage.module.modules())
+        for _, stage in sorted(pipe.stages.items())
+    ]
+    assert swapped == recording
+    for _ in range(2):  # the second step accumulates into .grad
+        pipe.step(x, y)
+    assert_same_gradients(model.named_parameters(), {k: 2 * g for k, g in ref.items()})

@@ -71,7 +71,10 @@ class RuntimeOptions:
     Attributes:
         input_first: in a full backward B, produce the stage-input gradient
             before parameter-only work (backward priority) and post its send
-            from inside the backward.
+            from inside the backward.  A stage whose B sends to another rank
+            then records its linears for split backward, so that B computes
+            their weight gradients after the send; a stage with no I or W
+            and nothing to send first keeps plain ``nn.Linear``s.
         keep_grad_memory: W writes a weight gradient whose ``.grad`` is ``None``
             (after ``optimizer.zero_grad()``) into the memory it used last step,
             when nothing else still refers to it, instead of allocating: on a
@@ -270,9 +273,12 @@ class Pipeline:
         )
         self.stages = {s: self.all_stages[s] for s in mine}
         self.device = compute_device(device, self.distributed, process_group, self.stages)
-        for stage in self.stages.values():  # every backward runs through the split stash
-            prepare_split(stage.module)
-            stage.linears = split_linears(stage.module)
+        for s, stage in self.stages.items():
+            if _splits(self.deps, s, self.options.input_first):
+                prepare_split(stage.module)
+                stage.linears = split_linears(stage.module)
+            else:
+                stage.linears = ()
             stage.autocast = self.options.autocast
         self.shared = shared_parameters(self.all_stages, self.schedule.placement)
         if self.replicas is not None and not dp_shard:
@@ -702,3 +708,18 @@ def _signature(micro_inputs: list[tuple[Tensor, ...]], target: Tensor | None) ->
     first, last = micro_inputs[0], micro_inputs[-1]
     meta = tuple((t.dtype, tuple(t.shape)) for t in (*first, *last))
     return (meta, None if target is None else (target.dtype, tuple(target.shape)))
+
+
+def _splits(deps: Dependencies, stage: int, input_first: bool) -> bool:
+    """Whether ``stage``'s linears record for split backward (prepare_split) or stay plain.
+
+    Splitting costs a Python autograd function per linear per microbatch, so a
+    stage pays it only where it buys something: the schedule runs I or W of
+    it, or its B sends an input gradient to another rank, which input_first
+    posts before the weight gradients are computed.  Otherwise B is one plain
+    autograd pass, with the same gradients.
+    """
+    split = (Kind.I, Kind.W)
+    if any(a.stage == stage and a.kind in split for acts in deps.schedule.actions for a in acts):
+        return True
+    return input_first and stage > 0 and deps.crosses(stage - 1, stage)

@@ -371,6 +371,28 @@ def test_split_linears_finds_the_prepared_linears_once_for_every_recording() -> 
     assert counts[0] == counts[1] == len(found)
 
 
+def test_small_linears_left_plain_compute_their_weight_gradient_in_i() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 64)).double()
+    ref = copy.deepcopy(model)
+    big = model[2].weight.numel() * model[2].weight.element_size()  # 2 KiB; the first 256 B
+    prepare_split(model, min_weight_bytes=big)
+    assert type(model[0]) is nn.Linear and type(model[2]) is not nn.Linear
+    with pytest.raises(PipelineError, match=r"not prepared for split backward \(0\)"):
+        split_linears(model)
+    found = split_linears(model, allow_plain=True)
+    assert found == (model[2],)
+    x = torch.randn(3, 4, dtype=torch.float64)
+    g = torch.randn(3, 64, dtype=torch.float64)
+    stash = WeightGradStash()
+    with stash.recording(model, found):
+        out = model(x)
+    stash.input_backward(out, g)
+    assert len(stash) == 1 and model[0].weight.grad is not None and model[2].weight.grad is None
+    stash.weight_backward()
+    torch.autograd.backward(ref(x), g)
+    _assert_same_grads(ref, model)
+
+
 def test_frozen_linear_is_not_deferred_and_stays_exact() -> None:
     ref, got = _pair(Stage)
     for model in (ref, got):

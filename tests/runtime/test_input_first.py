@@ -12,7 +12,7 @@ from zeropipe.autograd.priority import record_backward_order
 from zeropipe.fit import checkpoint
 from zeropipe.ir import Kind
 from zeropipe.runtime.input_first import backward_input_first
-from zeropipe.runtime.pipeline import Pipeline, RuntimeOptions
+from zeropipe.runtime.pipeline import PLAIN_BELOW_BYTES, Pipeline, RuntimeOptions
 from zeropipe.runtime.transport import LocalTransport
 from zeropipe.schedules.registry import generate
 
@@ -84,29 +84,31 @@ def _in_backward() -> bool:
 
 
 @pytest.mark.parametrize(
-    ("schedule", "input_first", "recording"),
+    ("schedule", "width", "recording"),
     [
-        ("1f1b", True, [False, True]),  # stage 1's B sends its input gradient first
-        ("1f1b", False, [False, False]),  # nothing to send first: one plain autograd pass
-        ("recomputed 1f1b", True, [False, True]),  # R, then a plain B
-        ("zb-h1", True, [True, True]),  # I and W need the split
+        ("1f1b", 8, [False, False]),  # small weights under B only: plain autograd
+        ("1f1b", 160, [True, True]),  # 400 KiB weights: recorded, W fused into .grad
+        ("recomputed 1f1b", 8, [False, False]),  # R, then a plain B
+        ("zb-h1", 8, [True, True]),  # I and W need the split, whatever the size
     ],
 )
-def test_a_stage_records_for_split_backward_only_where_it_buys_something(
-    schedule: str, input_first: bool, recording: list[bool]
+def test_a_linear_records_for_split_backward_only_where_it_pays(
+    schedule: str, width: int, recording: list[bool]
 ) -> None:
-    model = mlp(layers=4)
+    model = mlp(layers=4, width=width)
+    weights = [m.weight for m in model.modules() if isinstance(m, nn.Linear)]
+    assert all((w.numel() * w.element_size() >= PLAIN_BELOW_BYTES) == (width > 8) for w in weights)
     x, y = batch_for(model, batch=8)
     _, ref = reference(model, x, y, F.mse_loss, 4)
     named = checkpoint(generate("1f1b", 2, 4)) if schedule.startswith("recomputed") else schedule
-    pipe = Pipeline(model, named, microbatches=4, loss_fn=F.mse_loss, ranks=2,
-                    options=RuntimeOptions(input_first=input_first))  # fmt: skip
+    pipe = Pipeline(model, named, microbatches=4, loss_fn=F.mse_loss, ranks=2)
     # A recording linear is an nn.Linear of another class (prepare_split swaps it).
     swapped = [
-        any(isinstance(m, nn.Linear) and type(m) is not nn.Linear for m in stage.module.modules())
+        [type(m) is not nn.Linear for m in stage.module.modules() if isinstance(m, nn.Linear)]
         for _, stage in sorted(pipe.stages.items())
     ]
-    assert swapped == recording
+    assert swapped == [[rec] * len(lins) for lins, rec in zip(swapped, recording, strict=True)]
+    assert [len(pipe.stages[s].linears or ()) > 0 for s in (0, 1)] == recording
     for _ in range(2):  # the second step accumulates into .grad
         pipe.step(x, y)
     assert_same_gradients(model.named_parameters(), {k: 2 * g for k, g in ref.items()})

@@ -461,7 +461,7 @@ class _SplitLinear(nn.Linear):
         return "Linear"
 
 
-def prepare_split(module: nn.Module) -> nn.Module:
+def prepare_split(module: nn.Module, *, min_weight_bytes: int = 0) -> nn.Module:
     """Make every plain ``nn.Linear`` in ``module`` (itself included) deferrable; idempotent.
 
     Only exact ``nn.Linear`` instances are converted: subclasses may override
@@ -469,22 +469,34 @@ def prepare_split(module: nn.Module) -> nn.Module:
     computing their weight gradient in I, which is still exact.  Returns
     ``module`` itself.  Without a bound stash a prepared linear computes all
     its gradients in its backward, as ``nn.Linear`` does, with the same values.
+
+    ``min_weight_bytes``: leave plain the linears whose weight is smaller; they
+    compute their weight gradient in I (record with ``split_linears(module,
+    allow_plain=True)``).
     """
     for m in module.modules():
-        if type(m) is nn.Linear:
+        if type(m) is nn.Linear and _weight_bytes(m) >= min_weight_bytes:
             m.__class__ = _SplitLinear
     return module
 
 
-def split_linears(module: nn.Module, where: str = "split backward") -> tuple[nn.Module, ...]:
+def _weight_bytes(linear: nn.Module) -> int:
+    weight = linear.weight
+    return weight.numel() * weight.element_size() if isinstance(weight, Tensor) else 0
+
+
+def split_linears(
+    module: nn.Module, where: str = "split backward", *, allow_plain: bool = False
+) -> tuple[nn.Module, ...]:
     """The linears of ``module`` that :func:`prepare_split` made deferrable, in module order.
 
     One walk over the modules, for :meth:`WeightGradStash.recording`; a caller that
     records the same module for every microbatch looks them up once.  Raises
-    :class:`PipelineError` naming any plain ``nn.Linear`` left unprepared.
+    :class:`PipelineError` naming any plain ``nn.Linear`` left unprepared, unless
+    ``allow_plain`` (they were left plain on purpose).
     """
     modules = list(module.modules())
-    if any(type(m) is nn.Linear for m in modules):
+    if not allow_plain and any(type(m) is nn.Linear for m in modules):
         unprepared = [name for name, m in module.named_modules() if type(m) is nn.Linear]
         raise PipelineError(
             f"{where}: module has nn.Linear layers that are not prepared for split "

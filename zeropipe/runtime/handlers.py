@@ -151,8 +151,8 @@ def _run_forward(
         ctx.memory.before_compute(s)
     # Every forward with grad records for split backward: I and W use it, and so
     # does B, which runs as I, the input gradient's send, then W (see _backward).
-    # On a stage whose linears the pipeline left plain the stash defers nothing
-    # and B is one autograd pass.
+    # Linears the pipeline left plain (small ones, on a stage that only runs B) get
+    # their weight gradients from autograd, inside I or B.
     stash = WeightGradStash(stage=s, microbatch=i, grad_memory=ctx.grad_memory) if grad else None
     saved = ctx.memory.saving(s, i, state.inputs) if grad and ctx.memory is not None else None
     last = s == ctx.last and ctx.targets is not None

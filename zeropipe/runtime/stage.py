@@ -71,8 +71,8 @@ class Stage:
         self.autocast: torch.dtype | None = None
         # The module's prepared linears (zeropipe.autograd.split.split_linears), found once
         # when the pipeline prepares the stage, so a recorded forward does not walk the
-        # module again (None: looked up on every forward; empty: the pipeline left the
-        # stage's linears plain, its backward is never split).
+        # module again (None: looked up on every forward).  The pipeline may leave some
+        # linears plain (Pipeline: PLAIN_BELOW_BYTES); they are not in it.
         self.linears: tuple[nn.Module, ...] | None = None
 
     def forward(

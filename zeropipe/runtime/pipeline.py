@@ -67,10 +67,10 @@ __all__ = ["PLAIN_BELOW_BYTES", "Pipeline", "RuntimeOptions"]
 # weight is smaller than this stays plain: its weight gradient comes from autograd
 # inside B.  Larger ones record for split backward anyway, because B then adds their
 # weight gradients into ``.grad`` with one fused product, into memory kept from the
-# last step, where autograd computes, allocates and adds.  One stage of
-# Linear(w, 4w)-GELU-Linear(4w, w) blocks, 8 rows a microbatch, one thread on the
-# 2-vCPU VM (2026-11-25), step with plain linears / recorded: 0.85-0.86 at 64 KiB weights,
-# 0.91-1.10 at 256 KiB, 1.15 at 1 MiB, 1.16-1.19 at 4 MiB.
+# last step, where autograd computes, allocates and adds.  Where that pays depends on
+# the rows of a microbatch: about 256 KiB at 8 rows, about 1 MiB at 128 (one thread on
+# the 2-vCPU VM, 2026-11-25, ``python benchmarks/plain_linears.py``).  The lower is
+# taken: recording where plain would do costs a few percent, the reverse up to 20%.
 PLAIN_BELOW_BYTES = 256 * 1024
 
 

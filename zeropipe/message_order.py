@@ -29,6 +29,7 @@ that comes late); sends as soon as their data exists.
 
 from __future__ import annotations
 
+import functools
 import heapq
 
 from zeropipe.deps import Dependencies, Graph
@@ -39,8 +40,12 @@ from zeropipe.simulate import simulate
 __all__ = ["message_order", "receiver_of"]
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def receiver_of(send: Action) -> Action:
-    """The RECV that receives what ``send`` sends (SEND_F(s,i) -> RECV_F(s+1,i))."""
+    """The RECV that receives what ``send`` sends (SEND_F(s,i) -> RECV_F(s+1,i)).
+
+    Cached: the runtime asks it for every send of every step.
+    """
     if send.microbatch is None or send.kind not in (Kind.SEND_F, Kind.SEND_B):
         raise ScheduleError(f"{send} is not a SEND of a boundary transfer", rule="comm")
     if send.kind is Kind.SEND_F:

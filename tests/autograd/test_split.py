@@ -374,7 +374,7 @@ def test_split_linears_finds_the_prepared_linears_once_for_every_recording() -> 
 def test_small_linears_left_plain_compute_their_weight_gradient_in_i() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 64)).double()
     ref = copy.deepcopy(model)
-    big = model[2].weight.numel() * model[2].weight.element_size()  # 2 KiB; the first 256 B
+    big = model[2].weight.numel() * model[2].weight.element_size()  # 2 KiB; the first 128 B
     prepare_split(model, min_weight_bytes=big)
     assert type(model[0]) is nn.Linear and type(model[2]) is not nn.Linear
     with pytest.raises(PipelineError, match=r"not prepared for split backward \(0\)"):

@@ -280,8 +280,9 @@ class Pipeline:
         )
         self.stages = {s: self.all_stages[s] for s in mine}
         self.device = compute_device(device, self.distributed, process_group, self.stages)
+        split = _split_stages(self.schedule)
         for s, stage in self.stages.items():
-            least = 0 if _runs_split(self.schedule, s) else PLAIN_BELOW_BYTES
+            least = 0 if s in split else PLAIN_BELOW_BYTES
             prepare_split(stage.module, min_weight_bytes=least)
             stage.linears = split_linears(stage.module, allow_plain=True)
             stage.autocast = self.options.autocast
@@ -715,7 +716,7 @@ def _signature(micro_inputs: list[tuple[Tensor, ...]], target: Tensor | None) ->
     return (meta, None if target is None else (target.dtype, tuple(target.shape)))
 
 
-def _runs_split(schedule: Schedule, stage: int) -> bool:
-    """Whether the schedule runs I or W of ``stage`` (not only B)."""
+def _split_stages(schedule: Schedule) -> set[int]:
+    """The stages whose backward the schedule splits (runs I or W of, not only B)."""
     split = (Kind.I, Kind.W)
-    return any(a.stage == stage and a.kind in split for acts in schedule.actions for a in acts)
+    return {a.stage for acts in schedule.actions for a in acts if a.kind in split}

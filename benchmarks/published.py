@@ -27,8 +27,9 @@ zb_schedules.py of sail-sg/zero-bubble-pipeline-parallelism, December 2023), and
 one memory limit.  So the ZB schedules here are searched on a cost model whose
 every stage has the median stage's times and memory (F, I, W, B, R, activations,
 weights; :func:`uniform_stages`), and the order found is simulated on the real
-stages, where the first and last are lighter or heavier (``--planning per-stage`` searches on the real stages, as
-``zeropipe plan`` does: the schedule a planner that sees them would run).
+stages, where the first and last are lighter or heavier (``--planning per-stage``
+searches on the real stages, as ``zeropipe plan`` does: the schedule a planner that
+sees them would run).
 
 Every schedule runs the paper's layout of the layers: the embedding and the head
 each take a transformer block's place and the places are cut evenly, so the first

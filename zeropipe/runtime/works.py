@@ -189,10 +189,9 @@ class Pending:
     and for collectives it wakes the caller sooner than polling
     ``is_completed()`` with backoff) and releases a lock the caller waits on in
     slices (a bare lock, the cheapest hand-over, on the critical path of every
-    transfer).  Not before: a thread
-    blocked from the post on would wake when the data lands, whatever this
-    rank is computing then, and take the GIL from it.  ``labels`` say, per
-    work, what it is and which peer it involves.
+    transfer).  Not before: a thread blocked from the post on would wake when
+    the data lands, whatever this rank is computing then, and take the GIL
+    from it.  ``labels`` say, per work, what it is and which peer it involves.
     """
 
     def __init__(self, works: list[Any], labels: list[Label], pool: WaitPool) -> None:

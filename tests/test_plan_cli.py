@@ -59,6 +59,17 @@ def test_cluster_mode_prints_a_ranked_table_and_round_trips_json(
         assert c.pp * c.dp == 16 and c.dp * c.microbatch_size * c.microbatches == 32
 
 
+def test_unfused_attention_with_dropout_plans_slower_steps_and_says_so(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, flash, _ = run(capsys, *SMALL, "--top", "1")
+    assert code == 0 and "flash attention, " in flash
+    code, unfused, _ = run(capsys, *SMALL, "--top", "1", "--attention", "unfused", "--dropout")
+    assert code == 0 and "unfused attention, dropout, " in unfused
+    # The score matrices' passes through memory make the best step slower.
+    assert float(_rows(unfused)[0][8]) > float(_rows(flash)[0][8])
+
+
 def test_progress_goes_to_stderr_only(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run(capsys, *SMALL[:-1], "--top", "2")
     assert code == 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -15,6 +16,7 @@ from zeropipe.simulate import simulate
 from zeropipe.specs import (
     HardwareSpec,
     ModelSpec,
+    StagePrice,
     hardware_names,
     load_hardware,
     load_model,
@@ -120,6 +122,56 @@ def test_a_block_is_priced_from_its_flops_and_bytes() -> None:
     f2 = two.F
     assert f2 == pytest.approx(2 * f)
     assert two.act == pytest.approx(2 * one.act)
+
+
+def test_unfused_attention_and_dropout_add_the_score_matrices_passes() -> None:
+    model = ModelSpec("m", layers=2, hidden=64, heads=4, kv_heads=4, ffn=256, vocab=100)
+    seq, b = 32, 2
+    t = seq * b
+    scores = t * seq * 4  # elements of the four heads' score matrices
+    flop, mem = 1e12 * 0.5, 1e11 * 0.7
+
+    def stage(**run: Any) -> StagePrice:
+        (one,) = price_stages(model, TINY_GPU, stages=1, seq=seq, microbatch_size=b,
+                              efficiency=0.5, blocks=[2], **run)  # fmt: skip
+        return one
+
+    flash, unfused = stage(), stage(attention="unfused")
+    both, flash_drop = stage(attention="unfused", dropout=True), stage(dropout=True)
+    # Per block: the full square (4 t s d forward, 8 backward, against flash's 2 and 5),
+    # the scores written, softmaxed and read forward (4 passes), 7 passes backward.
+    square = t * seq * 64
+    more_f, more_i = unfused.F - flash.F, unfused.I - flash.I
+    assert more_f == pytest.approx(2 * (2 * square / flop + scores * 4 * 2 / mem))
+    assert more_i == pytest.approx(2 * (3 * square / flop + scores * 7 * 2 / mem))
+    assert unfused.act - flash.act == pytest.approx(2 * scores * 2)  # the probabilities kept
+    # Dropout on the probabilities: two more passes each way and a one-byte mask; the
+    # dropped copy and the mask are kept.  On the hidden states, two one-byte masks a block.
+    dropout_f = both.F - unfused.F
+    assert dropout_f == pytest.approx(2 * (scores * 5 + 2 * t * 64) / mem)
+    assert both.act - unfused.act == pytest.approx(2 * (scores * 3 + 2 * t * 64))
+    assert flash_drop.act - flash.act == pytest.approx(2 * 2 * t * 64)
+    # None of it has weights: W and what W waits on are the same.
+    for priced in (unfused, both, flash_drop):
+        assert (priced.W, priced.act_w, priced.weights) == (flash.W, flash.act_w, flash.weights)
+    with pytest.raises(ScheduleError, match="attention = 'sdpa'"):
+        price_stages(model, TINY_GPU, stages=1, seq=seq, attention="sdpa")
+    costs = CostModel.from_spec(model, TINY_GPU, stages=1, seq=seq, attention="unfused")
+    assert costs.meta["attention"] == "unfused" and costs.stages[0].F > 0
+
+
+def test_unfused_attention_with_dropout_keeps_the_published_activation_figure() -> None:
+    # Korthikanti et al. 2022: s b h (34 + 5 a s / h) bytes per layer (GPT, ffn 4h, fp16,
+    # dropout, the score matrices kept).
+    model = ModelSpec(
+        "gpt", layers=4, hidden=1024, heads=16, kv_heads=16, ffn=4096, vocab=10, gated=False
+    )
+    seq = 512
+    stages = price_stages(
+        model, TINY_GPU, stages=4, seq=seq, blocks=[1] * 4, attention="unfused", dropout=True
+    )
+    figure = seq * 1024 * (34 + 5 * 16 * seq / 1024)
+    assert stages[1].act == pytest.approx(figure, rel=0.05)
 
 
 def test_activation_memory_is_near_the_published_transformer_figure() -> None:

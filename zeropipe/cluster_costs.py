@@ -46,6 +46,8 @@ def spec_costs(
     dtype: str = "bf16",
     efficiency: float | None = None,
     shard_optimizer: bool = False,
+    attention: str = "flash",
+    dropout: bool = False,
 ) -> CostFactory:
     """The cost factory :func:`search` takes, from a model and an accelerator spec:
     :meth:`CostModel.from_spec` for each configuration (the one place the planner
@@ -53,7 +55,8 @@ def spec_costs(
 
     ``shard_optimizer``: the fp32 master weights and Adam moments (12 of the 18 bytes
     per parameter) are sharded over the data-parallel replicas (ZeRO-1, a distributed
-    optimizer), so a rank keeps ``6 + 12 / dp`` bytes per parameter.
+    optimizer), so a rank keeps ``6 + 12 / dp`` bytes per parameter.  ``attention`` and
+    ``dropout``: how the blocks run (:func:`zeropipe.specs.price_stages`).
     """
 
     def costs_for(config: Config) -> CostModel:
@@ -62,6 +65,7 @@ def spec_costs(
             model, hardware, stages=config.stages, seq=seq,
             microbatch_size=config.microbatch_size, dtype=dtype, efficiency=efficiency,
             recompute=config.recompute, pp=config.pp, dp=config.dp, state_bytes=state,
+            attention=attention, dropout=dropout,
         )  # fmt: skip
 
     return costs_for

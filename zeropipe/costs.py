@@ -544,6 +544,8 @@ class CostModel:
         state_bytes: float = DEFAULT_STATE_BYTES,
         grad_bytes: float = DEFAULT_GRAD_BYTES,
         blocks: Sequence[int] | None = None,
+        attention: str = "flash",
+        dropout: bool = False,
     ) -> CostModel:
         """Price a decoder-only transformer on an accelerator from their specs (no profile).
 
@@ -552,7 +554,8 @@ class CostModel:
         (``blocks``: transformer blocks per stage; default even) run by ``pp`` ranks
         (default ``stages``; zbv's ``2p`` stages run on ``p``), with ``dp`` replicas.
         Times are seconds, memory bytes (``unit="bytes"``); how each figure is
-        derived is in :mod:`zeropipe.specs`.  ``recompute`` makes R and ``ckpt``
+        derived is in :mod:`zeropipe.specs`; ``attention`` (``"flash"`` or ``"unfused"``)
+        and ``dropout`` say how the blocks run.  ``recompute`` makes R and ``ckpt``
         available for :func:`zeropipe.fit.checkpoint`; it does not itself
         checkpoint anything.  ``meta`` records the inputs and
         ``flops_per_microbatch`` / ``peak_flops`` for MFU.
@@ -576,6 +579,8 @@ class CostModel:
             state_bytes=state_bytes,
             grad_bytes=grad_bytes,
             blocks=None if blocks is None else list(blocks),
+            attention=attention,
+            dropout=dropout,
         )
         costs = tuple(
             StageCost(
@@ -617,6 +622,8 @@ class CostModel:
                 "dtype": dtype,
                 "efficiency": eff,
                 "memory_efficiency": mem_eff,
+                "attention": attention,
+                "dropout": dropout,
                 "blocks": [p.blocks for p in priced],
                 "pipeline_link": "network" if far else "node",
                 "replica_link": "network" if dp_far else "node",

@@ -33,6 +33,7 @@ from zeropipe.costs import CostModel
 from zeropipe.errors import ScheduleError, ZeropipeError
 from zeropipe.schedules import GENERATORS
 from zeropipe.specs import (
+    ATTENTION_KINDS,
     DEFAULT_EFFICIENCY,
     DEFAULT_STATE_BYTES,
     hardware_names,
@@ -88,6 +89,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="E",
         help=f"share of the GPU's dense peak a matmul reaches (default {DEFAULT_EFFICIENCY})",
     )
+    spec.add_argument(
+        "--attention",
+        choices=ATTENTION_KINDS,
+        default="flash",
+        help="how attention runs: flash (default: a fused kernel) or unfused (the score "
+        "matrices pass through memory and are kept for backward)",
+    )
+    spec.add_argument("--dropout", action="store_true", help="the model trains with dropout layers")
     spec.add_argument(
         "--microbatch-sizes",
         type=_int_list,
@@ -234,6 +243,7 @@ def _run_cluster(args: argparse.Namespace) -> tuple[list[str], Ranking, str]:
         f"step: {args.global_batch} sequences of {args.seq} tokens ({tokens:,} tokens); "
         f"memory limit {memory / GiB:.1f} GiB per GPU",
         f"assumed: matmuls at {args.efficiency or DEFAULT_EFFICIENCY:.0%} of peak, "
+        f"{args.attention} attention{', dropout' if args.dropout else ''}, "
         + (
             "6 + 12/dp bytes of weight/gradient/Adam state per parameter (optimizer sharded "
             "over dp)"
@@ -255,6 +265,8 @@ def _run_cluster(args: argparse.Namespace) -> tuple[list[str], Ranking, str]:
             dtype=args.dtype,
             efficiency=args.efficiency,
             shard_optimizer=args.shard_optimizer,
+            attention=args.attention,
+            dropout=args.dropout,
         ),
         memory=memory,
         schedules=_schedules(args),

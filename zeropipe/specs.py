@@ -21,10 +21,23 @@ How a stage is priced (``T`` = tokens per microbatch = microbatch size x sequenc
   function; at ``memory_efficiency`` x the memory bandwidth): the bytes each reads
   and writes, twice that backward (in I).  The loss reads and writes the logits in
   float32.
+* **Unfused attention** (``attention="unfused"``, as Megatron-LM runs without
+  ``--use-flash-attn``): the full ``s x s`` score matrix of every head is computed
+  (``4 T s d`` FLOPs forward, twice that backward) and passes through memory: written
+  by the score product, read and written by the softmax, read by the value product;
+  backward, the gradient of the probabilities is written, the softmax backward reads
+  it and the probabilities and writes the scores' gradient, which the two products
+  read, and the value product's gradient reads the probabilities again.  The
+  probabilities are kept for backward.
+* **Dropout** (``dropout=True``): on the attention probabilities (unfused attention
+  only: a flash kernel draws its mask inside) one more read and write each way and a
+  one-byte mask, kept for backward; after the attention and the FFN, a one-byte mask
+  on ``T h`` written forward, read backward and kept.
 * **Activation memory** per layer and microbatch, ``dtype`` bytes per element: what
   backward needs, ``T (6 h + 2 kv + 3 f)`` elements for a gated FFN (``2 f`` for a
-  plain one), ``h`` = hidden, ``kv`` = key/value width, ``f`` = FFN width.  Of it,
-  W still needs the linears' inputs and the gradients of their outputs (``act_w``).
+  plain one), ``h`` = hidden, ``kv`` = key/value width, ``f`` = FFN width, and what
+  unfused attention and dropout add (above).  Of it, W still needs the linears'
+  inputs and the gradients of their outputs (``act_w``).
   A checkpointed stage keeps only its input.
 * **Static memory** per parameter: ``state_bytes`` (default 18: bf16 weight, fp32
   gradient, fp32 master copy and two Adam moments, as mixed-precision training
@@ -71,6 +84,7 @@ DEFAULT_EFFICIENCY = 0.6  # share of the dense peak a large bf16 matmul reaches
 DEFAULT_MEMORY_EFFICIENCY = 0.7  # share of the memory bandwidth elementwise kernels reach
 DEFAULT_STATE_BYTES = 18.0  # bytes of weight, gradient and Adam state per parameter
 DEFAULT_GRAD_BYTES = 4.0  # bytes per parameter a gradient all-reduce moves (fp32)
+ATTENTION_KINDS = ("flash", "unfused")  # how attention is computed (see the docstring)
 
 
 @dataclass(frozen=True)
@@ -308,12 +322,15 @@ def price_stages(
     state_bytes: float = DEFAULT_STATE_BYTES,
     grad_bytes: float = DEFAULT_GRAD_BYTES,
     blocks: list[int] | None = None,
+    attention: str = "flash",
+    dropout: bool = False,
 ) -> list[StagePrice]:
     """Each stage's F, I, W, R times and memory for one microbatch (see the module docstring).
 
     ``blocks`` gives the transformer blocks of each stage (default: the cut whose
     slowest stage is fastest, see :func:`_cut`); the first stage also holds the embedding,
-    the last the final norm, output head and loss.
+    the last the final norm, output head and loss.  ``attention`` is ``"flash"`` or
+    ``"unfused"``; ``dropout`` prices the dropout layers of training.
     """
     for name, value in (("efficiency", efficiency), ("memory_efficiency", memory_efficiency)):
         if not (0 < value <= 1):
@@ -323,6 +340,8 @@ def price_stages(
             raise ScheduleError(f"{name} = {ivalue!r} must be an int >= 1")
     if dtype not in _DTYPE_BYTES:
         raise ScheduleError(f"unknown dtype {dtype!r}; known: {', '.join(_DTYPE_BYTES)}")
+    if attention not in ATTENTION_KINDS:
+        raise ScheduleError(f"attention = {attention!r}: give one of {', '.join(ATTENTION_KINDS)}")
     if stages > model.layers + 2:
         raise ScheduleError(
             f"{stages} stages for a {model.layers}-layer model: at most layers + 2 "
@@ -336,18 +355,32 @@ def price_stages(
     n = model.layer_params() - 2 * h  # weights in linears (not the norms)
     ffn_mats = 3 if model.gated else 2
 
-    # One block.  Linears: 2 t n FLOPs each for F, I and W.  Attention: 2 t s d forward
-    # (causal: half of the 4 t s d of a full square), 2.5x backward.
-    attention = 2.0 * t * seq * d
+    # One block.  Linears: 2 t n FLOPs each for F, I and W.  Flash attention: 2 t s d
+    # forward (causal: half of the 4 t s d of a full square), 2.5x backward.
     # Elementwise bytes forward: two norms (read + write h each), rotary on q and k,
-    # two residual adds (read 2, write 1), the activation (gated: read 2 f, write f).
-    elementwise = t * e * (4 * h + 2 * (d + kv) + 6 * h + (3 * f if model.gated else 2 * f))
-    block_f = (2.0 * t * n + attention) / flop + elementwise / mem
-    block_i = (2.0 * t * n + 2.5 * attention) / flop + 2 * elementwise / mem
-    block_w = 2.0 * t * n / flop
+    # two residual adds (read 2, write 1), the activation (gated: read 2 f, write f);
+    # backward twice that.
+    elementwise_f = t * e * (4 * h + 2 * (d + kv) + 6 * h + (3 * f if model.gated else 2 * f))
+    elementwise_i = 2 * elementwise_f
     # Saved for backward: norm inputs and outputs (4 h), q k v (d + 2 kv), attention
     # output (h-wide), FFN gate/up/product (3 f) or pre/post activation (2 f).
     block_act = t * e * (5 * h + d + 2 * kv + (3 * f if model.gated else 2 * f))
+    if attention == "flash":
+        attention_f, attention_i = 2.0 * t * seq * d, 5.0 * t * seq * d
+    else:  # the full square; the score matrices' passes through memory (docstring)
+        attention_f, attention_i = 4.0 * t * seq * d, 8.0 * t * seq * d
+        scores = t * seq * model.heads  # elements of one microbatch's score matrices
+        drop = 1 if dropout else 0  # dropout on the probabilities: 2 passes and a mask
+        elementwise_f += scores * ((4 + 2 * drop) * e + drop)
+        elementwise_i += scores * ((7 + 2 * drop) * e + drop)
+        block_act += scores * ((1 + drop) * e + drop)
+    if dropout:  # masks after the attention and the FFN: written, read back, kept
+        elementwise_f += 2 * t * h
+        elementwise_i += 2 * t * h
+        block_act += 2 * t * h
+    block_f = (2.0 * t * n + attention_f) / flop + elementwise_f / mem
+    block_i = (2.0 * t * n + attention_i) / flop + elementwise_i / mem
+    block_w = 2.0 * t * n / flop
     # W needs each linear's input and its output's gradient.
     linear_in = 2 * h + d + f
     linear_out = (d + 2 * kv) + h + (ffn_mats - 1) * f + h

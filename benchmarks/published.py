@@ -24,10 +24,13 @@ The paper's code base plans its ZB schedules for uniform stages: its scheduler
 takes one F, B and W time for all stages, the median of the ranks' profiled
 times ("Using uniform f/b/w timing for now", megatron/core/pipeline_parallel/
 zb_schedules.py of sail-sg/zero-bubble-pipeline-parallelism, December 2023), and
-one memory limit.  So the ZB schedules here are searched on a cost model whose
-every stage has the median stage's times and memory (F, I, W, B, R, activations,
-weights; :func:`uniform_stages`), and the order found is simulated on the real
-stages, where the first and last are lighter or heavier (``--planning per-stage``
+one memory limit, and it counts memory in its own units: an F takes two, its B
+gives one back and its W the other (``mem_f=2, mem_b=-1, mem_w=-1`` in
+``auto_schedule.py`` of the same code base, November 2023).  So the ZB schedules here
+are searched on a cost model whose every stage has the median stage's times and
+memory (F, I, W, B, R, activations, weights; :func:`uniform_stages`), with half a
+microbatch's activations waiting for its W (:func:`paper_memory`), and the order
+found is simulated on the real stages, where the first and last are lighter or heavier (``--planning per-stage``
 searches on the real stages, as ``zeropipe plan`` does: the schedule a planner that
 sees them would run).
 
@@ -55,11 +58,24 @@ each charged its wire time there (``--receives at-use`` posts each one compute a
 ahead of its consumer, as Megatron receives).  It is the same setting for every row
 and schedule.
 
+The blocks run as the paper's launch script of its date runs them
+(``examples/pretrain_llama_7b.sh`` of the commit that added zero bubble to its code
+base, ed85b11c, 2023-11-03: sequence 1024 and 3p microbatches, as in Table 3):
+``--fp16``, dropout at Megatron's default of 0.1, and no ``--use-flash-attn``, so
+Megatron's unfused attention, whose score matrices pass through memory in F and I
+(``--attention flash`` prices a fused kernel instead).
+
 Assumed where the paper is silent: the model is GPT-2/3-style (plain GELU FFN of
 4 x hidden, multi-head attention, learned positions), the GPT-2 vocabulary (50257)
 and tied input/output embeddings (Megatron's default; the last stage still holds
-its copy of the head), bf16.  The network between nodes is the spec's 25 GB/s per
+its copy of the head).  The network between nodes is the spec's 25 GB/s per
 GPU (the paper names RoCE, not its speed).
+
+``--table 5`` checks the simulator and the search apart from the cost model: the
+paper's Table 5 gives bubble rates it computed from the F, B, W and transfer times
+its code profiled (Table 9), for 1F1B, 1F1B-I, ZB-H1, ZB-H2, ZB-1p and ZB-2p; here
+the same times (:func:`profiled_costs`) are simulated and searched, and the rates set
+beside the published ones.
 
     python benchmarks/published.py
     python benchmarks/published.py --json rows.json
@@ -67,6 +83,8 @@ GPU (the paper names RoCE, not its speed).
     python benchmarks/published.py --p2p overlapped --timing makespan
     python benchmarks/published.py --planning per-stage
     python benchmarks/published.py --receives at-use
+    python benchmarks/published.py --attention flash
+    python benchmarks/published.py --table 5
 """
 
 from __future__ import annotations
@@ -81,7 +99,7 @@ from itertools import combinations, pairwise
 from typing import Any
 
 from zeropipe.balance import even_cut
-from zeropipe.costs import CostModel
+from zeropipe.costs import CostModel, StageCost
 from zeropipe.ir import COMPUTE_KINDS, Schedule
 from zeropipe.lower import lower
 from zeropipe.schedules import generate
@@ -98,6 +116,7 @@ P2P = ("blocking", "overlapped")  # how a pipeline transfer is priced (see the d
 TIMING = ("span", "makespan")  # what an iteration's time is (see the docstring)
 PLANNING = ("uniform", "per-stage")  # the costs the ZB schedules are searched on
 RECEIVES = ("upfront", "at-use")  # where blocking receives are posted (see the docstring)
+ATTENTION = ("unfused", "flash")  # how the blocks compute attention (see the docstring)
 
 
 @dataclass(frozen=True)
@@ -108,6 +127,7 @@ class Pricing:
     timing: str = "span"
     planning: str = "uniform"
     receives: str = "upfront"
+    attention: str = "unfused"
 
     def __post_init__(self) -> None:
         if self.p2p not in P2P:
@@ -118,6 +138,8 @@ class Pricing:
             raise ValueError(f"planning must be one of {PLANNING}, got {self.planning!r}")
         if self.receives not in RECEIVES:
             raise ValueError(f"receives must be one of {RECEIVES}, got {self.receives!r}")
+        if self.attention not in ATTENTION:
+            raise ValueError(f"attention must be one of {ATTENTION}, got {self.attention!r}")
 
 
 @dataclass(frozen=True)
@@ -190,6 +212,43 @@ PUBLISHED: dict[tuple[str, int], tuple[float, float, float, float]] = {
 }
 
 
+# Table 9 of the paper, typed in: what its code profiled in the ZB-2p runs, one value for
+# every stage, in ms: F, B (the input gradient: zeropipe's I), W and one transfer.
+PROFILED: dict[tuple[str, int], tuple[float, float, float, float]] = {
+    ("1.5B", 24): (18.522, 18.086, 9.337, 0.601),
+    ("1.5B", 32): (18.513, 18.086, 9.331, 0.626),
+    ("1.5B", 64): (18.546, 18.097, 9.321, 0.762),
+    ("6.2B", 24): (29.718, 29.444, 19.927, 0.527),
+    ("6.2B", 32): (29.802, 29.428, 19.530, 0.577),
+    ("6.2B", 64): (29.935, 29.621, 19.388, 0.535),
+    ("14.6B", 48): (11.347, 11.248, 8.132, 0.377),
+    ("14.6B", 64): (11.307, 11.254, 8.101, 0.379),
+    ("14.6B", 128): (11.325, 11.308, 8.109, 0.378),
+    ("28.3B", 96): (10.419, 10.207, 7.715, 0.408),
+    ("28.3B", 128): (10.408, 10.204, 7.703, 0.408),
+    ("28.3B", 256): (10.402, 10.248, 7.698, 0.460),
+}
+
+BUBBLE_SCHEDULES = ("1F1B", "1F1B-I", "ZB-H1", "ZB-H2", "ZB-1p", "ZB-2p")
+# Table 5 of the paper, typed in: bubble rates it computed (not measured) from those
+# times, (cost - m (F + B + W)) / cost with cost the longest stage's execution time, in
+# the order of BUBBLE_SCHEDULES.
+BUBBLES: dict[tuple[str, int], tuple[float, float, float, float, float, float]] = {
+    ("1.5B", 24): (0.2431, 0.1055, 0.1585, 0.1083, 0.1585, 0.0433),
+    ("1.5B", 32): (0.1985, 0.0818, 0.1242, 0.0837, 0.1242, 0.0039),
+    ("1.5B", 64): (0.1240, 0.0443, 0.0674, 0.0444, 0.0674, 0.0026),
+    ("6.2B", 24): (0.2347, 0.0808, 0.1323, 0.0698, 0.1323, 0.0029),
+    ("6.2B", 32): (0.1898, 0.0628, 0.1045, 0.0559, 0.1045, 0.0022),
+    ("6.2B", 64): (0.1091, 0.0320, 0.0554, 0.0294, 0.0554, 0.0010),
+    ("14.6B", 48): (0.2552, 0.1104, 0.1397, 0.0672, 0.1397, 0.0066),
+    ("14.6B", 64): (0.2082, 0.0852, 0.1088, 0.0516, 0.1088, 0.0054),
+    ("14.6B", 128): (0.1251, 0.0445, 0.0576, 0.0266, 0.0576, 0.0028),
+    ("28.3B", 96): (0.2646, 0.1493, 0.1421, 0.0641, 0.1421, 0.0038),
+    ("28.3B", 128): (0.2168, 0.1164, 0.1106, 0.0490, 0.1106, 0.0029),
+    ("28.3B", 256): (0.1352, 0.0624, 0.0594, 0.0257, 0.0594, 0.0018),
+}
+
+
 def published(model: str, microbatches: int) -> dict[str, float]:
     """The paper's samples per GPU per second of one row, by schedule."""
     return dict(zip(SCHEDULES, PUBLISHED[(model, microbatches)], strict=True))
@@ -197,8 +256,9 @@ def published(model: str, microbatches: int) -> dict[str, float]:
 
 def costs(setting: Setting, chunks: int = 1, pricing: Pricing = Pricing()) -> CostModel:
     """The cost model of ``setting`` cut into ``chunks`` stages per rank (the paper's
-    layout, :meth:`Setting.blocks`), from specs only; blocking transfers: each send and
-    receive occupies its rank for the wire time."""
+    layout, :meth:`Setting.blocks`), from specs only, run as the paper's launch script
+    runs it (fp16, dropout, unfused attention unless ``pricing`` says flash); blocking
+    transfers: each send and receive occupies its rank for the wire time."""
     stages = setting.gpus * chunks
     model = CostModel.from_spec(
         setting.spec(),
@@ -208,6 +268,9 @@ def costs(setting: Setting, chunks: int = 1, pricing: Pricing = Pricing()) -> Co
         seq=SEQ,
         microbatch_size=setting.microbatch_size,
         blocks=setting.blocks(stages),
+        dtype="fp16",
+        attention=pricing.attention,
+        dropout=True,
     )
     if pricing.p2p == "overlapped":
         return model
@@ -229,6 +292,15 @@ def uniform_stages(c: CostModel) -> CostModel:
         if None not in values:  # B and R may be left to their defaults (I + W, F)
             median[name] = sorted(values)[len(values) // 2]
     return replace(c, stages=tuple(replace(s, **median) for s in c.stages))
+
+
+def paper_memory(c: CostModel) -> CostModel:
+    """``c`` with each microbatch's activations counted as the paper's scheduler counts
+    them: an F takes two units, its B gives one back and its W the other
+    (``mem_f=2, mem_b=-1, mem_w=-1`` in ``GraphConfig`` of
+    ``megatron/core/pipeline_parallel/auto_schedule.py``, November 2023), so what waits
+    for its W holds half of the microbatch's activations."""
+    return replace(c, stages=tuple(replace(s, act_w=s.act / 2) for s in c.stages))
 
 
 def rank_imbalance(c: CostModel, ranks: int) -> float:
@@ -275,12 +347,78 @@ def predict(
         "1F1B": iteration_time(run(generate("1f1b", p, m), one), timed),
         "1F1B-I": iteration_time(run(generate("interleaved-1f1b", p, m, v), interleaved), timed),
     }
-    planned = uniform_stages(one) if pricing.planning == "uniform" else one
+    planned = paper_memory(uniform_stages(one)) if pricing.planning == "uniform" else one
     for name, k in (("ZB-1p", 1), ("ZB-2p", 2)):
         found = search(planned, p, m, activation_limits(planned, k * p), max_chunks=1)
         same = planned is one and pricing.receives == "upfront"
         step[name] = iteration_time(found.timeline if same else run(found.schedule, one), timed)
     return step
+
+
+def profiled_costs(setting: Setting, m: int, chunks: int = 1) -> CostModel:
+    """The paper's profiled times of one row (Table 9) as a cost model in ms: every stage
+    alike (a chunk is ``1 / chunks`` of a rank's), the transfer as the wire's latency (the
+    paper's scheduler adds it to every dependency between stages, as the simulator
+    does), and a microbatch's activations one unit, counted as :func:`paper_memory`."""
+    f, b, w, comm = PROFILED[(setting.model, m)]
+    stage = StageCost(F=f / chunks, I=b / chunks, W=w / chunks, act=1 / chunks)
+    return paper_memory(CostModel((stage,) * (setting.gpus * chunks), latency=comm))
+
+
+def bubble_rates(setting: Setting, m: int) -> dict[str, float]:
+    """Each schedule's bubble rate on the paper's profiled times, as its Table 5 defines
+    it: ``(cost - m (F + B + W)) / cost``, cost the longest stage's execution time (its
+    span: :func:`iteration_time`).  1F1B-I has the paper's chunking; ZB-1p and ZB-2p are
+    ``auto`` under a limit of p and 2p microbatches, as in :func:`predict`."""
+    p, v = setting.gpus, setting.paper_chunks()
+    one = profiled_costs(setting, m)
+    timelines = {
+        "1F1B": simulate(generate("1f1b", p, m), one),
+        "1F1B-I": simulate(generate("interleaved-1f1b", p, m, v), profiled_costs(setting, m, v)),
+        "ZB-H1": simulate(generate("zb-h1", p, m), one),
+        "ZB-H2": simulate(generate("zb-h2", p, m), one),
+    }
+    for name, k in (("ZB-1p", 1), ("ZB-2p", 2)):
+        timelines[name] = search(one, p, m, activation_limits(one, k * p), max_chunks=1).timeline
+    f, b, w, _ = PROFILED[(setting.model, m)]
+    ideal = m * (f + b + w)
+    rates = {}
+    for name in BUBBLE_SCHEDULES:
+        cost = iteration_time(timelines[name])
+        rates[name] = (cost - ideal) / cost
+    return rates
+
+
+def bubble_row(setting: Setting, m: int) -> dict[str, Any]:
+    """One row of Table 5: published and simulated bubble rates and their differences."""
+    pub = dict(zip(BUBBLE_SCHEDULES, BUBBLES[(setting.model, m)], strict=True))
+    ours = bubble_rates(setting, m)
+    return {
+        "model": setting.model,
+        "gpus": setting.gpus,
+        "microbatches": m,
+        "published": pub,
+        "simulated": ours,
+        "difference": {s: ours[s] - pub[s] for s in BUBBLE_SCHEDULES},
+    }
+
+
+def bubble_table(rows: Sequence[dict[str, Any]]) -> str:
+    head = f"{'model':>6} {'GPUs':>4} {'m':>4} | " + " | ".join(
+        f"{s + ' pub/sim':>15}" for s in BUBBLE_SCHEDULES
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        cells = [f"{r['published'][s]:.4f}/{r['simulated'][s]:.4f}" for s in BUBBLE_SCHEDULES]
+        lines.append(
+            f"{r['model']:>6} {r['gpus']:>4} {r['microbatches']:>4} | "
+            + " | ".join(f"{c:>15}" for c in cells)
+        )
+    worst = {s: max(abs(r["difference"][s]) for r in rows) for s in BUBBLE_SCHEDULES}
+    lines.append(
+        "largest |simulated - published|: " + ", ".join(f"{s} {d:.4f}" for s, d in worst.items())
+    )
+    return "\n".join(lines)
 
 
 def ratios(throughput: Mapping[str, float]) -> dict[str, float]:
@@ -405,6 +543,22 @@ def summary(rows: Sequence[dict[str, Any]]) -> str:
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    p.add_argument(
+        "--table",
+        type=int,
+        choices=(4, 5),
+        default=4,
+        help="4 (default): measured throughput against the spec cost model; 5: the "
+        "paper's bubble rates, computed from its own profiled times (Table 9), against the "
+        "simulator's on the same times",
+    )
+    p.add_argument(
+        "--attention",
+        choices=ATTENTION,
+        default="unfused",
+        help="unfused (default): Megatron-LM's attention without --use-flash-attn, as the "
+        "paper's launch script runs it; flash: a fused kernel",
+    )
     p.add_argument("--models", help="comma-separated subset, e.g. 1.5B,6.2B")
     p.add_argument(
         "--chunks", type=int, help="1F1B-I chunks per rank (default: the paper's, (layers+2)/GPUs)"
@@ -453,12 +607,15 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
                 f"unknown model(s) {sorted(unknown)}; the paper has 1.5B, 6.2B, 14.6B, 28.3B"
             )
     t0 = time.perf_counter()
-    rows = run(models, args.chunks, Pricing(args.p2p, args.timing, args.planning, args.receives))
+    if args.table == 5:
+        return bubbles_main(models, args.json, t0)
+    pricing = Pricing(args.p2p, args.timing, args.planning, args.receives, args.attention)
+    rows = run(models, args.chunks, pricing)
     print(
         f"{SOURCE}: Table 4 (samples per GPU per second) against zeropipe's prediction "
         f"(CostModel.from_spec, {HARDWARE}, default efficiencies, {args.p2p} transfers, "
         f"{args.timing} timing, ZB planned on {args.planning} stages, receives "
-        f"{args.receives}, "
+        f"{args.receives}, {args.attention} attention, "
         f"no per-row factors); "
         f"ratios to 1F1B, error = predicted / published - 1; v: 1F1B-I chunks per rank; "
         f"load: busiest rank's work / mean rank's, 1F1B / 1F1B-I cut; 1F1B in samples "
@@ -470,6 +627,28 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"source": SOURCE, "hardware": HARDWARE, "rows": rows}, f, indent=1)
+    return rows
+
+
+def bubbles_main(
+    models: Sequence[str] | None, json_path: str | None, t0: float
+) -> list[dict[str, Any]]:
+    rows = [
+        bubble_row(setting, m)
+        for setting in SETTINGS
+        if not models or setting.model in models
+        for m in setting.microbatches
+    ]
+    print(
+        f"{SOURCE}: Table 5 (bubble rates the paper computed from its profiled F, B, W and "
+        f"transfer times, Table 9) against zeropipe's simulator and auto search on the same "
+        f"times; bubble = (cost - m (F + B + W)) / cost, cost = the longest stage's span"
+    )
+    print(bubble_table(rows))
+    print(f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"source": SOURCE, "table": 5, "rows": rows}, f, indent=1)
     return rows
 
 

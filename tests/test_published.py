@@ -97,13 +97,15 @@ def test_the_paper_layout_gives_embedding_and_head_a_block_place_each() -> None:
 def test_a_prediction_is_from_spec_and_the_simulator_with_no_factor() -> None:
     s = pub.SETTINGS[0]  # 1.5B on 8 GPUs
     v = s.paper_chunks()
+    # As the paper's launch script runs: fp16, dropout, Megatron's unfused attention.
+    run = {"dtype": "fp16", "attention": "unfused", "dropout": True}
     direct = CostModel.from_spec(
         s.spec(), "a100-80gb", stages=8, seq=1024, microbatch_size=s.microbatch_size,
-        blocks=s.blocks(8),
+        blocks=s.blocks(8), **run,
     )  # fmt: skip
     inter = CostModel.from_spec(
         s.spec(), "a100-80gb", stages=8 * v, pp=8, seq=1024, microbatch_size=s.microbatch_size,
-        blocks=s.blocks(8 * v),
+        blocks=s.blocks(8 * v), **run,
     )  # fmt: skip
     plain = pub.Pricing("overlapped", "makespan")
     overlapped = pub.predict(s, 24, pricing=plain)
@@ -127,6 +129,14 @@ def test_a_prediction_is_from_spec_and_the_simulator_with_no_factor() -> None:
         pub.Pricing(planning="exact")
     with pytest.raises(ValueError, match="receives must be one of"):
         pub.Pricing(receives="late")
+    with pytest.raises(ValueError, match="attention must be one of"):
+        pub.Pricing(attention="sdpa")
+    # Flash attention prices the same blocks cheaper, and only F and I change.
+    flash = pub.costs(s, pricing=pub.Pricing(attention="flash"))
+    unfused = pub.costs(s)
+    for a, b in zip(flash.stages, unfused.stages, strict=True):
+        assert a.F < b.F and a.I < b.I and a.act < b.act
+        assert a.W == b.W and a.weights == b.weights
 
 
 def test_receives_at_use_post_each_one_compute_action_ahead_of_its_consumer() -> None:
@@ -158,7 +168,7 @@ def test_zb_is_searched_on_uniform_stages_and_timed_on_the_real_ones() -> None:
     m = 8
     p = SMALL.gpus
     real = pub.costs(SMALL)
-    planned = pub.uniform_stages(real)
+    planned = pub.paper_memory(pub.uniform_stages(real))
     step = pub.predict(SMALL, m, pricing=pub.Pricing(timing="makespan"))
     for name, k in (("ZB-1p", 1), ("ZB-2p", 2)):
         found = pub.search(planned, p, m, pub.activation_limits(planned, k * p), max_chunks=1)
@@ -188,6 +198,49 @@ def test_iteration_time_is_the_longest_rank_span_and_the_makespan_for_1f1b() -> 
         for evs in tl.events
     ]
     assert max(lengths) == pytest.approx(span)
+
+
+def test_paper_memory_holds_half_a_microbatch_from_its_b_to_its_w() -> None:
+    c = pub.costs(SMALL)
+    half = pub.paper_memory(c)
+    for s, h in zip(c.stages, half.stages, strict=True):
+        assert h.act == s.act and h.act_w == s.act / 2 and (h.F, h.I, h.W) == (s.F, s.I, s.W)
+    # More W can wait under the same limit: a ZB-2p search on it is never slower.
+    u = pub.uniform_stages(c)
+    limits = pub.activation_limits(u, 2 * SMALL.gpus)
+    full = pub.search(u, SMALL.gpus, 8, limits, max_chunks=1).timeline.makespan
+    halved = pub.search(pub.paper_memory(u), SMALL.gpus, 8, limits, max_chunks=1)
+    assert halved.timeline.makespan <= full * (1 + 1e-9)
+
+
+def test_the_paper_bubble_tables_are_typed_in_whole() -> None:
+    keys = {(s.model, m) for s in pub.SETTINGS for m in s.microbatches}
+    assert set(pub.PROFILED) == keys == set(pub.BUBBLES)
+    for key, rates in pub.BUBBLES.items():
+        r = dict(zip(pub.BUBBLE_SCHEDULES, rates, strict=True))
+        assert all(0 < x < 1 for x in rates)
+        # What the paper says of its table: ZB-1p is ZB-H1 under the same memory, ZB-2p
+        # is the best, 1F1B the worst.
+        assert r["ZB-1p"] == r["ZB-H1"]
+        assert r["ZB-2p"] == min(rates) and r["1F1B"] == max(rates)
+        f, b, w, comm = pub.PROFILED[key]
+        assert 0 < comm < w < b < f
+
+
+@pytest.mark.parametrize("m", [24, 32])
+def test_the_simulator_and_auto_reproduce_the_paper_bubble_rates_from_its_own_times(
+    m: int,
+) -> None:
+    # Table 5 of the paper, computed there from the times of its Table 9: the same times
+    # here give the same rates for the named schedules and ZB-1p to the table's four
+    # digits, and auto finds ZB-2p's near-zero bubble under the 2p limit.
+    row = pub.bubble_row(pub.SETTINGS[0], m)  # 1.5B on 8 GPUs
+    for name in ("1F1B", "ZB-H1", "ZB-H2", "ZB-1p"):
+        assert row["difference"][name] == pytest.approx(0, abs=5e-5), name
+    assert abs(row["difference"]["ZB-2p"]) < 2e-3
+    assert 0 < row["difference"]["1F1B-I"] < 4e-3  # the one schedule a little off
+    c = pub.profiled_costs(pub.SETTINGS[0], m)
+    assert c.latency == pub.PROFILED[("1.5B", m)][3] and c.stages[0].act_w == 0.5
 
 
 def test_zb_limits_hold_one_f_one_b_and_zb_2p_gets_twice_the_activations() -> None:

@@ -30,9 +30,9 @@ gives one back and its W the other (``mem_f=2, mem_b=-1, mem_w=-1`` in
 are searched on a cost model whose every stage has the median stage's times and
 memory (F, I, W, B, R, activations, weights; :func:`uniform_stages`), with half a
 microbatch's activations waiting for its W (:func:`paper_memory`), and the order
-found is simulated on the real stages, where the first and last are lighter or heavier (``--planning per-stage``
-searches on the real stages, as ``zeropipe plan`` does: the schedule a planner that
-sees them would run).
+found is simulated on the real stages, where the first and last are lighter or
+heavier (``--planning per-stage`` searches on the real stages, as ``zeropipe plan``
+does: the schedule a planner that sees them would run).
 
 Every schedule runs the paper's layout of the layers: the embedding and the head
 each take a transformer block's place and the places are cut evenly, so the first

@@ -608,6 +608,12 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
             )
     t0 = time.perf_counter()
     if args.table == 5:
+        # Table 5 is computed from the paper's own times: no spec pricing to choose.
+        default = vars(_parse([]))
+        pricing = ("chunks", "p2p", "timing", "planning", "receives", "attention")
+        given = [f"--{k}" for k in pricing if getattr(args, k) != default[k]]
+        if given:
+            raise SystemExit(f"--table 5 uses the paper's profiled times; drop {', '.join(given)}")
         return bubbles_main(models, args.json, t0)
     pricing = Pricing(args.p2p, args.timing, args.planning, args.receives, args.attention)
     rows = run(models, args.chunks, pricing)

@@ -293,6 +293,9 @@ def test_the_script_writes_rows_that_read_back_and_match_what_it_printed(
 def test_an_unknown_model_is_refused_by_name() -> None:
     with pytest.raises(SystemExit, match="7B"):
         pub.main(["--models", "7B"])
+    # Table 5 is priced from the paper's own times: a pricing option is refused, not ignored.
+    with pytest.raises(SystemExit, match="drop --p2p, --attention"):
+        pub.main(["--table", "5", "--p2p", "overlapped", "--attention", "flash"])
 
 
 def test_rank_imbalance_is_one_for_equal_stages_and_sees_a_heavy_rank() -> None:

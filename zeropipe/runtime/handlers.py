@@ -156,16 +156,19 @@ def _run_forward(
     stash = WeightGradStash(stage=s, microbatch=i, grad_memory=ctx.grad_memory) if grad else None
     saved = ctx.memory.saving(s, i, state.inputs) if grad and ctx.memory is not None else None
     last = s == ctx.last and ctx.targets is not None
+    # Only the contexts that change something are entered: each costs a few microseconds
+    # per action, which on small stages is a visible share of the step.
     with (
-        torch.set_grad_enabled(grad),
-        stash.recording(stage.module, stage.linears) if stash is not None else nullcontext(),
-        saved.hooks() if saved is not None else nullcontext(),
+        torch.set_grad_enabled(grad) if grad != torch.is_grad_enabled() else nullcontext(),
+        stash.recording(stage.module, stage.linears)
+        if stash is not None and stage.linears != ()
+        else nullcontext(),
+        saved.hooks() if saved is not None and saved.counted else nullcontext(),
     ):
         outputs = stage.forward(
             state.inputs, ctx.seed, ctx.step, ctx.first_microbatch + i, ctx.device
         )
         loss = _loss(ctx, outputs, i) if last else None
-        weighted = loss.reshape(()) * ctx.weights[i] if grad and loss is not None else None
     state.stash, state.saved = stash, saved
     if loss is None:
         state.outputs = outputs
@@ -174,7 +177,9 @@ def _run_forward(
     else:
         if not recompute:
             ctx.losses[i] = loss.detach().reshape(())
-        state.loss, state.outputs = weighted, ()
+        # The root of this microbatch's backward; its weight seeds the backward (_backward)
+        # instead of being one more autograd node here.
+        state.loss, state.outputs = (loss if grad else None), ()
     if ctx.memory is not None and ctx.training:
         ctx.memory.after_forward(s, i, state, recompute)
 
@@ -195,7 +200,8 @@ def _backward(ctx: StepContext, action: Action) -> None:
         if state.loss is None:
             raise PipelineError(f"{action}: the last stage has no loss to differentiate")
         roots: list[Tensor] = [state.loss]
-        grads: list[Tensor | None] = [None]
+        # d(weight x loss)/d(loss) = weight: the same seed autograd would give a product.
+        grads: list[Tensor | None] = [torch.full_like(state.loss, ctx.weights[i])]
     else:
         if not ctx.deps.crosses(s + 1, s):
             downstream = ctx.state(s + 1, i)

@@ -2,7 +2,8 @@
 
 Installed in a rank process (``with NcclSemantics(timeout):``), it replaces
 ``torch.distributed``'s ``isend``, ``irecv``, ``batch_isend_irecv`` and
-``all_reduce`` with operations that behave as NCCL's do:
+``all_reduce`` (and zeropipe's own posts beneath ``isend`` / ``irecv``,
+``_compat.p2p_send`` / ``p2p_recv``) with operations that behave as NCCL's do:
 
 * **tags are ignored**: every message of a pair travels on one gloo tag, so
   messages are matched in issue order, whatever tag the caller gave;
@@ -36,6 +37,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
+
+from zeropipe import _compat
 
 DATA_TAG, READY_TAG = 101, 102
 
@@ -93,6 +96,10 @@ class NcclSemantics:
             for name, fake in fakes.items():
                 self._saved[(module, name)] = getattr(module, name)
                 setattr(module, name, fake)
+        # zeropipe's gloo transport posts beneath dist.isend / irecv, on the group itself.
+        for name, fake in (("p2p_send", self._group_send), ("p2p_recv", self._group_recv)):
+            self._saved[(_compat, name)] = getattr(_compat, name)
+            setattr(_compat, name, fake)
         self._worker.start()
         return self
 
@@ -116,6 +123,12 @@ class NcclSemantics:
     def _irecv(self, tensor: torch.Tensor, src: int | None = None, group: Any = None,
                tag: int = 0, group_src: int | None = None) -> _Work:  # fmt: skip
         return self._submit([_Op(False, tensor, _peer(group, src, group_src))])
+
+    def _group_send(self, group: Any, tensor: torch.Tensor, peer: int, tag: int) -> _Work:
+        return self._isend(tensor, group=group, tag=tag, group_dst=peer)
+
+    def _group_recv(self, group: Any, tensor: torch.Tensor, peer: int, tag: int) -> _Work:
+        return self._irecv(tensor, group=group, tag=tag, group_src=peer)
 
     def _batch(self, ops: list[Any]) -> list[_Work]:
         batch = [_Op(op.op == self._isend, op.tensor, _peer(op.group, op.peer, None)) for op in ops]

@@ -45,7 +45,7 @@ def post_barrier(endpoint: Endpoint, tag: Callable[[int], int], device: torch.de
         src = (rank - (1 << k)) % w
         what = f"the end-of-step barrier (round {k}) from rank {src}"
         buf = torch.empty(3, dtype=torch.float64, device=device)
-        heard.append((buf, endpoint.post(dist.irecv, buf, src, tag(k), what), (what, src)))
+        heard.append((buf, endpoint.recv(buf, src, tag(k), what), (what, src)))
     return heard
 
 
@@ -110,7 +110,7 @@ def barrier(
         dst = (rank + (1 << k)) % w
         what = f"the end-of-step barrier (round {k}) to rank {dst}"
         token = known.clone()  # in flight while ``known`` may still change
-        told.append(endpoint.post(dist.isend, token, dst, tag(k), what))
+        told.append(endpoint.send(token, dst, tag(k), what))
         labels.append((what, dst))
         endpoint.wait(endpoint.pending([work], [label]))
         if buf[0] > 0 and known[0] == 0:

@@ -175,12 +175,12 @@ class DistributedTransport:
         what = f"{action} to be received by rank {peer}"
         if known is None:
             header = encode_header(got, action, self._device)
-            works.append(self._endpoint.post(dist.isend, header, peer, self._tag(t, 0), what))
+            works.append(self._endpoint.send(header, peer, self._tag(t, 0), what))
             labels.append((what, peer))
             keep.append(header)
             self._meta_send[recv] = got
         for k, x in enumerate(payload):
-            works.append(self._endpoint.post(dist.isend, x, peer, self._tag(t, k + 1), what))
+            works.append(self._endpoint.send(x, peer, self._tag(t, k + 1), what))
             labels.append((what, peer))
         # Not waited on here: handing each send to a waiter thread costs more
         # than the send; all of a step's sends are awaited together in finish_step.
@@ -197,7 +197,7 @@ class DistributedTransport:
         if meta is None:
             rec.header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self._device)
             what = f"{action} (its shape header) from rank {rec.peer}"
-            work = self._endpoint.post(dist.irecv, rec.header, rec.peer, self._tag(t, 0), what)
+            work = self._endpoint.recv(rec.header, rec.peer, self._tag(t, 0), what)
             rec.header_pending = self._endpoint.pending([work], [(what, rec.peer)])
         else:
             self._post_payload(rec, meta)
@@ -267,7 +267,7 @@ class DistributedTransport:
         rec.buffers = tuple(torch.empty(s, dtype=d, device=self._device) for d, s in meta)
         what = f"{rec.action} from rank {rec.peer}"
         works = [
-            self._endpoint.post(dist.irecv, b, rec.peer, self._tag(t, k + 1), what)
+            self._endpoint.recv(b, rec.peer, self._tag(t, k + 1), what)
             for k, b in enumerate(rec.buffers)
         ]
         rec.payload = self._endpoint.pending(works, [(what, rec.peer)] * len(works))

@@ -245,6 +245,7 @@ class Endpoint:
     ) -> None:
         self.rank, self.group, self.failures, self.timeout = rank, group, failures, timeout
         self.world = dist.get_world_size(group)
+        self._group = group if group is not None else dist.group.WORLD  # what posts go through
         self._global = [
             r if group is None else dist.get_global_rank(group, r) for r in range(self.world)
         ]
@@ -254,11 +255,15 @@ class Endpoint:
         """The world rank of ``peer``, a rank of this endpoint's group."""
         return self._global[peer]
 
-    def post(self, op: Callable[..., Any], tensor: Tensor, peer: int, tag: int, what: str) -> Any:
-        """Post ``dist.isend`` / ``dist.irecv`` of ``tensor`` with ``peer`` (a group rank)."""
-        return self.call(
-            lambda: op(tensor, self._global[peer], group=self.group, tag=tag), what, peer
-        )
+    def send(self, tensor: Tensor, peer: int, tag: int, what: str) -> Any:
+        """Post a send of ``tensor`` (contiguous) to ``peer`` (a group rank); its work."""
+        group = self._group
+        return self.call(lambda: _compat.p2p_send(group, tensor, peer, tag), what, peer)
+
+    def recv(self, tensor: Tensor, peer: int, tag: int, what: str) -> Any:
+        """Post a receive into ``tensor`` (contiguous) from ``peer`` (a group rank); its work."""
+        group = self._group
+        return self.call(lambda: _compat.p2p_recv(group, tensor, peer, tag), what, peer)
 
     def call(self, fn: Callable[[], Any], what: str, peer: int | None = None) -> Any:
         """Post an operation; a dead peer makes gloo refuse at once: say who and why."""

@@ -6,7 +6,8 @@ whole model, so the same model cut into 2 or 4 stages draws the same dropout
 masks).  Between its forward and its backward a microbatch's state holds::
 
     inputs   leaves fed to the module (float ones require grad)
-    outputs  what the module returned (with graph), or the weighted loss on the last stage
+    outputs  what the module returned (with graph); nothing once the loss is computed
+    loss     on the last stage: the loss, whose backward the microbatch's weight seeds
     stash    deferred weight-gradient work between I and W (split backward)
     saved    what autograd saved for the backward, counted and movable (runtime.memory)
 """
@@ -49,7 +50,7 @@ class MicrobatchState:
 
     inputs: tuple[Tensor, ...] = ()
     outputs: tuple[Tensor, ...] = ()
-    loss: Tensor | None = None  # last stage: weighted loss, the root of backward
+    loss: Tensor | None = None  # last stage: the loss, the root of backward (seeded by its weight)
     stash: WeightGradStash | None = None
     saved: SavedActivations | None = None  # None after a checkpointed F, or after the backward
     input_grads: tuple[Tensor, ...] | None = None

@@ -2,7 +2,7 @@
 
 Three parts, each printing a table (``--part`` picks one; default: all)::
 
-    search    zeropipe.schedules.auto.search on the zero-bubble paper's profiled costs
+    search    zeropipe.core.schedules.auto.search on the zero-bubble paper's profiled costs
               (1.5B model: F=18.5, I=18.1, W=9.3, comm=0.6 per rank's worth of layers)
               at p=8, m=24 and p=32, m=96, memory limits p and 2p microbatches, for
               act_w = 0 (the named schedules' closed forms) and 0.9 (W keeps the
@@ -44,14 +44,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from zeropipe.balance import balance, stage_costs
-from zeropipe.costs import CostModel
-from zeropipe.ir import Kind, Schedule
-from zeropipe.plan import layer_costs, profile
+from zeropipe.core.costs import CostModel
+from zeropipe.core.ir import Kind, Schedule
+from zeropipe.core.schedules import GENERATORS
+from zeropipe.core.schedules.auto import search
+from zeropipe.core.simulate import simulate
+from zeropipe.planning.balance import balance, stage_costs
+from zeropipe.planning.plan import layer_costs, profile
 from zeropipe.runtime.stage import split_layers
-from zeropipe.schedules import GENERATORS
-from zeropipe.schedules.auto import search
-from zeropipe.simulate import simulate
 
 PAPER = {"limit p": ("ZB-1p", 0.1585), "limit 2p": ("ZB-2p", 0.0433)}
 
@@ -121,8 +121,8 @@ def part_balance(args: argparse.Namespace) -> None:
 
 # -- part 3: a real 2-rank run -----------------------------------------------------------------
 def _model(cfg: dict[str, int]) -> tuple[nn.Sequential, torch.Tensor, Any]:
-    from zeropipe.models import GPTConfig, gpt
-    from zeropipe.models.gpt import lm_loss
+    from zeropipe.apps.models import GPTConfig, gpt
+    from zeropipe.apps.models.gpt import lm_loss
 
     gcfg = GPTConfig(layers=cfg["layers"], width=cfg["width"], seq=cfg["seq"], heads=4, dropout=0.0)
     model = gpt(gcfg, seed=0)

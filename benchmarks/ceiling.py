@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from zeropipe.bench import BenchConfig, workload
+from zeropipe.apps.bench import BenchConfig, workload
 
 
 def _steps(model: str, reps: int, start: Any, out: Any) -> None:

@@ -18,7 +18,7 @@ for 2x2, how much of the reductions' time ran while the pipeline still
 computed (``hidden``: the part of each reduction's [post, done] before the
 last compute action of any rank ended, summed over every rank's
 reductions, over their total duration).
-Models: ``mlp`` (zeropipe.models.mlp_blocks, 8 blocks) and ``gpt`` (the
+Models: ``mlp`` (zeropipe.apps.models.mlp_blocks, 8 blocks) and ``gpt`` (the
 reference transformer, Attention and MLP halves).
 
 On a machine with fewer cores than processes (4 here), 2x1 and 2x2 do not
@@ -40,10 +40,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from zeropipe.build import build_schedule
-from zeropipe.ir import Kind, Schedule
-from zeropipe.models.gpt import GPTConfig, gpt, lm_loss
-from zeropipe.models.mlp import mlp_blocks
+from zeropipe.apps.models.gpt import GPTConfig, gpt, lm_loss
+from zeropipe.apps.models.mlp import mlp_blocks
+from zeropipe.core.build import build_schedule
+from zeropipe.core.ir import Kind, Schedule
 from zeropipe.runtime.launch import launch
 from zeropipe.runtime.pipeline import Pipeline
 

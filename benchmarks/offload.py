@@ -38,11 +38,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zeropipe.device import allocated_bytes, is_accelerator, peak_allocated_bytes, reset_peak_bytes
-from zeropipe.fit import offload, offload_weights
-from zeropipe.ir import Schedule
+from zeropipe.base.device import (
+    allocated_bytes,
+    is_accelerator,
+    peak_allocated_bytes,
+    reset_peak_bytes,
+)
+from zeropipe.core.fit import offload, offload_weights
+from zeropipe.core.ir import Schedule
+from zeropipe.core.schedules import generate
 from zeropipe.runtime.pipeline import Pipeline
-from zeropipe.schedules import generate
 
 
 def _model(stages: int, layers: int, hidden: int) -> nn.Sequential:

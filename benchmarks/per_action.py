@@ -43,11 +43,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zeropipe.ir import Kind
-from zeropipe.models.mlp import mlp_blocks
+from zeropipe.apps.models.mlp import mlp_blocks
+from zeropipe.core.ir import Kind
+from zeropipe.core.simulate import Event
 from zeropipe.runtime.launch import launch
 from zeropipe.runtime.pipeline import Pipeline
-from zeropipe.simulate import Event
 
 WIDTH = 16
 MICROBATCHES = 8

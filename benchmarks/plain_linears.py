@@ -21,7 +21,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from zeropipe.models.mlp import mlp_blocks
+from zeropipe.apps.models.mlp import mlp_blocks
 from zeropipe.runtime import pipeline
 from zeropipe.runtime.pipeline import Pipeline
 

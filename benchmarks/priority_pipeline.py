@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from zeropipe.ir import Kind
-from zeropipe.models.mlp import mlp_blocks
+from zeropipe.apps.models.mlp import mlp_blocks
+from zeropipe.core.ir import Kind
 from zeropipe.runtime.launch import launch
 from zeropipe.runtime.pipeline import Pipeline, RuntimeOptions
 

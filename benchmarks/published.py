@@ -6,7 +6,7 @@ GPUs (Megatron-LM, 8 GPUs a node, RoCE between nodes, pipeline only: no data or
 tensor parallelism) and published samples per GPU per second in its Table 4.
 Here every row is predicted from the published setting alone (Table 3: layers,
 hidden size, heads, GPUs, microbatch size and count; sequence 1024) with
-``CostModel.from_spec`` on the shipped ``a100-80gb`` spec, its default
+``costs_from_spec`` on the shipped ``a100-80gb`` spec, its default
 efficiencies, and nothing fitted per row::
 
     1F1B     the named schedule 1f1b
@@ -98,14 +98,14 @@ from dataclasses import dataclass, replace
 from itertools import combinations, pairwise
 from typing import Any
 
-from zeropipe.balance import even_cut
-from zeropipe.costs import CostModel, StageCost
-from zeropipe.ir import COMPUTE_KINDS, Schedule
-from zeropipe.lower import lower
-from zeropipe.schedules import generate
-from zeropipe.schedules.auto import search
-from zeropipe.simulate import Timeline, simulate
-from zeropipe.specs import ModelSpec
+from zeropipe.core.costs import CostModel, StageCost
+from zeropipe.core.ir import COMPUTE_KINDS, Schedule
+from zeropipe.core.lower import lower
+from zeropipe.core.schedules import generate
+from zeropipe.core.schedules.auto import search
+from zeropipe.core.simulate import Timeline, simulate
+from zeropipe.planning.balance import even_cut
+from zeropipe.planning.specs import ModelSpec, costs_from_spec
 
 SOURCE = "Qi et al., Zero Bubble Pipeline Parallelism, ICLR 2024, arXiv 2401.10241"
 HARDWARE = "a100-80gb"
@@ -260,7 +260,7 @@ def costs(setting: Setting, chunks: int = 1, pricing: Pricing = Pricing()) -> Co
     runs it (fp16, dropout, unfused attention unless ``pricing`` says flash); blocking
     transfers: each send and receive occupies its rank for the wire time."""
     stages = setting.gpus * chunks
-    model = CostModel.from_spec(
+    model = costs_from_spec(
         setting.spec(),
         HARDWARE,
         stages=stages,
@@ -619,7 +619,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     rows = run(models, args.chunks, pricing)
     print(
         f"{SOURCE}: Table 4 (samples per GPU per second) against zeropipe's prediction "
-        f"(CostModel.from_spec, {HARDWARE}, default efficiencies, {args.p2p} transfers, "
+        f"(costs_from_spec, {HARDWARE}, default efficiencies, {args.p2p} transfers, "
         f"{args.timing} timing, ZB planned on {args.planning} stages, receives "
         f"{args.receives}, {args.attention} attention, "
         f"no per-row factors); "

@@ -3,9 +3,9 @@
 Each case is timed in interleaved repetitions (case order rotates each round so
 a shared machine's load drifts over all alike):
 
-    generate   zeropipe.schedules.generate(name, ranks, microbatches)
-    validate   zeropipe.validate.validate(schedule)       -> dependency graph
-    simulate   zeropipe.simulate.simulate(schedule, graph=graph)
+    generate   zeropipe.core.schedules.generate(name, ranks, microbatches)
+    validate   zeropipe.core.validate.validate(schedule)       -> dependency graph
+    simulate   zeropipe.core.simulate.simulate(schedule, graph=graph)
 
 and the median of each and of their sum is printed.  By default the cases are
 the planning core's goals (seconds for the whole of generate + validate +
@@ -36,9 +36,9 @@ import statistics
 import sys
 import time
 
-from zeropipe.schedules import generate
-from zeropipe.simulate import simulate
-from zeropipe.validate import validate
+from zeropipe.core.schedules import generate
+from zeropipe.core.simulate import simulate
+from zeropipe.core.validate import validate
 
 STEPS = ("generate", "validate", "simulate")
 

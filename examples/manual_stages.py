@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from zeropipe import Pipeline, generate, simulate
-from zeropipe.render import render_text
+from zeropipe.core.render import render_text
 
 
 class Encoder(nn.Module):

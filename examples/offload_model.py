@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zeropipe import Pipeline, generate
-from zeropipe.fit import offload_weights
+from zeropipe.core.fit import offload_weights
 
 
 def main() -> None:

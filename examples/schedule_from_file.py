@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zeropipe import CostModel, Pipeline, Schedule, simulate, validate
-from zeropipe.render import render_text
+from zeropipe.core.render import render_text
 
 
 def main(path: str) -> None:

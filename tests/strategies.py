@@ -6,8 +6,8 @@ import random
 
 from hypothesis import strategies as st
 
-from zeropipe.costs import CostModel, StageCost
-from zeropipe.ir import Action, Kind, Schedule
+from zeropipe.core.costs import CostModel, StageCost
+from zeropipe.core.ir import Action, Kind, Schedule
 
 
 @st.composite

@@ -1,4 +1,4 @@
-"""zeropipe.balance: exact contiguous cuts (pure arithmetic, no torch)."""
+"""zeropipe.planning.balance: exact contiguous cuts (pure arithmetic, no torch)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import random
 
 import pytest
 
-from zeropipe.balance import balance, balance_schedule, even_cut, stage_costs, stage_times
-from zeropipe.build import build_schedule
-from zeropipe.costs import CostModel, StageCost
-from zeropipe.errors import ScheduleError
-from zeropipe.ir import Kind
-from zeropipe.simulate import simulate
+from zeropipe.core.build import build_schedule
+from zeropipe.core.costs import CostModel, StageCost
+from zeropipe.core.errors import ScheduleError
+from zeropipe.core.ir import Kind
+from zeropipe.core.simulate import simulate
+from zeropipe.planning.balance import balance, balance_schedule, even_cut, stage_costs, stage_times
 
 
 def _cuts(n: int, parts: int) -> list[list[int]]:

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from zeropipe import bench, cli
+from zeropipe.apps import bench, cli
 
 
 def test_a_tiny_side_by_side_run_reports_consistent_rows() -> None:

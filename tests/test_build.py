@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from zeropipe.build import build_schedule
-from zeropipe.errors import ScheduleError
-from zeropipe.fuse import group_weights
-from zeropipe.ir import Kind
-from zeropipe.lower import lower
-from zeropipe.schedules import generate
-from zeropipe.validate import validate
+from zeropipe.core.build import build_schedule
+from zeropipe.core.errors import ScheduleError
+from zeropipe.core.fuse import group_weights
+from zeropipe.core.ir import Kind
+from zeropipe.core.lower import lower
+from zeropipe.core.schedules import generate
+from zeropipe.core.validate import validate
 
 
 def test_a_name_is_generated_grouped_lowered_and_validated() -> None:

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from zeropipe import cli
-from zeropipe.costs import CostModel
-from zeropipe.schedules import GENERATORS, generate
-from zeropipe.simulate import simulate
+from zeropipe.apps import cli
+from zeropipe.core.costs import CostModel
+from zeropipe.core.schedules import GENERATORS, generate
+from zeropipe.core.simulate import simulate
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -291,7 +291,7 @@ def test_python_dash_m_zeropipe_simulate_with_defaults() -> None:
 
 
 def test_matplotlib_is_imported_only_to_draw() -> None:
-    code = "import sys, zeropipe.cli; sys.exit('matplotlib' in sys.modules)"
+    code = "import sys, zeropipe.apps.cli; sys.exit('matplotlib' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], timeout=120, check=False).returncode == 0
 
 

@@ -1,4 +1,4 @@
-"""zeropipe.cluster: the cluster-scale search, its lower bound and its memory plans,
+"""zeropipe.planning.cluster: the cluster-scale search, its lower bound and its memory plans,
 on synthetic cost factories (seconds and bytes) whose answers can be checked by hand."""
 
 from __future__ import annotations
@@ -8,8 +8,12 @@ from dataclasses import replace
 
 import pytest
 
-from zeropipe.build import build_schedule
-from zeropipe.cluster import (
+from zeropipe.core.build import build_schedule
+from zeropipe.core.costs import CostModel, StageCost
+from zeropipe.core.errors import ScheduleError
+from zeropipe.core.schedules import generate
+from zeropipe.core.simulate import simulate
+from zeropipe.planning.cluster import (
     Candidate,
     Config,
     CostFactory,
@@ -19,10 +23,6 @@ from zeropipe.cluster import (
     schedule_cut,
     search,
 )
-from zeropipe.costs import CostModel, StageCost
-from zeropipe.errors import ScheduleError
-from zeropipe.schedules import generate
-from zeropipe.simulate import simulate
 
 LAYERS = 8
 NAMED = ["gpipe", "1f1b", "zb-h1", "zb-h2", "interleaved-1f1b", "zbv", "dualpipev"]
@@ -267,8 +267,8 @@ def test_a_recompute_share_fits_what_it_says_on_every_schedule(name: str) -> Non
 
 
 def test_spec_costs_price_offload_and_shard_the_optimizer_over_dp() -> None:
-    from zeropipe.cluster import spec_costs
-    from zeropipe.specs import load_hardware, load_model
+    from zeropipe.planning.cluster import spec_costs
+    from zeropipe.planning.specs import load_hardware, load_model
 
     model, gpu = load_model("llama-3-8b"), load_hardware("h100-sxm")
     config = Config(4, 8, 1, 8, 4)

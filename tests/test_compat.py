@@ -1,4 +1,4 @@
-"""Each private-torch assumption zeropipe._compat relies on, checked on the running torch.
+"""Each private-torch assumption zeropipe.base._compat relies on, checked on the running torch.
 
 When a torch upgrade breaks one of these, the failing test names the
 assumption; fix it in _compat and add the version to TORCH_VERSIONS_CHECKED.
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from zeropipe import _compat
+from zeropipe.base import _compat
 
 
 def _node() -> torch.autograd.graph.Node:

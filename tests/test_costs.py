@@ -6,10 +6,10 @@ import dataclasses
 
 import pytest
 
-from zeropipe.costs import CostModel, StageCost, memory_deltas
-from zeropipe.errors import ScheduleError
-from zeropipe.ir import Kind
-from zeropipe.schedules import generate
+from zeropipe.core.costs import CostModel, StageCost, memory_deltas
+from zeropipe.core.errors import ScheduleError
+from zeropipe.core.ir import Kind
+from zeropipe.core.schedules import generate
 
 
 def test_scaled_touches_every_figure_but_the_boundary() -> None:

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from zeropipe.deps import Dependencies, offloaded_at_start
-from zeropipe.fit import checkpoint, offload, offload_weights
-from zeropipe.ir import Action, Kind, Schedule
-from zeropipe.lower import lower
-from zeropipe.schedules import generate
+from zeropipe.core.deps import Dependencies, offloaded_at_start
+from zeropipe.core.fit import checkpoint, offload, offload_weights
+from zeropipe.core.ir import Action, Kind, Schedule
+from zeropipe.core.lower import lower
+from zeropipe.core.schedules import generate
 
 
 def A(text: str) -> Action:

@@ -6,9 +6,9 @@ import pytest
 import torch.nn.functional as F
 
 from tests.gradcheck import assert_same_gradients, batch_for, mlp, reference
-from zeropipe.costs import CostModel
-from zeropipe.errors import ScheduleError
-from zeropipe.fit import (
+from zeropipe.core.costs import CostModel
+from zeropipe.core.errors import ScheduleError
+from zeropipe.core.fit import (
     LimitTooLow,
     checkpoint,
     fit_memory,
@@ -16,12 +16,12 @@ from zeropipe.fit import (
     offload_weights,
     smallest_limit,
 )
-from zeropipe.ir import Action, Kind, Schedule
-from zeropipe.lower import lower
+from zeropipe.core.ir import Action, Kind, Schedule
+from zeropipe.core.lower import lower
+from zeropipe.core.schedules import GENERATORS, generate
+from zeropipe.core.simulate import simulate
+from zeropipe.core.validate import validate
 from zeropipe.runtime.pipeline import Pipeline
-from zeropipe.schedules import GENERATORS, generate
-from zeropipe.simulate import simulate
-from zeropipe.validate import validate
 
 
 def _grid() -> list[Schedule]:

@@ -16,14 +16,14 @@ from tests.gradcheck import (
     token_loss,
     token_model,
 )
-from zeropipe.build import build_schedule
-from zeropipe.errors import ScheduleError
-from zeropipe.fuse import fused_weights, group_weights, split_full_backward
-from zeropipe.ir import Action, Kind, Schedule
-from zeropipe.lower import lower
+from zeropipe.core.build import build_schedule
+from zeropipe.core.errors import ScheduleError
+from zeropipe.core.fuse import fused_weights, group_weights, split_full_backward
+from zeropipe.core.ir import Action, Kind, Schedule
+from zeropipe.core.lower import lower
+from zeropipe.core.schedules import generate
+from zeropipe.core.validate import validate
 from zeropipe.runtime.pipeline import Pipeline
-from zeropipe.schedules import generate
-from zeropipe.validate import validate
 
 WITH_W = ("zb-h1", "zb-h2", "zbv", "interleaved-zb", "dualpipev")
 WITH_B = ("gpipe", "1f1b", "interleaved-1f1b")
@@ -154,7 +154,7 @@ def test_pipeline_with_grouped_w_matches_the_reference(name: str, size: int) -> 
 
 
 def test_grouped_w_with_recompute_still_matches() -> None:
-    from zeropipe.fit import checkpoint
+    from zeropipe.core.fit import checkpoint
 
     model = token_model(dropout=0.2)
     x, y = batch_for(model, batch=8)

@@ -2,7 +2,7 @@
 
 Every reader (schedule text, JSON, torch CSV; cost specs and cost JSON) is fed
 valid input with random damage, or plain garbage, and must either give a
-result or raise a :class:`~zeropipe.errors.ZeropipeError` -- never an
+result or raise a :class:`~zeropipe.core.errors.ZeropipeError` -- never an
 IndexError, TypeError, RecursionError or a timeline with negative times.  A
 schedule that reads is also validated and, if valid, simulated, since bad
 input that slips past a reader surfaces there.
@@ -21,12 +21,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.strategies import valid_schedules
-from zeropipe.costs import CostModel, StageCost
-from zeropipe.errors import ZeropipeError
-from zeropipe.ir import Schedule
-from zeropipe.schedules import generate
-from zeropipe.simulate import simulate
-from zeropipe.validate import validate
+from zeropipe.core.costs import CostModel, StageCost
+from zeropipe.core.errors import ZeropipeError
+from zeropipe.core.ir import Schedule
+from zeropipe.core.schedules import generate
+from zeropipe.core.simulate import simulate
+from zeropipe.core.validate import validate
 
 FUZZ = settings(
     max_examples=200,

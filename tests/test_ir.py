@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 
 from tests.strategies import valid_schedules
-from zeropipe.errors import ScheduleError
-from zeropipe.ir import Action, Kind, Schedule, format_grid
-from zeropipe.lower import lower
+from zeropipe.core.errors import ScheduleError
+from zeropipe.core.ir import Action, Kind, Schedule, format_grid
+from zeropipe.core.lower import lower
 
 
 @pytest.mark.parametrize(
@@ -127,7 +127,7 @@ def test_actions_survive_pickling_into_another_process() -> None:
 
     code = (
         "import pickle, sys\n"
-        "from zeropipe.ir import Action, Kind\n"
+        "from zeropipe.core.ir import Action, Kind\n"
         "got = pickle.loads(sys.stdin.buffer.read())\n"
         "table = {Action(Kind.F, 2, 0): 'f', Action(Kind.RELOAD, 1): 'w'}\n"
         "print(table[got[0]], table[got[1]])\n"

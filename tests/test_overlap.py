@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from zeropipe.costs import CostModel
-from zeropipe.deps import Graph, keep_overlaps
-from zeropipe.errors import ScheduleError
-from zeropipe.fit import checkpoint, offload, offload_weights
-from zeropipe.fuse import group_weights, split_full_backward
-from zeropipe.ir import Action, Kind, Schedule
-from zeropipe.lower import lower
-from zeropipe.reduce import add_reductions
-from zeropipe.simulate import simulate
-from zeropipe.validate import validate
+from zeropipe.core.costs import CostModel
+from zeropipe.core.deps import Graph, keep_overlaps
+from zeropipe.core.errors import ScheduleError
+from zeropipe.core.fit import checkpoint, offload, offload_weights
+from zeropipe.core.fuse import group_weights, split_full_backward
+from zeropipe.core.ir import Action, Kind, Schedule
+from zeropipe.core.lower import lower
+from zeropipe.core.reduce import add_reductions
+from zeropipe.core.simulate import simulate
+from zeropipe.core.validate import validate
 
 # torch 2.13's ScheduleDualPipeV for 2 ranks and 4 microbatches, as _dump_csv writes it.
 DUALPIPEV = (

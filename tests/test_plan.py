@@ -1,4 +1,4 @@
-"""zeropipe.plan: profile, balance and search for a model; the runtime's overhead; auto_plan."""
+"""zeropipe.planning.plan: profile, balance and search for a model; the runtime's overhead; auto_plan."""
 
 from __future__ import annotations
 
@@ -7,12 +7,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zeropipe.costs import CostModel
-from zeropipe.errors import PipelineError
-from zeropipe.ir import Kind
-from zeropipe.models import GPTConfig, gpt
-from zeropipe.models.gpt import lm_loss
-from zeropipe.plan import (
+from zeropipe.apps.models import GPTConfig, gpt
+from zeropipe.apps.models.gpt import lm_loss
+from zeropipe.core.costs import CostModel
+from zeropipe.core.errors import PipelineError
+from zeropipe.core.ir import Kind
+from zeropipe.core.validate import validate
+from zeropipe.planning.plan import (
     auto_plan,
     balance_by_time,
     layer_costs,
@@ -22,7 +23,6 @@ from zeropipe.plan import (
 )
 from zeropipe.runtime.pipeline import Pipeline
 from zeropipe.runtime.stage import split_layers
-from zeropipe.validate import validate
 
 
 def _lopsided(seed: int = 0) -> nn.Sequential:

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from zeropipe import cli
-from zeropipe.cluster import Config
-from zeropipe.costs import CostModel, StageCost
-from zeropipe.plan_cli import candidates_from_json
+from zeropipe.apps import cli
+from zeropipe.apps.plan_cli import candidates_from_json
+from zeropipe.core.costs import CostModel, StageCost
+from zeropipe.planning.cluster import Config
 
 SMALL = (
     "plan", "--model", "llama-3-8b", "--gpus", "16", "--gpu", "h100-sxm", "--seq", "2048",

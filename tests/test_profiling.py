@@ -10,13 +10,13 @@ import pytest
 import torch
 from torch import nn
 
-from zeropipe import cli
-from zeropipe.costs import CostModel
-from zeropipe.ir import Kind
-from zeropipe.profiling import profile_stages
+from zeropipe.apps import cli
+from zeropipe.core.costs import CostModel
+from zeropipe.core.ir import Kind
+from zeropipe.core.schedules import generate
+from zeropipe.core.simulate import simulate
+from zeropipe.planning.profiling import profile_stages
 from zeropipe.runtime.launch import launch
-from zeropipe.schedules import generate
-from zeropipe.simulate import simulate
 
 B, A, H, C = 8, 32, 128, 16  # microbatch rows, input, hidden, output widths
 
@@ -160,7 +160,7 @@ def test_w_run_together_is_measured_when_paired_runs_were_timed() -> None:
 
 def test_stage_profile_leaves_the_runtime_overhead_to_the_planning_layer() -> None:
     costs = profile_stages(_stages(), torch.randn(B, A), warmup=1, repeat=3)
-    assert costs.overhead == 0  # zeropipe.plan.profile measures it (it needs the runtime)
+    assert costs.overhead == 0  # zeropipe.planning.plan.profile measures it (it needs the runtime)
     assert costs.post == 0  # one process: nothing to post
 
 

@@ -12,10 +12,11 @@ from types import ModuleType
 
 import pytest
 
-from zeropipe.costs import CostModel, peak_memory
-from zeropipe.lower import lower
-from zeropipe.schedules import generate
-from zeropipe.simulate import simulate
+from zeropipe.core.costs import CostModel, peak_memory
+from zeropipe.core.lower import lower
+from zeropipe.core.schedules import generate
+from zeropipe.core.simulate import simulate
+from zeropipe.planning.specs import costs_from_spec
 
 
 def _load() -> ModuleType:
@@ -99,11 +100,11 @@ def test_a_prediction_is_from_spec_and_the_simulator_with_no_factor() -> None:
     v = s.paper_chunks()
     # As the paper's launch script runs: fp16, dropout, Megatron's unfused attention.
     run = {"dtype": "fp16", "attention": "unfused", "dropout": True}
-    direct = CostModel.from_spec(
+    direct = costs_from_spec(
         s.spec(), "a100-80gb", stages=8, seq=1024, microbatch_size=s.microbatch_size,
         blocks=s.blocks(8), **run,
     )  # fmt: skip
-    inter = CostModel.from_spec(
+    inter = costs_from_spec(
         s.spec(), "a100-80gb", stages=8 * v, pp=8, seq=1024, microbatch_size=s.microbatch_size,
         blocks=s.blocks(8 * v), **run,
     )  # fmt: skip

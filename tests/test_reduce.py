@@ -7,19 +7,19 @@ import json
 
 import pytest
 
-from zeropipe.build import build_schedule
-from zeropipe.costs import CostModel, StageCost, peak_memory
-from zeropipe.deps import Dependencies, Graph
-from zeropipe.errors import ScheduleError
-from zeropipe.fit import checkpoint, offload, offload_weights
-from zeropipe.fuse import group_weights
-from zeropipe.ir import Action, Kind, Schedule
-from zeropipe.lower import lower, strip_comm
-from zeropipe.reduce import add_reductions, strip_reductions
-from zeropipe.render import render_text, to_chrome_trace
-from zeropipe.schedules import generate
-from zeropipe.simulate import simulate
-from zeropipe.validate import validate
+from zeropipe.core.build import build_schedule
+from zeropipe.core.costs import CostModel, StageCost, peak_memory
+from zeropipe.core.deps import Dependencies, Graph
+from zeropipe.core.errors import ScheduleError
+from zeropipe.core.fit import checkpoint, offload, offload_weights
+from zeropipe.core.fuse import group_weights
+from zeropipe.core.ir import Action, Kind, Schedule
+from zeropipe.core.lower import lower, strip_comm
+from zeropipe.core.reduce import add_reductions, strip_reductions
+from zeropipe.core.render import render_text, to_chrome_trace
+from zeropipe.core.schedules import generate
+from zeropipe.core.simulate import simulate
+from zeropipe.core.validate import validate
 
 RG = Kind.REDUCE_GRAD
 
@@ -235,7 +235,7 @@ def test_png_draws_reductions() -> None:
     pytest.importorskip("matplotlib")
     from matplotlib.figure import Figure
 
-    from zeropipe.render import KIND_COLORS, draw_timeline
+    from zeropipe.core.render import KIND_COLORS, draw_timeline
 
     s = add_reductions(lower(generate("1f1b", 2, 2)))
     t = simulate(s, CostModel(CostModel.uniform(2).stages, dp=2, dp_latency=3.0))

@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
-from zeropipe.costs import CostModel
-from zeropipe.errors import ZeropipeError
-from zeropipe.ir import Action, Kind, Schedule
-from zeropipe.render import (
+from zeropipe.core.costs import CostModel
+from zeropipe.core.errors import ZeropipeError
+from zeropipe.core.ir import Action, Kind, Schedule
+from zeropipe.core.render import (
     KIND_COLORS,
     draw_timeline,
     render_png,
@@ -20,8 +20,8 @@ from zeropipe.render import (
     to_chrome_trace,
     write_chrome_trace,
 )
-from zeropipe.schedules import generate
-from zeropipe.simulate import Event, Timeline, simulate
+from zeropipe.core.schedules import generate
+from zeropipe.core.simulate import Event, Timeline, simulate
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

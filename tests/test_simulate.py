@@ -9,14 +9,14 @@ import pytest
 from hypothesis import given, settings
 
 from tests.strategies import valid_schedules
-from zeropipe.costs import CostModel, StageCost, peak_memory
-from zeropipe.errors import ScheduleError
-from zeropipe.fuse import fused_weights, group_weights
-from zeropipe.ir import Action, Kind, Schedule
-from zeropipe.lower import lower
-from zeropipe.schedules import generate
-from zeropipe.simulate import costs_from_timeline, simulate
-from zeropipe.validate import validate
+from zeropipe.core.costs import CostModel, StageCost, peak_memory
+from zeropipe.core.errors import ScheduleError
+from zeropipe.core.fuse import fused_weights, group_weights
+from zeropipe.core.ir import Action, Kind, Schedule
+from zeropipe.core.lower import lower
+from zeropipe.core.schedules import generate
+from zeropipe.core.simulate import costs_from_timeline, simulate
+from zeropipe.core.validate import validate
 
 RECVS = (Kind.RECV_F, Kind.RECV_B)
 
@@ -245,7 +245,7 @@ def test_cost_model_stage_count_mismatch_is_reported() -> None:
 # -- many ranks ---------------------------------------------------------------------------
 def test_zbv_builds_only_the_actions_it_keeps(monkeypatch: pytest.MonkeyPatch) -> None:
     """ZB-V pads to 2p - 1 microbatches; building the padding made it quadratic in ranks."""
-    import zeropipe.schedules.zbv as zbv_module
+    import zeropipe.core.schedules.zbv as zbv_module
 
     built = []
 

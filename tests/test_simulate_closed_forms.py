@@ -31,9 +31,9 @@ from collections.abc import Callable
 
 import pytest
 
-from zeropipe.costs import CostModel
-from zeropipe.schedules import generate
-from zeropipe.simulate import Timeline, simulate
+from zeropipe.core.costs import CostModel
+from zeropipe.core.schedules import generate
+from zeropipe.core.simulate import Timeline, simulate
 
 # (F, I, W); each has W <= F and W <= I.
 COSTS = [(1.0, 1.0, 1.0), (2.0, 3.0, 1.0), (1.5, 1.2, 0.7), (3.0, 1.0, 1.0)]

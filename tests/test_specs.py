@@ -1,4 +1,4 @@
-"""Specs and CostModel.from_spec: shapes, prices, cuts, links and errors."""
+"""Specs and costs_from_spec: shapes, prices, cuts, links and errors."""
 
 from __future__ import annotations
 
@@ -9,14 +9,15 @@ from typing import Any
 
 import pytest
 
-from zeropipe.costs import CostModel
-from zeropipe.errors import ScheduleError
-from zeropipe.schedules import generate
-from zeropipe.simulate import simulate
-from zeropipe.specs import (
+from zeropipe.core.costs import CostModel
+from zeropipe.core.errors import ScheduleError
+from zeropipe.core.schedules import generate
+from zeropipe.core.simulate import simulate
+from zeropipe.planning.specs import (
     HardwareSpec,
     ModelSpec,
     StagePrice,
+    costs_from_spec,
     hardware_names,
     load_hardware,
     load_model,
@@ -156,7 +157,7 @@ def test_unfused_attention_and_dropout_add_the_score_matrices_passes() -> None:
         assert (priced.W, priced.act_w, priced.weights) == (flash.W, flash.act_w, flash.weights)
     with pytest.raises(ScheduleError, match="attention = 'sdpa'"):
         price_stages(model, TINY_GPU, stages=1, seq=seq, attention="sdpa")
-    costs = CostModel.from_spec(model, TINY_GPU, stages=1, seq=seq, attention="unfused")
+    costs = costs_from_spec(model, TINY_GPU, stages=1, seq=seq, attention="unfused")
     assert costs.meta["attention"] == "unfused" and costs.stages[0].F > 0
 
 
@@ -188,26 +189,26 @@ def test_activation_memory_is_near_the_published_transformer_figure() -> None:
 
 
 def test_the_default_cut_gives_the_heavy_head_stage_fewer_blocks() -> None:
-    costs = CostModel.from_spec("llama-3-8b", "h100-sxm", stages=4, seq=4096)
+    costs = costs_from_spec("llama-3-8b", "h100-sxm", stages=4, seq=4096)
     blocks = costs.meta["blocks"]
     assert sum(blocks) == 32 and blocks[-1] < max(blocks)
     slowest = max(s.F + s.I + s.W for s in costs.stages)
-    even = CostModel.from_spec("llama-3-8b", "h100-sxm", stages=4, seq=4096, blocks=[8] * 4)
+    even = costs_from_spec("llama-3-8b", "h100-sxm", stages=4, seq=4096, blocks=[8] * 4)
     assert slowest < max(s.F + s.I + s.W for s in even.stages)
     with pytest.raises(ScheduleError, match="summing"):
-        CostModel.from_spec("llama-3-8b", "h100-sxm", stages=4, seq=4096, blocks=[8, 8, 8])
+        costs_from_spec("llama-3-8b", "h100-sxm", stages=4, seq=4096, blocks=[8, 8, 8])
     with pytest.raises(ScheduleError, match="at most layers"):
-        CostModel.from_spec("llama-3-8b", "h100-sxm", stages=64, seq=4096)
+        costs_from_spec("llama-3-8b", "h100-sxm", stages=64, seq=4096)
 
 
 def test_links_are_chosen_by_where_the_ranks_sit() -> None:
     gpu = load_hardware("a100-80gb")  # 8 per node
-    inside = CostModel.from_spec("llama-2-7b", gpu, stages=4, seq=1024, dp=2)
+    inside = costs_from_spec("llama-2-7b", gpu, stages=4, seq=1024, dp=2)
     assert (inside.latency, inside.bandwidth) == (gpu.intra_latency, gpu.intra_bandwidth)
     assert inside.dp_bandwidth == gpu.intra_bandwidth
-    across = CostModel.from_spec("llama-2-7b", gpu, stages=4, seq=1024, dp=4)
+    across = costs_from_spec("llama-2-7b", gpu, stages=4, seq=1024, dp=4)
     assert across.bandwidth == gpu.inter_bandwidth and across.dp_bandwidth == gpu.intra_bandwidth
-    wide = CostModel.from_spec("llama-2-7b", gpu, stages=4, seq=1024, dp=16)
+    wide = costs_from_spec("llama-2-7b", gpu, stages=4, seq=1024, dp=16)
     assert wide.dp_bandwidth == gpu.inter_bandwidth
     # A ring all-reduce: 2 (dp - 1) messages, 2 (dp - 1) / dp of the gradient each way.
     grad = wide.stages[1].reduced_bytes
@@ -218,7 +219,7 @@ def test_links_are_chosen_by_where_the_ranks_sit() -> None:
 
 def test_a_spec_model_simulates_and_round_trips_as_json() -> None:
     schedule = generate("1f1b", 4, 8)
-    costs = CostModel.from_spec("llama-3-8b", "h100-sxm", stages=4, seq=2048, dp=2)
+    costs = costs_from_spec("llama-3-8b", "h100-sxm", stages=4, seq=2048, dp=2)
     again = CostModel.from_json(costs.to_json())
     assert again == costs and again.meta["flops_per_microbatch"] > 0
     timeline = simulate(schedule, costs=costs)

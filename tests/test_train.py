@@ -11,16 +11,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from zeropipe import train_resume, train_state
-from zeropipe.cli import main
-from zeropipe.errors import PipelineError, ZeropipeError
-from zeropipe.ir import Kind
-from zeropipe.models.gpt import GPTConfig, gpt, lm_loss
+from zeropipe.apps import train_resume, train_state
+from zeropipe.apps.cli import main
+from zeropipe.apps.models.gpt import GPTConfig, gpt, lm_loss
+from zeropipe.apps.train import TrainConfig, train, train_rank
+from zeropipe.apps.train_setup import batch, build_model, load_corpus, loss_fn
+from zeropipe.core.errors import PipelineError, ZeropipeError
+from zeropipe.core.ir import Kind
 from zeropipe.runtime.checkpoint import consolidated_state_dict
 from zeropipe.runtime.launch import launch
 from zeropipe.runtime.pipeline import Pipeline
-from zeropipe.train import TrainConfig, train, train_rank
-from zeropipe.train_setup import batch, build_model, load_corpus, loss_fn
 
 SMALL = {"width": 32, "layers": 2, "seq": 16, "batch_size": 8, "microbatches": 4, "quiet": True}
 
@@ -210,7 +210,7 @@ def test_a_non_finite_loss_stops_training_before_it_is_saved(
 def test_a_loss_that_turns_nan_in_process_names_its_step(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from zeropipe import train_setup
+    from zeropipe.apps import train_setup
 
     calls = 0
     real = train_setup.lm_loss

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import torch
 
-from zeropipe import train_state
-from zeropipe.errors import ZeropipeError
-from zeropipe.train_state import CheckpointError
+from zeropipe.apps import train_state
+from zeropipe.apps.train_state import CheckpointError
+from zeropipe.core.errors import ZeropipeError
 
 
 def _state(step: int, scale: float = 1.0) -> dict[str, Any]:

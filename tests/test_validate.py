@@ -10,12 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.strategies import valid_schedules
-from zeropipe.deps import Dependencies, Graph
-from zeropipe.errors import ScheduleError
-from zeropipe.ir import Action, Schedule
-from zeropipe.lower import lower
-from zeropipe.reduce import add_reductions
-from zeropipe.validate import validate
+from zeropipe.core.deps import Dependencies, Graph
+from zeropipe.core.errors import ScheduleError
+from zeropipe.core.ir import Action, Schedule
+from zeropipe.core.lower import lower
+from zeropipe.core.reduce import add_reductions
+from zeropipe.core.validate import validate
 
 GOOD = """
 microbatches: 2
@@ -132,7 +132,7 @@ def test_weight_offload_rules() -> None:
 
 def _full_checks(schedule: Schedule) -> str | None:
     """The rule the validator's full checks name for ``schedule``, or None if it is valid."""
-    v = importlib.import_module("zeropipe.validate")  # the package's name is the function
+    v = importlib.import_module("zeropipe.core.validate")  # the package's name is the function
     deps = Dependencies(schedule)
     try:
         v._check_shape(schedule)

@@ -12,14 +12,14 @@ from __future__ import annotations
 from importlib import import_module
 from typing import Any
 
-from zeropipe.build import build_schedule
-from zeropipe.costs import CostModel, StageCost
-from zeropipe.errors import PipelineError, ScheduleError, ZeropipeError
-from zeropipe.ir import Action, Kind, Schedule
-from zeropipe.lower import lower
-from zeropipe.schedules import GENERATORS, generate
-from zeropipe.simulate import Timeline, simulate
-from zeropipe.validate import validate
+from zeropipe.core.build import build_schedule
+from zeropipe.core.costs import CostModel, StageCost
+from zeropipe.core.errors import PipelineError, ScheduleError, ZeropipeError
+from zeropipe.core.ir import Action, Kind, Schedule
+from zeropipe.core.lower import lower
+from zeropipe.core.schedules import GENERATORS, generate
+from zeropipe.core.simulate import Timeline, simulate
+from zeropipe.core.validate import validate
 
 __all__ = [
     "GENERATORS",
@@ -57,12 +57,12 @@ __version__ = "0.1.0"
 _LAZY = {
     "Pipeline": "zeropipe.runtime.pipeline",
     "RuntimeOptions": "zeropipe.runtime.pipeline",
-    "Plan": "zeropipe.plan",
-    "auto_plan": "zeropipe.plan",
+    "Plan": "zeropipe.planning.plan",
+    "auto_plan": "zeropipe.planning.plan",
     "launch": "zeropipe.runtime.launch",
     "init_from_env": "zeropipe.runtime.launch",
     "is_recomputing": "zeropipe.runtime.memory",
-    "profile": "zeropipe.plan",
+    "profile": "zeropipe.planning.plan",
     "split": "zeropipe.adapters.split",
     "causal_lm_loss": "zeropipe.adapters.loss",
     "save_checkpoint": "zeropipe.runtime.checkpoint",

@@ -2,7 +2,7 @@
 
 import sys
 
-from zeropipe.cli import main
+from zeropipe.apps.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

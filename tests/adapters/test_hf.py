@@ -15,7 +15,7 @@ pytest.importorskip(
 
 import zeropipe
 from tests.adapters import hf_cases
-from zeropipe.errors import PipelineError
+from zeropipe.core.errors import PipelineError
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])

@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 import zeropipe
 from zeropipe.adapters.loss import CausalLMLoss
-from zeropipe.errors import PipelineError
+from zeropipe.core.errors import PipelineError
 
 
 def test_a_sequential_is_cut_into_slices_of_its_own_layers() -> None:

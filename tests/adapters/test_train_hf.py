@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from zeropipe.cli import main
-from zeropipe.errors import ZeropipeError
-from zeropipe.train import TrainConfig, train
+from zeropipe.apps.cli import main
+from zeropipe.apps.train import TrainConfig, train
+from zeropipe.core.errors import ZeropipeError
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = {"width": 32, "layers": 2, "seq": 16, "batch_size": 4, "microbatches": 2, "quiet": True}

@@ -27,7 +27,7 @@ from zeropipe.autograd.parallel import (
     default_branch_pool,
     parallel_map,
 )
-from zeropipe.errors import ZeropipeError
+from zeropipe.core.errors import ZeropipeError
 
 D = torch.float64
 

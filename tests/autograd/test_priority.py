@@ -15,7 +15,6 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from zeropipe import _compat
 from zeropipe.autograd import priority as prio
 from zeropipe.autograd.priority import (
     PriorityError,
@@ -27,7 +26,8 @@ from zeropipe.autograd.priority import (
     prioritize_outputs,
     record_backward_order,
 )
-from zeropipe.errors import ZeropipeError
+from zeropipe.base import _compat
+from zeropipe.core.errors import ZeropipeError
 
 D = torch.float64
 

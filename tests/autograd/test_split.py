@@ -25,7 +25,7 @@ from zeropipe.autograd.split import (
     unprepare_split,
     weight_backward_together,
 )
-from zeropipe.errors import PipelineError
+from zeropipe.core.errors import PipelineError
 
 M = TypeVar("M", bound=nn.Module)
 TOL = 1e-12

@@ -38,14 +38,14 @@ from tests.gradcheck import (
     token_loss,
     token_model,
 )
-from zeropipe.costs import CostModel
-from zeropipe.errors import PipelineError, ScheduleError
-from zeropipe.ir import Action, Kind
-from zeropipe.lower import lower
-from zeropipe.plan import auto_plan
+from zeropipe.core.costs import CostModel
+from zeropipe.core.errors import PipelineError, ScheduleError
+from zeropipe.core.ir import Action, Kind
+from zeropipe.core.lower import lower
+from zeropipe.core.schedules import GENERATORS, generate
+from zeropipe.planning.plan import auto_plan
 from zeropipe.runtime.distributed import DistributedTransport
 from zeropipe.runtime.pipeline import Pipeline, RuntimeOptions
-from zeropipe.schedules import GENERATORS, generate
 
 TIMEOUT = 30.0  # seconds a rank waits for a peer in these cases
 OPTIONS = RuntimeOptions(timeout=TIMEOUT)
@@ -558,7 +558,7 @@ def sleep_forever(rank: int, world: int) -> None:
 
 def _store_check(rank: int, world: int) -> bool:
     """A key written to the launcher's store (as the launcher does) is seen by the ranks' polls."""
-    from zeropipe import _compat
+    from zeropipe.base import _compat
 
     raw = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, False)
     if rank == 0:

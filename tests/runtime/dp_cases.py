@@ -33,12 +33,12 @@ from torch import Tensor, nn
 
 from tests.gradcheck import batch_for, mlp, token_loss, token_model
 from tests.runtime.dist_cases import MODELS, guard, supported
-from zeropipe.costs import CostModel
-from zeropipe.errors import PipelineError
-from zeropipe.fit import offload_weights
-from zeropipe.plan import auto_plan
+from zeropipe.core.costs import CostModel
+from zeropipe.core.errors import PipelineError
+from zeropipe.core.fit import offload_weights
+from zeropipe.core.schedules import GENERATORS, generate
+from zeropipe.planning.plan import auto_plan
 from zeropipe.runtime.pipeline import Pipeline, RuntimeOptions
-from zeropipe.schedules import GENERATORS, generate
 
 PP, DP = 2, 2
 WORLD = PP * DP

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from zeropipe import _compat
+from zeropipe.base import _compat
 
 DATA_TAG, READY_TAG = 101, 102
 

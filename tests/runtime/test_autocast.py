@@ -16,11 +16,11 @@ from torch import Tensor, nn
 
 from tests.gradcheck import assert_same_loss, batch_for, mlp, reference
 from zeropipe import Pipeline
-from zeropipe.errors import PipelineError
-from zeropipe.fit import checkpoint
-from zeropipe.ir import Kind
+from zeropipe.core.errors import PipelineError
+from zeropipe.core.fit import checkpoint
+from zeropipe.core.ir import Kind
+from zeropipe.core.schedules import GENERATORS, generate
 from zeropipe.runtime.pipeline import RuntimeOptions
-from zeropipe.schedules import GENERATORS, generate
 
 BF16 = RuntimeOptions(autocast=torch.bfloat16)
 

@@ -31,7 +31,7 @@ from tests.gradcheck import (
     token_model,
 )
 from tests.runtime import dp_cases
-from zeropipe.schedules import GENERATORS
+from zeropipe.core.schedules import GENERATORS
 
 
 @functools.cache

@@ -23,8 +23,8 @@ from torch import Tensor
 
 from tests.gradcheck import as_params, assert_same_gradients, batch_for, mlp, no_crash, reference
 from tests.runtime import dist_cases
-from zeropipe.errors import PipelineError
-from zeropipe.schedules import GENERATORS
+from zeropipe.core.errors import PipelineError
+from zeropipe.core.schedules import GENERATORS
 
 WORLDS = (2, 4)
 ROOT = Path(__file__).resolve().parents[2]
@@ -239,7 +239,7 @@ def test_under_torchrun_a_raising_rank_is_the_root_cause_and_its_peer_exits_clea
     assert done.returncode != 0, log
     # the survivor relays the cause's message ...
     relayed = (
-        "[rank0]: zeropipe.errors.PipelineError: rank 1 failed: rank 1 failed in training step "
+        "[rank0]: zeropipe.core.errors.PipelineError: rank 1 failed: rank 1 failed in training step "
         "1 at action 1F0"
     )
     assert relayed in log, log
@@ -253,9 +253,9 @@ def test_under_torchrun_a_raising_rank_is_the_root_cause_and_its_peer_exits_clea
 
 
 def test_distributed_transport_needs_an_initialised_process_group() -> None:
-    from zeropipe.lower import lower
+    from zeropipe.core.lower import lower
+    from zeropipe.core.schedules import generate
     from zeropipe.runtime.distributed import DistributedTransport
-    from zeropipe.schedules import generate
 
     with pytest.raises(PipelineError, match=r"torch\.distributed initialised"):
         DistributedTransport(lower(generate("1f1b", 2, 2)), 0)

@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.runtime import dist_cases
-from zeropipe.errors import PipelineError
-from zeropipe.ir import Action, Kind
+from zeropipe.core.errors import PipelineError
+from zeropipe.core.ir import Action, Kind
 from zeropipe.runtime import launch as launch_module
 from zeropipe.runtime.launch import init_from_env, launch
 from zeropipe.runtime.pipeline import Pipeline

@@ -9,12 +9,12 @@ from torch import Tensor, nn
 
 from tests.gradcheck import assert_same_gradients, batch_for, mlp, reference
 from zeropipe.autograd.priority import record_backward_order
-from zeropipe.fit import checkpoint
-from zeropipe.ir import Kind
+from zeropipe.core.fit import checkpoint
+from zeropipe.core.ir import Kind
+from zeropipe.core.schedules.registry import generate
 from zeropipe.runtime.input_first import backward_input_first
 from zeropipe.runtime.pipeline import PLAIN_BELOW_BYTES, Pipeline, RuntimeOptions
 from zeropipe.runtime.transport import LocalTransport
-from zeropipe.schedules.registry import generate
 
 
 class SideBranch(nn.Module):

@@ -16,13 +16,13 @@ from tests.gradcheck import (
     token_loss,
     token_model,
 )
-from zeropipe.build import build_schedule
-from zeropipe.errors import PipelineError, ScheduleError
-from zeropipe.ir import Kind
-from zeropipe.plan import auto_plan
+from zeropipe.core.build import build_schedule
+from zeropipe.core.errors import PipelineError, ScheduleError
+from zeropipe.core.ir import Kind
+from zeropipe.core.schedules import GENERATORS, generate
+from zeropipe.planning.plan import auto_plan
 from zeropipe.runtime.handlers import HANDLERS
 from zeropipe.runtime.pipeline import Pipeline
-from zeropipe.schedules import GENERATORS, generate
 
 MODELS = {
     "mlp": (lambda dtype: mlp(dtype=dtype), F.mse_loss),

@@ -28,7 +28,7 @@ from tests.gradcheck import (
     reference,
     token_model,
 )
-from zeropipe.errors import PipelineError
+from zeropipe.core.errors import PipelineError
 from zeropipe.runtime.pipeline import Pipeline, RuntimeOptions
 
 IGNORE = -100  # torch's default ignore_index: padding

@@ -18,16 +18,8 @@ from tests.gradcheck import (
     token_loss,
     token_model,
 )
-from zeropipe.device import Copier, peak_allocated_bytes
-from zeropipe.errors import PipelineError
-from zeropipe.fit import checkpoint, offload, offload_weights
-from zeropipe.ir import Action, Kind, Schedule
-from zeropipe.runtime.memory import is_recomputing
-from zeropipe.runtime.offload import SavedActivations
-from zeropipe.runtime.pipeline import Pipeline, RuntimeOptions
-from zeropipe.schedules import generate
-from zeropipe.simulate import simulate
-from zeropipe.storage import (
+from zeropipe.base.device import Copier, peak_allocated_bytes
+from zeropipe.base.storage import (
     as_bytes,
     distinct_bytes,
     movable,
@@ -36,6 +28,14 @@ from zeropipe.storage import (
     storage_nbytes,
     view_bytes,
 )
+from zeropipe.core.errors import PipelineError
+from zeropipe.core.fit import checkpoint, offload, offload_weights
+from zeropipe.core.ir import Action, Kind, Schedule
+from zeropipe.core.schedules import generate
+from zeropipe.core.simulate import simulate
+from zeropipe.runtime.memory import is_recomputing
+from zeropipe.runtime.offload import SavedActivations
+from zeropipe.runtime.pipeline import Pipeline, RuntimeOptions
 
 SCHEDULES = ["gpipe", "1f1b", "zb-h1", "zbv"]
 

@@ -25,14 +25,14 @@ import torch.nn.functional as F
 
 from tests.gradcheck import mlp, reference
 from tests.runtime.nccl_emulation import NcclSemantics
-from zeropipe.build import build_schedule
-from zeropipe.costs import CostModel
-from zeropipe.errors import PipelineError, ScheduleError
-from zeropipe.fit import checkpoint, offload, offload_weights
-from zeropipe.plan import auto_plan
+from zeropipe.core.build import build_schedule
+from zeropipe.core.costs import CostModel
+from zeropipe.core.errors import PipelineError, ScheduleError
+from zeropipe.core.fit import checkpoint, offload, offload_weights
+from zeropipe.core.schedules import GENERATORS, generate
+from zeropipe.planning.plan import auto_plan
 from zeropipe.runtime.launch import launch
 from zeropipe.runtime.pipeline import Pipeline, RuntimeOptions
-from zeropipe.schedules import GENERATORS, generate
 
 WORLDS = (2, 4)
 TIMEOUT = 30.0
@@ -181,7 +181,7 @@ def test_p2p_must_be_a_known_mode() -> None:
 
 
 def test_order_is_consistent_for_every_generator() -> None:
-    from zeropipe.message_order import message_order, receiver_of
+    from zeropipe.core.message_order import message_order, receiver_of
 
     for world in WORLDS:
         for name in sorted(GENERATORS):

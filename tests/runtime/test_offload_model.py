@@ -18,8 +18,8 @@ import torch.nn.functional as F
 
 from tests.gradcheck import assert_same_gradients, assert_same_loss, batch_for, mlp, reference
 from zeropipe import Pipeline
-from zeropipe.fit import offload_weights
-from zeropipe.schedules import generate
+from zeropipe.core.fit import offload_weights
+from zeropipe.core.schedules import generate
 
 STAGES = 8
 

@@ -1,7 +1,7 @@
 """Where a process computes: ``resolve_device``'s decision, checked without a GPU.
 
 The GPU count and the environment are parameters of
-:func:`zeropipe.device.resolve_device`, so every branch -- an NCCL group
+:func:`zeropipe.base.device.resolve_device`, so every branch -- an NCCL group
 picking ``cuda:LOCAL_RANK``, and each launch that cannot work -- is exercised
 here on CPU; tests/test_gpu.py runs the real placement on a GPU.
 """
@@ -15,8 +15,8 @@ from torch import nn
 
 from tests.gradcheck import assert_same_gradients, assert_same_loss, batch_for, mlp, reference
 from zeropipe import Pipeline
-from zeropipe.device import resolve_device, single_device
-from zeropipe.errors import PipelineError
+from zeropipe.base.device import resolve_device, single_device
+from zeropipe.core.errors import PipelineError
 
 GPU = "cuda"
 

@@ -13,11 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from zeropipe.fit import checkpoint
-from zeropipe.ir import Kind
+from zeropipe.core.fit import checkpoint
+from zeropipe.core.ir import Kind
+from zeropipe.core.schedules import generate
 from zeropipe.runtime.memory import kept_buffers
 from zeropipe.runtime.pipeline import Pipeline
-from zeropipe.schedules import generate
 
 M = 4  # microbatches
 STEPS = 2

@@ -21,18 +21,18 @@ from types import ModuleType
 import pytest
 
 from tests.strategies import random_costs
-from zeropipe import cli
-from zeropipe.costs import CostModel, StageCost, peak_memory
-from zeropipe.errors import ScheduleError
-from zeropipe.fuse import fused_weights
-from zeropipe.ir import Action, Kind, Schedule
-from zeropipe.schedules import GENERATORS, generate
-from zeropipe.schedules.list_scheduler import list_schedule, placement_of, replay
-from zeropipe.simulate import simulate
-from zeropipe.validate import validate
+from zeropipe.apps import cli
+from zeropipe.core.costs import CostModel, StageCost, peak_memory
+from zeropipe.core.errors import ScheduleError
+from zeropipe.core.fuse import fused_weights
+from zeropipe.core.ir import Action, Kind, Schedule
+from zeropipe.core.schedules import GENERATORS, generate
+from zeropipe.core.schedules.list_scheduler import list_schedule, placement_of, replay
+from zeropipe.core.simulate import simulate
+from zeropipe.core.validate import validate
 
 PAPER_ZB1P, PAPER_ZB2P = 0.1585, 0.0433
-# Importing zeropipe.schedules registered it: kept here so that a test can put it back.
+# Importing zeropipe.core.schedules registered it: kept here so that a test can put it back.
 AUTO_ENTRY = GENERATORS["auto"]
 
 
@@ -44,7 +44,7 @@ def registered() -> Iterator[ModuleType]:
     registry, so a registration that outlives these tests would change theirs.
     """
     had = GENERATORS.get("auto")
-    from zeropipe.schedules import auto as module
+    from zeropipe.core.schedules import auto as module
 
     GENERATORS["auto"] = AUTO_ENTRY
     yield module

@@ -14,9 +14,9 @@ import hashlib
 
 import pytest
 
-from zeropipe.costs import CostModel
-from zeropipe.schedules import generate
-from zeropipe.schedules.auto import search
+from zeropipe.core.costs import CostModel
+from zeropipe.core.schedules import generate
+from zeropipe.core.schedules.auto import search
 
 Pin = tuple[int, int, str, float, int | str | None, float, str, str]
 

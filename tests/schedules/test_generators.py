@@ -19,11 +19,11 @@ from collections.abc import Callable
 
 import pytest
 
-from zeropipe.errors import ScheduleError
-from zeropipe.ir import Action, Kind, Schedule
-from zeropipe.lower import lower
-from zeropipe.schedules import GENERATORS, generate
-from zeropipe.validate import validate
+from zeropipe.core.errors import ScheduleError
+from zeropipe.core.ir import Action, Kind, Schedule
+from zeropipe.core.lower import lower
+from zeropipe.core.schedules import GENERATORS, generate
+from zeropipe.core.validate import validate
 
 F, B, I, W = Kind.F, Kind.B, Kind.I, Kind.W
 NAMES = sorted(n for n in GENERATORS if n != "auto")  # auto is searched: test_auto.py

@@ -14,9 +14,9 @@ import random
 import pytest
 
 from tests.strategies import random_costs
-from zeropipe.costs import CostModel
-from zeropipe.schedules.auto import costs_for, default_policies
-from zeropipe.schedules.list_scheduler import ListScheduler, list_schedule, placement_of
+from zeropipe.core.costs import CostModel
+from zeropipe.core.schedules.auto import costs_for, default_policies
+from zeropipe.core.schedules.list_scheduler import ListScheduler, list_schedule, placement_of
 
 
 def _costs(rng: random.Random, ranks: int) -> CostModel:

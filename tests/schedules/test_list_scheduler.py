@@ -1,6 +1,6 @@
 """The list scheduler times its plans exactly as the simulator does.
 
-It asks the same dependency model and cost model as :func:`zeropipe.simulate.simulate`,
+It asks the same dependency model and cost model as :func:`zeropipe.core.simulate.simulate`,
 so over a grid of ranks, microbatches, costs (a wire, uneven W, a fused backward,
 runtime overhead), memory limits and policies every action of a plan must
 start when the simulator starts it, and the makespans must be equal.
@@ -17,11 +17,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from zeropipe.costs import CostModel, StageCost
-from zeropipe.errors import ScheduleError
-from zeropipe.ir import Kind
-from zeropipe.schedules import GENERATORS
-from zeropipe.schedules.list_scheduler import (
+from zeropipe.core.costs import CostModel, StageCost
+from zeropipe.core.errors import ScheduleError
+from zeropipe.core.ir import Kind
+from zeropipe.core.schedules import GENERATORS
+from zeropipe.core.schedules.list_scheduler import (
     ListPlan,
     ListScheduler,
     Policy,
@@ -30,8 +30,8 @@ from zeropipe.schedules.list_scheduler import (
     placement_of,
     replay,
 )
-from zeropipe.simulate import simulate
-from zeropipe.validate import validate
+from zeropipe.core.simulate import simulate
+from zeropipe.core.validate import validate
 
 COSTS = {
     "unit": "F=1,I=1,W=1",
@@ -196,7 +196,7 @@ def test_a_run_stuck_under_the_limit_with_w_pending_ends(gap: float) -> None:
 
 
 def test_auto_ends_where_a_named_order_deadlocks_under_the_limit() -> None:
-    from zeropipe.schedules.auto import search
+    from zeropipe.core.schedules.auto import search
 
     costs = CostModel.uniform(2, F=1.0, I=1.0, W=2.0)
     with _time_limit(30):

@@ -20,12 +20,12 @@ from typing import Any
 
 import pytest
 
-from zeropipe.costs import CostModel
-from zeropipe.ir import Kind, Schedule
-from zeropipe.lower import lower
-from zeropipe.reduce import add_reductions
-from zeropipe.simulate import simulate
-from zeropipe.validate import validate
+from zeropipe.core.costs import CostModel
+from zeropipe.core.ir import Kind, Schedule
+from zeropipe.core.lower import lower
+from zeropipe.core.reduce import add_reductions
+from zeropipe.core.simulate import simulate
+from zeropipe.core.validate import validate
 
 S = pytest.importorskip("torch.distributed.pipelining.schedules")
 
@@ -150,7 +150,7 @@ def test_torch_1f1b_order_is_refused_naming_its_bad_microbatch(tmp_path: Path) -
     # 1..m (it starts its counter at 0 and increments before use when there is no
     # warm-up): the order it reports is not one it could run, and the validator says so.
     # When torch fixes it this test fails: move Schedule1F1B into CASES.
-    from zeropipe.errors import ScheduleError
+    from zeropipe.core.errors import ScheduleError
 
     s = Schedule.from_torch_csv(_torch_csv("Schedule1F1B", 2, 4, tmp_path), microbatches=4)
     with pytest.raises(ScheduleError, match="1F4 names microbatch 4"):
@@ -161,7 +161,7 @@ def test_torch_1f1b_order_is_refused_naming_its_bad_microbatch(tmp_path: Path) -
 def test_zeropipes_dualpipev_is_torchs_action_for_action_pairs_included(
     ranks: int, tmp_path: Path
 ) -> None:
-    from zeropipe.schedules import generate
+    from zeropipe.core.schedules import generate
 
     for m in (2 * ranks, 3 * ranks + 1):
         theirs = Schedule.from_torch_csv(

@@ -37,8 +37,8 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-from zeropipe.balance import balance as balance_times
-from zeropipe.errors import PipelineError
+from zeropipe.core.errors import PipelineError
+from zeropipe.planning.balance import balance as balance_times
 
 __all__ = ["SUPPORTED", "hf_family", "is_hf_model", "split_hf"]
 

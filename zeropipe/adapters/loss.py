@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from zeropipe.errors import PipelineError
+from zeropipe.core.errors import PipelineError
 
 __all__ = ["CausalLMLoss", "causal_lm_loss"]
 

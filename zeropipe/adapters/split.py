@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from torch import nn
 
 from zeropipe.adapters.hf import SUPPORTED, hf_family, is_hf_model, split_hf
-from zeropipe.errors import PipelineError
+from zeropipe.core.errors import PipelineError
 from zeropipe.runtime.stage import split_sequential
 
 __all__ = ["split"]

@@ -24,8 +24,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from zeropipe import _compat
-from zeropipe.errors import ZeropipeError
+from zeropipe.base import _compat
+from zeropipe.core.errors import ZeropipeError
 
 __all__ = ["BranchError", "BranchPool", "ParallelMapError", "default_branch_pool"]
 

@@ -28,8 +28,8 @@ import sys
 import torch
 from torch import Tensor
 
-from zeropipe._compat import storage_use_count
-from zeropipe.storage import storage_nbytes
+from zeropipe.base._compat import storage_use_count
+from zeropipe.base.storage import storage_nbytes
 
 __all__ = ["GradMemory"]
 

@@ -72,7 +72,6 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from zeropipe import _compat
 from zeropipe.autograd.branch_pool import (
     BranchError,
     BranchPool,
@@ -80,6 +79,7 @@ from zeropipe.autograd.branch_pool import (
     default_branch_pool,
 )
 from zeropipe.autograd.priority import original_sequence_nr
+from zeropipe.base import _compat
 
 __all__ = [
     "BranchError",

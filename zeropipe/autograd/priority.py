@@ -31,7 +31,7 @@ node whose number is ``>= n``, which is every node except the first ``n``
 created on some thread.  The original number is kept in ``node.metadata``, so
 marking again (or late after early) starts from it.
 
-Guaranteed (eager autograd engine, torch versions in :mod:`zeropipe._compat`):
+Guaranteed (eager autograd engine, torch versions in :mod:`zeropipe.base._compat`):
 
 - when the engine takes the next node from a ready queue, a marked node that
   is ready runs before every unmarked node that is ready in the same queue;
@@ -86,8 +86,8 @@ from torch import Tensor, nn
 from torch.autograd.graph import Node
 from torch.utils.hooks import RemovableHandle
 
-from zeropipe import _compat
-from zeropipe.errors import ZeropipeError
+from zeropipe.base import _compat
+from zeropipe.core.errors import ZeropipeError
 
 __all__ = [
     "MAX_PRIORITY_LEVEL",

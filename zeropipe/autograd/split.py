@@ -72,8 +72,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from zeropipe.autograd.grad_memory import GradMemory
-from zeropipe.errors import PipelineError
-from zeropipe.storage import distinct_bytes
+from zeropipe.base.storage import distinct_bytes
+from zeropipe.core.errors import PipelineError
 
 __all__ = [
     "WeightGradStash",

@@ -14,13 +14,13 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from zeropipe.device import make_current, resolve_device, single_device
-from zeropipe.errors import PipelineError
-from zeropipe.ir import Schedule
+from zeropipe.base.device import make_current, resolve_device, single_device
+from zeropipe.core.errors import PipelineError
+from zeropipe.core.ir import Schedule
+from zeropipe.core.schedules import GENERATORS
 from zeropipe.runtime.data_parallel import Replicas
 from zeropipe.runtime.stage import Stage, split_sequential
 from zeropipe.runtime.transport import Transport
-from zeropipe.schedules import GENERATORS
 
 __all__ = [
     "build_stages",
@@ -42,7 +42,7 @@ def compute_device(
 ) -> torch.device | None:
     """Where this process's stages compute (None: where their parameters are, one device).
 
-    An NCCL group implies GPU number ``LOCAL_RANK`` (:func:`zeropipe.device.resolve_device`),
+    An NCCL group implies GPU number ``LOCAL_RANK`` (:func:`zeropipe.base.device.resolve_device`),
     made the process's current device so that NCCL and the kernels agree on it.
     """
     backend = None

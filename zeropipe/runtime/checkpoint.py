@@ -60,7 +60,7 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from zeropipe.errors import ZeropipeError
+from zeropipe.core.errors import ZeropipeError
 from zeropipe.runtime.pipeline import Pipeline
 
 __all__ = [

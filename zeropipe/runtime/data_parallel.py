@@ -30,11 +30,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from zeropipe.errors import PipelineError
-from zeropipe.ir import Kind, Schedule
+from zeropipe.core.errors import PipelineError
+from zeropipe.core.ir import Kind, Schedule
+from zeropipe.core.simulate import Event
 from zeropipe.runtime.collectives import all_reduce, flatten, unflatten
 from zeropipe.runtime.works import Endpoint, connect
-from zeropipe.simulate import Event
 
 __all__ = [
     "GradReducer",

@@ -36,10 +36,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from zeropipe.deps import Dependencies
-from zeropipe.errors import PipelineError
-from zeropipe.ir import Action, Kind, Schedule
-from zeropipe.message_order import receiver_of
+from zeropipe.core.deps import Dependencies
+from zeropipe.core.errors import PipelineError
+from zeropipe.core.ir import Action, Kind, Schedule
+from zeropipe.core.message_order import receiver_of
 from zeropipe.runtime import collectives
 from zeropipe.runtime.wire import (
     HEADER_LEN,

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import time
 
-from zeropipe.deps import Graph
-from zeropipe.errors import PipelineError, ZeropipeError
-from zeropipe.ir import Action, Schedule
+from zeropipe.core.deps import Graph
+from zeropipe.core.errors import PipelineError, ZeropipeError
+from zeropipe.core.ir import Action, Schedule
+from zeropipe.core.simulate import Event
 from zeropipe.runtime.handlers import HANDLERS, StepContext
-from zeropipe.simulate import Event
 
 __all__ = ["run_local", "run_rank"]
 

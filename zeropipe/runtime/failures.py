@@ -25,7 +25,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from zeropipe.errors import PipelineError
+from zeropipe.core.errors import PipelineError
 
 __all__ = ["FAILED_KEY", "PeerFailures", "failure_origin"]
 

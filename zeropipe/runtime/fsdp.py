@@ -50,9 +50,9 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 from torch import Tensor, nn
 
-from zeropipe import _compat
-from zeropipe.errors import PipelineError
-from zeropipe.ir import Schedule
+from zeropipe.base import _compat
+from zeropipe.core.errors import PipelineError
+from zeropipe.core.ir import Schedule
 from zeropipe.runtime.data_parallel import GradReducer, Replicas, reduction_order
 from zeropipe.runtime.stage import Stage
 
@@ -95,7 +95,7 @@ class ShardedReducer(GradReducer):
         if missing:
             raise PipelineError(
                 f"dp_shard=True needs FSDP2 internals that torch {torch.__version__} lacks: "
-                f"{', '.join(missing)} (zeropipe._compat checks them; torch 2.13 has them)"
+                f"{', '.join(missing)} (zeropipe.base._compat checks them; torch 2.13 has them)"
             )
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard

@@ -1,10 +1,10 @@
 """The action handlers: one function per action kind, in one dispatch table.
 
 The executors walk a schedule and call ``HANDLERS[action.kind](ctx, action)``;
-an unknown kind is a :class:`~zeropipe.errors.PipelineError`, and a new kind
+an unknown kind is a :class:`~zeropipe.core.errors.PipelineError`, and a new kind
 means a new entry here, not a new branch in a loop.  Data flow between
 stages (same rank: hand the tensor over; other rank: through the transport)
-follows the dependency model in :mod:`zeropipe.deps`.
+follows the dependency model in :mod:`zeropipe.core.deps`.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from torch import Tensor
 
 from zeropipe.autograd.grad_memory import GradMemory
 from zeropipe.autograd.split import WeightGradStash, weight_backward_together
-from zeropipe.deps import Dependencies
-from zeropipe.errors import PipelineError
-from zeropipe.ir import Action, Kind
+from zeropipe.core.deps import Dependencies
+from zeropipe.core.errors import PipelineError
+from zeropipe.core.ir import Action, Kind
 from zeropipe.runtime.data_parallel import GradReducer
 from zeropipe.runtime.input_first import backward_input_first
 from zeropipe.runtime.loss import StepLoss

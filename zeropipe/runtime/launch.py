@@ -49,8 +49,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from zeropipe import _compat
-from zeropipe.errors import PipelineError
+from zeropipe.base import _compat
+from zeropipe.core.errors import PipelineError
 from zeropipe.runtime.failures import FAILED_KEY, failure_origin
 
 __all__ = ["init_from_env", "launch"]

@@ -42,8 +42,8 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from zeropipe.device import autocast
-from zeropipe.errors import PipelineError
+from zeropipe.base.device import autocast
+from zeropipe.core.errors import PipelineError
 
 __all__ = ["LossContract", "LossCountFn", "LossFn", "StepLoss"]
 

@@ -19,7 +19,7 @@ holds as communication buffers until the backward whatever the schedule
 does (the input is a leaf of the graph; the output is its root).  A
 checkpointed forward saves nothing, so it holds 0 bytes; after I what stays
 is the split-backward stash (``WeightGradStash.nbytes``).  These are exactly
-the deltas of :func:`zeropipe.costs.memory_deltas` with ``act``/``act_w``/
+the deltas of :func:`zeropipe.core.costs.memory_deltas` with ``act``/``act_w``/
 ``ckpt`` = the bytes measured here, which is what makes predicted and
 measured peaks comparable (:func:`measured_costs`).
 
@@ -67,12 +67,12 @@ from typing import TYPE_CHECKING, Literal
 import torch
 from torch import Tensor, nn
 
-from zeropipe.costs import CostModel
-from zeropipe.device import Copier, peak_allocated_bytes, reset_peak_bytes
-from zeropipe.errors import PipelineError
-from zeropipe.ir import Kind, Schedule
+from zeropipe.base.device import Copier, peak_allocated_bytes, reset_peak_bytes
+from zeropipe.base.storage import StorageKey, distinct_bytes, movable, storage_key
+from zeropipe.core.costs import CostModel
+from zeropipe.core.errors import PipelineError
+from zeropipe.core.ir import Kind, Schedule
 from zeropipe.runtime.offload import SavedActivations, StageWeights
-from zeropipe.storage import StorageKey, distinct_bytes, movable, storage_key
 
 if TYPE_CHECKING:
     from zeropipe.runtime.stage import MicrobatchState, Stage

@@ -30,9 +30,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from zeropipe.device import Copier, Transfer
-from zeropipe.errors import PipelineError
-from zeropipe.storage import (
+from zeropipe.base.device import Copier, Transfer
+from zeropipe.base.storage import (
     StorageKey,
     as_bytes,
     distinct_bytes,
@@ -42,6 +41,7 @@ from zeropipe.storage import (
     storage_nbytes,
     view_bytes,
 )
+from zeropipe.core.errors import PipelineError
 
 __all__ = ["SavedActivations", "StageWeights"]
 

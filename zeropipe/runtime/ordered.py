@@ -4,7 +4,7 @@ NCCL ignores tags, runs a process's point-to-point operations on one stream
 in issue order, matches each pair's messages in that order, and a posted
 receive holds back everything issued after it.  The tagged protocol of
 :mod:`zeropipe.runtime.distributed` relies on none of that being true, so
-this one issues every message in the order :func:`zeropipe.message_order.message_order`
+this one issues every message in the order :func:`zeropipe.core.message_order.message_order`
 derives from the lowered schedule, the same on both ends of each transfer::
 
     schedule:  F(0,0) SEND_F(0,0) RECV_B(0,0) F(0,1) SEND_F(0,1) ... B(0,0)
@@ -44,10 +44,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from zeropipe.device import is_accelerator
-from zeropipe.errors import PipelineError
-from zeropipe.ir import Action, Kind, Schedule
-from zeropipe.message_order import message_order, receiver_of
+from zeropipe.base.device import is_accelerator
+from zeropipe.core.errors import PipelineError
+from zeropipe.core.ir import Action, Kind, Schedule
+from zeropipe.core.message_order import message_order, receiver_of
 from zeropipe.runtime import collectives
 from zeropipe.runtime.wire import (
     HEADER_LEN,

@@ -10,9 +10,9 @@ the same schedule, the same handlers, the same gradients.  In the
 distributed case every rank builds the whole model and calls ``step`` with
 the same batch; each keeps only the stages placed on it.
 
-The schedule comes from :func:`zeropipe.build.build_schedule` (a name is
+The schedule comes from :func:`zeropipe.core.build.build_schedule` (a name is
 generated, W grouped, lowered, validated) and runs exactly as built; a plan
-searched for the model comes from :func:`zeropipe.plan.auto_plan`.  The
+searched for the model comes from :func:`zeropipe.planning.plan.auto_plan`.  The
 runtime's own knobs are one :class:`RuntimeOptions`.
 """
 
@@ -27,13 +27,14 @@ from torch import Tensor, nn
 
 from zeropipe.autograd.grad_memory import GradMemory
 from zeropipe.autograd.split import prepare_split, split_linears
-from zeropipe.build import build_schedule
-from zeropipe.costs import CostModel
-from zeropipe.deps import Dependencies, Graph
-from zeropipe.device import check_autocast
-from zeropipe.errors import PipelineError, ScheduleError
-from zeropipe.fuse import fused_weights
-from zeropipe.ir import Kind, Schedule
+from zeropipe.base.device import check_autocast
+from zeropipe.core.build import build_schedule
+from zeropipe.core.costs import CostModel
+from zeropipe.core.deps import Dependencies, Graph
+from zeropipe.core.errors import PipelineError, ScheduleError
+from zeropipe.core.fuse import fused_weights
+from zeropipe.core.ir import Kind, Schedule
+from zeropipe.core.simulate import Event, Timeline
 from zeropipe.runtime.assembly import (
     build_stages,
     compute_device,
@@ -59,7 +60,6 @@ from zeropipe.runtime.memory import MemoryManager, measured_costs
 from zeropipe.runtime.rng import preserved_rng
 from zeropipe.runtime.stage import as_tuple
 from zeropipe.runtime.transport import LocalTransport, Transport
-from zeropipe.simulate import Event, Timeline
 
 __all__ = ["PLAIN_BELOW_BYTES", "Pipeline", "RuntimeOptions"]
 
@@ -125,10 +125,10 @@ class Pipeline:
     Args:
         stages: an ``nn.Sequential`` (cut into the schedule's stages, by
             ``balance`` = layers per stage, or evenly) or one module per stage.
-        schedule: a :class:`~zeropipe.ir.Schedule` (compute-only, or lowered
+        schedule: a :class:`~zeropipe.core.ir.Schedule` (compute-only, or lowered
             and then run exactly as given) or a generator name (``zeropipe
             schedules`` lists them).  For a schedule searched for this model,
-            use :func:`zeropipe.plan.auto_plan` and pass its ``schedule``.
+            use :func:`zeropipe.planning.plan.auto_plan` and pass its ``schedule``.
         microbatches: how many microbatches a batch is cut into (needed with a name).
         loss_fn: ``loss_fn(output, target)``, called per microbatch; the step's
             loss and gradients are those of the whole batch when it is one of
@@ -148,7 +148,7 @@ class Pipeline:
             distributed, else ``len(stages) / chunks``).
         chunks: stages per rank for a named schedule (default: the generator's).
         group_w: split every B into I then W and gather each rank's W of a
-            stage in runs of this many (:func:`zeropipe.fuse.group_weights`),
+            stage in runs of this many (:func:`zeropipe.core.fuse.group_weights`),
             which the runtime runs as one product per weight, reading and
             writing each weight gradient once per run instead of once per
             microbatch; costs up to ``group_w - 1`` microbatches' W-parts

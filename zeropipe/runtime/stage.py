@@ -22,9 +22,8 @@ import torch
 from torch import Tensor, nn
 
 from zeropipe.autograd.split import WeightGradStash
-from zeropipe.balance import even_cut
-from zeropipe.device import autocast
-from zeropipe.errors import PipelineError
+from zeropipe.base.device import autocast
+from zeropipe.core.errors import PipelineError
 from zeropipe.runtime.rng import seeded
 
 if TYPE_CHECKING:
@@ -130,7 +129,9 @@ def split_sequential(
                 f"the nn.Sequential has {count} layer(s), too few for {num_stages} stages; "
                 f"use fewer stages (ranks x chunks) or a deeper model"
             )
-        balance = even_cut(count, num_stages)
+        # As planning's even_cut (a layer above): the first stages take the remainder.
+        base, extra = divmod(count, num_stages)
+        balance = [base + (1 if s < extra else 0) for s in range(num_stages)]
     balance = list(balance)
     if len(balance) != num_stages:
         raise PipelineError(

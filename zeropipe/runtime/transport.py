@@ -14,9 +14,9 @@ from typing import Protocol
 
 from torch import Tensor
 
-from zeropipe.errors import PipelineError
-from zeropipe.ir import Action, Schedule
-from zeropipe.message_order import receiver_of
+from zeropipe.core.errors import PipelineError
+from zeropipe.core.ir import Action, Schedule
+from zeropipe.core.message_order import receiver_of
 
 __all__ = ["LocalTransport", "Transport"]
 

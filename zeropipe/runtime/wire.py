@@ -19,8 +19,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from zeropipe.errors import PipelineError
-from zeropipe.ir import Action
+from zeropipe.core.errors import PipelineError
+from zeropipe.core.ir import Action
 
 __all__ = [
     "DTYPES",

@@ -47,8 +47,8 @@ from typing import Any
 import torch.distributed as dist
 from torch import Tensor
 
-from zeropipe import _compat
-from zeropipe.errors import PipelineError
+from zeropipe.base import _compat
+from zeropipe.core.errors import PipelineError
 from zeropipe.runtime.failures import PeerFailures
 
 __all__ = ["Endpoint", "Label", "Pending", "WaitPool", "connect"]

@@ -1,0 +1,551 @@
+"""The ``zeropipe`` command line.
+
+Each subcommand is a pair of functions, ``add_arguments(parser)`` and
+``run(args) -> exit code``, registered in :data:`COMMANDS`; the first line
+of ``run``'s docstring is its help.  Adding a command (train, bench,
+profile, ...) means writing the pair and adding one line to the table.
+
+Every user error -- a :class:`~zeropipe.core.errors.ZeropipeError`, an
+unreadable file, a bad flag -- ends as one line ``zeropipe: error: ...`` on
+stderr (a schedule error's grid follows it) and exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+from zeropipe.apps.cli_args import int_at_least, positive_float
+from zeropipe.core import render
+from zeropipe.core.costs import CostModel
+from zeropipe.core.errors import ScheduleError, ZeropipeError
+from zeropipe.core.ir import Schedule
+from zeropipe.core.lower import lower
+from zeropipe.core.schedules import GENERATORS, generate
+from zeropipe.core.simulate import simulate
+from zeropipe.core.validate import validate
+
+__all__ = ["COMMANDS", "build_parser", "main"]
+
+_PROG = "zeropipe"
+_DEFAULT_STAGES = 4
+_DEFAULT_MICROBATCHES = 8
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad flag raises instead of printing usage and exiting."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ZeropipeError(f"{message} (see '{self.prog} --help')")
+
+
+# -- zeropipe schedules -----------------------------------------------------------------
+def _add_schedules_arguments(parser: argparse.ArgumentParser) -> None:
+    del parser  # no options
+
+
+def _run_schedules(args: argparse.Namespace) -> int:
+    """List the registered schedule generators."""
+    rows = []
+    for name in sorted(GENERATORS):
+        gen = GENERATORS[name]
+        d = gen.default_chunks
+        chunks = f"chunks: any (default {d})" if gen.takes_chunks else f"chunks: {d} per rank"
+        rows.append((name, chunks, gen.description))
+    wn = max((len(r[0]) for r in rows), default=0)
+    wc = max((len(r[1]) for r in rows), default=0)
+    for name, chunks, description in rows:
+        print(f"{name:<{wn}}  {chunks:<{wc}}  {description}")
+    return 0
+
+
+# -- zeropipe simulate ------------------------------------------------------------------
+def _default_schedule() -> str:
+    # Decided at call time: generators register themselves on import.
+    return "zbv" if "zbv" in GENERATORS else "1f1b"
+
+
+def _add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Build (or read) a schedule, validate it, simulate it under a cost model and "
+        "show the timeline. --stages is the pipeline depth p, i.e. the number of ranks; "
+        "with --chunks v each rank holds v model chunks and the model has p*v stages."
+    )
+    parser.add_argument(
+        "--schedule",
+        metavar="NAME_OR_FILE",
+        help="a registered generator (see `zeropipe schedules`; default: zbv if registered, "
+        "else 1f1b), 'auto' (search under --costs and --memory-limit; --chunks caps the "
+        "chunks per rank, default 2) or a schedule file: .json (zeropipe JSON), .csv "
+        "(torch.distributed.pipelining CSV), anything else the zeropipe text form",
+    )
+    parser.add_argument(
+        "--stages",
+        type=int_at_least(1),
+        metavar="P",
+        help=f"pipeline depth p = number of ranks (default {_DEFAULT_STAGES}); "
+        "the model has p*v stages with --chunks v",
+    )
+    parser.add_argument(
+        "--microbatches",
+        type=int_at_least(1),
+        metavar="M",
+        help=f"microbatches per step (default {_DEFAULT_MICROBATCHES})",
+    )
+    parser.add_argument(
+        "--chunks",
+        type=int_at_least(1),
+        metavar="V",
+        help="model chunks (stages) per rank (default: the generator's)",
+    )
+    parser.add_argument(
+        "--costs",
+        default="",
+        metavar="SPEC",
+        help="times of one rank's worth of layers, split evenly over its chunks: "
+        "F=1,B=2,I=1,W=1,R=1,comm=0,act_w=0 (any subset; default F=1, I=W=1, comm=0), "
+        "or a zeropipe cost-model JSON file",
+    )
+    parser.add_argument(
+        "--memory-limit",
+        type=positive_float,
+        metavar="X",
+        help="fail unless every rank's peak memory fits X (unit: microbatches of one "
+        "rank's activations, or the cost file's unit); with --schedule auto, the limit "
+        "searched under (default: 1F1B's peak)",
+    )
+    parser.add_argument(
+        "--lower",
+        action="store_true",
+        help="insert SEND/RECV actions before simulating (done anyway when the costs "
+        "price posts, post > 0, as the runtime runs them)",
+    )
+    parser.add_argument(
+        "--show", action="store_true", help="print the schedule's text form as well"
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="print one JSON object instead of the grid"
+    )
+    parser.add_argument("--plot", metavar="FILE.png", help="draw the timeline into a PNG")
+    parser.add_argument(
+        "--trace", metavar="FILE.json", help="write a Chrome trace (Perfetto, chrome://tracing)"
+    )
+    parser.add_argument(
+        "--width",
+        type=int_at_least(10),
+        metavar="COLUMNS",
+        help="columns of the time axis in the grid (default: fit the terminal)",
+    )
+
+
+def _run_simulate(args: argparse.Namespace) -> int:
+    """Validate and simulate a schedule; print its timeline, or write a PNG / Chrome trace."""
+    explanation = None
+    if _is_auto(args.schedule):
+        schedule, costs, explanation = _search(args)
+    else:
+        schedule = _load_schedule(args)
+        costs = None
+    if args.lower:
+        schedule = lower(schedule)
+    costs = costs or _load_costs(args.costs, schedule)
+    graph = validate(schedule, memory_limit=args.memory_limit, costs=costs)
+    timeline = simulate(schedule, costs, graph=graph)
+    written: dict[str, str] = {}
+    if args.plot:
+        written["plot"] = str(render.render_png(timeline, args.plot))
+    if args.trace:
+        written["trace"] = str(render.write_chrome_trace(timeline, args.trace))
+    if args.json:
+        out: dict[str, Any] = dict(timeline.summary())
+        out["chunks"] = schedule.chunks_per_rank
+        out["lowered"] = timeline.schedule.is_lowered
+        out["costs"] = args.costs
+        out["memory_limit"] = args.memory_limit
+        if explanation is not None:
+            out["explanation"] = explanation
+        out["files"] = written
+        if args.show:
+            out["text"] = timeline.schedule.to_text()
+        print(json.dumps(out))
+        return 0
+    if explanation is not None:
+        print(explanation)
+    if args.show:
+        print(timeline.schedule.to_text())
+    width = args.width or max(40, shutil.get_terminal_size((110, 24)).columns - 10)
+    print(render.render_text(timeline, width=width))
+    # As many ranks as the grid drew: a line of ten thousand numbers helps no one.
+    shown = timeline.peak_memory[: render.MAX_RANKS]
+    peaks = ", ".join(f"{p:.4g}" for p in shown)
+    hidden = len(timeline.peak_memory) - len(shown)
+    if hidden > 0:
+        peaks += f", ... {hidden:,} more (highest of all: {max(timeline.peak_memory):.4g})"
+    print(f"peak memory per rank (unit: {timeline.memory_unit}): {peaks}")
+    for what, path in written.items():
+        print(f"wrote {what}: {path}")
+    return 0
+
+
+def _is_auto(name: str | None) -> bool:
+    return name == "auto" and not Path(name).is_file()
+
+
+def _search(args: argparse.Namespace) -> tuple[Schedule, CostModel, str]:
+    """``--schedule auto``: search under the given costs and memory limit."""
+    from zeropipe.core.schedules.auto import search  # registers "auto"; loaded only when asked for
+
+    ranks = args.stages or _DEFAULT_STAGES
+    path = Path(args.costs)
+    if args.costs and path.is_file():
+        costs = _load_costs(args.costs, None)
+    else:
+        costs = CostModel.parse(args.costs, ranks)  # one rank's worth per stage
+    # Without a limit: no more memory than 1F1B would hold under the same costs.
+    limit = args.memory_limit if args.memory_limit is not None else "1f1b"
+    result = search(
+        costs, ranks, args.microbatches or _DEFAULT_MICROBATCHES, limit, max_chunks=args.chunks or 2
+    )
+    return result.schedule, result.costs, result.explanation
+
+
+def _load_schedule(args: argparse.Namespace) -> Schedule:
+    name = args.schedule or _default_schedule()
+    path = Path(name)
+    if path.is_file():
+        schedule = _read_schedule_file(path, args.microbatches)
+        given = {
+            "--stages": (args.stages, schedule.num_ranks, "rank(s)"),
+            "--microbatches": (args.microbatches, schedule.microbatches, "microbatch(es)"),
+            "--chunks": (args.chunks, schedule.chunks_per_rank, "chunk(s) per rank"),
+        }
+        for flag, (want, have, what) in given.items():
+            if want is not None and want != have:
+                raise ZeropipeError(
+                    f"{path} has {have} {what} but {flag} {want} was given; "
+                    f"drop {flag} (a schedule file fixes it)"
+                )
+        return schedule
+    if name not in GENERATORS and (path.suffix or "/" in name or "\\" in name):
+        raise ZeropipeError(
+            f"schedule file {name} does not exist (nor is {name!r} a registered schedule: "
+            f"{', '.join(sorted(GENERATORS))})"
+        )
+    return generate(
+        name,
+        args.stages or _DEFAULT_STAGES,
+        args.microbatches or _DEFAULT_MICROBATCHES,
+        args.chunks,
+    )
+
+
+def _read_schedule_file(path: Path, microbatches: int | None) -> Schedule:
+    text = path.read_text()
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".json":
+            data = json.loads(text)
+            if not isinstance(data, dict):
+                raise ValueError(f"expected a JSON object, got {type(data).__name__}")
+            return Schedule.from_dict(data)
+        if suffix == ".csv":
+            return Schedule.from_torch_csv(text, microbatches=microbatches, name=path.stem)
+        return Schedule.from_text(text)
+    except ScheduleError as exc:
+        raise ScheduleError(f"{path}: {exc}", rule=exc.rule, actions=exc.actions) from exc
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        # Malformed JSON, non-numeric header values and the like.
+        raise ZeropipeError(f"cannot read schedule file {path}: {exc}") from exc
+
+
+def _load_costs(spec: str, schedule: Schedule | None) -> CostModel:
+    path = Path(spec)
+    if spec and path.is_file():
+        try:
+            return CostModel.from_json(path.read_text())
+        except ScheduleError as exc:
+            raise ScheduleError(f"cost file {path}: {exc}", rule=exc.rule) from exc
+        except UnicodeDecodeError as exc:
+            raise ZeropipeError(f"cannot read cost file {path}: {exc}") from exc
+    assert schedule is not None  # only a cost file is read without a schedule
+    return CostModel.parse(spec, schedule.num_stages, schedule.chunks_per_rank)
+
+
+# -- zeropipe profile -------------------------------------------------------------------
+def _add_profile_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Measure a reference model's stages on this machine (median F, I, W, B, R times in "
+        "seconds, activation bytes per microbatch) and write the cost model that "
+        "`zeropipe simulate --costs FILE` and `--schedule auto` take."
+    )
+    parser.add_argument(
+        "--model", choices=("gpt", "mlp"), default="gpt", help="reference model (default gpt)"
+    )
+    parser.add_argument(
+        "--layers",
+        type=int_at_least(1),
+        default=4,
+        metavar="N",
+        help="transformer blocks / MLP blocks (default 4)",
+    )
+    parser.add_argument(
+        "--width", type=int_at_least(1), default=128, metavar="D", help="model width (default 128)"
+    )
+    parser.add_argument(
+        "--seq",
+        type=int_at_least(1),
+        default=64,
+        metavar="T",
+        help="GPT sequence length (default 64)",
+    )
+    parser.add_argument(
+        "--microbatch-size",
+        type=int_at_least(1),
+        default=8,
+        metavar="B",
+        help="rows per microbatch (default 8)",
+    )
+    parser.add_argument(
+        "--stages",
+        type=int_at_least(1),
+        metavar="S",
+        help="cut the model into S stages (default: one stage per layer)",
+    )
+    parser.add_argument(
+        "--balance",
+        action="store_true",
+        help="cut by measured layer time (zeropipe.planning.balance) instead of equal layer counts",
+    )
+    parser.add_argument(
+        "--repeat",
+        type=int_at_least(1),
+        default=7,
+        metavar="R",
+        help="timed repetitions, median kept (default 7)",
+    )
+    parser.add_argument(
+        "--warmup",
+        type=int_at_least(0),
+        default=2,
+        metavar="K",
+        help="untimed repetitions first (default 2)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int_at_least(1),
+        default=1,
+        metavar="T",
+        help="intra-op threads while measuring (default 1, as one pipeline rank)",
+    )
+    parser.add_argument("--out", metavar="FILE.json", help="write the cost model here")
+    parser.add_argument(
+        "--json", action="store_true", help="print the cost model JSON instead of the table"
+    )
+
+
+def _run_profile(args: argparse.Namespace) -> int:
+    """Profile a reference model's stages; print the costs, or write them as JSON."""
+    import torch
+
+    from zeropipe.apps.models import GPTConfig, gpt, mlp_blocks
+    from zeropipe.apps.models.gpt import lm_loss
+    from zeropipe.core.ir import Kind
+    from zeropipe.planning.balance import balance, even_cut
+    from zeropipe.planning.plan import layer_costs, profile
+    from zeropipe.runtime.stage import split_layers
+
+    gen = torch.Generator().manual_seed(0)
+    target: Any = None
+    loss_fn: Any = None
+    if args.model == "gpt":
+        heads = max(h for h in (8, 4, 2, 1) if args.width % h == 0)
+        cfg = GPTConfig(seq=args.seq, width=args.width, heads=heads, layers=args.layers)
+        model = gpt(cfg)
+        sample = torch.randint(0, cfg.vocab, (args.microbatch_size, cfg.seq), generator=gen)
+        target, loss_fn = sample, lm_loss
+    else:
+        model = mlp_blocks(args.layers, args.width, 4 * args.width)
+        sample = torch.randn(args.microbatch_size, args.width, generator=gen)
+    layers = len(model)
+    parts = args.stages or layers
+    if parts > layers:
+        raise ZeropipeError(f"--stages {parts}: the model has only {layers} layers to cut")
+    options = {"warmup": args.warmup, "repeat": args.repeat, "threads": args.threads}
+    if args.balance:
+        per_layer = layer_costs(model, sample, target=target, loss_fn=loss_fn, **options)
+        cut = balance([c.F + c.time(Kind.B) for c in per_layer.stages], parts)
+    else:
+        cut = even_cut(layers, parts)
+    costs = profile(split_layers(model, cut), sample, target=target, loss_fn=loss_fn, **options)
+    costs.meta.update(
+        {
+            "model": args.model,
+            "layers": layers,
+            "width": args.width,
+            "cut": cut,
+            "microbatch_size": args.microbatch_size,
+        }
+    )
+    if args.out:
+        Path(args.out).write_text(costs.to_json())
+    if args.json:
+        print(costs.to_json())
+        return 0
+    print(
+        f"{args.model}: {layers} layers in {parts} stage(s) {cut}, microbatch "
+        f"{args.microbatch_size}, {args.threads} thread(s), median of {args.repeat}"
+    )
+    print(
+        f"{'stage':>5} {'F ms':>8} {'I ms':>8} {'W ms':>8} {'B ms':>8} {'R ms':>8} "
+        f"{'act KiB':>9} {'act_w KiB':>9} {'out KiB':>8}"
+    )
+    for s, c in enumerate(costs.stages):
+        ms = [1e3 * x for x in (c.F, c.I, c.W, c.time(Kind.B), c.time(Kind.R))]
+        kib = [x / 1024 for x in (c.act, c.act_w, c.boundary_bytes)]
+        print(
+            f"{s:>5} "
+            + " ".join(f"{x:>8.3f}" for x in ms)
+            + f" {kib[0]:>9.1f} {kib[1]:>9.1f} {kib[2]:>8.1f}"
+        )
+    print(f"runtime overhead per compute action: {1e6 * costs.overhead:.0f} us")
+    print(f"wire: {costs.meta['comm']}")
+    if args.out:
+        print(f"wrote costs: {args.out}")
+    return 0
+
+
+def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    from zeropipe.apps import bench  # imports torch's pipelining: only when asked
+
+    bench.add_arguments(parser)
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    """Benchmark zeropipe against torch.distributed.pipelining, side by side."""
+    from zeropipe.apps import bench
+
+    return bench.run_cli(args)
+
+
+# -- zeropipe train -----------------------------------------------------------------------
+def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    from zeropipe.apps import train  # imports torch: only for this command
+
+    train.add_arguments(parser)
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    """Train a small GPT across pipeline ranks (the built-in demo on defaults)."""
+    from zeropipe.apps import train
+
+    return train.run_cli(args)
+
+
+# -- zeropipe export ----------------------------------------------------------------------
+def _add_export_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "checkpoint",
+        metavar="CHECKPOINT_DIR",
+        help="a checkpoint folder (step-NNNNNN), a checkpoints folder (its 'latest' is read) "
+        "or a 'zeropipe train' --out folder",
+    )
+    parser.add_argument("out", metavar="OUT.safetensors", help="the file to write")
+
+
+def _run_export(args: argparse.Namespace) -> int:
+    """Write a checkpoint's model as one safetensors file (its state_dict keys; no processes)."""
+    from zeropipe.apps import train_state  # imports torch: only for this command
+
+    folder, count = train_state.export_safetensors(Path(args.checkpoint), Path(args.out))
+    print(f"wrote {args.out}: {count} tensors from {folder}")
+    return 0
+
+
+# -- zeropipe plan -----------------------------------------------------------------------
+def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    from zeropipe.apps import plan_cli  # no torch: specs, search and simulation only
+
+    plan_cli.add_arguments(parser)
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    """Rank pp x dp, microbatch size, schedule and memory plan for a model on a cluster."""
+    from zeropipe.apps import plan_cli
+
+    return plan_cli.run_cli(args)
+
+
+# -- the table and the entry point ------------------------------------------------------
+AddArguments = Callable[[argparse.ArgumentParser], None]
+Run = Callable[[argparse.Namespace], int]
+
+#: name -> (add_arguments, run); the first docstring line of ``run`` is the help.  A
+#: command's arguments are added only when it is the one run, so ``schedules``,
+#: ``simulate`` and ``plan`` never import torch.
+COMMANDS: dict[str, tuple[AddArguments, Run]] = {
+    "schedules": (_add_schedules_arguments, _run_schedules),
+    "simulate": (_add_simulate_arguments, _run_simulate),
+    "plan": (_add_plan_arguments, _run_plan),
+    "profile": (_add_profile_arguments, _run_profile),
+    "train": (_add_train_arguments, _run_train),
+    "bench": (_add_bench_arguments, _run_bench),
+    "export": (_add_export_arguments, _run_export),
+}
+
+
+def build_parser(commands: Iterable[str] | None = None) -> argparse.ArgumentParser:
+    """The parser; ``commands`` limits which subcommands get their arguments (default: all)."""
+    wanted = set(COMMANDS) if commands is None else set(commands)
+    parser = _Parser(
+        prog=_PROG,
+        description="Pipeline-parallel schedules as data: list, validate, simulate, draw, train.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (add_arguments, run) in COMMANDS.items():
+        summary = (run.__doc__ or "").strip().splitlines()[0] if run.__doc__ else ""
+        command = sub.add_parser(name, help=summary, description=summary)
+        if name in wanted:
+            add_arguments(command)
+        command.set_defaults(run=run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``zeropipe`` with ``argv`` (default: ``sys.argv[1:]``); return the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # The first word that names a command is the command (options come after it).
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    try:
+        parser = build_parser([chosen] if chosen in COMMANDS else [])
+        args = parser.parse_args(argv)
+        if args.command is None:
+            raise ZeropipeError(f"choose a command: {', '.join(COMMANDS)} (see '{_PROG} --help')")
+        code: int = args.run(args)
+        return code
+    except SystemExit as exc:  # --help and --version end here
+        return exc.code if isinstance(exc.code, int) else 0
+    except BrokenPipeError:
+        # `zeropipe simulate | head`: the reader left.  Point stdout at devnull so
+        # the interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except (ZeropipeError, OSError) as exc:
+        message = str(exc) or type(exc).__name__
+        print(f"{_PROG}: error: {message}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as exc:
+        if exc.name is None or exc.name.split(".")[0] != "torch":
+            raise
+        # Only `schedules`, `simulate` and `plan` work without torch.
+        print(
+            f"{_PROG}: error: '{_PROG} {chosen}' needs PyTorch, which is not installed; "
+            f"install it first (pip install torch==2.13.0, or the CPU build: see the README)",
+            file=sys.stderr,
+        )
+        return 2

@@ -1,0 +1,132 @@
+"""A small GPT as an ``nn.Sequential``, so a pipeline can cut it anywhere.
+
+::
+
+    tokens -> Embed(token + position) -> Block x n -> Head(LayerNorm, Linear tied to Embed)
+                                          |
+                                          x + Attention(LN(x)); x + MLP(LN(x))
+
+By default the head's projection *is* the embedding's weight (tied
+input/output embeddings), so a pipeline whose first and last stages sit on
+different ranks has to sum that parameter's gradient across them.
+``GPTConfig(tied=False)`` gives the head its own weight: ``zeropipe bench``
+uses it, because torch.distributed.pipelining has no tied parameters across
+stages to compare with.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = ["GPTConfig", "gpt", "lm_loss"]
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab: int = 64
+    seq: int = 64
+    width: int = 128
+    heads: int = 4
+    layers: int = 4
+    dropout: float = 0.1
+    tied: bool = True  # the head's projection is the token embedding's weight
+
+
+class Embed(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.token = nn.Embedding(cfg.vocab, cfg.width)
+        self.position = nn.Embedding(cfg.seq, cfg.width)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        pos = torch.arange(tokens.shape[1], device=tokens.device)
+        return self.drop(self.token(tokens) + self.position(pos))
+
+
+class Attention(nn.Module):
+    """The first half of a pre-LN block: ``x + Dropout(proj(attention(LN(x))))``."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.heads = cfg.heads
+        self.ln1 = nn.LayerNorm(cfg.width)
+        self.qkv = nn.Linear(cfg.width, 3 * cfg.width)
+        self.proj = nn.Linear(cfg.width, cfg.width)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.p = cfg.dropout
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        a = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.p if self.training else 0.0
+        )
+        return x + self.drop(self.proj(a.transpose(1, 2).reshape(b, t, c)))
+
+
+class MLP(nn.Module):
+    """The second half of a pre-LN block: ``x + Dropout(down(GELU(up(LN(x)))))``."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln2 = nn.LayerNorm(cfg.width)
+        self.up = nn.Linear(cfg.width, 4 * cfg.width)
+        self.down = nn.Linear(4 * cfg.width, cfg.width)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.drop(self.down(F.gelu(self.up(self.ln2(x)))))
+
+
+class Head(nn.Module):
+    def __init__(self, embed: Embed, tied: bool = True) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(embed.token.embedding_dim)
+        self.out = nn.Linear(embed.token.embedding_dim, embed.token.num_embeddings, bias=False)
+        if tied:
+            self.out.weight = embed.token.weight
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.out(self.ln(x))
+
+
+def gpt(cfg: GPTConfig | None = None, *, seed: int = 0) -> nn.Sequential:
+    """The model, initialised deterministically from ``seed`` (same on every rank)."""
+    cfg = cfg or GPTConfig()
+    if cfg.width % cfg.heads:
+        raise ValueError(f"width {cfg.width} must be a multiple of heads {cfg.heads}")
+    gen_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        embed = Embed(cfg)
+        model = nn.Sequential(
+            embed,
+            *[half for _ in range(cfg.layers) for half in (Attention(cfg), MLP(cfg))],
+            Head(embed, cfg.tied),
+        )
+        for name, p in model.named_parameters():
+            if name.endswith("weight") and p.dim() == 2:
+                nn.init.normal_(p, std=0.02)
+            if name.endswith(("down.weight", "proj.weight")):
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.layers))
+    finally:
+        torch.random.set_rng_state(gen_state)
+    return model
+
+
+def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
+    """Mean next-token cross-entropy.
+
+    Under a pipeline a scalar loss is weighted by rows, which is exact here because every
+    row of a :class:`~zeropipe.apps.data.Corpus` batch has ``seq`` real targets.  With padded
+    targets (``-100``) it would not be: return ``(summed loss, (targets != -100).sum())``
+    and pass ``Pipeline(loss_count=...)`` (see :mod:`zeropipe.runtime.loss`).
+    """
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))

@@ -1,0 +1,136 @@
+"""Hugging Face causal LMs for ``zeropipe train``: small presets, or any config file.
+
+    --model llama | qwen3 | gpt2     a preset sized by --width / --layers (4 heads),
+                                     tied embeddings, sized for 2 CPU ranks
+    --model-config FILE.json         any config of a supported architecture
+                                     (its "model_type": llama, mistral, qwen2, qwen3, gpt2)
+
+Models are built from configs with ``AutoModelForCausalLM.from_config``: nothing is
+downloaded.  transformers is imported only when one of these is asked for.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from zeropipe.core.errors import ZeropipeError
+
+__all__ = ["ARCHITECTURES", "PRESETS", "build_hf", "hf_config", "read_model_config"]
+
+PRESETS = ("llama", "qwen3", "gpt2")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")  # model_type in a config file
+
+
+def read_model_config(path: str) -> dict[str, Any]:
+    """The JSON of ``--model-config``, with a ``model_type`` zeropipe.split supports."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ZeropipeError(f"--model-config {path}: {exc.strerror or exc}") from None
+    except json.JSONDecodeError as exc:
+        raise ZeropipeError(f"--model-config {path} is not JSON ({exc})") from None
+    kind = data.get("model_type") if isinstance(data, dict) else None
+    if kind not in ARCHITECTURES:
+        raise ZeropipeError(
+            f"--model-config {path}: model_type {kind!r} is not one of "
+            f"{', '.join(ARCHITECTURES)}; give a config.json of one of those architectures"
+        )
+    return dict(data)
+
+
+def hf_config(
+    model: str,
+    *,
+    vocab: int,
+    width: int,
+    layers: int,
+    heads: int,
+    seq: int,
+    dropout: float,
+    config_file: str | None = None,
+) -> Any:
+    """The transformers config of a preset, or of ``config_file`` (checked against the data)."""
+    transformers = _transformers(model)
+    if config_file is not None:
+        data = read_model_config(config_file)
+        kind = data.pop("model_type")
+        try:
+            config = transformers.AutoConfig.for_model(kind, **data)
+        except Exception as exc:  # transformers' validators raise several types
+            lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+            raise ZeropipeError(
+                f"--model-config {config_file}: transformers refuses it "
+                f"({lines[-1] if lines else type(exc).__name__}); fix the file"
+            ) from None
+        n_vocab = int(config.vocab_size)
+        positions = getattr(config, "max_position_embeddings", None) or getattr(
+            config, "n_positions", None
+        )
+        if n_vocab < vocab:
+            raise ZeropipeError(
+                f"--model-config {config_file}: vocab_size {n_vocab} is smaller than the data's "
+                f"{vocab} tokens; set vocab_size >= {vocab}"
+            )
+        if positions is not None and int(positions) < seq:
+            raise ZeropipeError(
+                f"--model-config {config_file}: {int(positions)} positions, fewer than the "
+                f"sequence length {seq}; raise max_position_embeddings (n_positions for gpt2)"
+            )
+        return config
+    if width % heads:
+        raise ZeropipeError(f"--width {width} must be a multiple of the {heads} heads")
+    if model == "gpt2":
+        return transformers.GPT2Config(
+            vocab_size=vocab,
+            n_embd=width,
+            n_layer=layers,
+            n_head=heads,
+            n_positions=max(seq, 128),
+            embd_pdrop=dropout,
+            attn_pdrop=dropout,
+            resid_pdrop=dropout,
+            tie_word_embeddings=True,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+    return transformers.AutoConfig.for_model(
+        model,
+        vocab_size=vocab,
+        hidden_size=width,
+        intermediate_size=width * 8 // 3 // 8 * 8,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
+        head_dim=width // heads,
+        max_position_embeddings=max(seq, 128),
+        attention_dropout=dropout,
+        tie_word_embeddings=True,
+    )
+
+
+def build_hf(config: Any, seed: int) -> nn.Module:
+    """The model for ``config``, initialised from ``seed`` (the same on every rank)."""
+    import transformers
+
+    state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    finally:
+        torch.random.set_rng_state(state)
+    return model
+
+
+def _transformers(model: str) -> Any:
+    try:
+        import transformers
+    except ImportError:
+        raise ZeropipeError(
+            f"--model {model} needs transformers: pip install -e '.[hf]' (or use --model gpt)"
+        ) from None
+    return transformers

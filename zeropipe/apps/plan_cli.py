@@ -1,0 +1,407 @@
+"""``zeropipe plan``: rank the ways to train a model on a cluster, before renting it.
+
+Two modes, one table:
+
+* ``--model CONFIG --gpus N --gpu KIND --seq S --global-batch G``: price the model from
+  its spec and the accelerator's datasheet (:mod:`zeropipe.planning.specs`) for every pipeline
+  depth, data-parallel degree, microbatch size, chunking and schedule
+  (:func:`zeropipe.planning.cluster.search`).
+* ``--costs COSTS.json --ranks R --microbatches M``: one pipeline whose costs were
+  measured (``zeropipe profile --out``, ``zeropipe bench --costs-out``); rank the
+  schedules for it, each with the measured layers cut where its own simulated step is
+  shortest (as ``zeropipe bench`` cuts them).
+
+No torch: like ``schedules`` and ``simulate`` it runs on a laptop.  matplotlib is
+loaded only for ``--plot``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from zeropipe.apps.cli_args import int_at_least, positive_float
+from zeropipe.core import render
+from zeropipe.core.costs import CostModel
+from zeropipe.core.errors import ScheduleError, ZeropipeError
+from zeropipe.core.schedules import GENERATORS
+from zeropipe.planning.cluster import Candidate, GiB, Ranking, fixed_costs, schedule_cut, search
+from zeropipe.planning.cluster import spec_costs as spec_cost_factory
+from zeropipe.planning.specs import (
+    ATTENTION_KINDS,
+    DEFAULT_EFFICIENCY,
+    DEFAULT_STATE_BYTES,
+    hardware_names,
+    load_hardware,
+    load_model,
+)
+
+__all__ = ["add_arguments", "run_cli"]
+
+#: looped-bfs holds every microbatch's activations of a chunk at once: never a contender
+_SKIPPED_BY_DEFAULT = ("looped-bfs",)
+
+
+def _default_schedules() -> list[str]:
+    from zeropipe.core.schedules import auto  # noqa: F401  (registers "auto")
+
+    return [s for s in sorted(GENERATORS) if s not in _SKIPPED_BY_DEFAULT]
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers like 1,2,4, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1 like 1,2,4, got {text!r}")
+    return values
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Rank pipeline depth (pp), data-parallel degree (dp), microbatch size, chunks, "
+        "schedule and recompute/offload plan by simulated step time, and say whether each "
+        "fits in memory. With --model/--gpus/--gpu the costs come from the model's shape "
+        "and the GPU's datasheet; with --costs from a measured cost model (one pipeline)."
+    )
+    spec = parser.add_argument_group("cluster mode")
+    spec.add_argument(
+        "--model",
+        metavar="CONFIG",
+        help="a shipped model name or a Hugging Face config.json (file or folder)",
+    )
+    spec.add_argument("--gpus", type=int_at_least(1), metavar="N", help="GPUs in the run")
+    spec.add_argument("--gpu", metavar="KIND", help=f"GPU kind: {', '.join(hardware_names())}")
+    spec.add_argument("--seq", type=int_at_least(1), metavar="S", help="tokens per sequence")
+    spec.add_argument(
+        "--global-batch", type=int_at_least(1), metavar="G", help="sequences per optimizer step"
+    )
+    spec.add_argument("--dtype", default="bf16", help="compute dtype (default bf16)")
+    spec.add_argument(
+        "--efficiency",
+        type=positive_float,
+        metavar="E",
+        help=f"share of the GPU's dense peak a matmul reaches (default {DEFAULT_EFFICIENCY})",
+    )
+    spec.add_argument(
+        "--attention",
+        choices=ATTENTION_KINDS,
+        default="flash",
+        help="how attention runs: flash (default: a fused kernel) or unfused (the score "
+        "matrices pass through memory and are kept for backward)",
+    )
+    spec.add_argument("--dropout", action="store_true", help="the model trains with dropout layers")
+    spec.add_argument(
+        "--microbatch-sizes",
+        type=_int_list,
+        default=[1, 2, 4, 8],
+        metavar="LIST",
+        help="sequences per microbatch to try (default 1,2,4,8)",
+    )
+    spec.add_argument(
+        "--shard-optimizer",
+        action="store_true",
+        help="shard the fp32 master weights and Adam moments over the data-parallel "
+        "replicas (ZeRO-1 / a distributed optimizer): 6 + 12/dp bytes per parameter "
+        "instead of 18",
+    )
+    measured = parser.add_argument_group("measured-costs mode")
+    measured.add_argument(
+        "--costs", metavar="COSTS.json", help="a cost model JSON (zeropipe profile --out)"
+    )
+    measured.add_argument("--ranks", type=int_at_least(1), metavar="R", help="pipeline ranks")
+    measured.add_argument(
+        "--microbatches", type=int_at_least(1), metavar="M", help="microbatches per step"
+    )
+    parser.add_argument(
+        "--schedules",
+        metavar="LIST",
+        help="comma-separated generators (default: all but looped-bfs; 'auto' is searched "
+        "for the few configurations with the best bounds)",
+    )
+    parser.add_argument(
+        "--chunks",
+        type=_int_list,
+        default=[2],
+        metavar="LIST",
+        help="chunks per rank for the interleaved schedules (default 2)",
+    )
+    parser.add_argument(
+        "--memory",
+        type=positive_float,
+        metavar="GiB",
+        help="memory per GPU (default: the GPU's; with --costs: no limit, and the cost "
+        "file's unit unless it is bytes)",
+    )
+    parser.add_argument(
+        "--top", type=int_at_least(1), default=10, metavar="K", help="rows to show (default 10)"
+    )
+    parser.add_argument("--plot", metavar="FILE.png", help="draw the best plan's timeline")
+    parser.add_argument("--json", metavar="FILE", help="write the ranking as JSON")
+    parser.add_argument(
+        "--quiet", action="store_true", help="no progress lines on stderr while searching"
+    )
+
+
+def _schedules(args: argparse.Namespace) -> list[str]:
+    if not args.schedules:
+        return _default_schedules()
+    names = [s.strip() for s in args.schedules.split(",") if s.strip()]
+    if "auto" in names:
+        _default_schedules()  # registers auto
+    unknown = [s for s in names if s not in GENERATORS]
+    if unknown or not names:
+        raise ZeropipeError(
+            f"--schedules: unknown schedule(s) {', '.join(unknown) or '(none given)'}; "
+            f"known: {', '.join(sorted(GENERATORS))}"
+        )
+    return names
+
+
+def _progress(args: argparse.Namespace) -> Any:
+    if args.quiet:
+        return None
+    return lambda line: print(f"plan: {line}", file=sys.stderr, flush=True)
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    if args.costs:
+        given = [f for f in ("model", "gpus", "gpu", "seq", "global_batch") if getattr(args, f)]
+        if given:
+            flags = ", ".join("--" + f.replace("_", "-") for f in given)
+            raise ZeropipeError(f"--costs plans one measured pipeline: drop {flags}")
+        header, ranking, unit = _run_measured(args)
+    else:
+        missing = [
+            f for f in ("model", "gpus", "gpu", "seq", "global_batch") if not getattr(args, f)
+        ]
+        if missing:
+            flags = ", ".join("--" + f.replace("_", "-") for f in missing)
+            raise ZeropipeError(
+                f"zeropipe plan needs {flags} (or --costs FILE --ranks R --microbatches M "
+                f"for a measured pipeline); see 'zeropipe plan --help'"
+            )
+        if args.ranks or args.microbatches:
+            raise ZeropipeError("--ranks and --microbatches go with --costs; drop them")
+        header, ranking, unit = _run_cluster(args)
+    cluster = not args.costs
+    for line in header:
+        print(line)
+    print()
+    print(format_table(ranking.candidates, unit=unit, cluster=cluster))
+    print()
+    print(_footer(ranking))
+    for note in ranking.notes:
+        print(f"note: {note}")
+    best = ranking.best
+    if args.json:
+        Path(args.json).write_text(json.dumps(to_json(ranking, header), indent=1))
+        print(f"wrote ranking: {args.json}")
+    if args.plot and best is not None and best.timeline is not None:
+        title = (
+            f"{best.schedule}, pp {best.pp} x dp {best.dp}, mbs {best.microbatch_size}, "
+            f"{best.microbatches} microbatches, memory plan {best.memory_plan}"
+        )
+        print(f"wrote plot: {render.render_png(best.timeline, args.plot, title)}")
+    if best is not None and not best.fits:
+        # The table above says what each would need; the exit code says it failed.
+        raise ZeropipeError(
+            f"no configuration fits the memory limit; the best one ({best.schedule}, pp "
+            f"{best.pp} x dp {best.dp}, mbs {best.microbatch_size}) is {best.memory_plan}. "
+            f"Use more GPUs (a deeper pipeline holds fewer weights per GPU), a GPU with "
+            f"more memory, or shorter sequences" + ("" if args.costs else ", or check --memory")
+        )
+    return 0
+
+
+def _run_cluster(args: argparse.Namespace) -> tuple[list[str], Ranking, str]:
+    model = load_model(args.model)
+    hw = load_hardware(args.gpu)
+    peak = hw.peak(args.dtype)
+    node = hw.gpus_per_node
+    if args.gpus > node and args.gpus % node:
+        raise ZeropipeError(
+            f"--gpus {args.gpus} is not a whole number of {hw.name} nodes ({node} GPUs "
+            f"each); give at most {node} or a multiple of {node}, e.g. "
+            f"{args.gpus // node * node} or {(args.gpus // node + 1) * node}"
+        )
+    memory = args.memory * GiB if args.memory else hw.memory
+    tokens = args.global_batch * args.seq
+    header = [
+        f"model: {model.name}, {model.params() / 1e9:.1f}B parameters, {model.layers} layers, "
+        f"hidden {model.hidden}",
+        f"cluster: {args.gpus} x {hw.name} ({peak / 1e12:.0f} TFLOP/s {args.dtype}, "
+        f"{hw.memory / GiB:.1f} GiB, {hw.gpus_per_node} per node; "
+        f"{hw.intra_bandwidth / 1e9:.0f} GB/s in a node, {hw.inter_bandwidth / 1e9:.0f} GB/s "
+        f"across nodes)",
+        f"step: {args.global_batch} sequences of {args.seq} tokens ({tokens:,} tokens); "
+        f"memory limit {memory / GiB:.1f} GiB per GPU",
+        f"assumed: matmuls at {args.efficiency or DEFAULT_EFFICIENCY:.0%} of peak, "
+        f"{args.attention} attention{', dropout' if args.dropout else ''}, "
+        + (
+            "6 + 12/dp bytes of weight/gradient/Adam state per parameter (optimizer sharded "
+            "over dp)"
+            if args.shard_optimizer
+            else f"{DEFAULT_STATE_BYTES:g} bytes of weight/gradient/Adam state per parameter "
+            f"(no optimizer sharding)"
+        )
+        + f", offload at {hw.host_bandwidth / 1e9:.0f} GB/s to host; ranks laid out dp "
+        f"innermost",
+    ]
+    ranking = search(
+        gpus=args.gpus,
+        layers=model.layers,
+        global_batch=args.global_batch,
+        costs_for=spec_cost_factory(
+            model,
+            hw,
+            seq=args.seq,
+            dtype=args.dtype,
+            efficiency=args.efficiency,
+            shard_optimizer=args.shard_optimizer,
+            attention=args.attention,
+            dropout=args.dropout,
+        ),
+        memory=memory,
+        schedules=_schedules(args),
+        microbatch_sizes=args.microbatch_sizes,
+        flops_per_sample=model.flops_per_token(args.seq) * args.seq,
+        peak_flops=peak,
+        seq=args.seq,
+        progress=_progress(args),
+        top=args.top,
+        chunks=args.chunks,
+    )
+    return header, ranking, "bytes"
+
+
+def _run_measured(args: argparse.Namespace) -> tuple[list[str], Ranking, str]:
+    if not args.ranks or not args.microbatches:
+        raise ZeropipeError("--costs needs --ranks R and --microbatches M")
+    path = Path(args.costs)
+    if not path.is_file():
+        raise ZeropipeError(f"cost file {path} does not exist (write one: zeropipe profile --out)")
+    try:
+        costs = CostModel.from_json(path.read_text())
+    except ScheduleError as exc:
+        raise ScheduleError(f"cost file {path}: {exc}", rule=exc.rule) from exc
+    except UnicodeDecodeError as exc:
+        raise ZeropipeError(f"cannot read cost file {path}: {exc}") from exc
+    memory = None
+    if args.memory:
+        memory = args.memory * GiB if costs.unit == "bytes" else args.memory
+    meta = costs.meta
+    flops = float(meta.get("flops_per_microbatch", 0.0))
+    mbs = int(meta.get("microbatch_size", 1))
+    header = [
+        f"costs: {path} ({len(costs.stages)} stage(s), memory in {costs.unit}), "
+        f"{args.ranks} rank(s), {args.microbatches} microbatches",
+        "memory limit: "
+        + ("none" if memory is None else _fmt_memory(memory, costs.unit) + " per rank"),
+    ]
+    if len(costs.stages) % args.ranks and args.ranks % len(costs.stages):
+        raise ZeropipeError(
+            f"--ranks {args.ranks} does not go with the {len(costs.stages)} stage(s) of "
+            f"{path}: give a divisor of the stage count (ranks holding several stages)"
+        )
+    ranking = search(
+        gpus=args.ranks,
+        layers=max(len(costs.stages), 2 * args.ranks),
+        global_batch=args.microbatches * mbs,
+        costs_for=fixed_costs(costs),
+        costs_for_schedule=schedule_cut(costs),
+        memory=memory,
+        schedules=_schedules(args),
+        microbatch_sizes=[mbs],
+        flops_per_sample=flops / mbs,
+        peak_flops=float(meta.get("peak_flops", 0.0)),
+        seq=int(meta.get("seq", 0)),
+        progress=_progress(args),
+        top=args.top,
+        chunks=args.chunks,
+        pp_options=[args.ranks],
+    )
+    return header, ranking, costs.unit
+
+
+def _fmt_memory(value: float, unit: str) -> str:
+    return f"{value / GiB:.1f} GiB" if unit == "bytes" else f"{value:.4g} {unit}"
+
+
+def _num(value: float, fmt: str) -> str:
+    return "-" if math.isnan(value) else format(value, fmt)
+
+
+def format_table(candidates: Sequence[Candidate], *, unit: str, cluster: bool = True) -> str:
+    """The ranking as an aligned text table; ``cluster=False`` drops dp, mbs and the
+    throughput columns a measured single pipeline does not know."""
+    memory_title = "peak GiB" if unit == "bytes" else f"peak ({unit})"
+    titles = ["#", "pp", "dp", "mbs", "m", "chunks", "schedule", "memory plan", "step s"]
+    titles += ["tokens/s", "MFU", "bubble", memory_title, "fits"]
+    rows = []
+    for n, c in enumerate(candidates, 1):
+        peak = c.peak_memory / GiB if unit == "bytes" else c.peak_memory
+        row = [str(n), str(c.pp), str(c.dp), str(c.microbatch_size), str(c.microbatches)]
+        row += [str(c.chunks), c.schedule, c.memory_plan, f"{c.step_time:.4g}"]
+        row += [_num(c.tokens_per_second, ",.0f"), _num(100 * c.mfu, ".1f") + "%"]
+        row += [f"{c.bubble:.1%}", f"{peak:.3g}" if unit == "bytes" else f"{peak:.4g}"]
+        row += ["yes" if c.fits else "NO"]
+        rows.append(row)
+    drop: set[int] = set()
+    if not cluster:
+        drop = {2, 3, 9, 10} if all(math.isnan(c.mfu) for c in candidates) else {2, 3}
+    keep = [i for i in range(len(titles)) if i not in drop]
+    table = [[titles[i] for i in keep]] + [[r[i].replace("-%", "-") for i in keep] for r in rows]
+    widths = [max(len(r[i]) for r in table) for i in range(len(keep))]
+    left = {keep.index(i) for i in (6, 7) if i in keep}  # text columns
+    lines = []
+    for r in table:
+        pairs = enumerate(zip(r, widths, strict=True))
+        cells = [v.ljust(w) if i in left else v.rjust(w) for i, (v, w) in pairs]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+def _footer(ranking: Ranking) -> str:
+    return (
+        f"{ranking.priced} of {ranking.considered} configurations simulated, "
+        f"{ranking.pruned} pruned (a lower bound on their step time, or not fitting, kept "
+        f"them out of the top), {ranking.refused} refused by a schedule or the cost model; "
+        f"{ranking.seconds:.1f} s"
+    )
+
+
+def to_json(ranking: Ranking, header: Sequence[str]) -> dict[str, Any]:
+    """The ranking as a JSON object; :func:`candidates_from_json` reads its candidates."""
+    return {
+        "format": "zeropipe-plan",
+        "version": 1,
+        "header": list(header),
+        "considered": ranking.considered,
+        "priced": ranking.priced,
+        "pruned": ranking.pruned,
+        "refused": ranking.refused,
+        "seconds": ranking.seconds,
+        "notes": list(ranking.notes),
+        "candidates": [_finite(c.to_dict()) for c in ranking.candidates],
+    }
+
+
+def _finite(row: dict[str, Any]) -> dict[str, Any]:
+    # JSON has no NaN: an unknown figure is null.
+    return {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in row.items()}
+
+
+def candidates_from_json(data: dict[str, Any]) -> list[Candidate]:
+    if data.get("format") != "zeropipe-plan":
+        raise ZeropipeError("not a zeropipe plan: field 'format' must be 'zeropipe-plan'")
+    return [
+        Candidate.from_dict({k: math.nan if v is None else v for k, v in row.items()})
+        for row in data.get("candidates", [])
+    ]

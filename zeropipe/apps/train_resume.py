@@ -1,0 +1,231 @@
+"""How ``zeropipe train`` saves its state and resumes from it, on the same or another layout.
+
+    check_resume(cfg)             before any rank starts: the checkpoint verifies, and
+                                  was saved by this run (model, data, optimisation)
+    save(root, step, ...)         every rank: a DCP checkpoint (zeropipe.apps.train_state)
+    resume(root, ...) -> step     every rank: load what its stages need now; the step
+
+A checkpoint holds the model and the AdamW state by parameter name, the RNG
+state and the data position as the number of samples consumed (a layout-free
+number: the next batch is ``samples / batch_size``), so ``--resume`` may use
+another ``--ranks``, ``--schedule`` or chunking than the run that saved.
+Checkpoints of the older per-rank format still resume, on their own layout.
+
+The settings come as any dataclass with the fields of
+``zeropipe.apps.train.TrainConfig``; its defaults are ``type(cfg)()``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from zeropipe.apps import train_state
+from zeropipe.apps.train_state import CheckpointError
+from zeropipe.core.errors import ZeropipeError
+from zeropipe.runtime.checkpoint import FORMAT as DCP_FORMAT
+from zeropipe.runtime.checkpoint import load_checkpoint
+from zeropipe.runtime.pipeline import Pipeline
+
+__all__ = ["check_resume", "non_finite_message", "resume", "run_settings", "save", "trim_metrics"]
+
+# What makes a run the run it is: resuming with any of these changed would continue
+# another run (other data, other model, other optimisation), so --resume refuses.
+# The rest may change: --steps (extend a run), --checkpoint-every, --timeout, --quiet,
+# --out (a moved folder), --device, how a step is executed (--group-w, --recompute,
+# --offload, --memory-limit), which changes memory and time, not the losses beyond
+# float rounding, and the layout (--schedule, --ranks, --dp): a DCP checkpoint is keyed
+# by the model's names, and each rank reads what its stages now need.
+_MUST_MATCH = (
+    "model",
+    "model_config",
+    "data",
+    "microbatches",
+    "batch_size",
+    "seed",
+    "lr",
+    "warmup",
+    "width",
+    "layers",
+    "heads",
+    "seq",
+    "dropout",
+    "clip",
+)
+# Older per-rank checkpoints fit only the layout they were saved from.
+_LAYOUT = ("schedule", "ranks")
+# TrainConfig fields that the command line does not set (the Python API does).
+_NOT_FLAGS = {"warmup", "heads", "seq", "dropout", "eval_batches", "trace_step", "planned"}
+
+
+def _flag(name: str) -> str:
+    return f"TrainConfig.{name}" if name in _NOT_FLAGS else "--" + name.replace("_", "-")
+
+
+def run_settings(cfg: Any) -> dict[str, Any]:
+    """The settings a checkpoint records (JSON): every field but where it lives and the plan."""
+    return {k: v for k, v in asdict(cfg).items() if k not in ("out", "resume", "planned")}
+
+
+def check_resume(cfg: Any, warn: bool = True) -> None:
+    """Verify the checkpoint ``cfg.resume`` would load, and that it was saved by this run.
+
+    Raises a one-line :class:`CheckpointError` for a corrupt file and a
+    :class:`ZeropipeError` naming every setting that differs from the saved
+    one.  A checkpoint from before checksums existed is loaded unverified,
+    with a warning on stderr (``warn``).
+    """
+    root = Path(cfg.out) / "checkpoints"
+    manifest = train_state.verify(root)
+    if manifest is None:
+        if warn:
+            print(
+                f"zeropipe: warning: {root / 'latest'} names a checkpoint written before "
+                f"checkpoints carried checksums and settings: it is loaded unverified, and the "
+                f"flags are not compared with those it was saved with",
+                file=sys.stderr,
+            )
+        return
+    saved = manifest.meta.get("config")
+    if not isinstance(saved, dict):
+        raise CheckpointError(
+            f"{train_state.step_dir(root, manifest.step) / train_state.MANIFEST} records no run "
+            f"settings; resume with the zeropipe that wrote it, or start a new --out"
+        )
+    default = type(cfg)()
+    layout_free = manifest.format == DCP_FORMAT
+    differ = []
+    for name in _MUST_MATCH + (() if layout_free else _LAYOUT):
+        now, then = getattr(cfg, name), saved.get(name, getattr(default, name))
+        if now != then:
+            differ.append((_flag(name), now, then))
+    if not differ:
+        return
+    told = ", ".join(
+        f"{flag} {now} differs from the checkpoint's {then}" for flag, now, then in differ
+    )
+    fix = " ".join(
+        f"{flag}={then}"
+        if flag.startswith("TrainConfig")
+        else (f"no {flag}" if then is None else f"{flag} {then}")
+        for flag, _, then in differ
+    )
+    layout = (
+        " (a checkpoint in the older per-rank format resumes only on the layout that saved it)"
+        if {"--schedule", "--ranks"} & {flag for flag, _, _ in differ}
+        else ""
+    )
+    raise ZeropipeError(
+        f"--resume: {told}{layout}; pass {fix} or start a new --out "
+        f"(checkpoint {train_state.step_dir(root, manifest.step)})"
+    )
+
+
+def save(
+    root: Path,
+    step: int,
+    pipe: Pipeline,
+    optimizer: torch.optim.Optimizer,
+    cfg: Any,
+    model: torch.nn.Module,
+) -> None:
+    """The checkpoint of ``step`` (every rank calls it); ``latest`` moves once it is complete."""
+    extra = {"step": step, "samples": step * cfg.batch_size, "rng": torch.get_rng_state()}
+    train_state.save_step(
+        root, step, pipe, optimizer, extra=extra, meta={"config": run_settings(cfg)}, model=model
+    )
+
+
+def resume(
+    root: Path,
+    rank: int,
+    pipe: Pipeline,
+    optimizer: torch.optim.Optimizer,
+    cfg: Any,
+    model: torch.nn.Module,
+) -> int:
+    """Load the newest complete checkpoint into this rank's stages and optimizer; the step
+    to continue from.  A checkpoint that does not fit the model is a :class:`CheckpointError`."""
+    manifest = train_state.read_manifest(root)
+    if manifest is None or manifest.format != DCP_FORMAT:
+        return _resume_per_rank(root, rank, pipe, optimizer)
+    folder = train_state.step_dir(root, manifest.step)
+    extra = load_checkpoint(pipe, optimizer, folder, model=model)
+    if not isinstance(extra, dict) or not {"samples", "rng"} <= extra.keys():
+        raise CheckpointError(
+            f"{folder} holds no training position (samples, rng): it was not saved by "
+            f"zeropipe train; start a new --out"
+        )
+    samples = int(extra["samples"])
+    if samples % cfg.batch_size:
+        raise CheckpointError(
+            f"{folder} was saved after {samples} samples, not a whole number of "
+            f"--batch-size {cfg.batch_size} batches; resume with the batch size it was saved with"
+        )
+    torch.set_rng_state(extra["rng"])
+    return samples // cfg.batch_size
+
+
+def _resume_per_rank(
+    root: Path, rank: int, pipe: Pipeline, optimizer: torch.optim.Optimizer
+) -> int:
+    state = train_state.load_rank(root, rank)
+    try:
+        for s, sd in state["stages"].items():
+            pipe.stages[int(s)].module.load_state_dict(sd)
+        optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng"])
+        return int(state["step"])
+    except (RuntimeError, KeyError, ValueError, TypeError) as exc:
+        # check_resume compared the settings already, but a checkpoint from before they
+        # were recorded can still be of another model.  load_state_dict's first line is
+        # a heading ("Error(s) in ...:"); the first line under it says what differs.
+        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+        first = next((ln for ln in lines if not ln.endswith(":")), type(exc).__name__)
+        raise CheckpointError(
+            f"the checkpoint in {root} does not fit this model ({first}); resume "
+            f"with the flags it was saved with, or start a new --out"
+        ) from None
+
+
+def non_finite_message(event: dict[str, Any], cfg: Any) -> str:
+    """The one line ``zeropipe train`` ends with when the loss or the weights turn non-finite."""
+    root = Path(cfg.out) / "checkpoints"
+    step = event["step"]
+    if event["what"] == "loss":
+        what = f"the training loss became non-finite ({event['loss']}) at step {step}"
+    else:
+        what = (
+            f"the weights became non-finite in the update of step {step} "
+            f"(its loss, {event['loss']:.4g}, was still finite)"
+        )
+    latest = train_state.latest_step(root)
+    kept = (
+        f"{root / 'latest'} still names {train_state.step_dir(root, latest).name}"
+        if latest is not None
+        else f"no checkpoint was saved in {root}"
+    )
+    return (
+        f"{what}; stopped without saving it: {kept}. Resuming would repeat it (resume is "
+        f"exact): lower --lr (it is {cfg.lr:g}) and start a new --out"
+    )
+
+
+def trim_metrics(path: Path, start: int) -> None:
+    """On resume, drop metrics of steps after the checkpoint (they will be redone)."""
+    if not path.exists():
+        return
+    if start == 0:
+        path.unlink()
+        return
+    keep = [
+        line
+        for line in path.read_text().splitlines()
+        if line.strip() and json.loads(line)["step"] <= start
+    ]
+    path.write_text("".join(line + "\n" for line in keep))

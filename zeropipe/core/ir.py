@@ -1,0 +1,727 @@
+"""The schedule IR: actions, schedules, and their text, JSON and torch-CSV forms.
+
+An :class:`Action` is ``(kind, stage, microbatch)`` and prints canonically as
+``{stage}{KIND}{microbatch}``: ``2F0`` (stage 2 forward of microbatch 0),
+``1SEND_B3``, ``0W5``.  Weight offload/reload act on a whole stage and have no
+microbatch: ``1OFFLOAD`` / ``1RELOAD`` (``1RELOAD3`` is the reload of stage 1's
+saved activations of microbatch 3).
+
+A :class:`Schedule` is the stage -> rank placement plus one ordered action list
+per rank.  It is plain, immutable data; every other module reads it.  Text
+form::
+
+    # zeropipe schedule
+    name: 1f1b
+    microbatches: 4
+    placement: 0 1
+    rank 0: 0F0 0F1 0B0 0F2 0B1 0F3 0B2 0B3
+    rank 1: 1F0 1B0 1F1 1B1 1F2 1B2 1F3 1B3
+
+The torch CSV form is the one ``torch.distributed.pipelining`` reads with
+``_load_csv`` and writes with ``_dump_csv``: one row per rank, one action per
+cell, empty cells for idle steps.
+
+Overlapped pairs.  torch's DualPipeV writes ``(0F3;3B1)OVERLAP_F_B``: a forward
+of one stage overlapped with a backward of another stage on the same rank.
+Here the two stay two ordinary actions, kept *adjacent* in the rank's list, and
+the schedule records which adjacent pairs are overlapped (``overlaps``: a set of
+``(first, second)`` actions; actions are unique in a schedule, so a pair names
+itself whatever passes insert around it).  Everything that reasons about
+actions one by one -- the dependency model, the validator's counts, the
+memory accounting, the runtime's dispatch table -- needs nothing new; only
+what cares about the pairing asks :meth:`Schedule.overlapped`.  A pair is
+written ``(0F3;3B1)`` in the text and JSON forms and ``(0F3;3B1)OVERLAP_F_B``
+in torch's CSV::
+
+    rank 0: 0F0 0F1 0F2 3F0 3I0 3W0 3F1 (0F3;3B1) (3F2;0B0) 3B2 ...
+
+A list of separate actions would also be a representation (one action kind
+holding two), but then every pass, rule and handler would have to look inside
+it; keeping the members as actions means only adjacency has to be kept.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import operator
+import re
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from zeropipe.core.errors import ScheduleError
+
+__all__ = [
+    "COMM_KINDS",
+    "COMPUTE_KINDS",
+    "COPY_KINDS",
+    "KINDS",
+    "STAGE_KINDS",
+    "Action",
+    "Kind",
+    "Overlap",
+    "Schedule",
+    "format_grid",
+]
+
+
+class Kind(str, Enum):
+    """What an action does.  The value is its spelling in the text form."""
+
+    F = "F"  # forward
+    B = "B"  # full backward (input and weight gradients together)
+    I = "I"  # backward w.r.t. the stage input only
+    W = "W"  # backward w.r.t. the weights, after I
+    R = "R"  # recompute a checkpointed forward, ahead of its backward
+    OFFLOAD = "OFFLOAD"  # saved activations (or, without microbatch, weights) to host
+    RELOAD = "RELOAD"  # ... and back
+    SEND_F = "SEND_F"
+    RECV_F = "RECV_F"
+    SEND_B = "SEND_B"
+    RECV_B = "RECV_B"
+    # All-reduce a stage's weight gradients over the data-parallel group, posted once
+    # they are final (after the stage's last B/W on its rank); no microbatch.
+    REDUCE_GRAD = "REDUCE_GRAD"
+
+
+# Every kind in a fixed order: ``Action.kind_no`` indexes it.  Integer kinds let the
+# dependency graph and the simulator key their tables by ints on their hot paths
+# (hashing an Enum member runs Python code).
+KINDS: tuple[Kind, ...] = tuple(Kind)
+_KIND_NUMBER = {k: n for n, k in enumerate(KINDS)}
+
+COMPUTE_KINDS = frozenset({Kind.F, Kind.B, Kind.I, Kind.W, Kind.R})
+COPY_KINDS = frozenset({Kind.OFFLOAD, Kind.RELOAD})
+COMM_KINDS = frozenset({Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B})
+# Kinds that act on a whole stage, never on one microbatch.
+STAGE_KINDS = frozenset({Kind.REDUCE_GRAD})
+
+# Longest spellings first so that "RECV_F" is not read as "R" + junk.
+_KIND_ALTERNATION = "|".join(sorted((k.value for k in Kind), key=len, reverse=True))
+_ACTION_RE = re.compile(rf"^(\d+)({_KIND_ALTERNATION})(\d*)$")
+# "(0F3;3B1)" here, "(0F3;3B1)OVERLAP_F_B" in torch's CSV (accepted in every form).
+_PAIR_RE = re.compile(r"^\(([^;()]*);([^;()]*)\)(OVERLAP_F_B)?$")
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """One step of a schedule: ``kind`` applied to ``stage`` for ``microbatch``.
+
+    ``microbatch`` is ``None`` for weight OFFLOAD/RELOAD, which act on a stage's
+    parameters rather than on one microbatch's activations, and always for
+    REDUCE_GRAD, which acts on the stage's gradients.
+    """
+
+    kind: Kind
+    stage: int
+    microbatch: int | None = None
+    # Actions are dict keys everywhere; Enum hashing runs Python code, so hash once.
+    _hash: int = field(init=False, repr=False, compare=False, default=0)
+    # ``KINDS.index(kind)``, kept so that hot loops need no Enum lookup.
+    kind_no: int = field(init=False, repr=False, compare=False, default=0)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        # Written out rather than generated: a dict lookup of an equal but distinct
+        # Action (the dependency model makes new ones) ends here, a million times for
+        # a big schedule, and the generated one builds two tuples each time.
+        if other.__class__ is not Action:
+            return NotImplemented
+        o: Action = other  # narrowed by the class check above
+        return (
+            self._hash == o._hash
+            and self.kind is o.kind
+            and self.stage == o.stage
+            and self.microbatch == o.microbatch
+        )
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, Kind):
+            raise ScheduleError(f"action kind must be a zeropipe.Kind, got {self.kind!r}")
+        # Integers only: str hashes (and None's, before Python 3.12) differ between
+        # processes, and a pickled Action carries its cached hash with it.
+        mb = -1 if self.microbatch is None else self.microbatch
+        number = _KIND_NUMBER[self.kind]
+        object.__setattr__(self, "kind_no", number)
+        object.__setattr__(self, "_hash", hash((number, self.stage, mb)))
+        if self.stage < 0:
+            raise ScheduleError(f"action stage must be >= 0, got {self.stage}")
+        if self.kind in STAGE_KINDS:
+            if self.microbatch is not None:
+                raise ScheduleError(
+                    f"{self.kind.value} acts on a whole stage and takes no microbatch, "
+                    f"e.g. '{self.stage}{self.kind.value}'",
+                    rule="syntax",
+                )
+        elif self.microbatch is None:
+            if self.kind not in COPY_KINDS:
+                raise ScheduleError(
+                    f"{self.kind.value} needs a microbatch (only weight OFFLOAD/RELOAD "
+                    f"and REDUCE_GRAD omit it), e.g. '{self.stage}{self.kind.value}0'",
+                    rule="syntax",
+                )
+        elif self.microbatch < 0:
+            raise ScheduleError(f"action microbatch must be >= 0, got {self.microbatch}")
+
+    @property
+    def is_weight_copy(self) -> bool:
+        """True for OFFLOAD/RELOAD of a stage's weights (no microbatch)."""
+        return self.microbatch is None and self.kind in COPY_KINDS
+
+    def __str__(self) -> str:
+        mb = "" if self.microbatch is None else str(self.microbatch)
+        return f"{self.stage}{self.kind.value}{mb}"
+
+    def __repr__(self) -> str:
+        return f"Action({self})"
+
+    @classmethod
+    def parse(cls, text: str) -> Action:
+        """Read the canonical form (``2F0``, ``1SEND_B3``, ``0RELOAD``)."""
+        if not isinstance(text, str):
+            raise ScheduleError(f"an action is text such as '2F0', got {text!r:.40}", rule="syntax")
+        match = _ACTION_RE.match(text.strip())
+        if match is None:
+            kinds = ", ".join(k.value for k in Kind)
+            raise ScheduleError(
+                f"cannot read action {text!r}: expected STAGE KIND MICROBATCH such as "
+                f"'2F0' or '1SEND_B3', with KIND one of {kinds}",
+                rule="syntax",
+                actions=(text,),
+            )
+        stage, kind, mb = match.groups()
+        return cls(Kind(kind), int(stage), int(mb) if mb else None)
+
+
+Overlap = tuple[Action, Action]  # (forward, backward) run as one overlapped pair
+
+# What may be overlapped: a forward, then a backward that produces an input gradient.
+_OVERLAP_FIRST = frozenset({Kind.F})
+_OVERLAP_SECOND = frozenset({Kind.B, Kind.I})
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Placement of stages on ranks plus one ordered action list per rank.
+
+    ``placement[s]`` is the rank that owns stage ``s``; ``actions[r]`` is what
+    rank ``r`` executes, in order.  Construction checks only the shape of the
+    data; :func:`zeropipe.core.validate.validate` checks the rules.
+
+    ``overlaps`` are the overlapped (F, B-or-I) pairs (see the module docstring):
+    each pair's two actions sit next to each other on their rank, forward first.
+    """
+
+    placement: Sequence[int]
+    actions: Sequence[Sequence[Action]]
+    microbatches: int
+    name: str = "custom"
+    overlaps: Collection[Overlap] = frozenset()
+    _index: dict[Action, tuple[int, int]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+    _stages: tuple[tuple[int, ...], ...] = field(default=(), init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "placement", _integers("placement", self.placement))
+        try:
+            actions = tuple(tuple(a) for a in self.actions)
+        except TypeError:
+            raise ScheduleError(
+                f"actions must be one sequence of Actions per rank, got {self.actions!r:.80}",
+                rule="syntax",
+            ) from None
+        for rank, acts in enumerate(actions):
+            for a in acts:
+                if not isinstance(a, Action):
+                    raise ScheduleError(
+                        f"rank {rank}: {a!r:.40} is not an Action (use Action.parse('2F0'))",
+                        rule="syntax",
+                    )
+        object.__setattr__(self, "actions", actions)
+        mb = self.microbatches
+        if not isinstance(mb, int) or isinstance(mb, bool):
+            raise ScheduleError(f"microbatches must be an integer, got {mb!r:.40}", rule="syntax")
+        if not self.placement:
+            raise ScheduleError("a schedule needs at least one stage (placement is empty)")
+        if self.microbatches < 1:
+            raise ScheduleError(f"microbatches must be >= 1, got {self.microbatches}")
+        if not self.actions:
+            raise ScheduleError("a schedule needs at least one rank (no action lists)")
+        bad = [r for r in self.placement if not 0 <= r < len(self.actions)]
+        if bad:
+            raise ScheduleError(
+                f"placement {list(self.placement)} names rank(s) {sorted(set(bad))} but the "
+                f"schedule has {len(self.actions)} rank(s) (0..{len(self.actions) - 1})",
+                rule="placement",
+            )
+        object.__setattr__(self, "overlaps", _overlaps(self.overlaps))
+
+    # -- shape -----------------------------------------------------------------
+    @property
+    def num_stages(self) -> int:
+        return len(self.placement)
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.actions)
+
+    def stages_of(self, rank: int) -> tuple[int, ...]:
+        """Stages owned by ``rank``, in increasing order."""
+        if not self._stages:
+            # Built once for all ranks: callers ask rank by rank, and a scan of the
+            # placement per call made every per-rank loop quadratic in ranks.
+            by_rank: list[list[int]] = [[] for _ in self.actions]
+            for s, r in enumerate(self.placement):
+                by_rank[r].append(s)
+            object.__setattr__(self, "_stages", tuple(tuple(b) for b in by_rank))
+        return self._stages[rank] if 0 <= rank < len(self._stages) else ()
+
+    @property
+    def chunks_per_rank(self) -> int:
+        """Model chunks (stages) per rank: the most any rank owns."""
+        return max(len(self.stages_of(r)) for r in range(self.num_ranks))
+
+    def check_stages(self) -> None:
+        """Raise ScheduleError naming the first action whose stage is not in the placement.
+
+        The readers call it so that a file naming a stage it does not place fails
+        at the action, before the validator's rules are reached.
+        """
+        stages = self.num_stages
+        for rank, acts in enumerate(self.actions):
+            for a in acts:
+                if a.stage >= stages:
+                    raise ScheduleError(
+                        f"action {a} on rank {rank}: stage {a.stage} is not in the placement "
+                        f"(stages 0-{stages - 1}); add it to the placement or fix the action",
+                        rule="range",
+                        actions=(str(a),),
+                    )
+
+    @property
+    def is_lowered(self) -> bool:
+        """True when the schedule spells out its sends and receives."""
+        return any(a.kind in COMM_KINDS for acts in self.actions for a in acts)
+
+    def position(self, action: Action) -> tuple[int, int] | None:
+        """``(rank, step)`` of the first occurrence of ``action``, or ``None``."""
+        if not self._index:
+            index: dict[Action, tuple[int, int]] = {}
+            for rank, acts in enumerate(self.actions):
+                for step, a in enumerate(acts):
+                    index.setdefault(a, (rank, step))
+            object.__setattr__(self, "_index", index)
+        return self._index.get(action)
+
+    def replace_actions(
+        self,
+        actions: Sequence[Sequence[Action]],
+        name: str | None = None,
+        overlaps: Collection[Overlap] | None = None,
+    ) -> Schedule:
+        """The same placement and microbatches with other action lists.
+
+        The overlapped pairs are kept (``overlaps`` replaces them); a pass that
+        inserts actions keeps each pair adjacent (:func:`zeropipe.core.deps.keep_overlaps`).
+        """
+        return Schedule(
+            self.placement,
+            tuple(tuple(a) for a in actions),
+            self.microbatches,
+            self.name if name is None else name,
+            self.overlaps if overlaps is None else overlaps,
+        )
+
+    def overlapped(self, rank: int) -> frozenset[int]:
+        """Steps of ``rank`` that start an overlapped pair: ``step`` and ``step + 1``
+        run as one (forward first).  Empty for a schedule without pairs."""
+        if not self.overlaps or not 0 <= rank < self.num_ranks:
+            return frozenset()
+        acts = self.actions[rank]
+        return frozenset(k for k in range(len(acts) - 1) if (acts[k], acts[k + 1]) in self.overlaps)
+
+    def _tokens(self, rank: int) -> list[str]:
+        """``rank``'s actions as text, each overlapped pair one ``(a;b)`` token."""
+        acts = self.actions[rank]
+        starts = self.overlapped(rank)
+        out: list[str] = []
+        k = 0
+        while k < len(acts):
+            if k in starts:
+                out.append(f"({acts[k]};{acts[k + 1]})")
+                k += 2
+            else:
+                out.append(str(acts[k]))
+                k += 1
+        return out
+
+    def check_overlaps_adjacent(self) -> None:
+        """Raise ScheduleError unless every overlapped pair sits adjacent on one rank."""
+        for first, second in sorted(self.overlaps, key=str):
+            where = self.position(first)
+            then = self.position(second)
+            if where is None or then is None or then != (where[0], where[1] + 1):
+                missing = first if where is None else second if then is None else None
+                raise ScheduleError(
+                    f"overlapped pair ({first};{second}): "
+                    + (
+                        f"{missing} is not in the schedule"
+                        if missing is not None
+                        else f"{second} must come right after {first} on the same rank "
+                        f"(they are at (rank, step) {where} and {then})"
+                    ),
+                    rule="overlap",
+                    actions=(str(first), str(second)),
+                    grid=format_grid(self.actions, [p for p in (where, then) if p is not None]),
+                )
+
+    def compute_only(self) -> Schedule:
+        """This schedule without its SEND/RECV actions (REDUCE_GRAD and pairs kept)."""
+        return self.replace_actions(
+            [[a for a in acts if a.kind not in COMM_KINDS] for acts in self.actions]
+        )
+
+    # -- text ------------------------------------------------------------------
+    def to_text(self) -> str:
+        self.check_overlaps_adjacent()
+        lines = [
+            "# zeropipe schedule",
+            f"name: {self.name}",
+            f"microbatches: {self.microbatches}",
+            "placement: " + " ".join(str(r) for r in self.placement),
+        ]
+        for rank in range(self.num_ranks):
+            lines.append(f"rank {rank}: " + " ".join(self._tokens(rank)))
+        return "\n".join(lines) + "\n"
+
+    @classmethod
+    def from_text(cls, text: str) -> Schedule:
+        header: dict[str, str] = {}
+        ranks: dict[int, list[Action]] = {}
+        pairs: list[Overlap] = []
+        for lineno, raw in enumerate(text.splitlines(), start=1):
+            line = raw.split("#", 1)[0].strip()
+            if not line:
+                continue
+            key, sep, value = line.partition(":")
+            if not sep:
+                raise ScheduleError(
+                    f"line {lineno}: expected 'key: value' or 'rank N: ACTIONS', got {raw!r}",
+                    rule="syntax",
+                )
+            key = key.strip()
+            if key.startswith("rank"):
+                try:
+                    rank = int(key[4:])
+                except ValueError:
+                    raise ScheduleError(
+                        f"line {lineno}: bad rank header {key!r}, expected 'rank N'", rule="syntax"
+                    ) from None
+                if rank in ranks:
+                    raise ScheduleError(f"line {lineno}: rank {rank} listed twice", rule="syntax")
+                ranks[rank] = _read_tokens(value.split(), pairs)
+            elif key in ("name", "microbatches", "placement"):
+                header[key] = value.strip()
+            else:
+                raise ScheduleError(
+                    f"line {lineno}: unknown key {key!r} (known: name, microbatches, placement, rank N)",
+                    rule="syntax",
+                )
+        for needed in ("microbatches", "placement"):
+            if needed not in header:
+                raise ScheduleError(f"schedule text has no '{needed}:' line", rule="syntax")
+        if sorted(ranks) != list(range(len(ranks))):
+            raise ScheduleError(
+                f"schedule text lists ranks {sorted(ranks)}; expected 0..{len(ranks) - 1}",
+                rule="syntax",
+            )
+        schedule = cls(
+            placement=tuple(_integer("placement", t) for t in header["placement"].split()),
+            actions=tuple(tuple(ranks[r]) for r in range(len(ranks))),
+            microbatches=_integer("microbatches", header["microbatches"]),
+            name=header.get("name", "custom"),
+            overlaps=pairs,
+        )
+        schedule.check_stages()
+        return schedule
+
+    # -- JSON ------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        self.check_overlaps_adjacent()
+        return {
+            "format": "zeropipe-schedule",
+            "version": 1,
+            "name": self.name,
+            "microbatches": self.microbatches,
+            "placement": list(self.placement),
+            "actions": [self._tokens(r) for r in range(self.num_ranks)],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Schedule:
+        """Read :meth:`to_dict`'s form; anything malformed is a ScheduleError naming it."""
+        if not isinstance(data, dict) or data.get("format") != "zeropipe-schedule":
+            raise ScheduleError(
+                "not a zeropipe schedule: JSON field 'format' must be 'zeropipe-schedule'",
+                rule="syntax",
+            )
+        for needed in ("placement", "actions", "microbatches"):
+            if needed not in data:
+                raise ScheduleError(f"schedule JSON lacks field '{needed}'", rule="syntax")
+        placement, actions = data["placement"], data["actions"]
+        if not isinstance(placement, list):
+            raise ScheduleError(
+                f"schedule JSON 'placement' must be a list of ranks, got {placement!r:.40}",
+                rule="syntax",
+            )
+        if not isinstance(actions, list) or not all(isinstance(a, list) for a in actions):
+            raise ScheduleError(
+                "schedule JSON 'actions' must be a list with one list of action strings per rank",
+                rule="syntax",
+            )
+        parsed = []
+        pairs: list[Overlap] = []
+        for rank, acts in enumerate(actions):
+            for a in acts:
+                if not isinstance(a, str):
+                    raise ScheduleError(
+                        f"rank {rank}: action {a!r:.40} is not a string such as '2F0'",
+                        rule="syntax",
+                    )
+            parsed.append(tuple(_read_tokens(acts, pairs)))
+        schedule = cls(
+            placement=tuple(_integer("placement", r) for r in placement),
+            actions=tuple(parsed),
+            microbatches=_integer("microbatches", data["microbatches"]),
+            name=str(data.get("name", "custom")),
+            overlaps=pairs,
+        )
+        schedule.check_stages()
+        return schedule
+
+    @classmethod
+    def from_json(cls, text: str) -> Schedule:
+        try:
+            data = json.loads(text)
+        except (ValueError, RecursionError) as exc:  # too deep a nesting is RecursionError
+            raise ScheduleError(f"schedule is not valid JSON: {exc}", rule="syntax") from None
+        return cls.from_dict(data)
+
+    # -- torch.distributed.pipelining CSV ----------------------------------------
+    def to_torch_csv(self) -> str:
+        """Rows of action strings, one per rank, as torch's ``_load_csv`` reads them.
+
+        REDUCE_GRAD is written as is (``0REDUCE_GRAD``) and an overlapped pair as
+        ``(0F3;3B1)OVERLAP_F_B``.  torch has no R/OFFLOAD/RELOAD actions, so
+        schedules with them cannot be exported; torch infers the placement from
+        which rank runs each stage.
+        """
+        foreign = [str(a) for acts in self.actions for a in acts if a.kind in (Kind.R, *COPY_KINDS)]
+        if foreign:
+            raise ScheduleError(
+                f"torch.distributed.pipelining has no recompute/offload actions; "
+                f"remove {', '.join(foreign[:4])}{' ...' if len(foreign) > 4 else ''} before exporting",
+                rule="unsupported",
+                actions=tuple(foreign[:4]),
+            )
+        self.check_overlaps_adjacent()
+        out = io.StringIO()
+        writer = csv.writer(out, lineterminator="\n")
+        for rank in range(self.num_ranks):
+            writer.writerow(
+                [t + "OVERLAP_F_B" if t.startswith("(") else t for t in self._tokens(rank)]
+            )
+        return out.getvalue()
+
+    @classmethod
+    def from_torch_csv(
+        cls,
+        text: str,
+        *,
+        microbatches: int | None = None,
+        placement: Sequence[int] | None = None,
+        name: str = "torch-csv",
+    ) -> Schedule:
+        """Read torch's CSV; placement and microbatch count are inferred if not given."""
+        try:
+            rows = [row for row in csv.reader(io.StringIO(text)) if any(c.strip() for c in row)]
+        except csv.Error as exc:  # e.g. a field over csv's size limit
+            raise ScheduleError(f"cannot read torch CSV: {exc}", rule="syntax") from None
+        actions: list[list[Action]] = []
+        owner: dict[int, int] = {}
+        pairs: list[Overlap] = []
+        for rank, row in enumerate(rows):
+            acts: list[Action] = []
+            for cell in row:
+                if not cell.strip():
+                    continue  # torch writes idle steps as empty cells
+                _refuse_torch_only(cell)
+                for action in _read_tokens([cell], pairs):
+                    acts.append(action)
+                    if owner.setdefault(action.stage, rank) == rank:
+                        continue
+                    raise ScheduleError(
+                        f"stage {action.stage} has actions on ranks {owner[action.stage]} and "
+                        f"{rank} (e.g. {action}); a stage must live on one rank",
+                        rule="placement",
+                        actions=(str(action),),
+                    )
+            actions.append(acts)
+        if placement is None:
+            if sorted(owner) != list(range(len(owner))):
+                missing = sorted(set(range(max(owner, default=-1) + 1)) - set(owner))
+                # Name an action past the gap: usually the typo is there, not in the gap.
+                rank, beyond = next(
+                    (r, a) for r, acts in enumerate(actions) for a in acts if a.stage > missing[0]
+                )
+                raise ScheduleError(
+                    f"cannot infer placement: action {beyond} on rank {rank} names stage "
+                    f"{beyond.stage}, but stage(s) {missing} have no actions; fix the action "
+                    f"or pass placement=",
+                    rule="placement",
+                    actions=(str(beyond),),
+                )
+            placement = [owner[s] for s in range(len(owner))]
+        if microbatches is None:
+            mbs = [a.microbatch for acts in actions for a in acts if a.microbatch is not None]
+            microbatches = max(mbs, default=0) + 1
+        schedule = cls(
+            tuple(placement), tuple(tuple(a) for a in actions), microbatches, name, pairs
+        )
+        schedule.check_stages()
+        return schedule
+
+
+def _integer(what: str, value: object) -> int:
+    """``value`` as an int: an int, or text of one; anything else is a ScheduleError."""
+    if isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            pass
+    elif not isinstance(value, bool):
+        try:
+            return operator.index(value)  # type: ignore[arg-type]  # numpy ints too; 1.5 not
+        except TypeError:
+            pass
+    raise ScheduleError(f"{what} must be an integer, got {value!r:.40}", rule="syntax")
+
+
+def _integers(what: str, values: Iterable[object]) -> tuple[int, ...]:
+    try:
+        items = tuple(values)
+    except TypeError:  # not iterable, whatever the annotation says
+        raise ScheduleError(f"{what} must be a sequence of integers, got {values!r:.40}") from None
+    return tuple(_integer(what, v) for v in items)
+
+
+def _overlaps(pairs: object) -> frozenset[Overlap]:
+    """``pairs`` as a frozenset of (F, B-or-I) Action pairs; anything else is a ScheduleError."""
+    try:
+        items = list(pairs)  # type: ignore[call-overload]
+    except TypeError:
+        raise ScheduleError(
+            f"overlaps must be a collection of (forward, backward) Action pairs, got {pairs!r:.60}",
+            rule="syntax",
+        ) from None
+    out = set()
+    for pair in items:
+        if (
+            not isinstance(pair, tuple)
+            or len(pair) != 2
+            or not all(isinstance(a, Action) for a in pair)
+        ):
+            raise ScheduleError(
+                f"an overlapped pair is a tuple of two Actions, got {pair!r:.60}", rule="syntax"
+            )
+        first, second = pair
+        if first.kind not in _OVERLAP_FIRST or second.kind not in _OVERLAP_SECOND:
+            raise ScheduleError(
+                f"overlapped pair ({first};{second}): a pair is a forward F then a backward "
+                f"B or I, e.g. (0F3;3B1)",
+                rule="overlap",
+                actions=(str(first), str(second)),
+            )
+        out.add((first, second))
+    return frozenset(out)
+
+
+def _read_tokens(tokens: Iterable[str], pairs: list[Overlap]) -> list[Action]:
+    """Actions from text tokens; a ``(a;b)`` token gives two and is recorded in ``pairs``."""
+    out: list[Action] = []
+    for tok in tokens:
+        text = tok.strip()
+        if not text.startswith("("):
+            out.append(Action.parse(text))
+            continue
+        match = _PAIR_RE.match(text)
+        if match is None:
+            raise ScheduleError(
+                f"cannot read overlapped pair {text!r}: expected (FORWARD;BACKWARD) such as "
+                f"'(0F3;3B1)' (torch's CSV: '(0F3;3B1)OVERLAP_F_B')",
+                rule="syntax",
+                actions=(text,),
+            )
+        first, second = Action.parse(match.group(1)), Action.parse(match.group(2))
+        pairs.append((first, second))
+        out.extend((first, second))
+    return out
+
+
+_FSDP_ONLY = ("UNSHARD", "RESHARD")
+
+
+def _refuse_torch_only(cell: str) -> None:
+    text = cell.strip()
+    if any(k in text for k in _FSDP_ONLY):
+        raise ScheduleError(
+            f"torch action {text!r} is FSDP's unshard/reshard: not a schedule action here, "
+            f"since FSDP2's own hooks gather and free the parameters of a stage that uses it; "
+            f"remove it from the CSV",
+            rule="unsupported",
+            actions=(text,),
+        )
+
+
+def format_grid(
+    actions: Sequence[Sequence[Action]],
+    mark: Iterable[tuple[int, int]] = (),
+    *,
+    window: int = 6,
+) -> str:
+    """Rank x step grid of a schedule, with ``(rank, step)`` cells in ``mark`` shown as ``>x<``.
+
+    Only the steps within ``window`` of a marked cell are shown, so the grid of a
+    long schedule stays readable; without marks the first ``2 * window`` steps are.
+    """
+    marks = set(mark)
+    length = max((len(a) for a in actions), default=0)
+    if marks:
+        lo = max(0, min(s for _, s in marks) - window)
+        hi = min(length, max(s for _, s in marks) + window + 1)
+    else:
+        lo, hi = 0, min(length, 2 * window)
+    cells = [
+        [
+            (f">{acts[s]}<" if (r, s) in marks else str(acts[s])) if s < len(acts) else "."
+            for s in range(lo, hi)
+        ]
+        for r, acts in enumerate(actions)
+    ]
+    width = max([len(c) for row in cells for c in row] + [len(str(hi))])
+    header = "step    " + " ".join(f"{s:>{width}}" for s in range(lo, hi))
+    lines = [header]
+    for r, row in enumerate(cells):
+        lines.append(f"rank {r:<3}" + " ".join(f"{c:>{width}}" for c in row))
+    if lo > 0 or hi < length:
+        lines.append(f"(steps {lo}..{hi - 1} of 0..{length - 1})")
+    return "\n".join(lines)

@@ -1,0 +1,582 @@
+"""``auto``: search for the schedule with the shortest simulated step under a cost model.
+
+Named schedules assume equal stages and F = I = W; real models do not.  The
+search takes the model as it is -- per-stage F, I, W, B, activation memory,
+the wire -- and a per-rank memory limit, and times candidates of three kinds with the
+list scheduler (:mod:`zeropipe.core.schedules.list_scheduler`: the simulator's
+dependency and cost models, in an event loop fast enough to run hundreds of times)::
+
+    list-scheduled   placements: looped with 1..v chunks per rank, V / zig-zag with an
+                     even number; whenever a rank is free it picks among what is ready:
+                       I (or B)  as soon as its gradient is there: critical path, frees memory
+                       F         while the memory limit allows, keeping room for the deeper
+                                 local stages' F (one at least, or the V starves; more with
+                                 ``reserve``: their round trip over the rank's cycle)
+                       W         into gaps the rank would otherwise idle through (a gap of
+                                 at least ``gap`` x W), or when an F waits for W's memory
+    re-timed named   each named schedule's F / I order, with its W placed anew as above
+    named            each named schedule as it is, if it fits: auto is never worse
+    grouped          the verified ones again with each stage's W in groups of 2 and 4, when
+                     the costs say W run together are cheaper (``W_fused``, zeropipe.core.fuse)
+
+The best few by that timing are then validated (:func:`zeropipe.core.validate.validate`
+with the memory limit) and simulated (:func:`zeropipe.core.simulate.simulate`): those
+two are the ground truth; the winner has the shortest makespan, then the lowest
+steady bubble.  Recompute and offload come in through
+:func:`zeropipe.core.fit.fit_memory` applied to the best schedule found without a
+limit: when nothing fits without them, or on request (``recompute=True``).
+
+Only those few matter, which keeps the search fast without changing its answer: a
+list run is given up once it cannot end before the best few found so far (ties
+included, see ``_cutoff``), the most promising runs go first so that this happens
+early, and policies that differ only where a run never asks share that run.
+
+Costs: a :class:`~zeropipe.core.costs.CostModel` with ``p`` stages is read as "one
+rank's worth of layers per stage" and is split evenly for ``v`` chunks per
+rank (and one with ``p*v`` stages is merged for fewer chunks); pass a callable
+``num_stages -> CostModel | None`` to give each cut its own (e.g. balanced)
+costs, as :func:`zeropipe.planning.balance.plan` does.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from zeropipe.core.costs import CostModel, StageCost, peak_memory, per_rank
+from zeropipe.core.errors import ScheduleError
+from zeropipe.core.fuse import group_weights
+from zeropipe.core.ir import Action, Kind, Schedule
+from zeropipe.core.schedules.list_scheduler import (
+    ListPlan,
+    ListScheduler,
+    Policy,
+    Step,
+    compute_order,
+    placement_of,
+    replay,
+)
+from zeropipe.core.schedules.registry import GENERATORS, register
+from zeropipe.core.simulate import Timeline, simulate
+from zeropipe.core.validate import validate
+
+__all__ = [
+    "AutoResult",
+    "Candidate",
+    "Policy",
+    "auto_schedule",
+    "costs_for",
+    "default_policies",
+    "search",
+]
+
+CostsLike = CostModel | Callable[[int], CostModel | None]
+_EPS = 1e-9
+
+
+# -- costs for a given number of stages -------------------------------------------------
+def costs_for(costs: CostsLike, num_stages: int) -> CostModel | None:
+    """``costs`` for a model cut into ``num_stages`` stages, or ``None`` if they do not say.
+
+    A callable is asked (and may answer ``None``: no such cut).
+    A model with ``n`` stages is split evenly (each stage into ``num_stages/n``
+    equal parts: times and memory divided, boundary size kept) or merged
+    (consecutive groups summed) when one count divides the other.
+    """
+    if not isinstance(costs, CostModel):
+        made = costs(num_stages)
+        return None if made is None else made.for_stages(num_stages)
+    n = len(costs.stages)
+    if n == num_stages:
+        return costs
+    if num_stages % n == 0:
+        k = num_stages // n
+        stages = tuple(s.scaled(1.0 / k) for s in costs.stages for _ in range(k))
+        how = f"each of {n} stage(s) split into {k}"
+    elif n % num_stages == 0:
+        k = n // num_stages
+        stages = tuple(
+            StageCost.merged(costs.stages[g * k : (g + 1) * k]) for g in range(num_stages)
+        )
+        how = f"{n} stages merged in groups of {k}"
+    else:
+        return None
+    return replace(costs, stages=stages, meta={**costs.meta, "derived": how})
+
+
+# -- the search -----------------------------------------------------------------------------
+@dataclass
+class Candidate:
+    """One schedule the search timed: ``source`` is ``"list"`` (list-scheduled) or ``"named"``.
+
+    ``makespan`` and ``steady`` (steady bubble rate) come from the list
+    scheduler until the candidate is verified, then from the simulator, whose
+    ``timeline`` is kept.
+    """
+
+    name: str
+    source: str
+    costs: CostModel
+    makespan: float
+    steady: float
+    timeline: Timeline | None = None
+    _shape: Schedule | None = field(default=None, repr=False)  # placement, microbatches
+    _steps: list[list[Step]] | None = field(default=None, repr=False)
+
+    @property
+    def schedule(self) -> Schedule:
+        """Built on first use: most candidates are only ever compared by their times."""
+        assert self._shape is not None  # always set by search()
+        if self._steps is not None:
+            acts = [[Action(*step) for step in rank] for rank in self._steps]
+            self._shape = Schedule(self._shape.placement, acts, self._shape.microbatches, "auto")
+            self._steps = None
+        return self._shape
+
+
+@dataclass
+class AutoResult:
+    """What :func:`search` chose, with the cost model of its stages, and why."""
+
+    schedule: Schedule
+    costs: CostModel
+    timeline: Timeline
+    explanation: str
+    candidates: list[Candidate] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def default_policies(ranks: int, max_chunks: int, split_options: Sequence[bool]) -> list[Policy]:
+    """The default grid of list-scheduler points, most promising first."""
+    shapes = [("v", v) for v in range(2, max_chunks + 1, 2)]
+    shapes += [("looped", v) for v in range(1, max_chunks + 1)]
+    out = []
+    for kind, v in shapes:
+        if ranks == 1 and (kind == "v" or v > 1):
+            continue
+        for split in split_options:
+            for reserve in (2.0, 1.0, 0.0) if kind == "v" or v > 1 else (0.0,):
+                for gap in (0.0, 0.5, 1.0) if split else (0.0,):
+                    for first in ("I", "F"):
+                        out.append(Policy(kind, v, split, gap, first, True, reserve))
+    return out
+
+
+Limit = float | Sequence[float] | str | None
+# One candidate to time: label, source ("named" or "list"), policy, schedule (or its
+# shape), costs, and the F/I order it follows (a named schedule's, or None).
+Run = tuple[str, str, Policy, Schedule, CostModel, list[list[Step]] | None]
+
+
+def _limits(memory_limit: Limit, ranks: int, m: int, costs: CostsLike) -> list[float]:
+    if memory_limit is None:
+        return [math.inf] * ranks
+    if isinstance(memory_limit, str):
+        return [_reference_peak(memory_limit, ranks, m, costs)] * ranks
+    return per_rank(memory_limit, ranks)
+
+
+def _reference_peak(name: str, ranks: int, m: int, costs: CostsLike) -> float:
+    """The highest per-rank peak of the named schedule ``name`` under ``costs``."""
+    gen = GENERATORS.get(name)
+    if gen is None or name == "auto":
+        known = ", ".join(sorted(set(GENERATORS) - {"auto"}))
+        raise ScheduleError(
+            f"memory_limit={name!r}: expected a number or a named schedule whose peak to "
+            f"match ({known})",
+            rule="unsupported",
+        )
+    sched = gen.build(ranks, m, gen.default_chunks)
+    c = costs_for(costs, sched.num_stages)
+    if c is None:
+        raise ScheduleError(
+            f"memory_limit={name!r}: the cost model has no figures for {name}'s "
+            f"{sched.num_stages} stages",
+            rule="unsupported",
+        )
+    return max(p for p, _ in peak_memory(sched, c))
+
+
+def _named_schedules(
+    ranks: int, m: int, costs: CostsLike, max_chunks: int
+) -> list[tuple[str, Schedule, CostModel]]:
+    """Every registered generator's schedules with at most ``max_chunks`` chunks per rank."""
+    out = []
+    for name, gen in sorted(GENERATORS.items()):
+        if name == "auto":
+            continue
+        options = range(1, max_chunks + 1) if gen.takes_chunks else [gen.default_chunks]
+        for v in (v for v in options if v <= max_chunks):
+            try:
+                sched = gen.build(ranks, m, v)
+            except ScheduleError:
+                continue  # this (ranks, m, chunks) is outside what the generator makes
+            c = costs_for(costs, sched.num_stages)
+            if c is not None:
+                out.append((name if not gen.takes_chunks else f"{name} v={v}", sched, c))
+    return out
+
+
+def search(
+    costs: CostsLike,
+    ranks: int,
+    microbatches: int,
+    memory_limit: Limit = None,
+    *,
+    max_chunks: int = 2,
+    policies: Sequence[Policy] | None = None,
+    named: bool = True,
+    verify: int = 3,
+    time_budget: float = 40.0,
+    recompute: bool | None = None,
+) -> AutoResult:
+    """Search for the schedule with the shortest simulated makespan that fits ``memory_limit``.
+
+    Args:
+        costs: a cost model (``ranks`` stages = one rank's worth each, or
+            ``ranks * v`` stages) or a callable ``num_stages -> CostModel``.
+        memory_limit: per rank (one number or one per rank), in the cost
+            model's memory unit, weights included; the name of a schedule
+            (``"1f1b"``): no more than its peak; ``None``: no limit.
+        max_chunks: the most chunks (stages) per rank to consider.
+        policies: list-scheduler points to try (default: a small grid).
+        named: also consider every registered named generator: as it is if it
+            fits, and as a template (its F / I order, with the W placed anew).
+        verify: how many of the best list-scheduled candidates to validate and
+            simulate for real (the named ones always are).
+        time_budget: seconds after which no further list-scheduler run starts.
+        recompute: also fit the best schedule found without a limit into the
+            limit with recompute and offload (:func:`zeropipe.core.fit.fit_memory`,
+            slow beyond a few hundred actions); ``None``: only when nothing
+            fits without them.
+    """
+    if ranks < 1 or microbatches < 1 or max_chunks < 1:
+        raise ScheduleError(
+            f"ranks, microbatches and max_chunks must be >= 1, got {ranks}, {microbatches}, "
+            f"{max_chunks}",
+            rule="unsupported",
+        )
+    start = time.perf_counter()
+    costs = _remembered(costs)
+    limits = _limits(memory_limit, ranks, microbatches, costs)
+    base = costs_for(costs, ranks)
+    split_options = [True]
+    if base is None or any(c.time(Kind.B) < c.I + c.W - _EPS for c in base.stages):
+        split_options.append(False)  # a fused backward is cheaper: try it too
+    named_runs = _named_schedules(ranks, microbatches, costs, max_chunks) if named else []
+    runs: list[Run] = []
+    for label, sched, c in named_runs:
+        chunks = sched.num_stages // ranks
+        # Exact replay: its makespan as simulated, and whether it fits.
+        runs.append((label, "named", Policy("named", chunks), sched, c, None))
+    for label, sched, c in named_runs:
+        # Its F / I order with the W placed by the list scheduler for these costs.
+        template = compute_order(sched, keep_w=False)
+        for gap in (0.0, 0.5, 1.0):
+            policy = Policy("order", sched.num_stages // ranks, True, gap)
+            runs.append((f"{label}'s F/I order, W placed anew", "list", policy, sched, c, template))
+    for policy in (
+        policies if policies is not None else default_policies(ranks, max_chunks, split_options)
+    ):
+        place = placement_of(policy.placement, ranks, policy.chunks)
+        derived = costs_for(costs, len(place))
+        if derived is not None:
+            shape = Schedule(place, [[] for _ in range(ranks)], microbatches, "auto")
+            runs.append((policy.describe(), "list", policy, shape, derived, None))
+    deadline = start + time_budget
+    listed, cut = _timed(runs, microbatches, limits, max(verify, 0), deadline)
+    listed.sort(key=lambda c: (round(c.makespan, 9), round(c.steady, 9), c.source != "named"))
+    tried = listed[:verify]
+    best_named = next((c for c in listed if c.source == "named"), None)
+    if best_named is not None and all(c is not best_named for c in tried):
+        tried.append(best_named)  # auto is never worse than a named schedule that fits
+    scored = _verified(tried, limits)
+    scored += _grouped(scored, limits)
+    finite = any(math.isfinite(x) for x in limits)
+    if finite and (recompute or (recompute is None and not scored)):
+        try:
+            scored.append(
+                _fit(costs, ranks, microbatches, limits, max_chunks, policies, named, verify)
+            )
+        except ScheduleError:
+            if not scored:
+                raise  # fit_memory's error names the smallest limit that fits
+    if not scored:
+        raise ScheduleError(
+            f"no schedule without recompute or offload fits a memory limit of "
+            f"{_fmt_limits(limits)} per rank on {ranks} rank(s): each rank needs at least its "
+            f"weights plus one microbatch's activations of all its stages "
+            f"({_least_memory(costs, ranks):g} here); raise the limit or allow recompute",
+            rule="memory",
+        )
+    scored.sort(key=lambda c: (round(c.makespan, 9), round(c.steady, 9), c.source != "named"))
+    best = scored[0]
+    assert best.timeline is not None  # set above for every scored candidate
+    if best_named is None:
+        versus = "no named schedule fits"
+    elif best.source == "named":
+        versus = "no list-scheduled candidate beat it"
+    else:
+        gain = 1 - best.makespan / best_named.makespan
+        versus = f"best named {best_named.name}: {best_named.makespan:.5g}, -{gain:.1%}"
+    how = best.name if best.source != "named" else f"the named schedule {best.name}"
+    tl = best.timeline
+    seconds = time.perf_counter() - start
+    explanation = (
+        f"auto: {how}; makespan {tl.makespan:.5g} ({versus}); steady bubble "
+        f"{tl.steady_bubble_rate:.4f}; peak {max(tl.peak_memory):.4g} of limit "
+        f"{_fmt_limits(limits)} {best.costs.unit}; {len(listed)} candidates fit, "
+        f"{cut} cut short, {len(scored)} verified, {seconds:.2g} s"
+    )
+    sched = best.schedule if best.source == "list" else _renamed(best.schedule, "auto")
+    return AutoResult(sched, best.costs, tl, explanation, listed, seconds)
+
+
+def _timed(
+    runs: Sequence[Run], m: int, limits: list[float], keep: int, deadline: float
+) -> tuple[list[Candidate], int]:
+    """The runs that fit, timed by the list scheduler, in the order of ``runs``; and how
+    many list runs were cut short.
+
+    Only the best ``keep`` go on to be verified, so a list run is given up as soon as it
+    cannot end before ``keep`` plans already found (:func:`_cutoff`).  Runs alike (one
+    planner and order, policies apart in ``gap``, ``first`` or ``reserve`` only) share
+    one run while they decide alike (``ListScheduler.run_alike``).  The named schedules
+    are timed first, then the list runs that follow their orders, the best named
+    first, then the rest: any order gives the same candidates, and the best ones found
+    early make the cut early.
+    """
+    plans: dict[int, ListPlan | None] = {}
+    found: list[tuple[float, float, str, int]] = []  # makespan, steady, source, index
+    named_end: dict[int, float] = {}  # id of a named schedule -> its makespan
+    for n, (_, source, _, sched, c, _) in enumerate(runs):
+        if source == "named":
+            plan = plans[n] = replay(sched, c, limits)  # never cut: auto is never worse
+            named_end[id(sched)] = math.inf if plan is None else plan.makespan
+            if plan is not None:
+                found.append((plan.makespan, plan.steady, source, n))
+
+    def priority(n: int) -> tuple[bool, float, int]:
+        follows = runs[n][5] is not None  # a named schedule's order
+        return not follows, named_end.get(id(runs[n][3]), math.inf) if follows else 0.0, n
+
+    planners: dict[tuple[tuple[int, ...], bool], ListScheduler] = {}
+    cut = 0
+    for n in sorted((n for n in range(len(runs)) if n not in plans), key=priority):
+        _, _, policy, sched, c, order = runs[n]
+        if n in plans:
+            continue  # timed along with an earlier run
+        if found and time.perf_counter() > deadline:
+            plans[n] = None
+            continue
+        place = tuple(sched.placement)
+        planner = planners.get((place, policy.split))
+        if planner is None or planner.costs != c:
+            planner = ListScheduler(c, place, m, split=policy.split)
+            planners[(place, policy.split)] = planner
+        group = [
+            k
+            for k in range(n, len(runs))
+            if k not in plans
+            and runs[k][5] is order
+            and runs[k][4] is c
+            and tuple(runs[k][3].placement) == place
+        ]
+        cutoff = _cutoff(found, keep, n, planner.exact)
+        plan, shared = planner.run_alike([runs[k][2] for k in group], limits, order, cutoff)
+        for j in shared:
+            plans[group[j]] = plan
+            if plan is not None:
+                found.append((plan.makespan, plan.steady, "list", group[j]))
+        if plan is None and cutoff < math.inf:
+            cut += len(shared)  # (or it does not fit: a cut run cannot tell)
+    listed = []
+    for n, (label, source, _, sched, c, _) in enumerate(runs):
+        plan = plans.get(n)
+        if plan is not None:
+            steps = plan.steps if source == "list" else None
+            listed.append(
+                Candidate(label, source, c, plan.makespan, plan.steady, None, sched, steps)
+            )
+    return listed, cut
+
+
+def _cutoff(
+    found: Sequence[tuple[float, float, str, int]], keep: int, n: int, exact: bool
+) -> float:
+    """The end past which run ``n`` (and the later runs alike) cannot be among the best ``keep``.
+
+    Candidates sort on (makespan, steady bubble, named first), both rounded to 1e-9, then
+    on their index (a stable sort).  A found plan is surely ahead of run ``n`` once ``n``'s
+    makespan is past its own by more than the rounding.  With times the floats hold
+    exactly (``exact``) a found plan with no steady bubble is ahead already at an equal
+    makespan when a tie would put it first: named, or earlier in ``runs``; the
+    schedules that reach the busiest rank's bound are cut at once so.
+    """
+    if keep <= 0:
+        return -math.inf  # none of them is verified: no need to time any
+    needs = []  # per found plan: the end of run n that puts it surely ahead
+    for makespan, steady, source, k in found:
+        first = source == "named" or k < n
+        if exact and round(steady, 9) <= 0 and first:
+            needs.append(math.nextafter(makespan, -math.inf))  # an end >= its makespan
+        else:
+            needs.append(makespan + 1e-6 * max(1.0, abs(makespan)))
+    return heapq.nsmallest(keep, needs)[-1] if len(needs) >= keep else math.inf
+
+
+def _verified(tried: Sequence[Candidate], limits: list[float]) -> list[Candidate]:
+    """``tried`` validated and simulated (the ground truth); those that fail are dropped.
+
+    Candidates that share one list-scheduled plan share its schedule and its check.
+    """
+    done: dict[int, tuple[Schedule, Timeline | None]] = {}
+    scored = []
+    for cand in tried:
+        key = id(cand._steps) if cand._steps is not None else None
+        if key is not None and key in done:
+            cand._shape, cand._steps = done[key][0], None
+            tl = done[key][1]
+        else:
+            sched = cand.schedule
+            try:
+                graph = validate(sched, memory_limit=limits, costs=cand.costs)
+            except ScheduleError:
+                graph = None  # a list-scheduler bug must not win; the ground truth decides
+            tl = None if graph is None else simulate(sched, cand.costs, graph=graph)
+            if key is not None:
+                done[key] = (sched, tl)
+        if tl is None:
+            continue
+        cand.timeline = tl
+        cand.makespan = tl.makespan
+        cand.steady = tl.steady_bubble_rate
+        scored.append(cand)
+    return scored
+
+
+def _grouped(scored: Sequence[Candidate], limits: list[float]) -> list[Candidate]:
+    """The verified candidates again with each stage's W gathered in groups of 2 and 4.
+
+    Only where the costs say a W run together with the next is cheaper
+    (``W_fused``): the runtime then does each group as one product per weight.
+    Candidates made of B are grouped too (each B split into I then W first);
+    the simulation says whether that beats their fused backward.
+    """
+    out = []
+    done: dict[tuple[int, int], tuple[Schedule, Timeline] | None] = {}  # shared schedules
+    for cand in scored:
+        stages = cand.costs.stages
+        if not any(c.W_fused is not None and c.W_fused < c.W - _EPS for c in stages):
+            continue
+        for size in (2, 4):
+            key = (id(cand.schedule), size)
+            if key not in done:
+                sched = group_weights(cand.schedule, size)
+                try:
+                    graph = validate(sched, memory_limit=limits, costs=cand.costs)
+                except ScheduleError:
+                    graph = None  # holding the W-parts longer does not fit the limit
+                tl = None if graph is None else simulate(sched, cand.costs, graph=graph)
+                done[key] = None if tl is None else (sched, tl)
+            found = done[key]
+            if found is None:
+                continue
+            sched, tl = found
+            name = f"{cand.name}, W in groups of {size}"
+            out.append(
+                Candidate(
+                    name, "grouped", cand.costs, tl.makespan, tl.steady_bubble_rate, tl, sched
+                )
+            )
+    return out
+
+
+def _fit(
+    costs: CostsLike,
+    ranks: int,
+    m: int,
+    limits: list[float],
+    max_chunks: int,
+    policies: Sequence[Policy] | None,
+    named: bool,
+    verify: int,
+) -> Candidate:
+    """The best schedule without a limit, made to fit ``limits`` by recompute and offload."""
+    from zeropipe.core.fit import fit_memory  # the memory passes; only needed here
+
+    free = search(
+        costs, ranks, m, None, max_chunks=max_chunks, policies=policies, named=named,
+        verify=verify, recompute=False,
+    )  # fmt: skip
+    fit = fit_memory(free.schedule, limits, free.costs)  # raises, naming what would fit
+    sched = _renamed(fit.schedule, "auto")
+    graph = validate(sched, memory_limit=limits, costs=free.costs)
+    tl = simulate(sched, free.costs, graph=graph)
+    actions = len(fit.recompute) + len(fit.offload)
+    how = free.explanation.split(";")[0].removeprefix("auto: ")
+    label = f"{how}, with {actions} recompute/offload pair(s) inserted by fit_memory"
+    return Candidate(label, "list", free.costs, tl.makespan, tl.steady_bubble_rate, tl, sched)
+
+
+def _remembered(costs: CostsLike) -> Callable[[int], CostModel | None]:
+    """``costs_for(costs, n)``, each ``n`` made once: the candidates of one stage count
+    share one cost model (split or merged anew it would be an equal copy each time)."""
+    made: dict[int, CostModel | None] = {}
+
+    def costs_of(num_stages: int) -> CostModel | None:
+        if num_stages not in made:
+            made[num_stages] = costs_for(costs, num_stages)
+        return made[num_stages]
+
+    return costs_of
+
+
+def _renamed(schedule: Schedule, name: str) -> Schedule:
+    return schedule.replace_actions(schedule.actions, name=name)
+
+
+def _fmt_limits(limits: Sequence[float]) -> str:
+    if len(set(limits)) == 1:
+        return f"{limits[0]:g}"
+    return "[" + ", ".join(f"{x:g}" for x in limits) + "]"
+
+
+def _least_memory(costs: CostsLike, ranks: int) -> float:
+    c = costs_for(costs, ranks)
+    if c is None:
+        return math.nan
+    return max(c.stages[r].weights + c.stages[r].act for r in range(ranks))
+
+
+def auto_schedule(
+    costs: CostsLike,
+    ranks: int,
+    microbatches: int,
+    memory_limit: Limit = None,
+    **options: Any,
+) -> tuple[Schedule, str]:
+    """The best schedule :func:`search` finds and its one-line explanation.
+
+    The schedule has ``ranks * v`` stages for the ``v`` it chose; simulate it
+    with ``costs_for(costs, schedule.num_stages)`` (or use :func:`search`,
+    whose result carries that cost model and the timeline).
+    """
+    result = search(costs, ranks, microbatches, memory_limit, **options)
+    return result.schedule, result.explanation
+
+
+@register(
+    "auto",
+    "searched: shortest simulated step under unit costs within 1F1B's peak memory, "
+    "using at most `chunks` chunks per rank (zeropipe.core.schedules.auto.search for real costs)",
+    default_chunks=2,
+    takes_chunks=True,
+)
+def auto(ranks: int, microbatches: int, chunks: int = 2) -> Schedule:
+    """``search`` under unit costs, within 1F1B's peak, with up to ``chunks`` chunks per rank."""
+    return search(CostModel.uniform(ranks), ranks, microbatches, "1f1b", max_chunks=chunks).schedule

@@ -1,6 +1,0 @@
-"""Small reference models for the demo, the tests and the benchmarks."""
-
-from zeropipe.models.gpt import GPTConfig, gpt
-from zeropipe.models.mlp import mlp_blocks
-
-__all__ = ["GPTConfig", "gpt", "mlp_blocks"]

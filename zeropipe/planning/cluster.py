@@ -1,0 +1,594 @@
+"""Plan a training run at cluster scale: which pipeline depth, data-parallel degree,
+microbatch size, chunks, schedule and memory plan give the shortest simulated step.
+
+For ``gpus`` accelerators and a model of ``layers`` layers, :func:`search` enumerates::
+
+    pp    a divisor of gpus, pp <= layers        dp   = gpus / pp
+    mbs   global_batch divisible by dp x mbs     m    = global_batch / (dp x mbs)
+    schedule x chunks (stages = pp x chunks <= layers), as the generator accepts
+
+prices each configuration with the cost model ``costs_for(config)`` returns (seconds
+and bytes), builds the schedule with :func:`zeropipe.core.build.build_schedule` (with the
+data-parallel gradient all-reduce when dp > 1) and simulates it.  Where the peak
+memory exceeds the limit, recompute and then activation offload are added
+(:func:`zeropipe.planning.plan_memory.plan_memory`); what still does not fit is ranked after everything that does.
+
+A cluster-sized grid holds schedules of tens of thousands of actions, so most
+configurations are never simulated: :func:`lower_bound` gives, without building
+anything, a step time no schedule on that placement can beat (the busiest rank's
+compute, plus the forward chain before its first action and what must follow its
+last).  Configurations are priced in order of that bound and dropped once the bound
+cannot enter the current top ``top``; the ranking is the one an exhaustive search
+would give (``prune=False`` is that search).  ``auto`` is the exception: its search
+is too slow to run everywhere, so it is tried only for the ``auto_runs``
+configurations with the best bounds that could still enter the top, after the named
+schedules (the notes say when that cut anything).
+
+No torch here: this is core.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any
+
+from zeropipe.core.build import build_schedule
+from zeropipe.core.costs import CostModel
+from zeropipe.core.deps import Graph
+from zeropipe.core.errors import ScheduleError
+from zeropipe.core.ir import Kind, Schedule
+from zeropipe.core.schedules import GENERATORS, generate
+from zeropipe.core.simulate import Timeline, simulate
+from zeropipe.planning.cluster_costs import (
+    Config,
+    CostFactory,
+    ScheduleCosts,
+    fixed_costs,
+    schedule_cut,
+    spec_costs,
+)
+from zeropipe.planning.plan_memory import GiB, MemoryPlan, plan_memory
+
+# Config, the cost factories and GiB are re-exported: with search they
+# are what a caller needs.
+__all__ = [
+    "Candidate",
+    "Config",
+    "CostFactory",
+    "GiB",
+    "Ranking",
+    "ScheduleCosts",
+    "divisors",
+    "fixed_costs",
+    "lower_bound",
+    "schedule_cut",
+    "search",
+    "spec_costs",
+]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration, priced.  Times in seconds, memory in the cost model's unit
+    (bytes for a spec); ``tokens_per_second`` and ``mfu`` are NaN when not known."""
+
+    pp: int
+    dp: int
+    microbatch_size: int
+    microbatches: int
+    chunks: int
+    schedule: str
+    memory_plan: str
+    step_time: float
+    tokens_per_second: float
+    mfu: float
+    bubble: float
+    peak_memory: float
+    fits: bool
+    timeline: Timeline | None = field(default=None, compare=False, repr=False)
+
+    def key(self) -> tuple[bool, float, float, int, int, str]:
+        """Rank order: fitting first, then the shortest step (ties: less memory)."""
+        return (
+            not self.fits,
+            self.step_time,
+            self.peak_memory,
+            self.pp,
+            self.chunks,
+            self.schedule,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(replace(self, timeline=None))
+        del out["timeline"]
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Candidate:
+        names = {f.name for f in fields(cls)} - {"timeline"}
+        missing = sorted(names - set(data))
+        if missing:
+            raise ScheduleError(f"a plan candidate needs {', '.join(missing)}", rule="syntax")
+        return cls(**{k: data[k] for k in names})
+
+
+@dataclass
+class Ranking:
+    """What :func:`search` found, and how much of the grid it had to price."""
+
+    candidates: list[Candidate]  # best first, at most ``top``
+    considered: int = 0  # configurations enumerated (schedule x chunks included)
+    refused: int = 0  # a generator or the cost model could not take them
+    priced: int = 0  # built and simulated
+    pruned: int = 0  # their lower bound could not enter the top
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def best(self) -> Candidate | None:
+        return self.candidates[0] if self.candidates else None
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+# -- the lower bound --------------------------------------------------------------------
+
+
+def lower_bound(
+    costs: CostModel,
+    placement: Sequence[int],
+    microbatches: int,
+    *,
+    split: bool,
+    recomputed: Sequence[int] | None = None,
+) -> float:
+    """A step time no schedule on ``placement`` can beat under ``costs``.
+
+    For each rank: the forward chain that must run before its first action (the
+    cheapest of its stages to reach), plus every compute action it must run
+    (``recomputed[s]`` microbatches of stage ``s`` also recompute), plus what must
+    follow its last action: the all-reduce of a stage (with dp > 1) and, when the
+    schedule does not split backward (``split=False``: its last action is a whole B),
+    the backward chain down to stage 0.  With several stages on a rank, their
+    all-reduces run one after another on its link, the first after one stage's last
+    backward.  The step is at least the largest of these.
+    """
+    n = len(placement)
+    over = costs.overhead
+    c = costs.stages
+    # Backward as the cheapest the schedule may run it: whole, or as I then W (fused).
+    back = [min(s.time(Kind.B), s.I + min(s.W, s.fused_w)) for s in c]
+    hop = [costs.boundary_time(s, s + 1) if placement[s] != placement[s + 1] else 0.0
+           for s in range(n - 1)]  # fmt: skip
+    fwd_before = [0.0] * n  # forward chain to reach stage s
+    bwd_below = [0.0] * n  # whole backwards from stage s down to stage 0
+    for s in range(1, n):
+        fwd_before[s] = fwd_before[s - 1] + c[s - 1].F + over + hop[s - 1]
+        bwd_below[s] = bwd_below[s - 1] + back[s - 1] + over + hop[s - 1]
+    best = 0.0
+    for r in range(max(placement) + 1):
+        mine = [s for s in range(n) if placement[s] == r]
+        if not mine:
+            continue
+        busy = 0.0
+        for s in mine:
+            busy += microbatches * (c[s].F + back[s] + 2 * over)
+            if recomputed is not None:
+                busy += recomputed[s] * (c[s].time(Kind.R) + over)
+        head = min(fwd_before[s] for s in mine)
+        reduce = [costs.reduce_time(s) + over if costs.dp > 1 else 0.0 for s in mine]
+        if split:
+            tail = min(reduce)
+        else:
+            tail = min(max(r_s, bwd_below[s]) for s, r_s in zip(mine, reduce, strict=True))
+        best = max(best, head + busy + tail)
+        if costs.dp > 1 and len(mine) > 1:
+            # The rank's all-reduces share one link, and none starts before some stage of
+            # the rank has run all its own forwards and backwards.
+            first_done = min(microbatches * (c[s].F + back[s] + 2 * over) for s in mine)
+            best = max(best, head + first_done + sum(reduce))
+    return best
+
+
+# -- the search ---------------------------------------------------------------------------
+
+
+@dataclass
+class _Job:
+    config: Config
+    schedule: str
+    placement: tuple[int, ...]
+    split: bool
+    bound: float
+    may_fit: bool  # False: its weights alone exceed the limit
+
+    def order(self) -> tuple[bool, float]:
+        return (not self.may_fit, self.bound)
+
+
+class _Search:
+    """One search's state: cost models and probes cached, the top list, the counts."""
+
+    def __init__(
+        self,
+        costs_for: CostFactory,
+        limit: float,
+        flops_per_sample: float,
+        peak_flops: float,
+        seq: int,
+        global_batch: int,
+        gpus: int,
+        top: int,
+        layers: int,
+        costs_for_schedule: ScheduleCosts | None = None,
+    ) -> None:
+        self.costs_for, self.limit, self.top = costs_for, limit, top
+        self.costs_for_schedule = costs_for_schedule
+        self.flops, self.peak, self.seq = flops_per_sample, peak_flops, seq
+        self.global_batch, self.gpus, self.layers = global_batch, gpus, layers
+        self._costs: dict[Config, CostModel] = {}
+        self._probes: dict[tuple[str, int, int], tuple[tuple[int, ...], bool] | None] = {}
+        self.ranking = Ranking([])
+
+    def costs(self, config: Config) -> CostModel:
+        if config not in self._costs:
+            self._costs[config] = self.costs_for(config)
+        return self._costs[config]
+
+    def run_costs(self, config: Config, schedule: Schedule) -> tuple[CostModel, CostModel]:
+        """The cost models ``schedule`` runs under: as it is, and recomputing."""
+        ckpt = replace(config, recompute=True)
+        if self.costs_for_schedule is None:
+            return self.costs(config), self.costs(ckpt)
+        return self.costs_for_schedule(config, schedule), self.costs_for_schedule(ckpt, schedule)
+
+    def probe(self, name: str, pp: int, chunks: int, m: int) -> tuple[tuple[int, ...], bool]:
+        """The placement a generator gives and whether it splits backward, from a small
+        instance (placement does not depend on the microbatch count)."""
+        key = (name, pp, chunks)
+        if self._probes.get(key) is None:
+            found = None
+            for small in dict.fromkeys((1, 2 * pp - 1, m)):
+                try:
+                    s = generate(name, pp, small, chunks)
+                except ScheduleError:
+                    continue
+                split = any(a.kind in (Kind.I, Kind.W) for acts in s.actions for a in acts)
+                found = (tuple(s.placement), split)
+                break
+            self._probes[key] = found
+        probe = self._probes[key]
+        if probe is None:
+            raise ScheduleError(f"{name} takes no microbatch count on {pp} ranks")
+        return probe
+
+    def threshold(self) -> tuple[bool, float] | None:
+        """The key a new candidate must beat to enter the top (None: the top is not full)."""
+        cands = self.ranking.candidates
+        if len(cands) < self.top:
+            return None
+        worst = cands[-1]
+        return (not worst.fits, worst.step_time)
+
+    def beaten(self, may_fit: bool, bound: float) -> bool:
+        worst = self.threshold()
+        if worst is None:
+            return False
+        # Strictly worse only: a tie is priced, so pruning never changes the order.
+        return (not may_fit, bound) > (worst[0], worst[1] * (1 + 1e-9))
+
+    def add(self, cand: Candidate) -> None:
+        cands = self.ranking.candidates
+        cands.append(cand)
+        cands.sort(key=Candidate.key)
+        del cands[self.top :]
+
+    def candidate(
+        self, config: Config, name: str, sched: Schedule, memory: MemoryPlan, costs: CostModel
+    ) -> Candidate:
+        built = build_schedule(memory.schedule, reduce_grad=config.dp > 1)
+        timeline = simulate(built, costs, graph=Graph(built))
+        step = timeline.makespan
+        tokens = self.global_batch * self.seq / step if self.seq > 0 and step > 0 else math.nan
+        denominator = step * self.gpus * self.peak
+        mfu = self.flops * self.global_batch / denominator if denominator > 0 else math.nan
+        if self.flops <= 0:
+            mfu = math.nan
+        return Candidate(
+            pp=config.pp,
+            dp=config.dp,
+            microbatch_size=config.microbatch_size,
+            microbatches=config.microbatches,
+            chunks=sched.chunks_per_rank,
+            schedule=name,
+            memory_plan=memory.plan,
+            step_time=step,
+            tokens_per_second=tokens,
+            mfu=mfu,
+            bubble=timeline.bubble_rate,
+            peak_memory=max(timeline.peak_memory),
+            fits=memory.fits,
+            timeline=timeline,
+        )
+
+    def price(self, job: _Job) -> Candidate | None:
+        """Build, fit and simulate one job; None if it is refused or its refined bound
+        (recompute included) cannot enter the top."""
+        config = job.config
+        try:
+            base = generate(job.schedule, config.pp, config.microbatches, config.chunks)
+        except ScheduleError:
+            self.ranking.refused += 1
+            return None
+        natural, ckpt = self.run_costs(config, base)
+        memory = plan_memory(base, natural, ckpt, self.limit)
+        costs = ckpt if any(memory.recomputed) else natural
+        bound = job.bound
+        if any(memory.recomputed):
+            bound = lower_bound(
+                ckpt, job.placement, config.microbatches, split=job.split,
+                recomputed=memory.recomputed,
+            )  # fmt: skip
+        # Now that its plan is known (recompute costs time; what does not fit ranks
+        # after all that does), it may no longer be able to enter the top.
+        if self.beaten(memory.fits, bound):
+            self.ranking.pruned += 1
+            return None
+        self.ranking.priced += 1
+        return self.candidate(config, job.schedule, base, memory, costs)
+
+    def price_auto(self, config: Config, auto_budget: float) -> Candidate | None:
+        from zeropipe.core.schedules.auto import search as auto_search  # registers "auto"
+
+        def costs_of(stages: int) -> CostModel:
+            return self.costs(replace(config, stages=stages))
+
+        try:
+            found = auto_search(
+                costs_of, config.pp, config.microbatches, None,
+                max_chunks=2 if 2 * config.pp <= self.layers else 1,
+                recompute=False, time_budget=auto_budget,
+            )  # fmt: skip
+        except ScheduleError:
+            self.ranking.refused += 1
+            return None
+        base = found.schedule.compute_only()
+        stages = replace(config, stages=base.num_stages)
+        natural, ckpt = self.run_costs(stages, base)
+        memory = plan_memory(base, natural, ckpt, self.limit)
+        self.ranking.priced += 1
+        costs = ckpt if any(memory.recomputed) else natural
+        return self.candidate(stages, "auto", base, memory, costs)
+
+
+def _jobs(
+    state: _Search,
+    *,
+    gpus: int,
+    layers: int,
+    global_batch: int,
+    schedules: Sequence[str],
+    microbatch_sizes: Sequence[int],
+    chunks: Sequence[int],
+    pp_options: Sequence[int] | None,
+    count: bool = True,
+) -> Iterator[_Job]:
+    """Every (configuration, named schedule) the grid holds, with its bound."""
+    for pp in pp_options or divisors(gpus):
+        if pp > layers or gpus % pp:
+            continue
+        dp = gpus // pp
+        for mbs in microbatch_sizes:
+            if global_batch % (dp * mbs):
+                continue
+            m = global_batch // (dp * mbs)
+            for name in schedules:
+                if name == "auto":
+                    continue
+                gen = GENERATORS[name]
+                for v in chunks if gen.takes_chunks else (gen.default_chunks,):
+                    state.ranking.considered += count
+                    if pp * v > layers:
+                        state.ranking.refused += count
+                        continue
+                    config = Config(pp, dp, mbs, m, pp * v)
+                    try:
+                        placement, split = state.probe(name, pp, v, m)
+                        costs = state.costs(config)
+                    except ScheduleError:
+                        state.ranking.refused += count
+                        continue
+                    weights = max(
+                        sum(costs.stages[s].weights for s, r in enumerate(placement) if r == q)
+                        for q in range(pp)
+                    )
+                    bound = lower_bound(costs, placement, m, split=split)
+                    yield _Job(config, name, placement, split, bound, weights <= state.limit)
+
+
+def search(
+    *,
+    gpus: int,
+    layers: int,
+    global_batch: int,
+    costs_for: CostFactory,
+    memory: float | None,
+    schedules: Sequence[str],
+    microbatch_sizes: Sequence[int],
+    flops_per_sample: float,
+    peak_flops: float,
+    seq: int,
+    progress: Callable[[str], None] | None = None,
+    top: int = 10,
+    chunks: Sequence[int] = (2,),
+    pp_options: Sequence[int] | None = None,
+    prune: bool = True,
+    auto_runs: int = 3,
+    auto_budget: float = 2.0,
+    costs_for_schedule: ScheduleCosts | None = None,
+) -> Ranking:
+    """Rank the ways to run a model on ``gpus`` accelerators by simulated step time.
+
+    Args:
+        layers: the model's layers; no stage count above it is considered.
+        global_batch: samples (sequences) per step, over all replicas.
+        costs_for: the cost model of a :class:`Config` (times in seconds).  It sets
+            ``dp`` / ``dp_latency`` / ``dp_bandwidth`` so the all-reduce is priced.
+        memory: per-rank limit in the cost model's memory unit (None: no limit).
+        schedules: generator names; ``"auto"`` runs :func:`zeropipe.core.schedules.auto.search`
+            for the ``auto_runs`` best configurations that could enter the top
+            (each within ``auto_budget`` seconds of list scheduling).
+        microbatch_sizes: samples per microbatch to try.
+        flops_per_sample, peak_flops: for MFU (``flops_per_sample x global_batch /
+            (step_time x gpus x peak_flops)``); 0 gives NaN.
+        seq: tokens per sample, for tokens per second (0 gives NaN).
+        progress: called with a line about every second of work.
+        top: how many candidates to return.
+        chunks: chunks per rank for generators that take any (interleaved).
+        pp_options: pipeline depths to consider (default: every divisor of ``gpus``).
+        prune: False prices every configuration (slow; the ranking is the same).
+        costs_for_schedule: when given, each schedule is priced under the cost model
+            it returns for it (e.g. :func:`schedule_cut`: its own cut of measured
+            layers) rather than ``costs_for``'s, which then only orders the work.
+            Bounds from ``costs_for`` do not hold for other cuts: nothing is pruned.
+
+    Returns:
+        a :class:`Ranking`: fitting candidates first, each group by step time.
+
+    Raises:
+        ScheduleError: bad arguments, an unknown schedule, or nothing to price.
+    """
+    start = time.perf_counter()
+    for name, value in (("gpus", gpus), ("layers", layers), ("global_batch", global_batch)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ScheduleError(f"{name} must be a whole number >= 1, got {value!r}")
+    if top < 1:
+        raise ScheduleError(f"top must be >= 1, got {top}")
+    if "auto" in schedules:
+        from zeropipe.core.schedules import auto  # noqa: F401  (registers "auto" for the check)
+    unknown = [s for s in schedules if s not in GENERATORS]
+    if unknown:
+        raise ScheduleError(
+            f"unknown schedule(s) {', '.join(unknown)}; known: {', '.join(sorted(GENERATORS))}"
+        )
+    if not microbatch_sizes or min(microbatch_sizes) < 1:
+        raise ScheduleError(f"microbatch sizes must be >= 1, got {list(microbatch_sizes)}")
+    limit = math.inf if memory is None else float(memory)
+    state = _Search(
+        costs_for, limit, flops_per_sample, peak_flops, seq, global_batch, gpus, top, layers,
+        costs_for_schedule,
+    )  # fmt: skip
+    prune = prune and costs_for_schedule is None
+    ranking = state.ranking
+    jobs = sorted(
+        _jobs(
+            state, gpus=gpus, layers=layers, global_batch=global_batch, schedules=schedules,
+            microbatch_sizes=microbatch_sizes, chunks=chunks, pp_options=pp_options,
+        ),
+        key=_Job.order,
+    )  # fmt: skip
+    if not jobs and "auto" not in schedules:
+        raise ScheduleError(_nothing_to_price(gpus, layers, global_batch, microbatch_sizes))
+    last = time.perf_counter()
+
+    def report(what: str, done: int, total: int) -> None:
+        nonlocal last
+        now = time.perf_counter()
+        if progress is None or now - last < 1.0:
+            return
+        last = now
+        best = ranking.best
+        so_far = f"best {best.step_time:.4g} s ({best.schedule}, pp {best.pp})" if best else "-"
+        progress(
+            f"{done}/{total} {what}; {ranking.priced} priced, {ranking.pruned} pruned; {so_far}"
+        )
+
+    for n, job in enumerate(jobs):
+        if prune and state.beaten(job.may_fit, job.bound):
+            # Jobs come in bound order and the bar only drops: none after this can enter.
+            ranking.pruned += len(jobs) - n
+            break
+        c = job.config
+        report(f"pricing pp {c.pp} dp {c.dp} mbs {c.microbatch_size} {job.schedule}", n, len(jobs))
+        cand = state.price(job) if prune else _price_unpruned(state, job)
+        if cand is not None:
+            state.add(cand)
+    if "auto" in schedules:
+        # The placements auto chooses among, priced like the named schedules that use them.
+        groups: dict[Config, list[_Job]] = {}
+        for job in _jobs(
+            state, gpus=gpus, layers=layers, global_batch=global_batch,
+            schedules=("1f1b", "interleaved-1f1b", "zbv"), microbatch_sizes=microbatch_sizes,
+            chunks=(2,), pp_options=pp_options, count=False,
+        ):  # fmt: skip
+            groups.setdefault(replace(job.config, stages=job.config.pp), []).append(job)
+        _search_auto(state, groups, prune, auto_runs, auto_budget, report)
+    ranking.seconds = time.perf_counter() - start
+    if not ranking.candidates:
+        raise ScheduleError(_nothing_to_price(gpus, layers, global_batch, microbatch_sizes))
+    return ranking
+
+
+def _price_unpruned(state: _Search, job: _Job) -> Candidate | None:
+    saved, state.top = state.top, 1 << 30  # nothing is ever beaten
+    try:
+        return state.price(job)
+    finally:
+        state.top = saved
+
+
+def _search_auto(
+    state: _Search,
+    groups: dict[Config, list[_Job]],
+    prune: bool,
+    runs: int,
+    budget: float,
+    report: Callable[[str, int, int], None],
+) -> None:
+    """Run auto for the configurations with the best bounds.  ``groups``: per
+    configuration (one chunk), the placements auto may choose (one chunk, interleaved
+    or V with two); its bound is the least of theirs with backward split."""
+    order = []
+    for config, jobs in groups.items():
+        bound = min(
+            lower_bound(state.costs(j.config), j.placement, config.microbatches, split=True)
+            for j in jobs
+        )
+        order.append(replace(jobs[0], config=config, schedule="auto", split=True, bound=bound,
+                             may_fit=any(j.may_fit for j in jobs)))  # fmt: skip
+    order.sort(key=_Job.order)
+    state.ranking.considered += len(order)
+    tried = skipped = 0
+    for job in order:
+        if prune and state.beaten(job.may_fit, job.bound):
+            state.ranking.pruned += 1
+            continue
+        if tried >= runs:
+            skipped += 1
+            continue
+        tried += 1
+        report(f"auto on pp {job.config.pp} mbs {job.config.microbatch_size}", tried, runs)
+        cand = state.price_auto(job.config, budget)
+        if cand is not None:
+            state.add(cand)
+    if skipped:
+        state.ranking.notes.append(
+            f"auto ran for the {tried} configuration(s) with the best bounds; {skipped} other(s) "
+            f"that might have entered the top were not searched (auto_runs={runs})"
+        )
+
+
+def _nothing_to_price(gpus: int, layers: int, batch: int, sizes: Sequence[int]) -> str:
+    deepest = max(d for d in divisors(gpus) if d <= layers)
+    return (
+        f"no configuration to price for {gpus} GPU(s), {layers} layers and a global batch of "
+        f"{batch}: the batch must split into dp replicas x microbatches of size {list(sizes)}, "
+        f"with dp = gpus / pp and pp <= {layers} dividing the GPUs (so dp >= {gpus // deepest}); "
+        f"make the global batch a multiple of {gpus // deepest} x a microbatch size, or use "
+        f"fewer GPUs"
+    )

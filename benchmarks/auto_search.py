@@ -178,9 +178,9 @@ def _worker(rank: int, world: int, cfg: dict[str, int]) -> dict[str, Any]:
         local = Pipeline(
             split_layers(model, balance(times, world)),
             schedules["1f1b"],
-            microbatches=m,
             loss_fn=loss_fn,
-            executor="local",
+            microbatches=m,
+            mesh="local",
         )
         for rep in range(cfg["warmup"] + cfg["steps"]):
             t0 = time.perf_counter()

@@ -100,7 +100,7 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> list[dict[str, Any
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
-    pp_group, dp_group = mesh.get_group("pp"), mesh.get_group("dp")
+    pp_group = mesh.get_group("pp")
     dp = mesh.get_local_rank("dp")
     rows = []
     for model_name in ("mlp", "gpt"):
@@ -109,11 +109,9 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> list[dict[str, Any
             m = args.microbatches
             built = build_schedule(name, ranks=2, microbatches=m, reduce_grad=True)
             pipes = {
-                "2x1": Pipeline(model, name, microbatches=m, loss_fn=loss_fn, pp_group=pp_group),
-                "2x2": Pipeline(model, built, loss_fn=loss_fn, pp_group=pp_group,
-                                dp_group=dp_group),
-                "2x2 end": Pipeline(model, _at_end(built), loss_fn=loss_fn, pp_group=pp_group,
-                                    dp_group=dp_group),
+                "2x1": Pipeline(model, name, loss_fn=loss_fn, microbatches=m, mesh=pp_group),
+                "2x2": Pipeline(model, built, loss_fn=loss_fn, mesh=mesh),
+                "2x2 end": Pipeline(model, _at_end(built), loss_fn=loss_fn, mesh=mesh),
             }  # fmt: skip
             times: dict[str, list[float]] = {w: [] for w in WAYS}
             hidden: list[tuple[float, float]] = []

@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from zeropipe import RuntimeOptions
 from zeropipe.runtime.launch import launch
 from zeropipe.runtime.pipeline import Pipeline
 
@@ -62,10 +63,10 @@ def _run(rank: int, world: int, args: Any) -> dict[str, Any]:
         pipes[mode] = Pipeline(
             model,
             args.schedule,
-            microbatches=args.microbatches,
             loss_fn=F.mse_loss,
+            microbatches=args.microbatches,
             mesh=mesh,
-            dp_shard=mode == "sharded",
+            options=RuntimeOptions(dp_shard=mode == "sharded"),
         )
     g = torch.Generator().manual_seed(1)
     rows = args.rows * args.microbatches

@@ -116,7 +116,7 @@ def _calibrate(cfg: dict[str, Any], base: Schedule) -> CostModel:
     """Run (a) locally a few times; per stage the median F and B times and the bytes saved."""
     stages = _stages(cfg)
     x, y = _batch(cfg, torch.device("cpu"))
-    pipe = Pipeline(stages, base, loss_fn=F.mse_loss, executor="local")
+    pipe = Pipeline(stages, base, loss_fn=F.mse_loss, mesh="local")
     times: dict[tuple[int, Kind], list[float]] = {}
     for _ in range(cfg["warmup"] + 3):
         pipe.step(x, y)
@@ -306,7 +306,7 @@ def _run_device(args: argparse.Namespace) -> None:
         stages = [m.to(device) for m in _stages(cfg)]
         if wrap is not None:
             stages = [wrap(m) for m in stages]
-        pipes[name] = Pipeline(stages, schedule, loss_fn=F.mse_loss, executor="local")
+        pipes[name] = Pipeline(stages, schedule, loss_fn=F.mse_loss, mesh="local")
     times: dict[str, list[float]] = {n: [] for n in pipes}
     peaks: dict[str, int] = {}
     names = list(pipes)

@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zeropipe import RuntimeOptions
 from zeropipe.base.device import (
     allocated_bytes,
     is_accelerator,
@@ -107,7 +108,9 @@ def main() -> None:
         model = _model(args.stages, args.layers, hidden)  # built on the host
         model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         # Weight offload keeps the model on the host (pinned); the others move it to the device.
-        pipes[name] = Pipeline(model, schedule, loss_fn=F.mse_loss, device=device)
+        pipes[name] = Pipeline(
+            model, schedule, loss_fn=F.mse_loss, options=RuntimeOptions(device=device)
+        )
     total = (
         torch.get_device_module(device.type).get_device_properties(device).total_memory
         if accel

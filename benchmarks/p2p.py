@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from zeropipe import RuntimeOptions
 from zeropipe.runtime.launch import launch
 from zeropipe.runtime.pipeline import Pipeline
 
@@ -50,7 +51,9 @@ def _rank(rank: int, world: int, reps: int) -> dict[str, Any]:
         for name in SCHEDULES:
             model = _model(blocks, width, hidden)
             pipes = {
-                p2p: Pipeline(model, name, microbatches=8, loss_fn=F.mse_loss, p2p=p2p)  # type: ignore[arg-type]
+                p2p: Pipeline(
+                    model, name, loss_fn=F.mse_loss, microbatches=8, options=RuntimeOptions(p2p=p2p)
+                )  # type: ignore[arg-type]
                 for p2p in ("tagged", "ordered")
             }
             times: dict[str, list[float]] = {p2p: [] for p2p in pipes}

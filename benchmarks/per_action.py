@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zeropipe import build_schedule
 from zeropipe.apps.models.mlp import mlp_blocks
 from zeropipe.core.ir import Kind
 from zeropipe.core.simulate import Event
@@ -74,12 +75,9 @@ def _measure(schedule: str, steps: int, distributed: bool) -> dict[str, list[flo
     """Per kind, the durations (seconds) of this process's actions over ``steps`` steps."""
     pipe = Pipeline(
         _stages(),
-        schedule,
-        MICROBATCHES,
+        build_schedule(schedule, ranks=2, microbatches=MICROBATCHES),
         F.mse_loss,
-        ranks=2,
-        group_w=1,
-        executor="distributed" if distributed else "local",
+        mesh=None if distributed else "local",
     )
     x, y = torch.randn(MICROBATCHES, WIDTH), torch.randn(MICROBATCHES, WIDTH)
     params = pipe.parameters()
@@ -168,7 +166,11 @@ def _one_stage_rank(rank: int, world: int, steps: int) -> dict[str, float]:
 
     x, y = torch.randn(64, 64), torch.randn(64, 64)
     ours, theirs = mlp_blocks(4, 64, 128), mlp_blocks(4, 64, 128)
-    pipe = Pipeline(ours, "1f1b", MICROBATCHES, F.mse_loss, ranks=1, group_w=1)
+    pipe = Pipeline(
+        ours,
+        build_schedule("1f1b", ranks=1, microbatches=MICROBATCHES, group_w=1),
+        loss_fn=F.mse_loss,
+    )
     stage = pipelining.PipelineStage(theirs, 0, 1, torch.device("cpu"))
     sched = pipelining.Schedule1F1B(stage, n_microbatches=MICROBATCHES, loss_fn=F.mse_loss)
 

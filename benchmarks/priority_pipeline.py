@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from zeropipe import build_schedule
 from zeropipe.apps.models.mlp import mlp_blocks
 from zeropipe.core.ir import Kind
 from zeropipe.runtime.launch import launch
@@ -32,11 +33,8 @@ def _rank(rank: int, world: int, reps: int, schedule: str) -> dict[str, Any]:
     pipes = {
         flag: Pipeline(
             mlp_blocks(),
-            schedule,
-            microbatches=8,
+            build_schedule(schedule, ranks=world, microbatches=8),
             loss_fn=F.mse_loss,
-            ranks=world,
-            executor="distributed",
             options=RuntimeOptions(input_first=flag),
         )
         for flag in (True, False)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from zeropipe import Pipeline
+from zeropipe import Pipeline, build_schedule
 from zeropipe.autograd import parallel_map
 
 
@@ -63,7 +63,9 @@ def main() -> None:
     reference = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
 
-    pipe = Pipeline(model, "1f1b", microbatches=4, loss_fn=F.mse_loss, ranks=2, balance=[2, 3])
+    pipe = Pipeline(
+        model, build_schedule("1f1b", ranks=2, microbatches=4), loss_fn=F.mse_loss, balance=[2, 3]
+    )
     loss = pipe.step(x, y)
     worst = max((p.grad - reference[n]).abs().max().item() for n, p in model.named_parameters())
     print(f"loss {loss.item():.6f}; max gradient difference vs the plain model {worst:.2e}")

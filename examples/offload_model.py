@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zeropipe import Pipeline, generate
+from zeropipe import Pipeline, RuntimeOptions, generate
 from zeropipe.core.fit import offload_weights
 
 
@@ -44,7 +44,7 @@ def main() -> None:
     schedule = offload_weights(
         generate("looped-bfs", 1, args.microbatches, chunks=args.stages), prefetch=1
     )
-    pipe = Pipeline(model, schedule, loss_fn=F.mse_loss, device=args.device)
+    pipe = Pipeline(model, schedule, loss_fn=F.mse_loss, options=RuntimeOptions(device=args.device))
     opt = torch.optim.SGD(model.parameters(), lr=0.5)  # steps the host copies
     x = torch.randn(32, h)
     y = 0.5 * torch.tanh(x)

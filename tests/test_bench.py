@@ -48,7 +48,7 @@ def test_both_models_are_benched_and_reported() -> None:
         width=8,
         hidden=16,
         batch=4,
-        layers=2,
+        tf_blocks=2,
         d_model=16,
         heads=2,
         seq=4,
@@ -69,6 +69,24 @@ def test_both_models_are_benched_and_reported() -> None:
     table = bench.format_table(rows, cfg)
     assert "2 x Linear(8,16)-GELU-Linear(16,8)" in table
     assert "transformer: embedding, 2 pre-LN blocks (width 16, 2 heads)" in table
+    assert "of the model's 6 layers (2 blocks; embedding, attention and MLP" in table
+
+
+def test_the_table_says_what_the_cut_counts() -> None:
+    # A 6-block transformer cut [7, 7]: the numbers count its 14 layers (the issue: "layers
+    # per stage [7, 7]" for a 6-block model, with nothing saying why they add up to 14).
+    cfg = bench.BenchConfig(tf_blocks=6, blocks=8, group_w=1)
+    rows = [{**_rows({"1f1b": 1.0})[0], "model": m, "cut": cut}
+            for m, cut in (("mlp", [4, 4]), ("transformer", [7, 7]))]  # fmt: skip
+    lines = bench.format_table(rows, cfg).splitlines()
+    described = [line for line in lines if line.startswith("layers per stage: ")]
+    assert described == [
+        "layers per stage: of the model's 8 layers (one per block)",
+        "layers per stage: of the model's 14 layers (6 blocks; embedding, attention and MLP "
+        "of each block, head)",
+    ]
+    for row, line in zip(rows, described, strict=True):
+        assert sum(row["cut"]) == int(line.split("model's ")[1].split()[0])
 
 
 def _rows(ratios: dict[str, float]) -> list[dict[str, Any]]:
@@ -135,11 +153,13 @@ def test_runs_relaunch_and_summarise_each_schedules_ratio(
         (["--schedules", "zb-h1"], "no torch counterpart for 'zb-h1'"),
         (["--blocks", "3", "--schedules", "zbv"], "needs 4 stages; give --blocks >= 4"),
         (
-            ["--model", "transformer", "--layers", "1", "--ranks", "4", "--schedules", "zbv"],
-            "needs 8 stages; the transformer has 4 layers",
+            ["--model", "transformer", "--tf-blocks", "1", "--ranks", "4", "--schedules", "zbv"],
+            "needs 8 stages; the transformer has 4 layers (1 block; embedding, attention and MLP",
         ),
         (["--model", "transformer", "--d-model", "30"], "--d-model 30 must be a multiple"),
         (["--model", "transformer", "--tf-batch", "4"], "--tf-batch 4 cannot be split"),
+        # --layers counted the transformer's blocks; it names its new flag, never runs
+        (["--layers", "2"], "--layers is now --tf-blocks: it counts the transformer's blocks"),
     ],
 )
 def test_bad_flags_fail_in_one_line_before_any_process_starts(

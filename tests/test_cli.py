@@ -46,7 +46,7 @@ def test_schedules_lists_every_generator(capsys) -> None:
 def test_simulate_json_matches_the_simulator(capsys) -> None:
     got = run_json(
         capsys,
-        *("--schedule", "1f1b", "--stages", "4", "--microbatches", "6", "--costs", "F=1,B=3"),
+        *("--schedule", "1f1b", "--ranks", "4", "--microbatches", "6", "--costs", "F=1,B=3"),
     )
     want = simulate(generate("1f1b", 4, 6), CostModel.parse("F=1,B=3", 4))
     assert got["makespan"] == want.makespan == 3 * 4 + 6 * 4  # (p - 1)(F + B) + m(F + B)
@@ -64,7 +64,7 @@ def test_simulate_defaults(capsys) -> None:
 
 
 def test_simulate_prints_grid_summary_and_schedule_text(capsys) -> None:
-    argv = ("simulate", "--schedule", "gpipe", "--stages", "3", "--microbatches", "2")
+    argv = ("simulate", "--schedule", "gpipe", "--ranks", "3", "--microbatches", "2")
     code, out, err = run(capsys, *argv, "--width", "40", "--show")
     assert (code, err) == (0, "")
     assert out.startswith("# zeropipe schedule\nname: gpipe\n")
@@ -76,7 +76,7 @@ def test_simulate_prints_grid_summary_and_schedule_text(capsys) -> None:
 
 
 def test_simulate_lower_adds_sends_and_receives(capsys) -> None:
-    got = run_json(capsys, "--schedule", "1f1b", "--stages", "2", "--lower", "--show")
+    got = run_json(capsys, "--schedule", "1f1b", "--ranks", "2", "--lower", "--show")
     assert got["lowered"] is True
     assert "0SEND_F0" in str(got["text"]) and "1RECV_F0" in str(got["text"])
 
@@ -108,7 +108,7 @@ def test_simulate_json_file(tmp_path: Path, capsys) -> None:
     schedule = generate("1f1b", 2, 5)
     path = tmp_path / "s.json"
     path.write_text(schedule.to_json())
-    got = run_json(capsys, "--schedule", str(path), "--stages", "2")
+    got = run_json(capsys, "--schedule", str(path), "--ranks", "2")
     assert got["makespan"] == simulate(schedule, CostModel.parse("", 2)).makespan
 
 
@@ -116,7 +116,7 @@ def test_simulate_cost_file(tmp_path: Path, capsys) -> None:
     costs = CostModel.parse("F=1,B=2", 2).replace_stage(1, F=5.0)
     path = tmp_path / "costs.json"
     path.write_text(costs.to_json())
-    got = run_json(capsys, "--schedule", "gpipe", "--stages", "2", "--costs", str(path))
+    got = run_json(capsys, "--schedule", "gpipe", "--ranks", "2", "--costs", str(path))
     assert got["makespan"] == simulate(generate("gpipe", 2, 8), costs).makespan
 
 
@@ -128,7 +128,7 @@ def test_simulate_memory_limit_that_fits(capsys) -> None:
 
 def test_simulate_writes_plot_and_trace(tmp_path: Path, capsys) -> None:
     png, trace = tmp_path / "t.png", tmp_path / "t.json"
-    argv = ("--schedule", "1f1b", "--stages", "2", "--microbatches", "2")
+    argv = ("--schedule", "1f1b", "--ranks", "2", "--microbatches", "2")
     got = run_json(capsys, *argv, "--plot", str(png), "--trace", str(trace))
     assert got["files"] == {"plot": str(png), "trace": str(trace)}
     assert png.read_bytes().startswith(PNG_MAGIC)
@@ -153,7 +153,7 @@ def test_simulate_writes_plot_and_trace(tmp_path: Path, capsys) -> None:
             ["rank 0 holds 4", "limit of 2"],
         ),
         (["simulate", "--memory-limit", "-1"], ["--memory-limit", "must be > 0"]),
-        (["simulate", "--stages", "two"], ["--stages", "'two'"]),
+        (["simulate", "--ranks", "two"], ["--ranks", "'two'"]),
         (["simulate", "--schedule", "1f1b", "--chunks", "2"], ["1f1b uses 1 chunk"]),
         (["simulate", "--bogus"], ["unrecognized arguments: --bogus"]),
         (["frobnicate"], ["invalid choice: 'frobnicate'"]),
@@ -170,6 +170,38 @@ def test_user_errors_end_in_one_line_and_exit_2(capsys, argv: list[str], names: 
         assert name in first
     assert sum(line.startswith("zeropipe: error:") for line in err.splitlines()) == 1
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        # simulate's --stages counted ranks: "--stages 4" printed "4 ranks, 8 stages" for zbv
+        (
+            ["simulate", "--schedule", "zbv", "--stages", "4"],
+            "--stages is now --ranks: it counts pipeline ranks (stages = ranks x chunks)",
+        ),
+        (["simulate", "--stages=4"], "--stages is now --ranks"),
+        (["simulate", "--stage", "4"], "--stages is now --ranks"),  # an abbreviation too
+        # profile's --layers counted blocks: "--layers 4" printed "10 layers"
+        (["profile", "--layers", "4"], "--layers is now --blocks: it counts the model's blocks"),
+        (["train", "--layers", "4"], "--layers is now --blocks: it counts transformer blocks"),
+    ],
+)
+def test_a_renamed_flag_is_refused_naming_its_new_name(capsys, argv: list[str], says: str) -> None:
+    code, out, err = run(capsys, *argv)
+    assert (code, out) == (2, "")
+    assert len(err.splitlines()) == 1 and says in err, err
+    old, new = says.split()[0], says.split()[3].rstrip(":")
+    code, out, _ = run(capsys, argv[0], "--help")
+    assert code == 0 and new in out and old not in out  # the old name is hidden from --help
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_simulate_ranks_is_the_number_of_ranks_its_header_says(capsys, ranks: int) -> None:
+    code, out, _ = run(capsys, "simulate", "--schedule", "zbv", "--ranks", str(ranks))
+    assert code == 0
+    # zbv holds two chunks per rank: twice as many stages as ranks.
+    assert out.splitlines()[0].startswith(f"zbv: {ranks} ranks, {2 * ranks} stages, ")
 
 
 def test_memory_error_shows_the_grid_after_the_line(capsys) -> None:
@@ -245,9 +277,9 @@ def test_bad_cost_file_ends_in_one_line(tmp_path: Path, capsys, field, value, me
 def test_file_contradicting_a_flag(tmp_path: Path, capsys) -> None:
     path = tmp_path / "s.txt"
     path.write_text(generate("gpipe", 2, 3).to_text())
-    code, _, err = run(capsys, "simulate", "--schedule", str(path), "--stages", "4")
+    code, _, err = run(capsys, "simulate", "--schedule", str(path), "--ranks", "4")
     assert code == 2
-    assert "has 2 rank(s) but --stages 4 was given" in err
+    assert "has 2 rank(s) but --ranks 4 was given" in err
 
 
 def test_unwritable_output_is_a_user_error(tmp_path: Path, capsys) -> None:
@@ -296,7 +328,7 @@ def test_matplotlib_is_imported_only_to_draw() -> None:
 
 
 def test_many_ranks_draw_a_capped_grid_and_peak_line(capsys) -> None:
-    argv = ["simulate", "--schedule", "1f1b", "--stages", "70", "--microbatches", "2"]
+    argv = ["simulate", "--schedule", "1f1b", "--ranks", "70", "--microbatches", "2"]
     code, out, _ = run(capsys, *argv, "--width", "40")
     assert code == 0
     assert sum(line.startswith("rank ") for line in out.splitlines()) == 64

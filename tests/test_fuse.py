@@ -145,7 +145,9 @@ def test_pipeline_with_grouped_w_matches_the_reference(name: str, size: int) -> 
     model = token_model(dropout=0.2)
     x, y = batch_for(model, batch=11)
     ref_loss, ref = reference(model, x, y, token_loss, 5)
-    pipe = Pipeline(model, name, microbatches=5, loss_fn=token_loss, ranks=2, group_w=size)
+    pipe = Pipeline(
+        model, build_schedule(name, ranks=2, microbatches=5, group_w=size), loss_fn=token_loss
+    )
     assert pipe.fused_weights
     assert_same_loss(pipe.step(x, y), ref_loss)
     assert_same_gradients(model.named_parameters(), ref)

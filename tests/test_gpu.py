@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from tests.gradcheck import assert_same_gradients, assert_same_loss, batch_for, mlp, reference
 from tests.runtime.test_autocast import BF16, assert_bf16_gradients, splits
-from zeropipe import Pipeline
+from zeropipe import Pipeline, RuntimeOptions, build_schedule
 from zeropipe.core.fit import offload, offload_weights
 from zeropipe.core.schedules import GENERATORS, generate
 
@@ -39,7 +39,7 @@ def test_every_schedule_on_one_gpu_is_exact(name: str) -> None:
     model = mlp(layers=8, dropout=0.1).to(GPU)  # dropout: the GPU generator is seeded per layer
     x, y = _on_gpu(batch_for(model, batch=8))
     ref_loss, ref = reference(model, x, y, F.mse_loss, 4)
-    pipe = Pipeline(model, name, microbatches=4, loss_fn=F.mse_loss, ranks=2)
+    pipe = Pipeline(model, build_schedule(name, ranks=2, microbatches=4), loss_fn=F.mse_loss)
     assert pipe.memory.step_device() == GPU
     assert_same_loss(pipe.step(x, y), ref_loss)
     assert_same_gradients(model.named_parameters(), ref)
@@ -50,7 +50,12 @@ def test_device_cuda_moves_the_stages_and_the_batch() -> None:
     model = mlp(layers=4)
     x, y = batch_for(model, batch=8)  # on the host: the pipeline moves them
     ref_loss, ref = reference(model, x, y, F.mse_loss, 4)
-    pipe = Pipeline(model, "zb-h1", microbatches=4, loss_fn=F.mse_loss, ranks=2, device="cuda")
+    pipe = Pipeline(
+        model,
+        build_schedule("zb-h1", ranks=2, microbatches=4),
+        loss_fn=F.mse_loss,
+        options=RuntimeOptions(device="cuda"),
+    )
     assert pipe.device == GPU
     assert all(p.device == GPU for p in model.parameters())
     assert_same_loss(pipe.step(x, y).cpu(), ref_loss)
@@ -81,7 +86,7 @@ def test_weight_offload_on_the_gpu_is_exact_and_leaves_weights_on_the_host() -> 
     x, y = batch_for(model, batch=8)
     ref_loss, ref = reference(model, x, y, F.mse_loss, 4)
     schedule = offload_weights(generate("looped-bfs", 1, 4, chunks=4))
-    pipe = Pipeline(model, schedule, loss_fn=F.mse_loss, device="cuda")
+    pipe = Pipeline(model, schedule, loss_fn=F.mse_loss, options=RuntimeOptions(device="cuda"))
     assert_same_loss(pipe.step(x, y).cpu(), ref_loss)
     assert_same_gradients(model.named_parameters(), ref)
     for p in model.parameters():
@@ -104,7 +109,7 @@ def test_weight_offload_trains_a_model_larger_than_the_allocator_cap() -> None:
     torch.cuda.empty_cache()
     torch.cuda.set_per_process_memory_fraction(cap / total, GPU)
     try:
-        pipe = Pipeline(model, schedule, loss_fn=F.mse_loss, device="cuda")
+        pipe = Pipeline(model, schedule, loss_fn=F.mse_loss, options=RuntimeOptions(device="cuda"))
         for step in range(2):
             model.zero_grad(set_to_none=True)  # as an optimizer's zero_grad would
             ref_loss, ref = reference(reference_model, x, y, F.mse_loss, 4, step=step)
@@ -123,7 +128,9 @@ def test_bf16_autocast_on_the_gpu(name: str) -> None:
     model = mlp(layers=8, dtype=torch.float32).to(GPU)
     x, y = _on_gpu(batch_for(model, batch=8))
     ref_loss, ref = reference(model, x, y, F.mse_loss, 4, autocast=torch.bfloat16)
-    pipe = Pipeline(model, name, microbatches=4, loss_fn=F.mse_loss, ranks=2, options=BF16)
+    pipe = Pipeline(
+        model, build_schedule(name, ranks=2, microbatches=4), loss_fn=F.mse_loss, options=BF16
+    )
     loss = pipe.step(x, y)
     assert loss.dtype == torch.float32
     assert torch.allclose(loss, ref_loss, rtol=1e-5, atol=1e-6)

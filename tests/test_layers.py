@@ -127,8 +127,7 @@ def test_no_module_imports_a_higher_layer() -> None:
                 wrong.append(f"{module}:{line} imports the package root {TOP!r}")
             elif _layer(target) > mine:
                 wrong.append(
-                    f"{module}:{line} ({LAYERS[mine]}) imports {target} "
-                    f"({LAYERS[_layer(target)]})"
+                    f"{module}:{line} ({LAYERS[mine]}) imports {target} ({LAYERS[_layer(target)]})"
                 )
     assert not wrong, "layer violations:\n" + "\n".join(wrong)
 
@@ -237,8 +236,8 @@ def _without_torch(argv: list[str], cwd: Path) -> subprocess.CompletedProcess[st
     "argv",
     [
         ["schedules"],
-        ["simulate", "--schedule", "zbv", "--stages", "4", "--microbatches", "8"],
-        ["simulate", "--schedule", "auto", "--stages", "2", "--microbatches", "4"],
+        ["simulate", "--schedule", "zbv", "--ranks", "4", "--microbatches", "8"],
+        ["simulate", "--schedule", "auto", "--ranks", "2", "--microbatches", "4"],
         [
             "plan",
             "--model",

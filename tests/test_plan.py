@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -115,4 +117,52 @@ def test_auto_plan_refuses_what_it_cannot_plan() -> None:
 
 def test_pipeline_points_auto_at_auto_plan() -> None:
     with pytest.raises(PipelineError, match="auto_plan"):
-        Pipeline(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), "auto", microbatches=2, ranks=2)
+        Pipeline(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), "auto", microbatches=2)
+
+
+def _two_stages() -> list[nn.Module]:
+    torch.manual_seed(0)
+    return [nn.Sequential(nn.Linear(8, 8), nn.GELU()), nn.Sequential(nn.Linear(8, 8))]
+
+
+def _bytes(costs: CostModel) -> list[tuple[float, float, float]]:
+    return [(c.act, c.act_w, c.boundary_bytes) for c in costs.stages]
+
+
+def test_profile_takes_the_inputs_and_target_pair_as_auto_plan_does() -> None:
+    # It was a raw "TypeError: Sequential.forward() takes 2 positional arguments but 3 were
+    # given": the pair was passed to the first stage as two inputs.
+    stages, x, y = _two_stages(), torch.randn(4, 8), torch.randn(4, 8)
+    once = {"warmup": 0, "repeat": 1}
+    paired = profile(stages, (x, y), loss_fn=F.mse_loss, **once)
+    apart = profile(stages, x, target=y, loss_fn=F.mse_loss, **once)  # as auto_plan calls it
+    no_loss = profile(stages, x, **once)
+    assert _bytes(paired) == _bytes(apart)
+    # The target reached the loss: the last stage saves what the loss needs for backward.
+    assert paired.stages[-1].act > no_loss.stages[-1].act == 0
+    # The same pair, as the whole batch, is what auto_plan takes.
+    model = nn.Sequential(*_two_stages())
+    plan = auto_plan(model, 2, 2, sample=(torch.randn(8, 8), torch.randn(8, 8)), loss_fn=F.mse_loss)
+    assert plan.balance == [1, 1]
+
+
+@pytest.mark.parametrize(
+    ("sample", "loss_fn", "says"),
+    [
+        ("pair", None, r"Sequential\.forward\(input\), cannot take the sample's 2 input tensors"),
+        ("inputs", F.mse_loss, r"loss_fn needs the target"),
+        ("words", F.mse_loss, r"sample's inputs must be a tensor or a tuple of tensors .*got str"),
+    ],
+)
+def test_a_sample_the_first_stage_cannot_take_is_one_typed_line(
+    sample: str, loss_fn: Any, says: str
+) -> None:
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    given: Any = {"pair": (x, y), "inputs": x, "words": ("x", y)}[sample]
+    for call in (
+        lambda: profile(_two_stages(), given, loss_fn=loss_fn, warmup=0, repeat=1),
+        lambda: auto_plan(nn.Sequential(*_two_stages()), 2, 2, sample=given, loss_fn=loss_fn),
+    ):
+        with pytest.raises(PipelineError, match=says) as err:
+            call()
+        assert len(str(err.value).splitlines()) == 1

@@ -166,13 +166,30 @@ def test_stage_profile_leaves_the_runtime_overhead_to_the_planning_layer() -> No
 
 def test_cli_profile_writes_costs(tmp_path: object, capsys: pytest.CaptureFixture[str]) -> None:
     out = f"{tmp_path}/costs.json"
-    args = ["profile", "--model", "mlp", "--layers", "4", "--width", "32", "--stages", "2"]
+    args = ["profile", "--model", "mlp", "--blocks", "4", "--width", "32", "--stages", "2"]
     code = cli.main([*args, "--repeat", "2", "--warmup", "1", "--balance", "--out", out])
     text, err = capsys.readouterr()
     assert (code, err) == (0, "")
     assert "stage" in text and "wrote costs" in text
     costs = CostModel.from_json(Path(out).read_text())
     assert len(costs.stages) == 2 and sum(costs.meta["cut"]) == 4
-    code = cli.main(["simulate", "--schedule", "1f1b", "--stages", "2", "--costs", out, "--json"])
+    code = cli.main(["simulate", "--schedule", "1f1b", "--ranks", "2", "--costs", out, "--json"])
     got = json.loads(capsys.readouterr()[0])
     assert code == 0 and got["memory_unit"] == "bytes"
+
+
+def test_cli_profile_counts_blocks_and_the_layers_its_cut_counts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The issue: "--layers 4" printed "10 layers"; the flag counted blocks, the line layers.
+    out = tmp_path / "costs.json"
+    args = ["profile", "--blocks", "2", "--width", "16", "--seq", "8", "--stages", "2"]
+    code = cli.main([*args, "--repeat", "1", "--warmup", "0", "--out", str(out)])
+    lines = capsys.readouterr()[0].splitlines()
+    assert code == 0
+    assert lines[0].startswith(
+        "gpt: 2 blocks, 6 layers (embedding, attention and MLP of each block, head), "
+        "in 2 stage(s) of [3, 3] layers, "
+    )
+    meta = CostModel.from_json(out.read_text()).meta
+    assert (meta["blocks"], meta["layers"], sum(meta["cut"])) == (2, 6, 6)

@@ -15,14 +15,14 @@ from zeropipe.apps import train_resume, train_state
 from zeropipe.apps.cli import main
 from zeropipe.apps.models.gpt import GPTConfig, gpt, lm_loss
 from zeropipe.apps.train import TrainConfig, train, train_rank
-from zeropipe.apps.train_setup import batch, build_model, load_corpus, loss_fn
+from zeropipe.apps.train_setup import batch, build_model, load_corpus, loss_fn, model_layers
 from zeropipe.core.errors import PipelineError, ZeropipeError
 from zeropipe.core.ir import Kind
 from zeropipe.runtime.checkpoint import consolidated_state_dict
 from zeropipe.runtime.launch import launch
 from zeropipe.runtime.pipeline import Pipeline
 
-SMALL = {"width": 32, "layers": 2, "seq": 16, "batch_size": 8, "microbatches": 4, "quiet": True}
+SMALL = {"width": 32, "blocks": 2, "seq": 16, "batch_size": 8, "microbatches": 4, "quiet": True}
 
 
 def _losses(out: Path) -> list[float]:
@@ -91,7 +91,7 @@ def test_loss_falls_on_the_default_model(tmp_path: Path) -> None:
     [
         (["--schedule", "nope"], "unknown schedule 'nope'"),
         (["--schedule", "dualpipev", "--microbatches", "2"], "use microbatches >= 3"),
-        (["--ranks", "9"], "use fewer ranks or more --layers"),
+        (["--ranks", "9"], "use fewer ranks or more --blocks"),
         (["--batch-size", "4"], "raise the batch size"),
         (["--memory-limit", "0.1"], "raise it to at least 0.5"),
         (["--recompute", "7"], "stage(s) [7] do not exist"),
@@ -164,7 +164,7 @@ def _cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, list
 def _small_argv(out: Path, *extra: str) -> list[str]:
     return [
         "train",
-        "--width", "32", "--layers", "2", "--batch-size", "8", "--microbatches", "4",
+        "--width", "32", "--blocks", "2", "--batch-size", "8", "--microbatches", "4",
         "--out", str(out), "--quiet", *extra,
     ]  # fmt: skip
 
@@ -234,6 +234,40 @@ def test_a_loss_that_turns_nan_in_process_names_its_step(
     assert len(_losses(tmp_path)) == 2
 
 
+def test_blocks_and_layers_are_counted_as_the_model_has_them() -> None:
+    # --blocks 2: the GPT's nn.Sequential is embedding, attention and MLP of each block, head.
+    cfg = TrainConfig(**SMALL)
+    vocab = load_corpus(cfg).vocab
+    _, cut, model = build_model(cfg, vocab, 2)
+    assert model_layers(cfg, vocab) == len(model) == sum(cut or []) == 6
+    # Up to one stage per layer: 3 zbv ranks hold 6 stages (refused before as "4 layers").
+    cfg = TrainConfig(**{**SMALL, "ranks": 3, "schedule": "zbv"})
+    cfg.check()
+    assert build_model(cfg, vocab, 6)[1] == [1, 1, 1, 1, 1, 1]
+    with pytest.raises(ZeropipeError) as err:
+        TrainConfig(**{**SMALL, "ranks": 4, "schedule": "zbv"}).check()
+    assert str(err.value) == (
+        "--ranks 4 with zbv needs 8 stages but the model has 6 layers (2 blocks; embedding, "
+        "attention and MLP of each block, head), and a stage needs a layer; use fewer ranks "
+        "or more --blocks"
+    )
+
+
+def test_resume_reads_the_blocks_of_settings_saved_as_layers(tmp_path: Path) -> None:
+    """Checkpoints saved while --blocks was called --layers record it as "layers"."""
+    one = {**SMALL, "ranks": 1, "schedule": "1f1b", "out": str(tmp_path)}
+    train(TrainConfig(**one, steps=1))
+    manifest = tmp_path / "checkpoints" / "step-000001" / train_state.MANIFEST
+    record = json.loads(manifest.read_text())
+    settings = record["meta"]["config"]
+    settings["layers"] = settings.pop("blocks")
+    manifest.write_text(json.dumps(record))
+    with pytest.raises(ZeropipeError, match="--blocks 3 differs from the checkpoint's 2"):
+        train_resume.check_resume(TrainConfig(**{**one, "blocks": 3}, steps=2, resume=True))
+    summary = train(TrainConfig(**one, steps=2, resume=True))
+    assert summary["steps_run"] == 1
+
+
 def test_resume_with_other_flags_names_each_one_in_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -247,8 +281,8 @@ def test_resume_with_other_flags_names_each_one_in_one_line(
         (["--microbatches", "2"], ["--microbatches 2 differs from the checkpoint's 4"]),
         (["--seed", "1"], ["--seed 1 differs from the checkpoint's 0"]),
         (
-            ["--lr", "0.01", "--layers", "3"],
-            ["--lr 0.01 differs from the checkpoint's 0.003", "--layers 3 differs"],
+            ["--lr", "0.01", "--blocks", "3"],
+            ["--lr 0.01 differs from the checkpoint's 0.003", "--blocks 3 differs"],
         ),
     ]
     for flags, needles in cases:
@@ -291,7 +325,7 @@ def _as_an_older_zeropipe_left_it(out: Path, cfg: TrainConfig) -> None:
     corpus = load_corpus(cfg)
     schedule = cfg.build_schedule()
     stages, cut, model = build_model(cfg, corpus.vocab, schedule.num_stages)
-    pipe = Pipeline(stages, schedule, loss_fn=loss_fn(cfg), balance=cut, executor="local")
+    pipe = Pipeline(stages, schedule, loss_fn=loss_fn(cfg), balance=cut, mesh="local")
     opt = torch.optim.AdamW(pipe.parameters(), lr=cfg.lr, weight_decay=0.0)
     step = train_resume.resume(root, 0, pipe, opt, cfg, model)
     state = {
@@ -311,7 +345,7 @@ def test_resume_from_a_checkpoint_without_a_manifest_warns_and_loads(
     base = _small_argv(tmp_path, "--ranks", "1", "--schedule", "1f1b")
     code, err = _cli([*base, "--steps", "2"], capsys)
     assert code == 0, err
-    cfg = TrainConfig(width=32, layers=2, batch_size=8, microbatches=4, ranks=1, schedule="1f1b")
+    cfg = TrainConfig(width=32, blocks=2, batch_size=8, microbatches=4, ranks=1, schedule="1f1b")
     _as_an_older_zeropipe_left_it(tmp_path, cfg)
     root = tmp_path / "checkpoints"
     assert train_state.read_manifest(root) is None
@@ -385,7 +419,7 @@ def test_export_writes_the_model_that_gives_the_pipelines_loss(
 ) -> None:
     from safetensors.torch import load_file
 
-    cfg = TrainConfig(width=32, layers=2, seq=16, batch_size=8, microbatches=4, quiet=True)
+    cfg = TrainConfig(width=32, blocks=2, seq=16, batch_size=8, microbatches=4, quiet=True)
     cfg.ranks, cfg.schedule, cfg.steps, cfg.out = 1, "1f1b", 2, str(tmp_path)
     summary = train(cfg)
     out = tmp_path / "model.safetensors"

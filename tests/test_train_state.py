@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+from zeropipe import build_schedule
 from zeropipe.apps import train_state
 from zeropipe.apps.train_state import CheckpointError
 from zeropipe.core.errors import ZeropipeError
@@ -151,7 +152,9 @@ def _dcp_checkpoint(root: Path, step: int) -> None:
     from tests.gradcheck import token_loss, token_model
     from zeropipe.runtime.pipeline import Pipeline
 
-    pipe = Pipeline(token_model(layers=4), "1f1b", 2, token_loss, ranks=2)
+    pipe = Pipeline(
+        token_model(layers=4), build_schedule("1f1b", ranks=2, microbatches=2), loss_fn=token_loss
+    )
     opt = torch.optim.AdamW(pipe.parameters())
     train_state.save_step(root, step, pipe, opt, extra={"step": step}, meta={"config": {}})
 

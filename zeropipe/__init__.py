@@ -56,7 +56,7 @@ __version__ = "0.1.0"
 # name -> module that defines it; imported on first access (these need torch).
 _LAZY = {
     "Pipeline": "zeropipe.runtime.pipeline",
-    "RuntimeOptions": "zeropipe.runtime.pipeline",
+    "RuntimeOptions": "zeropipe.runtime.options",
     "Plan": "zeropipe.planning.plan",
     "auto_plan": "zeropipe.planning.plan",
     "launch": "zeropipe.runtime.launch",

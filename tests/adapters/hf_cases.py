@@ -79,7 +79,7 @@ def reference(model: nn.Module, ids: Tensor, labels: Tensor) -> tuple[float, dic
     return loss.item(), grads
 
 
-def errors(arch: str, tied: bool, schedule: str, executor: str = "local") -> dict[str, float]:
+def errors(arch: str, tied: bool, schedule: str, local: bool = True) -> dict[str, float]:
     """Largest loss and gradient differences from the model's own, over ``STEPS``."""
     model = build(arch, tied)
     refs = [reference(model, *batch(step, seq)) for step, seq in STEPS]
@@ -87,11 +87,9 @@ def errors(arch: str, tied: bool, schedule: str, executor: str = "local") -> dic
     stages = zeropipe.split(model, 2 * chunks, balance=[1, 1, 1, 1] if chunks == 2 else [2, 2])
     pipe = zeropipe.Pipeline(
         stages,
-        schedule,
-        microbatches=3,
+        zeropipe.build_schedule(schedule, ranks=2, microbatches=3),
         loss_fn=zeropipe.causal_lm_loss,
-        ranks=2,
-        executor=executor,  # type: ignore[arg-type]
+        mesh="local" if local else None,
     )
     mine = {id(p) for p in pipe.parameters()}
     worst = {"loss": 0.0, "grad": 0.0, "checked": 0.0}
@@ -115,5 +113,5 @@ def distributed_cases(rank: int, world: int) -> dict[str, Any]:
     for arch in ARCHS:
         for tied in (False, True):
             for schedule in SCHEDULES:
-                out[f"{arch} tied={tied} {schedule}"] = errors(arch, tied, schedule, "distributed")
+                out[f"{arch} tied={tied} {schedule}"] = errors(arch, tied, schedule, local=False)
     return out

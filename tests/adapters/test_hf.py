@@ -9,6 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from zeropipe import build_schedule
+
 pytest.importorskip(
     "transformers", reason="the HF adapter needs transformers: pip install -e '.[hf]'"
 )
@@ -55,7 +57,9 @@ def test_sdpa_attention_and_a_measured_cut() -> None:
     ids, labels = hf_cases.batch(0, 8)
     ref_loss, ref_grads = hf_cases.reference(model, ids, labels)
     stages = zeropipe.split(model, 4)  # cut by measured time
-    pipe = zeropipe.Pipeline(stages, "zbv", 3, loss_fn=zeropipe.causal_lm_loss, ranks=2)
+    pipe = zeropipe.Pipeline(
+        stages, build_schedule("zbv", ranks=2, microbatches=3), loss_fn=zeropipe.causal_lm_loss
+    )
     assert abs(pipe.step(ids, labels).item() - ref_loss) <= hf_cases.TOL
     for name, p in model.named_parameters():
         assert p.grad is not None

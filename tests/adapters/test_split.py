@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import zeropipe
+from zeropipe import build_schedule
 from zeropipe.adapters.loss import CausalLMLoss
 from zeropipe.core.errors import PipelineError
 
@@ -56,7 +57,9 @@ def test_causal_lm_loss_is_the_shifted_mean_and_exact_over_uneven_microbatches()
     ref = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
     stages = [model.embed, nn.Sequential(nn.Tanh(), model.out)]
-    pipe = zeropipe.Pipeline(stages, "1f1b", 5, loss_fn=zeropipe.causal_lm_loss, ranks=2)
+    pipe = zeropipe.Pipeline(
+        stages, build_schedule("1f1b", ranks=2, microbatches=5), loss_fn=zeropipe.causal_lm_loss
+    )
     assert abs(pipe.step(ids, labels).item() - loss.item()) < 1e-14
     for n, p in model.named_parameters():
         assert torch.allclose(p.grad, ref[n], rtol=0, atol=1e-14), n
@@ -66,11 +69,9 @@ def test_causal_lm_loss_refuses_a_second_count_and_bad_shapes() -> None:
     with pytest.raises(PipelineError, match=r"counts its own items.*drop loss_count="):
         zeropipe.Pipeline(
             [nn.Identity(), nn.Identity()],
-            "1f1b",
-            2,
+            build_schedule("1f1b", ranks=2, microbatches=2),
             loss_fn=zeropipe.causal_lm_loss,
             loss_count=lambda y: (y != -100).sum(),
-            ranks=2,
         )
     with pytest.raises(PipelineError, match=r"labels \[2, 3\] must be \[batch, seq\]"):
         zeropipe.causal_lm_loss(torch.zeros(2, 4, 5), torch.zeros(2, 3, dtype=torch.long))

@@ -12,7 +12,7 @@ from zeropipe.apps.train import TrainConfig, train
 from zeropipe.core.errors import ZeropipeError
 
 ROOT = Path(__file__).resolve().parents[2]
-SMALL = {"width": 32, "layers": 2, "seq": 16, "batch_size": 4, "microbatches": 2, "quiet": True}
+SMALL = {"width": 32, "blocks": 2, "seq": 16, "batch_size": 4, "microbatches": 2, "quiet": True}
 
 
 def _files(tmp: Path) -> dict[str, str]:
@@ -45,7 +45,7 @@ def _files(tmp: Path) -> dict[str, str]:
         (["--data", "missing.txt"], "--data missing.txt: No such file"),
         (["--data", "binary.txt"], "is not UTF-8 text"),
         (["--data", "tiny.txt"], "give a longer file or a shorter sequence"),
-        (["--model", "llama", "--ranks", "9"], "use fewer ranks or more --layers"),
+        (["--model", "llama", "--ranks", "9"], "use fewer ranks or more --blocks"),
     ],
 )
 def test_bad_model_and_data_flags_are_one_line_errors(

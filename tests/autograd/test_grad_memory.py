@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.gradcheck import assert_same_gradients, batch_for, mlp, reference
+from zeropipe import build_schedule
 from zeropipe.autograd.grad_memory import GradMemory
 from zeropipe.runtime.pipeline import Pipeline, RuntimeOptions
 
@@ -59,7 +60,7 @@ def test_pipeline_steps_reuse_gradient_memory_and_stay_exact() -> None:
     model = mlp()
     x, y = batch_for(model, batch=8)
     _, ref = reference(model, x, y, F.mse_loss, 4)
-    pipe = Pipeline(model, "zb-h1", microbatches=4, loss_fn=F.mse_loss, ranks=2)
+    pipe = Pipeline(model, build_schedule("zb-h1", ranks=2, microbatches=4), loss_fn=F.mse_loss)
     weights = [p for n, p in model.named_parameters() if n.endswith("weight") and p.dim() == 2]
     pipe.step(x, y)
     addresses = [_address(p) for p in weights]
@@ -88,16 +89,14 @@ def test_keep_grad_memory_off_allocates_every_step() -> None:
     x, y = batch_for(model, batch=8)
     pipe = Pipeline(
         model,
-        "1f1b",
-        microbatches=4,
+        build_schedule("1f1b", ranks=2, microbatches=4),
         loss_fn=F.mse_loss,
-        ranks=2,
         options=RuntimeOptions(keep_grad_memory=False),
     )
     pipe.step(x, y)
     assert pipe.grad_memory is None
     # zb-h1: W writes these small weights' gradients (under 1f1b they stay plain linears)
-    on = Pipeline(mlp(), "zb-h1", microbatches=4, loss_fn=F.mse_loss, ranks=2)
+    on = Pipeline(mlp(), build_schedule("zb-h1", ranks=2, microbatches=4), loss_fn=F.mse_loss)
     on.step(*batch_for(model, batch=8))
     assert on.grad_memory is not None and len(on.grad_memory) > 0
     on.release_grad_memory()

@@ -23,6 +23,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -38,6 +39,7 @@ from tests.gradcheck import (
     token_loss,
     token_model,
 )
+from zeropipe import build_schedule
 from zeropipe.core.costs import CostModel
 from zeropipe.core.errors import PipelineError, ScheduleError
 from zeropipe.core.ir import Action, Kind
@@ -49,6 +51,12 @@ from zeropipe.runtime.pipeline import Pipeline, RuntimeOptions
 
 TIMEOUT = 30.0  # seconds a rank waits for a peer in these cases
 OPTIONS = RuntimeOptions(timeout=TIMEOUT)
+
+
+def seeded(seed: int) -> RuntimeOptions:
+    return replace(OPTIONS, seed=seed)
+
+
 SHORT_TIMEOUT, STALL = 1.0, 2.5  # the stalled-peer case: a wait times out, the peer wakes later
 
 MODELS: dict[str, tuple[Callable[[], nn.Sequential], Callable[..., Tensor]]] = {
@@ -117,7 +125,7 @@ def _grad_case(rank: int, world: int, name: str, model_name: str, m: int) -> dic
         if name == "auto"
         else name
     )
-    pipe = Pipeline(model, schedule, microbatches=m, loss_fn=loss_fn, seed=3, options=OPTIONS)
+    pipe = Pipeline(model, schedule, microbatches=m, loss_fn=loss_fn, options=seeded(3))
     steps = []
     for _ in range(steps_for(world, m)):
         model.zero_grad(set_to_none=True)
@@ -144,18 +152,17 @@ def _grouped_weights(rank: int, world: int) -> dict[str, Any]:
             continue
         for size in (2, 3):
             out[f"{name}/w{size}"] = guard(
-                functools.partial(_grouped_case, name, size, 2 * world + 1)
+                functools.partial(_grouped_case, name, size, 2 * world + 1, world)
             )
     return out
 
 
-def _grouped_case(name: str, size: int, m: int) -> dict[str, Any]:
+def _grouped_case(name: str, size: int, m: int, world: int) -> dict[str, Any]:
     build, loss_fn = MODELS["tokens-tied"]
     model = build()
     x, y = batch_for(model, batch=2 * m + 1)
-    pipe = Pipeline(
-        model, name, microbatches=m, loss_fn=loss_fn, seed=3, options=OPTIONS, group_w=size
-    )
+    schedule = build_schedule(name, ranks=world, microbatches=m, group_w=size)
+    pipe = Pipeline(model, schedule, loss_fn=loss_fn, options=seeded(3))
     steps = []
     for _ in range(2):
         model.zero_grad(set_to_none=True)
@@ -167,7 +174,7 @@ def _grouped_case(name: str, size: int, m: int) -> dict[str, Any]:
 def _same_seed(rank: int, world: int) -> dict[str, Any]:
     model = mlp(dropout=0.5)
     x, y = batch_for(model, batch=9)
-    pipe = Pipeline(model, "1f1b", microbatches=4, loss_fn=F.mse_loss, seed=11, options=OPTIONS)
+    pipe = Pipeline(model, "1f1b", microbatches=4, loss_fn=F.mse_loss, options=seeded(11))
     loss = pipe.step(x, y)
     return {"loss": loss.item(), "grads": _owned_grads(model)}
 
@@ -176,7 +183,12 @@ def same_seed_local(ranks: int) -> dict[str, Any]:
     """The same run as ``_same_seed`` on the local executor (in the test process)."""
     model = mlp(dropout=0.5)
     x, y = batch_for(model, batch=9)
-    pipe = Pipeline(model, "1f1b", microbatches=4, loss_fn=F.mse_loss, ranks=ranks, seed=11)
+    pipe = Pipeline(
+        model,
+        build_schedule("1f1b", ranks=ranks, microbatches=4),
+        loss_fn=F.mse_loss,
+        options=RuntimeOptions(seed=11),
+    )
     loss = pipe.step(x, y)
     return {"loss": loss.item(), "grads": _owned_grads(model)}
 
@@ -430,7 +442,9 @@ def _fit_case(rank: int, world: int) -> list[str]:
     messages = []
     for make in (
         lambda: Pipeline(mlp(), generate("1f1b", 2 * world, 2), loss_fn=F.mse_loss),
-        lambda: Pipeline(mlp(), "1f1b", microbatches=2, loss_fn=F.mse_loss, ranks=world + 1),
+        lambda: Pipeline(
+            mlp(), build_schedule("1f1b", ranks=world + 1, microbatches=2), loss_fn=F.mse_loss
+        ),
     ):
         try:
             make()
@@ -492,7 +506,7 @@ def three_ranks(rank: int, world: int) -> dict[str, Any]:
         model = build().to(dtype)
         m = 2 * world + 1
         x, y = batch_for(model, batch=2 * m + 1)
-        pipe = Pipeline(model, "1f1b", microbatches=m, loss_fn=loss_fn, seed=3, options=OPTIONS)
+        pipe = Pipeline(model, "1f1b", microbatches=m, loss_fn=loss_fn, options=seeded(3))
         steps = []
         for _ in range(2):
             model.zero_grad(set_to_none=True)
@@ -527,9 +541,9 @@ def raise_on_rank1(rank: int, world: int) -> str:
     pipe = Pipeline(
         [nn.Linear(4, 4), nn.Linear(4, 4)],
         "1f1b",
-        microbatches=2,
         loss_fn=F.mse_loss,
-        process_group=sub,
+        microbatches=2,
+        mesh=sub,
         options=OPTIONS,
     )
     if rank == 1:
@@ -576,8 +590,8 @@ def _torchrun_main() -> None:
     model = token_model(dropout=0.2)
     x, y = batch_for(model, batch=9)
     ref_loss, ref = reference(model, x, y, token_loss, 4, seed=5)
-    pipe = Pipeline(model, "zb-h1", microbatches=4, loss_fn=token_loss, seed=5,
-                    options=RuntimeOptions(timeout=60))  # fmt: skip
+    pipe = Pipeline(model, "zb-h1", microbatches=4, loss_fn=token_loss,
+                    options=RuntimeOptions(timeout=60, seed=5))  # fmt: skip
     loss = pipe.step(x, y)
     worst = assert_same_gradients(model.named_parameters(), ref, only_owned=True)
     assert abs(loss.item() - ref_loss.item()) <= 1e-10, (loss.item(), ref_loss.item())

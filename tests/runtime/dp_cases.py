@@ -24,6 +24,7 @@ import os
 import pickle
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -33,6 +34,7 @@ from torch import Tensor, nn
 
 from tests.gradcheck import batch_for, mlp, token_loss, token_model
 from tests.runtime.dist_cases import MODELS, guard, supported
+from zeropipe import build_schedule
 from zeropipe.core.costs import CostModel
 from zeropipe.core.errors import PipelineError
 from zeropipe.core.fit import offload_weights
@@ -45,6 +47,14 @@ WORLD = PP * DP
 OPTIONS = RuntimeOptions(timeout=60.0)
 LAUNCH_TIMEOUT = 300.0
 SEED = 5
+SEEDED = replace(OPTIONS, seed=SEED)
+
+
+def _replicas_only() -> Any:
+    """A mesh whose "pp" dimension is one process: each process a replica of a whole pipeline."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("pp", "dp"))
 
 
 def _outcome(make: Callable[[], object]) -> str:
@@ -94,9 +104,7 @@ def _grad_case(mesh: Any, dp: int, name: str, model_name: str, m: int) -> dict[s
     schedule = (
         auto_plan(model, PP, m, costs=CostModel.uniform(PP)).schedule if name == "auto" else name
     )
-    pipe = Pipeline(
-        model, schedule, microbatches=m, loss_fn=loss_fn, seed=SEED, mesh=mesh, options=OPTIONS
-    )
+    pipe = Pipeline(model, schedule, microbatches=m, loss_fn=loss_fn, mesh=mesh, options=SEEDED)
     steps = []
     for _ in range(2):
         model.zero_grad(set_to_none=True)
@@ -154,8 +162,8 @@ def _fsdp_case(mesh: Any, dp: int, name: str, model_name: str, m: int) -> dict[s
         auto_plan(model, PP, m, costs=CostModel.uniform(PP)).schedule if name == "auto" else name
     )
     pipe = Pipeline(
-        model, schedule, microbatches=m, loss_fn=loss_fn, seed=SEED, mesh=mesh, options=OPTIONS,
-        dp_shard=True,
+        model, schedule, microbatches=m, loss_fn=loss_fn, mesh=mesh,
+        options=replace(SEEDED, dp_shard=True),
     )  # fmt: skip
     steps = []
     for _ in range(2):
@@ -193,8 +201,8 @@ def _fsdp_train_case(mesh: Any, dp: int, name: str) -> dict[str, Any]:
     x, y = global_batch(model, 4)
     xs, ys = replica_slice(x, dp), replica_slice(y, dp)
     pipe = Pipeline(
-        model, name, microbatches=4, loss_fn=token_loss, mesh=mesh, options=OPTIONS,
-        dp_shard=True,
+        model, name, microbatches=4, loss_fn=token_loss, mesh=mesh,
+        options=replace(OPTIONS, dp_shard=True),
     )  # fmt: skip
     opt = torch.optim.SGD(pipe.parameters(), lr=LR)
     pipe.step(xs, ys)
@@ -229,12 +237,13 @@ def _checkpoint_refusal(pipe: Pipeline) -> str:
 def _fsdp_refusals(mesh: Any) -> list[str]:
     messages = []
     for make in (
-        lambda: Pipeline(mlp(), "1f1b", microbatches=2, loss_fn=F.mse_loss, ranks=2,
-                         executor="local", dp_shard=True),
-        lambda: Pipeline(mlp(), "1f1b", microbatches=2, loss_fn=F.mse_loss, ranks=2,
-                         executor="local", dp_group=mesh.get_group("dp"), dp_shard=True),
+        lambda: Pipeline(mlp(), build_schedule("1f1b", ranks=2, microbatches=2),
+                         loss_fn=F.mse_loss, mesh="local", options=RuntimeOptions(dp_shard=True)),
+        lambda: Pipeline(mlp(), build_schedule("1f1b", ranks=2, microbatches=2),
+                         loss_fn=F.mse_loss, mesh=_replicas_only(),
+                         options=RuntimeOptions(dp_shard=True)),
         lambda: Pipeline(mlp(), offload_weights(generate("1f1b", PP, 2)), loss_fn=F.mse_loss,
-                         mesh=mesh, device="cpu", dp_shard=True),
+                         mesh=mesh, options=RuntimeOptions(device="cpu", dp_shard=True)),
     ):  # fmt: skip
         messages.append(_outcome(make))
     return messages
@@ -313,12 +322,9 @@ def _local_case(rank: int) -> dict[str, Any]:
     x, y = batch_for(model, batch=2 * 2 * WORLD)
     pipe = Pipeline(
         model,
-        "interleaved-1f1b",
-        microbatches=2,
+        build_schedule("interleaved-1f1b", ranks=2, microbatches=2),
         loss_fn=F.mse_loss,
-        ranks=2,
-        executor="local",
-        dp_group=dist.group.WORLD,
+        mesh=_replicas_only(),
         options=OPTIONS,
     )
     xs, ys = torch.tensor_split(x, WORLD)[rank], torch.tensor_split(y, WORLD)[rank]
@@ -341,7 +347,7 @@ def _timeline_case(mesh: Any, dp: int) -> dict[str, Any]:
 def _refusals(mesh: Any) -> list[str]:
     messages = []
     for make in (
-        lambda: Pipeline(mlp(), "1f1b", microbatches=2, loss_fn=F.mse_loss, mesh=mesh, dp_group=1),
+        lambda: Pipeline(mlp(), "1f1b", microbatches=2, loss_fn=F.mse_loss, mesh="global"),
         lambda: Pipeline(mlp(), "1f1b", microbatches=2, loss_fn=F.mse_loss, mesh=object()),
     ):
         messages.append(_outcome(make))

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tests.gradcheck import assert_same_loss, batch_for, mlp, reference
-from zeropipe import Pipeline
+from zeropipe import Pipeline, build_schedule
 from zeropipe.core.errors import PipelineError
 from zeropipe.core.fit import checkpoint
 from zeropipe.core.ir import Kind
@@ -57,7 +57,9 @@ def test_every_schedule_under_bf16_autocast_matches_the_autocast_reference(name:
     ref_loss, ref = reference(model, x, y, F.mse_loss, 4, autocast=torch.bfloat16)
     plain_loss, _ = reference(model, x, y, F.mse_loss, 4)
     assert ref_loss != plain_loss  # autocast changed the arithmetic: the check has teeth
-    pipe = Pipeline(model, name, microbatches=4, loss_fn=F.mse_loss, ranks=2, options=BF16)
+    pipe = Pipeline(
+        model, build_schedule(name, ranks=2, microbatches=4), loss_fn=F.mse_loss, options=BF16
+    )
     model.zero_grad(set_to_none=True)
     assert_same_loss(pipe.step(x, y), ref_loss)
     assert_bf16_gradients(model, ref, split=splits(name))
@@ -95,7 +97,9 @@ def test_the_loss_runs_under_autocast_and_the_backward_outside() -> None:
 
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     x, y = torch.randn(4, 4), torch.randn(4, 4)
-    pipe = Pipeline(model, "1f1b", microbatches=2, loss_fn=loss_fn, ranks=2, options=BF16)
+    pipe = Pipeline(
+        model, build_schedule("1f1b", ranks=2, microbatches=2), loss_fn=loss_fn, options=BF16
+    )
     loss = pipe.step(x, y)
     assert seen == {"loss": True, "out": torch.bfloat16, "forward": True, "backward": False}
     assert loss.dtype == torch.float32  # mse_loss is one autocast keeps in float32

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 
 from tests.gradcheck import batch_for, token_loss, token_model
+from zeropipe import build_schedule
 from zeropipe.runtime.checkpoint import (
     MANIFEST,
     CheckpointError,
@@ -53,7 +55,8 @@ def _run(pipe: Pipeline, opt: torch.optim.Optimizer, steps: range) -> list[float
 
 
 def _pipe(schedule: str, ranks: int, **kw: Any) -> tuple[Pipeline, torch.optim.Optimizer]:
-    pipe = Pipeline(_model(), schedule, M, token_loss, ranks=ranks, seed=5, options=OPTIONS, **kw)
+    built = build_schedule(schedule, ranks=ranks, microbatches=M)
+    pipe = Pipeline(_model(), built, token_loss, options=replace(OPTIONS, seed=5), **kw)
     return pipe, torch.optim.AdamW(pipe.parameters(), lr=0.05, weight_decay=0.01)
 
 
@@ -76,7 +79,14 @@ def _resume_2x2(rank: int, world: int, path: str) -> list[float]:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
-    pipe = Pipeline(_model(), "1f1b", M // 2, token_loss, seed=5, options=OPTIONS, mesh=mesh)
+    pipe = Pipeline(
+        _model(),
+        "1f1b",
+        token_loss,
+        microbatches=M // 2,
+        mesh=mesh,
+        options=replace(OPTIONS, seed=5),
+    )
     opt = torch.optim.AdamW(pipe.parameters(), lr=0.05, weight_decay=0.01)
     assert load_checkpoint(pipe, opt, path) == {"step": SAVED_AT}
     losses = []
@@ -123,7 +133,9 @@ def test_saved_on_2_ranks_with_zbv_resumes_on_4_with_1f1b_on_2x2_replicas_and_on
 
 def test_keys_are_the_models_own_and_a_tied_weight_is_stored_once(tmp_path: Path) -> None:
     model = _model()
-    pipe = Pipeline(model, "zbv", M, token_loss, ranks=2, options=OPTIONS)
+    pipe = Pipeline(
+        model, build_schedule("zbv", ranks=2, microbatches=M), loss_fn=token_loss, options=OPTIONS
+    )
     names = state_names(pipe)
     assert set(names.tensors) == set(model.state_dict()) - {"7.proj.weight"}
     assert names.aliases == {"7.proj.weight": "0.weight"}
@@ -140,7 +152,7 @@ def test_keys_are_the_models_own_and_a_tied_weight_is_stored_once(tmp_path: Path
 def test_stage_modules_take_the_names_of_the_model_they_were_cut_from(tmp_path: Path) -> None:
     model = _model()
     stages = [nn.Sequential(*list(model)[i : i + 2]) for i in range(0, 8, 2)]
-    pipe = Pipeline(stages, "1f1b", M, token_loss, options=OPTIONS)
+    pipe = Pipeline(stages, "1f1b", loss_fn=token_loss, microbatches=M, options=OPTIONS)
     by_position = state_names(pipe)
     # without the model: the names nn.Sequential(*stages) would give them
     whole = set(nn.Sequential(*stages).state_dict())
@@ -152,7 +164,11 @@ def test_stage_modules_take_the_names_of_the_model_they_were_cut_from(tmp_path: 
     with torch.no_grad():
         for p in other.parameters():
             p.zero_()
-    load_checkpoint(Pipeline(other, "gpipe", M, token_loss, ranks=2), None, tmp_path / "c")
+    load_checkpoint(
+        Pipeline(other, build_schedule("gpipe", ranks=2, microbatches=M), loss_fn=token_loss),
+        None,
+        tmp_path / "c",
+    )
     for (name, a), b in zip(model.state_dict().items(), other.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
     with pytest.raises(CheckpointError, match="not a tensor of the model passed as model="):
@@ -164,18 +180,36 @@ def test_keys_shapes_and_dtypes_that_differ_are_named(tmp_path: Path) -> None:
     save_checkpoint(pipe, opt, tmp_path / "c")
     wider = token_model(layers=8, width=10)
     with pytest.raises(CheckpointError, match=r"holds '0\.weight' as torch\.float64 \[11, 8\]"):
-        load_checkpoint(Pipeline(wider, "1f1b", M, token_loss, ranks=2), None, tmp_path / "c")
+        load_checkpoint(
+            Pipeline(wider, build_schedule("1f1b", ranks=2, microbatches=M), loss_fn=token_loss),
+            None,
+            tmp_path / "c",
+        )
     single = token_model(layers=8, dtype=torch.float32)
     with pytest.raises(CheckpointError, match=r"float64 \[11, 8\], the model has torch\.float32"):
-        load_checkpoint(Pipeline(single, "1f1b", M, token_loss, ranks=2), None, tmp_path / "c")
+        load_checkpoint(
+            Pipeline(single, build_schedule("1f1b", ranks=2, microbatches=M), loss_fn=token_loss),
+            None,
+            tmp_path / "c",
+        )
     deeper = token_model(layers=10)
     with pytest.raises(CheckpointError, match=r"lacks '[0-9]\..*'.*the model it was saved from"):
-        load_checkpoint(Pipeline(deeper, "1f1b", M, token_loss, ranks=2), None, tmp_path / "c")
+        load_checkpoint(
+            Pipeline(deeper, build_schedule("1f1b", ranks=2, microbatches=M), loss_fn=token_loss),
+            None,
+            tmp_path / "c",
+        )
     shallower = token_model(layers=6)
     with pytest.raises(
         CheckpointError, match=r"lacks '5\.norm\.bias'.* and holds '5\.body.*and 10 more, which"
     ):
-        load_checkpoint(Pipeline(shallower, "1f1b", M, token_loss, ranks=2), None, tmp_path / "c")
+        load_checkpoint(
+            Pipeline(
+                shallower, build_schedule("1f1b", ranks=2, microbatches=M), loss_fn=token_loss
+            ),
+            None,
+            tmp_path / "c",
+        )
 
 
 def test_a_changed_or_missing_file_is_refused_naming_it(tmp_path: Path) -> None:

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.runtime import dist_cases
+from zeropipe import build_schedule
 from zeropipe.core.errors import PipelineError
 from zeropipe.core.ir import Action, Kind
 from zeropipe.runtime import launch as launch_module
@@ -50,10 +51,13 @@ def test_schedule_that_does_not_fit_the_world_is_rejected_before_communicating(
 ) -> None:
     for rank, messages in enumerate(_case(world, "fit")):
         assert messages[0] == (
-            f"schedule '1f1b' has {2 * world} rank(s) but the process group has {world}; "
-            f"launch {2 * world} processes or pass ranks={world}"
+            f"schedule '1f1b' has {2 * world} rank(s) but the pipeline's process group has "
+            f"{world}; launch {2 * world} processes or build the schedule for {world} ranks "
+            f"(zeropipe.build_schedule(name, ranks={world}, microbatches=...))"
         ), rank
-        assert f"has {world + 1} rank(s) but the process group has {world}" in messages[1], rank
+        assert (
+            f"has {world + 1} rank(s) but the pipeline's process group has {world}" in messages[1]
+        ), rank
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -107,7 +111,9 @@ def test_exception_in_a_stage_forward_fails_every_rank_with_its_message(world: i
 
 def test_an_error_in_a_stage_names_the_training_step_and_the_action_position() -> None:
     trap = dist_cases._Trap("raise")
-    pipe = Pipeline([nn.Linear(4, 4), trap], "1f1b", microbatches=4, loss_fn=F.mse_loss, ranks=2)
+    pipe = Pipeline(
+        [nn.Linear(4, 4), trap], build_schedule("1f1b", ranks=2, microbatches=4), loss_fn=F.mse_loss
+    )
     x, y = torch.randn(8, 4), torch.randn(8, 4)
     pipe.step(x, y)
     pipe.step(x, y)

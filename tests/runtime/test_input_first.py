@@ -8,12 +8,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tests.gradcheck import assert_same_gradients, batch_for, mlp, reference
+from zeropipe import build_schedule
 from zeropipe.autograd.priority import record_backward_order
 from zeropipe.core.fit import checkpoint
 from zeropipe.core.ir import Kind
 from zeropipe.core.schedules.registry import generate
+from zeropipe.runtime.assembly import PLAIN_BELOW_BYTES
 from zeropipe.runtime.input_first import backward_input_first
-from zeropipe.runtime.pipeline import PLAIN_BELOW_BYTES, Pipeline, RuntimeOptions
+from zeropipe.runtime.pipeline import Pipeline, RuntimeOptions
 from zeropipe.runtime.transport import LocalTransport
 
 
@@ -60,7 +62,7 @@ def test_pipeline_gradients_equal_and_sends_posted_early() -> None:
                 sent_during_backward.append(str(action))
             super().send(action, tensors)
 
-    pipe = Pipeline(model, "1f1b", microbatches=4, loss_fn=F.mse_loss, ranks=2)
+    pipe = Pipeline(model, build_schedule("1f1b", ranks=2, microbatches=4), loss_fn=F.mse_loss)
     pipe.transport = Spy()
     pipe.step(x, y)
     assert_same_gradients(model.named_parameters(), ref)
@@ -69,8 +71,7 @@ def test_pipeline_gradients_equal_and_sends_posted_early() -> None:
 
     model.zero_grad(set_to_none=True)
     sent_during_backward.clear()
-    off = Pipeline(model, "1f1b", microbatches=4, loss_fn=F.mse_loss, ranks=2,
-                   options=RuntimeOptions(input_first=False))  # fmt: skip
+    off = Pipeline(model, build_schedule("1f1b", ranks=2, microbatches=4), loss_fn=F.mse_loss, options=RuntimeOptions(input_first=False))  # fmt: skip
     off.transport = Spy()
     off.step(x, y)
     assert_same_gradients(model.named_parameters(), ref)
@@ -101,7 +102,7 @@ def test_a_linear_records_for_split_backward_only_where_it_pays(
     x, y = batch_for(model, batch=8)
     _, ref = reference(model, x, y, F.mse_loss, 4)
     named = checkpoint(generate("1f1b", 2, 4)) if schedule.startswith("recomputed") else schedule
-    pipe = Pipeline(model, named, microbatches=4, loss_fn=F.mse_loss, ranks=2)
+    pipe = Pipeline(model, build_schedule(named, ranks=2, microbatches=4), loss_fn=F.mse_loss)
     # A recording linear is an nn.Linear of another class (prepare_split swaps it).
     swapped = [
         [type(m) is not nn.Linear for m in stage.module.modules() if isinstance(m, nn.Linear)]

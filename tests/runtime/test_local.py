@@ -16,6 +16,7 @@ from tests.gradcheck import (
     token_loss,
     token_model,
 )
+from zeropipe import RuntimeOptions
 from zeropipe.core.build import build_schedule
 from zeropipe.core.errors import PipelineError, ScheduleError
 from zeropipe.core.ir import Kind
@@ -54,9 +55,20 @@ def test_every_generator_matches_the_reference_float64(name: str, model_name: st
             ref_loss, ref = reference(model, x, y, loss_fn, m, seed=3)
             if name == "auto":  # profiled on the batch, then run as planned
                 plan = auto_plan(model, p, m, sample=(x, y), loss_fn=loss_fn)
-                pipe = Pipeline(model, plan.schedule, loss_fn=loss_fn, seed=3, balance=plan.balance)
+                pipe = Pipeline(
+                    model,
+                    plan.schedule,
+                    loss_fn=loss_fn,
+                    balance=plan.balance,
+                    options=RuntimeOptions(seed=3),
+                )
             else:
-                pipe = Pipeline(model, name, microbatches=m, loss_fn=loss_fn, ranks=p, seed=3)
+                pipe = Pipeline(
+                    model,
+                    build_schedule(name, ranks=p, microbatches=m),
+                    loss_fn=loss_fn,
+                    options=RuntimeOptions(seed=3),
+                )
             loss = pipe.step(x, y)
             assert_same_loss(loss, ref_loss)
             assert_same_gradients(model.named_parameters(), ref)
@@ -71,7 +83,9 @@ def test_float32_allclose(name: str) -> None:
     model = token_model(dtype=torch.float32)
     x, y = batch_for(model, batch=8)
     ref_loss, ref = reference(model, x, y, token_loss, 4)
-    loss = Pipeline(model, name, microbatches=4, loss_fn=token_loss, ranks=2).step(x, y)
+    loss = Pipeline(model, build_schedule(name, ranks=2, microbatches=4), loss_fn=token_loss).step(
+        x, y
+    )
     assert_same_loss(loss, ref_loss)
     assert_same_gradients(model.named_parameters(), ref)
 
@@ -90,9 +104,12 @@ def test_same_seed_same_result_whatever_the_schedule_and_rank_count() -> None:
             continue
         model = mlp(dropout=0.5)
         x, y = batch_for(model, batch=9)
-        loss = Pipeline(model, name, microbatches=4, loss_fn=F.mse_loss, ranks=ranks, seed=11).step(
-            x, y
-        )
+        loss = Pipeline(
+            model,
+            build_schedule(name, ranks=ranks, microbatches=4),
+            loss_fn=F.mse_loss,
+            options=RuntimeOptions(seed=11),
+        ).step(x, y)
         results.append((name, ranks, loss, [p.grad.clone() for p in model.parameters()]))
     assert len(results) >= 3
     _, _, loss0, grads0 = results[0]
@@ -103,7 +120,12 @@ def test_same_seed_same_result_whatever_the_schedule_and_rank_count() -> None:
     # and a different seed really changes the masks
     model = mlp(dropout=0.5)
     x, y = batch_for(model, batch=9)
-    other = Pipeline(model, "1f1b", microbatches=4, loss_fn=F.mse_loss, ranks=2, seed=12).step(x, y)
+    other = Pipeline(
+        model,
+        build_schedule("1f1b", ranks=2, microbatches=4),
+        loss_fn=F.mse_loss,
+        options=RuntimeOptions(seed=12),
+    ).step(x, y)
     assert other.item() != pytest.approx(loss0.item(), abs=1e-9)
 
 
@@ -111,7 +133,7 @@ def test_second_step_accumulates_like_two_backward_calls() -> None:
     model = mlp()
     x, y = batch_for(model, batch=8)
     _, ref = reference(model, x, y, F.mse_loss, 4)
-    pipe = Pipeline(model, "1f1b", microbatches=4, loss_fn=F.mse_loss, ranks=2)
+    pipe = Pipeline(model, build_schedule("1f1b", ranks=2, microbatches=4), loss_fn=F.mse_loss)
     pipe.step(x, y)
     pipe.step(x, y)
     assert_same_gradients(model.named_parameters(), {k: 2 * v for k, v in ref.items()})
@@ -129,7 +151,9 @@ def test_sequential_with_one_layer_per_stage_whose_layers_are_sequentials() -> N
     ).double()
     x, y = batch_for(model, batch=8)
     ref_loss, ref = reference(model, x, y, F.mse_loss, 4)
-    loss = Pipeline(model, "1f1b", microbatches=4, loss_fn=F.mse_loss, ranks=4).step(x, y)
+    loss = Pipeline(
+        model, build_schedule("1f1b", ranks=4, microbatches=4), loss_fn=F.mse_loss
+    ).step(x, y)
     assert_same_loss(loss, ref_loss)
     assert_same_gradients(model.named_parameters(), ref)
 
@@ -137,7 +161,7 @@ def test_sequential_with_one_layer_per_stage_whose_layers_are_sequentials() -> N
 def test_eval_step_returns_loss_and_outputs_without_gradients() -> None:
     model = mlp()
     x, y = batch_for(model, batch=8)
-    pipe = Pipeline(model, "1f1b", microbatches=4, loss_fn=F.mse_loss, ranks=2)
+    pipe = Pipeline(model, build_schedule("1f1b", ranks=2, microbatches=4), loss_fn=F.mse_loss)
     with torch.no_grad():
         expected = model(x)
     out = pipe.eval_step(x)
@@ -186,13 +210,13 @@ def test_list_of_stage_modules_and_tuple_boundaries() -> None:
 def test_schedule_that_does_not_fit_the_stages_is_rejected_before_running() -> None:
     model = mlp(layers=3)
     with pytest.raises(PipelineError, match="too few for 4 stages"):
-        Pipeline(model, "1f1b", microbatches=4, loss_fn=F.mse_loss, ranks=4)
+        Pipeline(model, build_schedule("1f1b", ranks=4, microbatches=4), loss_fn=F.mse_loss)
     with pytest.raises(PipelineError, match="the schedule has 2 stages but 3 stage module"):
         Pipeline(list(mlp(layers=3).children()), generate("1f1b", 2, 2), loss_fn=F.mse_loss)
     with pytest.raises(PipelineError, match="unknown schedule"):
-        Pipeline(model, "nope", microbatches=2, loss_fn=F.mse_loss, ranks=1)
+        Pipeline(list(mlp(layers=2).children()), "nope", F.mse_loss, microbatches=2)
     with pytest.raises(PipelineError, match="microbatches="):
-        Pipeline(model, "1f1b", loss_fn=F.mse_loss, ranks=1)
+        Pipeline(list(mlp(layers=2).children()), "1f1b", F.mse_loss)
 
 
 def test_boundary_shape_change_names_stage_microbatch_expected_and_got() -> None:
@@ -227,7 +251,7 @@ def test_boundary_shape_change_names_stage_microbatch_expected_and_got() -> None
 
 def test_bad_batch_is_reported() -> None:
     model = mlp()
-    pipe = Pipeline(model, "1f1b", microbatches=4, loss_fn=F.mse_loss, ranks=2)
+    pipe = Pipeline(model, build_schedule("1f1b", ranks=2, microbatches=4), loss_fn=F.mse_loss)
     with pytest.raises(PipelineError, match="cannot be cut into 4 microbatches"):
         pipe.step(torch.randn(3, 8, dtype=torch.float64), torch.randn(3, 8, dtype=torch.float64))
     with pytest.raises(PipelineError, match="target has 7 rows"):
@@ -264,7 +288,9 @@ def test_tied_weights_are_all_reduced_only_when_their_stages_span_ranks(
 ) -> None:
     # The embedding (first stage) and the tied head (last stage): on ranks 0 and 1 in
     # 1f1b and interleaved-1f1b, both on rank 0 in zbv's V placement.
-    pipe = Pipeline(token_model(), name, microbatches=4, ranks=2, loss_fn=token_loss)
+    pipe = Pipeline(
+        token_model(), build_schedule(name, ranks=2, microbatches=4), loss_fn=token_loss
+    )
     assert len(pipe.shared) == reduced
 
 

@@ -28,6 +28,7 @@ from tests.gradcheck import (
     reference,
     token_model,
 )
+from zeropipe import build_schedule
 from zeropipe.core.errors import PipelineError
 from zeropipe.runtime.pipeline import Pipeline, RuntimeOptions
 
@@ -111,7 +112,12 @@ def _run(
     model = case.model()
     x, y = case.batch(batch)
     ref_loss, ref = reference(model, x, y, case.whole, m)
-    pipe = Pipeline(model, name, m, loss_fn=case.loss_fn, loss_count=case.loss_count, ranks=2)
+    pipe = Pipeline(
+        model,
+        build_schedule(name, ranks=2, microbatches=m),
+        loss_fn=case.loss_fn,
+        loss_count=case.loss_count,
+    )
     loss = pipe.step(x, y)
     evaluated = pipe.eval_step(x, y) if eval_too else None
     assert evaluated is None or isinstance(evaluated, Tensor)
@@ -124,7 +130,9 @@ def test_sum_reduced_mse_is_the_whole_batch_sum_not_the_mean_of_microbatch_sums(
     x, y = batch_for(model, batch=8)
     loss_fn = nn.MSELoss(reduction="sum")
     ref_loss, ref = reference(model, x, y, loss_fn, 4)
-    loss = Pipeline(model, "1f1b", microbatches=4, loss_fn=loss_fn, ranks=2).step(x, y)
+    loss = Pipeline(model, build_schedule("1f1b", ranks=2, microbatches=4), loss_fn=loss_fn).step(
+        x, y
+    )
     assert_same_loss(loss, ref_loss)  # was a quarter of it (each sum weighted by 2/8)
     assert_same_gradients(model.named_parameters(), ref)
 
@@ -134,7 +142,9 @@ def test_cross_entropy_with_ignored_targets_weights_microbatches_by_the_targets_
     x, y = padded(8)  # microbatch 0 counts 3 targets of 12 (padding), microbatch 1 counts 9
     loss_fn = nn.CrossEntropyLoss()
     ref_loss, ref = reference(model, x, y, loss_fn, 2)
-    loss = Pipeline(model, "1f1b", microbatches=2, loss_fn=loss_fn, ranks=2).step(x, y)
+    loss = Pipeline(model, build_schedule("1f1b", ranks=2, microbatches=2), loss_fn=loss_fn).step(
+        x, y
+    )
     assert_same_loss(loss, ref_loss)  # rows-weighted, it was the mean of the two means
     assert_same_gradients(model.named_parameters(), ref)
 
@@ -143,7 +153,7 @@ def test_cross_entropy_with_ignored_targets_weights_microbatches_by_the_targets_
 def test_a_0_dimensional_input_or_target_is_a_one_line_pipeline_error(which: str) -> None:
     model = mlp(layers=2)
     x, y = batch_for(model, batch=4)
-    pipe = Pipeline(model, "1f1b", microbatches=2, loss_fn=F.mse_loss, ranks=2)
+    pipe = Pipeline(model, build_schedule("1f1b", ranks=2, microbatches=2), loss_fn=F.mse_loss)
     args = (torch.tensor(1.0, dtype=torch.float64), y) if which == "input" else (x, y.sum())
     with pytest.raises(PipelineError) as err:
         pipe.step(*args)
@@ -171,8 +181,12 @@ def test_unpadded_cross_entropy_module_and_function_agree_with_each_other_and_th
     model = lm_model()
     x, y = batch_for(token_model(layers=2), batch=11)
     ref_loss, _ = reference(model, x, y, nn.CrossEntropyLoss(), 4)
-    by_module = Pipeline(model, "1f1b", 4, loss_fn=nn.CrossEntropyLoss(), ranks=2).eval_step(x, y)
-    by_rows = Pipeline(model, "1f1b", 4, loss_fn=F.cross_entropy, ranks=2).eval_step(x, y)
+    by_module = Pipeline(
+        model, build_schedule("1f1b", ranks=2, microbatches=4), loss_fn=nn.CrossEntropyLoss()
+    ).eval_step(x, y)
+    by_rows = Pipeline(
+        model, build_schedule("1f1b", ranks=2, microbatches=4), loss_fn=F.cross_entropy
+    ).eval_step(x, y)
     assert isinstance(by_module, Tensor) and isinstance(by_rows, Tensor)
     assert_same_loss(by_module, ref_loss)
     assert_same_loss(by_rows, ref_loss)  # every row counts seq targets: rows are exact
@@ -181,7 +195,7 @@ def test_unpadded_cross_entropy_module_and_function_agree_with_each_other_and_th
 def test_a_plain_function_is_weighted_by_rows_as_documented() -> None:
     model = lm_model()
     x, y = padded(11)
-    pipe = Pipeline(model, "1f1b", 4, loss_fn=F.cross_entropy, ranks=2)
+    pipe = Pipeline(model, build_schedule("1f1b", ranks=2, microbatches=4), loss_fn=F.cross_entropy)
     loss = pipe.eval_step(x, y)
     assert isinstance(loss, Tensor)
     with torch.no_grad():
@@ -204,7 +218,9 @@ def test_a_second_step_accumulates_like_two_backward_calls() -> None:
     model = lm_model()
     x, y = padded(11)
     _, ref = reference(model, x, y, nn.CrossEntropyLoss(), 4)
-    pipe = Pipeline(model, "zbv", 4, loss_fn=nn.CrossEntropyLoss(), ranks=2)
+    pipe = Pipeline(
+        model, build_schedule("zbv", ranks=2, microbatches=4), loss_fn=nn.CrossEntropyLoss()
+    )
     pipe.step(x, y)
     pipe.step(x, y)
     assert_same_gradients(model.named_parameters(), {n: 2 * g for n, g in ref.items()})
@@ -215,7 +231,9 @@ def test_a_batch_that_counts_nothing_is_nan_like_the_whole_batch() -> None:
     x, y = padded(8)
     y[:] = IGNORE
     whole = nn.CrossEntropyLoss()(model(x), y)
-    loss = Pipeline(model, "1f1b", 2, loss_fn=nn.CrossEntropyLoss(), ranks=2).step(x, y)
+    loss = Pipeline(
+        model, build_schedule("1f1b", ranks=2, microbatches=2), loss_fn=nn.CrossEntropyLoss()
+    ).step(x, y)
     assert torch.isnan(whole) and torch.isnan(loss)
 
 
@@ -226,21 +244,33 @@ def test_a_count_that_disagrees_with_loss_count_is_refused() -> None:
     def miscounted(logits: Tensor, target: Tensor) -> tuple[Tensor, int]:
         return F.cross_entropy(logits, target, reduction="sum"), target.numel()
 
-    pipe = Pipeline(lm_model(), "1f1b", 2, loss_fn=miscounted, loss_count=lm_count, ranks=2)
+    pipe = Pipeline(
+        lm_model(),
+        build_schedule("1f1b", ranks=2, microbatches=2),
+        loss_fn=miscounted,
+        loss_count=lm_count,
+    )
     with pytest.raises(PipelineError, match=r"microbatch 0: loss_fn counted 12 .* says 3"):
         pipe.step(x, y)
 
 
 def test_a_tuple_without_loss_count_is_refused_and_says_what_to_pass() -> None:
     x, y = padded(8)
-    pipe = Pipeline(lm_model(), "1f1b", 2, loss_fn=summed_lm_loss, ranks=2)
+    pipe = Pipeline(
+        lm_model(), build_schedule("1f1b", ranks=2, microbatches=2), loss_fn=summed_lm_loss
+    )
     with pytest.raises(PipelineError, match=r"needs Pipeline\(loss_count=fn\)"):
         pipe.step(x, y)
 
 
 def test_loss_count_with_a_scalar_loss_is_refused() -> None:
     x, y = padded(8)
-    pipe = Pipeline(lm_model(), "1f1b", 2, loss_fn=F.cross_entropy, loss_count=lm_count, ranks=2)
+    pipe = Pipeline(
+        lm_model(),
+        build_schedule("1f1b", ranks=2, microbatches=2),
+        loss_fn=F.cross_entropy,
+        loss_count=lm_count,
+    )
     with pytest.raises(PipelineError, match=r"must return \(loss_sum, count\)"):
         pipe.step(x, y)
 
@@ -260,7 +290,12 @@ def test_what_cannot_be_exact_is_refused_when_the_pipeline_is_built(
     loss_fn: nn.Module, loss_count: Callable[[Tensor], Any] | None, says: str
 ) -> None:
     with pytest.raises(PipelineError, match=says):
-        Pipeline(mlp(layers=2), "1f1b", 2, loss_fn=loss_fn, loss_count=loss_count, ranks=2)
+        Pipeline(
+            mlp(layers=2),
+            build_schedule("1f1b", ranks=2, microbatches=2),
+            loss_fn=loss_fn,
+            loss_count=loss_count,
+        )
 
 
 def test_a_subclass_of_a_known_loss_is_not_assumed_to_count_like_it() -> None:
@@ -269,22 +304,46 @@ def test_a_subclass_of_a_known_loss_is_not_assumed_to_count_like_it() -> None:
             return 2 * super().forward(logits, target)
 
     with pytest.raises(PipelineError, match=r"Scaled\(reduction='mean'\)"):
-        Pipeline(lm_model(), "1f1b", 2, loss_fn=Scaled(), ranks=2)
+        Pipeline(lm_model(), build_schedule("1f1b", ranks=2, microbatches=2), loss_fn=Scaled())
 
 
-def test_an_elementwise_loss_that_broadcasts_across_rows_is_refused() -> None:
+@pytest.mark.filterwarnings("ignore:Using a target size")  # torch warns of broadcasting
+@pytest.mark.parametrize("loss_fn", [nn.MSELoss(), nn.L1Loss()], ids=["mse", "l1"])
+@pytest.mark.parametrize("name", ["1f1b", "zbv"])
+def test_a_target_broadcast_over_the_outputs_columns_gives_the_whole_batch_gradients(
+    name: str, loss_fn: nn.Module
+) -> None:
+    # Output (11, 8), target (11, 1): the mean covers 11 x 8 elements, 8 per target element,
+    # in uneven microbatches (3, 3, 3, 2 rows).  It was refused as mixing microbatches' rows.
+    model = mlp(layers=4)
+    x, _ = batch_for(model, batch=11)
+    y = torch.randn(11, 1, dtype=torch.float64)
+    ref_loss, ref = reference(model, x, y, loss_fn, 4)
+    pipe = Pipeline(model, build_schedule(name, ranks=2, microbatches=4), loss_fn=loss_fn)
+    assert_same_loss(pipe.step(x, y), ref_loss)
+    assert_same_gradients(model.named_parameters(), ref)
+
+
+@pytest.mark.filterwarnings("ignore:Using a target size")
+def test_an_elementwise_loss_whose_target_broadcasts_across_rows_is_refused() -> None:
+    # The classic slip: a target of shape (batch,) for an output of (batch, n).  Per
+    # microbatch, (8,) against (8, 8) broadcasts to (8, 8) along the columns: every row's
+    # output meets every row's target.  The whole batch's loss would mix microbatches' rows.
     model = mlp(layers=2)
-    x, _ = batch_for(model, batch=8)
-    y = torch.randn(8, 1, dtype=torch.float64)  # output (8, 8): the mean would cover 8 x 8
-    pipe = Pipeline(model, "1f1b", 2, loss_fn=nn.MSELoss(), ranks=2)
-    with pytest.raises(PipelineError, match=r"broadcasts output \[4, 8\] and target \[4, 1\]"):
+    x, _ = batch_for(model, batch=16)
+    y = torch.randn(16, dtype=torch.float64)
+    pipe = Pipeline(model, build_schedule("1f1b", ranks=2, microbatches=2), loss_fn=nn.MSELoss())
+    with pytest.raises(PipelineError, match=r"mixes rows of different microbatches") as err:
         pipe.step(x, y)
+    message = str(err.value)
+    assert "output [8, 8] and target [8]" in message and "one row per output row" in message
+    assert len(message.splitlines()) == 1
 
 
 def test_a_target_class_outside_the_class_weights_is_a_pipeline_error() -> None:
     x, y = padded(8)
     y[5, 0] = 11  # the vocabulary (and the weights) has 11 classes: 0..10
-    pipe = Pipeline(lm_model(), "1f1b", 2, loss_fn=_CE, ranks=2)
+    pipe = Pipeline(lm_model(), build_schedule("1f1b", ranks=2, microbatches=2), loss_fn=_CE)
     with pytest.raises(PipelineError, match=r"microbatch 1: CrossEntropyLoss: target classes"):
         pipe.step(x, y)
 
@@ -308,7 +367,12 @@ def _distributed(rank: int, world: int) -> dict[str, Any]:
             model = case.model()
             x, y = case.batch(batch)
             pipe = Pipeline(
-                model, name, m, loss_fn=case.loss_fn, loss_count=case.loss_count, options=options
+                model,
+                name,
+                loss_fn=case.loss_fn,
+                microbatches=m,
+                loss_count=case.loss_count,
+                options=options,
             )
             loss = pipe.step(x, y)
             grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -317,8 +381,8 @@ def _distributed(rank: int, world: int) -> dict[str, Any]:
     wrong = Pipeline(
         lm_model(),
         "1f1b",
-        m,
         loss_fn=summed_lm_loss,
+        microbatches=m,
         loss_count=lambda t: t.numel(),
         options=RuntimeOptions(timeout=10.0),
     )

@@ -18,6 +18,7 @@ from tests.gradcheck import (
     token_loss,
     token_model,
 )
+from zeropipe import build_schedule
 from zeropipe.base.device import Copier, peak_allocated_bytes
 from zeropipe.base.storage import (
     as_bytes,
@@ -65,7 +66,7 @@ def test_gradients_equal_the_reference_with_recompute_and_offload(name: str, mod
         x, y = batch_for(model, batch=8)
         ref_loss, ref = reference(model, x, y, loss_fn, 4, seed=5)
         schedule = _with(generate(name, 2, 4), mode)
-        pipe = Pipeline(model, schedule, loss_fn=loss_fn, seed=5)
+        pipe = Pipeline(model, schedule, loss_fn=loss_fn, options=RuntimeOptions(seed=5))
         assert_same_loss(pipe.step(x, y), ref_loss)
         assert_same_gradients(model.named_parameters(), ref)
         report = pipe.memory.report
@@ -151,8 +152,7 @@ def test_saved_bytes_are_counted_once_per_input_shape_unless_always(
     peaks: dict[str, list[tuple[int, ...]]] = {}
     hooked: dict[str, list[int]] = {}
     for mode in ("once", "always"):
-        pipe = Pipeline(model, "1f1b", microbatches=4, ranks=2, loss_fn=F.mse_loss,
-                        options=RuntimeOptions(count_saved=mode))  # fmt: skip
+        pipe = Pipeline(model, build_schedule("1f1b", ranks=2, microbatches=4), loss_fn=F.mse_loss, options=RuntimeOptions(count_saved=mode))  # fmt: skip
         peaks[mode], hooked[mode] = [], []
         for x, y in batches:
             calls.clear()

@@ -58,19 +58,26 @@ def _batch(batch: int, seq: int, step: int) -> tuple[torch.Tensor, torch.Tensor]
     return x, torch.randn(batch, seq, WIDTH, generator=g, dtype=torch.float64)
 
 
-def _run(schedule: Any, world: int, m: int, p2p: str, timeout: float, **kw: Any) -> dict[str, Any]:
+def _run(
+    schedule: Any,
+    world: int,
+    m: int,
+    p2p: str,
+    timeout: float,
+    group_w: int = 1,
+    device: str | None = None,
+) -> dict[str, Any]:
     """Steps of the float64 model under ``schedule``: worst loss and gradient differences."""
     model = mlp(layers=2 * world * 2, width=WIDTH)
     if schedule == "auto":  # searched under given costs, alike on every rank
         schedule = auto_plan(model, world, m, costs=CostModel.uniform(world)).schedule
+    if isinstance(schedule, str):
+        schedule = build_schedule(schedule, ranks=world, microbatches=m, group_w=group_w)
     pipe = Pipeline(
         model,
         schedule,
-        microbatches=m,
         loss_fn=F.mse_loss,
-        p2p=p2p,  # type: ignore[arg-type]
-        options=RuntimeOptions(timeout=timeout),
-        **kw,
+        options=RuntimeOptions(timeout=timeout, p2p=p2p, device=device),  # type: ignore[arg-type]
     )
     owned = {id(p) for p in pipe.parameters()}
     worst_loss = worst_grad = 0.0
@@ -177,7 +184,13 @@ def test_the_tagged_protocol_fails_under_nccl_semantics(world: int) -> None:
 
 def test_p2p_must_be_a_known_mode() -> None:
     with pytest.raises(PipelineError, match="p2p must be 'auto', 'ordered' or 'tagged'"):
-        Pipeline(mlp(layers=4), "1f1b", microbatches=2, loss_fn=F.mse_loss, p2p="fast")  # type: ignore[arg-type]
+        Pipeline(
+            mlp(layers=4),
+            "1f1b",
+            loss_fn=F.mse_loss,
+            microbatches=2,
+            options=RuntimeOptions(p2p="fast"),
+        )  # type: ignore[arg-type]
 
 
 def test_order_is_consistent_for_every_generator() -> None:

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.gradcheck import assert_same_gradients, assert_same_loss, batch_for, mlp, reference
-from zeropipe import Pipeline
+from zeropipe import Pipeline, RuntimeOptions, build_schedule
 from zeropipe.base.device import resolve_device, single_device
 from zeropipe.core.errors import PipelineError
 
@@ -92,7 +92,7 @@ def test_mixed_parameter_devices_are_refused_with_the_fix() -> None:
         single_device([cpu, torch.device("meta")], "the parameters of stage(s) 0")
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).to("meta"))
     with pytest.raises(PipelineError, match=r"stage\(s\) 0, 1 are on several devices"):
-        Pipeline(model, "1f1b", microbatches=2, loss_fn=F.mse_loss, ranks=2)
+        Pipeline(model, build_schedule("1f1b", ranks=2, microbatches=2), loss_fn=F.mse_loss)
 
 
 def test_an_explicit_device_moves_the_stages_and_the_batch() -> None:
@@ -101,8 +101,16 @@ def test_an_explicit_device_moves_the_stages_and_the_batch() -> None:
     model = mlp(layers=4)
     x, y = batch_for(model, batch=8)
     ref_loss, ref = reference(model, x, y, F.mse_loss, 4)
-    pipe = Pipeline(model, "1f1b", microbatches=4, loss_fn=F.mse_loss, ranks=2, device="cpu")
+    pipe = Pipeline(
+        model,
+        build_schedule("1f1b", ranks=2, microbatches=4),
+        loss_fn=F.mse_loss,
+        options=RuntimeOptions(device="cpu"),
+    )
     assert pipe.device == torch.device("cpu")
     assert_same_loss(pipe.step(x, y), ref_loss)
     assert_same_gradients(model.named_parameters(), ref)
-    assert Pipeline(model, "1f1b", microbatches=4, loss_fn=F.mse_loss, ranks=2).device is None
+    assert (
+        Pipeline(model, build_schedule("1f1b", ranks=2, microbatches=4), loss_fn=F.mse_loss).device
+        is None
+    )

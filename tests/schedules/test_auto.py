@@ -285,7 +285,7 @@ def test_explanation_is_one_line_naming_the_choice(registered: ModuleType) -> No
 
 def test_cli_simulate_auto(capsys: pytest.CaptureFixture[str]) -> None:
     code = cli.main(
-        ["simulate", "--schedule", "auto", "--stages", "4", "--microbatches", "8",
+        ["simulate", "--schedule", "auto", "--ranks", "4", "--microbatches", "8",
          "--costs", "F=1,I=1,W=0.5,comm=0.1", "--memory-limit", "6", "--json"]
     )  # fmt: skip
     out, err = capsys.readouterr()

@@ -2,9 +2,12 @@
 
 Two models (``--model mlp|transformer|both``, default both):
 
-    mlp          blocks of Linear-GELU-Linear
-    transformer  token embedding, pre-LN attention + MLP blocks, LM head (its own
-                 weight, not tied), next-token cross-entropy
+    mlp          --blocks blocks of Linear-GELU-Linear, one layer each
+    transformer  token embedding, --tf-blocks pre-LN blocks (attention and MLP: two
+                 layers each), LM head (its own weight, not tied), next-token cross-entropy
+
+A cut into stages counts layers (the entries of the model's ``nn.Sequential``), and
+the table says how many of them each stage runs.
 
 Both libraries run the same model, the same batch and microbatches, in the
 same processes over the same gloo group, with repetitions interleaved
@@ -41,7 +44,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from zeropipe.apps.models.gpt import GPTConfig, gpt, lm_loss
+from zeropipe.apps.cli_args import refuse_renamed
+from zeropipe.apps.models.gpt import LAYERS, GPTConfig, gpt, gpt_layers, lm_loss
 from zeropipe.apps.models.mlp import mlp_blocks
 from zeropipe.core.build import build_schedule
 from zeropipe.core.errors import ZeropipeError
@@ -91,7 +95,7 @@ class BenchConfig:
     hidden: int = 2048
     batch: int = 64
     # transformer (batch in sequences of ``seq`` tokens)
-    layers: int = 6
+    tf_blocks: int = 6  # attention + MLP: two layers each
     d_model: int = 256
     heads: int = 4
     seq: int = 64
@@ -100,15 +104,15 @@ class BenchConfig:
     microbatches: int = 8
     reps: int = 10
     warmup: int = 3
-    group_w: int | None = None  # None: Pipeline's default, what a user gets
+    group_w: int | None = None  # None: build_schedule's default, what a user gets
     cut: str = "time"  # "time": each schedule's cut balanced by measured time; "even": by count
     timeout: float = 600.0
     costs_out: str | None = None  # a folder: each model's measured per-layer costs, as JSON
 
 
 def default_group_w() -> int:
-    """``Pipeline``'s own default, which the bench runs unless ``--group-w`` is given."""
-    default = inspect.signature(Pipeline).parameters["group_w"].default
+    """``build_schedule``'s own default, which the bench runs unless ``--group-w`` is given."""
+    default = inspect.signature(build_schedule).parameters["group_w"].default
     return int(default)
 
 
@@ -144,14 +148,14 @@ def workload(model: str, cfg: BenchConfig) -> Workload:
         seq=cfg.seq,
         width=cfg.d_model,
         heads=cfg.heads,
-        layers=cfg.layers,
+        layers=cfg.tf_blocks,
         dropout=0.0,
         tied=False,
     )
     tokens = torch.randint(cfg.vocab, (cfg.tf_batch, cfg.seq + 1), generator=g)
     return Workload(
         "transformer",
-        f"transformer: embedding, {cfg.layers} pre-LN blocks (width {cfg.d_model}, {cfg.heads} "
+        f"transformer: embedding, {cfg.tf_blocks} pre-LN blocks (width {cfg.d_model}, {cfg.heads} "
         f"heads), LM head ({cfg.vocab} tokens), batch {cfg.tf_batch} x {cfg.seq} tokens",
         lambda: gpt(gcfg),
         tokens[:, :-1].contiguous(),
@@ -163,7 +167,15 @@ def workload(model: str, cfg: BenchConfig) -> Workload:
 
 def _layers(cfg: BenchConfig, model: str) -> int:
     # The transformer's nn.Sequential: embedding, attention and MLP halves of each block, head.
-    return cfg.blocks if model == "mlp" else 2 * cfg.layers + 2
+    return cfg.blocks if model == "mlp" else gpt_layers(cfg.tf_blocks)
+
+
+def _layers_text(cfg: BenchConfig, model: str) -> str:
+    """The model's layers, counted and named: what the numbers of a cut count."""
+    if model == "mlp":
+        return f"{_layers(cfg, model)} layers (one per block)"
+    blocks = f"{cfg.tf_blocks} block{'s' * (cfg.tf_blocks != 1)}"
+    return f"{_layers(cfg, model)} layers ({blocks}; {LAYERS})"
 
 
 def _check(cfg: BenchConfig) -> None:
@@ -178,7 +190,7 @@ def _check(cfg: BenchConfig) -> None:
         ("--width", cfg.width, 1),
         ("--hidden", cfg.hidden, 1),
         ("--batch", cfg.batch, 1),
-        ("--layers", cfg.layers, 1),
+        ("--tf-blocks", cfg.tf_blocks, 1),
         ("--d-model", cfg.d_model, 1),
         ("--heads", cfg.heads, 1),
         ("--seq", cfg.seq, 1),
@@ -220,8 +232,7 @@ def run_bench(cfg: BenchConfig) -> list[dict[str, Any]]:
         if "transformer" in cfg.models and _layers(cfg, "transformer") < chunks:
             raise ZeropipeError(
                 f"{name} on {cfg.ranks} ranks needs {chunks} stages; the transformer has "
-                f"{_layers(cfg, 'transformer')} layers (embedding, attention and MLP of each of "
-                f"--layers {cfg.layers} blocks, head)"
+                f"{_layers_text(cfg, 'transformer')}; give more --tf-blocks"
             )
     results: list[list[dict[str, Any]]] = launch(
         _rank_main, cfg.ranks, cfg, timeout=cfg.timeout, threads=1
@@ -349,12 +360,8 @@ def _zeropipe_step(
     group_w = default_group_w() if cfg.group_w is None else cfg.group_w
     pipe = Pipeline(
         work.build(),
-        name,
-        microbatches=cfg.microbatches,
+        build_schedule(name, ranks=world, microbatches=cfg.microbatches, group_w=group_w),
         loss_fn=work.loss_fn,
-        ranks=world,
-        executor="distributed",
-        group_w=group_w,
         balance=cut,
     )
     params = pipe.parameters()
@@ -447,6 +454,7 @@ def format_table(rows: list[dict[str, Any]], cfg: BenchConfig) -> str:
                 f"{r['schedule']:<18}{r['zeropipe_step_s']:>12.4f}{r['torch_step_s']:>10.4f}{r['ratio']:>8.2f}"
                 f"{r['efficiency']:>15.2f}{r['torch_efficiency']:>12.2f}  {r['cut']}"
             )
+        lines.append(f"layers per stage: of the model's {_layers_text(cfg, model)}")
         lines.append(
             f"sequential in one process, the same {cfg.microbatches} microbatches: "
             f"{mine[0]['sequential_s']:.4f} s (the whole batch at once: "
@@ -467,12 +475,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="mlp (Linear-GELU-Linear blocks), transformer (embedding, pre-LN attention + MLP "
         "blocks, LM head, cross-entropy) or both",
     )
-    parser.add_argument("--ranks", type=int, default=d.ranks)
-    parser.add_argument("--blocks", type=int, default=d.blocks, help="mlp: blocks")
+    parser.add_argument(
+        "--ranks", type=int, default=d.ranks, help=f"pipeline ranks = processes (default {d.ranks})"
+    )
+    parser.add_argument("--blocks", type=int, default=d.blocks, help="mlp: blocks, one layer each")
     parser.add_argument("--width", type=int, default=d.width, help="mlp: block width")
     parser.add_argument("--hidden", type=int, default=d.hidden, help="mlp: hidden width")
     parser.add_argument("--batch", type=int, default=d.batch, help="mlp: rows per batch")
-    parser.add_argument("--layers", type=int, default=d.layers, help="transformer: blocks")
+    parser.add_argument(
+        "--tf-blocks",
+        type=int,
+        default=d.tf_blocks,
+        help="transformer: blocks, each two layers (attention, MLP)",
+    )
+    refuse_renamed(
+        parser,
+        "--layers",
+        "--tf-blocks",
+        "it counts the transformer's blocks (each two layers: attention, MLP)",
+    )
     parser.add_argument("--d-model", type=int, default=d.d_model, help="transformer: width")
     parser.add_argument("--heads", type=int, default=d.heads, help="transformer: attention heads")
     parser.add_argument("--seq", type=int, default=d.seq, help="transformer: tokens per sequence")
@@ -488,7 +509,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="zeropipe: split B into I + W and gather each stage's W in runs of this many "
-        f"(1: the schedule as given; default: Pipeline's default, {default_group_w()})",
+        f"(1: the schedule as given; default: build_schedule's, {default_group_w()})",
     )
     parser.add_argument(
         "--cut",
@@ -527,7 +548,7 @@ def run_cli(args: argparse.Namespace) -> int:
         width=args.width,
         hidden=args.hidden,
         batch=args.batch,
-        layers=args.layers,
+        tf_blocks=args.tf_blocks,
         d_model=args.d_model,
         heads=args.heads,
         seq=args.seq,

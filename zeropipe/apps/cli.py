@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from zeropipe.apps.cli_args import int_at_least, positive_float
+from zeropipe.apps.cli_args import int_at_least, positive_float, refuse_renamed
 from zeropipe.core import render
 from zeropipe.core.costs import CostModel
 from zeropipe.core.errors import ScheduleError, ZeropipeError
@@ -34,7 +34,7 @@ from zeropipe.core.validate import validate
 __all__ = ["COMMANDS", "build_parser", "main"]
 
 _PROG = "zeropipe"
-_DEFAULT_STAGES = 4
+_DEFAULT_RANKS = 4
 _DEFAULT_MICROBATCHES = 8
 
 
@@ -74,8 +74,8 @@ def _default_schedule() -> str:
 def _add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "Build (or read) a schedule, validate it, simulate it under a cost model and "
-        "show the timeline. --stages is the pipeline depth p, i.e. the number of ranks; "
-        "with --chunks v each rank holds v model chunks and the model has p*v stages."
+        "show the timeline. --ranks is the pipeline depth p; with --chunks v each rank "
+        "holds v chunks and the model is cut into p*v stages."
     )
     parser.add_argument(
         "--schedule",
@@ -86,11 +86,14 @@ def _add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         "(torch.distributed.pipelining CSV), anything else the zeropipe text form",
     )
     parser.add_argument(
-        "--stages",
+        "--ranks",
         type=int_at_least(1),
         metavar="P",
-        help=f"pipeline depth p = number of ranks (default {_DEFAULT_STAGES}); "
-        "the model has p*v stages with --chunks v",
+        help=f"pipeline ranks p, the pipeline's depth (default {_DEFAULT_RANKS}); "
+        "the model is cut into p*v stages with --chunks v",
+    )
+    refuse_renamed(
+        parser, "--stages", "--ranks", "it counts pipeline ranks (stages = ranks x chunks)"
     )
     parser.add_argument(
         "--microbatches",
@@ -102,7 +105,7 @@ def _add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         "--chunks",
         type=int_at_least(1),
         metavar="V",
-        help="model chunks (stages) per rank (default: the generator's)",
+        help="chunks (stages) per rank (default: the generator's)",
     )
     parser.add_argument(
         "--costs",
@@ -201,7 +204,7 @@ def _search(args: argparse.Namespace) -> tuple[Schedule, CostModel, str]:
     """``--schedule auto``: search under the given costs and memory limit."""
     from zeropipe.core.schedules.auto import search  # registers "auto"; loaded only when asked for
 
-    ranks = args.stages or _DEFAULT_STAGES
+    ranks = args.ranks or _DEFAULT_RANKS
     path = Path(args.costs)
     if args.costs and path.is_file():
         costs = _load_costs(args.costs, None)
@@ -221,7 +224,7 @@ def _load_schedule(args: argparse.Namespace) -> Schedule:
     if path.is_file():
         schedule = _read_schedule_file(path, args.microbatches)
         given = {
-            "--stages": (args.stages, schedule.num_ranks, "rank(s)"),
+            "--ranks": (args.ranks, schedule.num_ranks, "rank(s)"),
             "--microbatches": (args.microbatches, schedule.microbatches, "microbatch(es)"),
             "--chunks": (args.chunks, schedule.chunks_per_rank, "chunk(s) per rank"),
         }
@@ -239,7 +242,7 @@ def _load_schedule(args: argparse.Namespace) -> Schedule:
         )
     return generate(
         name,
-        args.stages or _DEFAULT_STAGES,
+        args.ranks or _DEFAULT_RANKS,
         args.microbatches or _DEFAULT_MICROBATCHES,
         args.chunks,
     )
@@ -288,11 +291,15 @@ def _add_profile_arguments(parser: argparse.ArgumentParser) -> None:
         "--model", choices=("gpt", "mlp"), default="gpt", help="reference model (default gpt)"
     )
     parser.add_argument(
-        "--layers",
+        "--blocks",
         type=int_at_least(1),
         default=4,
         metavar="N",
-        help="transformer blocks / MLP blocks (default 4)",
+        help="the model's blocks: a GPT block is 2 layers (attention, MLP), an MLP block "
+        "(Linear-GELU-Linear) 1 (default 4)",
+    )
+    refuse_renamed(
+        parser, "--layers", "--blocks", "it counts the model's blocks (a GPT block is 2 layers)"
     )
     parser.add_argument(
         "--width", type=int_at_least(1), default=128, metavar="D", help="model width (default 128)"
@@ -354,7 +361,7 @@ def _run_profile(args: argparse.Namespace) -> int:
     import torch
 
     from zeropipe.apps.models import GPTConfig, gpt, mlp_blocks
-    from zeropipe.apps.models.gpt import lm_loss
+    from zeropipe.apps.models.gpt import LAYERS, lm_loss
     from zeropipe.core.ir import Kind
     from zeropipe.planning.balance import balance, even_cut
     from zeropipe.planning.plan import layer_costs, profile
@@ -365,17 +372,23 @@ def _run_profile(args: argparse.Namespace) -> int:
     loss_fn: Any = None
     if args.model == "gpt":
         heads = max(h for h in (8, 4, 2, 1) if args.width % h == 0)
-        cfg = GPTConfig(seq=args.seq, width=args.width, heads=heads, layers=args.layers)
+        cfg = GPTConfig(seq=args.seq, width=args.width, heads=heads, layers=args.blocks)
         model = gpt(cfg)
         sample = torch.randint(0, cfg.vocab, (args.microbatch_size, cfg.seq), generator=gen)
         target, loss_fn = sample, lm_loss
+        what = LAYERS
     else:
-        model = mlp_blocks(args.layers, args.width, 4 * args.width)
+        model = mlp_blocks(args.blocks, args.width, 4 * args.width)
         sample = torch.randn(args.microbatch_size, args.width, generator=gen)
+        what = "one per block"
     layers = len(model)
+    counted = f"{args.blocks} block{'s' * (args.blocks != 1)}, {layers} layers ({what})"
     parts = args.stages or layers
     if parts > layers:
-        raise ZeropipeError(f"--stages {parts}: the model has only {layers} layers to cut")
+        raise ZeropipeError(
+            f"--stages {parts}: the model has {counted}, and a stage needs a layer; "
+            f"give --stages {layers} or fewer, or more --blocks"
+        )
     options = {"warmup": args.warmup, "repeat": args.repeat, "threads": args.threads}
     if args.balance:
         per_layer = layer_costs(model, sample, target=target, loss_fn=loss_fn, **options)
@@ -386,6 +399,7 @@ def _run_profile(args: argparse.Namespace) -> int:
     costs.meta.update(
         {
             "model": args.model,
+            "blocks": args.blocks,
             "layers": layers,
             "width": args.width,
             "cut": cut,
@@ -398,7 +412,7 @@ def _run_profile(args: argparse.Namespace) -> int:
         print(costs.to_json())
         return 0
     print(
-        f"{args.model}: {layers} layers in {parts} stage(s) {cut}, microbatch "
+        f"{args.model}: {counted}, in {parts} stage(s) of {cut} layers, microbatch "
         f"{args.microbatch_size}, {args.threads} thread(s), median of {args.repeat}"
     )
     print(

@@ -1,12 +1,14 @@
-"""Argument types the command line's subcommands share (argparse ``type=`` callables)."""
+"""What the command line's subcommands share: argument types (argparse ``type=`` callables),
+and :func:`refuse_renamed`, which keeps a renamed flag failing with its new name."""
 
 from __future__ import annotations
 
 import argparse
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
-__all__ = ["int_at_least", "positive_float"]
+__all__ = ["int_at_least", "positive_float", "refuse_renamed"]
 
 
 def int_at_least(low: int) -> Callable[[str], int]:
@@ -34,3 +36,33 @@ def positive_float(text: str) -> float:
     if not (value > 0 and math.isfinite(value)):
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
     return value
+
+
+class _Renamed(argparse.Action):
+    """A flag that was renamed: using it is a usage error that names its new name."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, message: str, **kw: Any) -> None:
+        super().__init__(option_strings, dest, nargs="?", help=argparse.SUPPRESS, **kw)
+        self.message = message
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: object,
+        option_string: str | None = None,
+    ) -> None:
+        # No argument name: the message already starts with the flag.
+        raise argparse.ArgumentError(None, self.message)
+
+
+def refuse_renamed(parser: argparse.ArgumentParser, old: str, new: str, why: str) -> None:
+    """Make ``old`` (hidden from --help) fail as "OLD is now NEW: WHY", instead of it being
+    taken for another flag or silently meaning something else."""
+    parser.add_argument(
+        old,
+        action=_Renamed,
+        dest=f"renamed_{old.strip('-')}",
+        default=argparse.SUPPRESS,  # nothing in the parsed namespace
+        message=f"{old} is now {new}: {why}",
+    )

@@ -16,6 +16,8 @@ loss and its batches -- and leaves in ``--out``::
     trace.json         Chrome trace of that measured step (opens in Perfetto)
     loss.png           the loss curve
 
+(:mod:`zeropipe.apps.train_report` measures, prints and draws what a run reports.)
+
 Stopping: Ctrl-C (SIGINT) is turned into a request that all ranks agree on at
 the next step boundary; they save a checkpoint and exit.  ``--resume``
 continues from the newest complete checkpoint, reading exactly the batches
@@ -37,7 +39,6 @@ import json
 import math
 import os
 import signal
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,7 +48,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zeropipe.apps import train_resume
+from zeropipe.apps import train_report, train_resume
+from zeropipe.apps.cli_args import refuse_renamed
 from zeropipe.apps.data import Corpus
 from zeropipe.apps.models.hf import PRESETS
 from zeropipe.apps.train_resume import check_resume, run_settings
@@ -55,6 +57,7 @@ from zeropipe.apps.train_setup import (
     batch,
     build_model,
     check_model,
+    describe_layers,
     load_corpus,
     loss_fn,
     model_layers,
@@ -64,7 +67,7 @@ from zeropipe.core.build import build_schedule
 from zeropipe.core.errors import PipelineError, ZeropipeError
 from zeropipe.core.ir import Schedule
 from zeropipe.core.schedules import GENERATORS
-from zeropipe.core.simulate import Event, Timeline, costs_from_timeline, simulate
+from zeropipe.core.simulate import Timeline
 from zeropipe.runtime.pipeline import Pipeline, RuntimeOptions
 
 __all__ = ["TrainConfig", "check_resume", "run_settings", "train", "train_rank"]
@@ -88,7 +91,7 @@ class TrainConfig:
     warmup: int = 20
     seq: int = 48
     width: int = 96
-    layers: int = 4
+    blocks: int = 4  # transformer blocks (the GPT's are two layers each: attention, MLP)
     heads: int = 4
     dropout: float = 0.0
     memory_limit: float | None = None
@@ -139,11 +142,13 @@ class TrainConfig:
         _check_device(self.device)
         schedule = self.build_schedule()
         check_model(self)
-        layers = model_layers(self, load_corpus(self).vocab)
-        if schedule.num_stages > layers:
+        vocab = load_corpus(self).vocab
+        if schedule.num_stages > model_layers(self, vocab):
+            more = "num_hidden_layers in --model-config" if self.model_config else "--blocks"
             raise ZeropipeError(
-                f"--ranks {self.ranks} with {self.schedule} needs {schedule.num_stages} stages but the model has "
-                f"{layers} layers; use fewer ranks or more --layers"
+                f"--ranks {self.ranks} with {self.schedule} needs {schedule.num_stages} stages "
+                f"but the model has {describe_layers(self, vocab)}, and a stage needs a layer; "
+                f"use fewer ranks or more {more}"
             )
         self.planned = schedule.to_text()
 
@@ -289,10 +294,8 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
         schedule,
         loss_fn=loss_fn(cfg),
         balance=cut,
-        seed=cfg.seed,
-        executor="distributed" if cfg.ranks > 1 else "local",
-        mesh=_mesh(cfg) if cfg.dp > 1 else None,
-        options=RuntimeOptions(timeout=cfg.timeout),
+        mesh=_mesh(cfg) if cfg.dp > 1 else (None if cfg.ranks > 1 else "local"),
+        options=RuntimeOptions(seed=cfg.seed, timeout=cfg.timeout),
     )
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=cfg.lr, weight_decay=0.0)
     start = train_resume.resume(ckpt_root, rank, pipe, optimizer, cfg, model) if cfg.resume else 0
@@ -318,9 +321,9 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         elapsed = time.perf_counter() - t0
-        bubble = _bubble_rate(pipe, elapsed, world)
+        bubble = train_report.bubble_rate(pipe, elapsed, world)
         if step == trace_step:
-            measured = _gather_timeline(pipe, world)
+            measured = train_report.gather_timeline(pipe, world)
         step += 1
         value = loss.item()
         # The loss is the same on every rank; agreeing on it anyway keeps every rank on
@@ -330,7 +333,7 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
             non_finite = {"what": "loss", "step": step, "loss": value}
             break
         losses.append(value)
-        peak = _peak_bytes(pipe)
+        peak = train_report.peak_bytes(pipe)
         record = {
             "step": step,
             "loss": value,
@@ -345,7 +348,7 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
             with open(out / "metrics.jsonl", "a") as fh:
                 fh.write(json.dumps(record) + "\n")
             if not cfg.quiet:
-                _progress(record, cfg.steps)
+                train_report.progress(record, cfg.steps)
         if step % cfg.checkpoint_every == 0 or step == cfg.steps or stopping:
             # A finite loss can still be followed by an update that overflowed.
             if _agree([not _weights_finite(pipe)], world)[0]:
@@ -375,9 +378,9 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
     if lead:
         if not cfg.quiet:
             print()
-        _write_pictures(out, pipe, measured, losses, start)
+        train_report.write_pictures(out, pipe, measured)
         if not cfg.quiet and non_finite is None:  # train() reports a non-finite stop
-            _print_summary(summary, out)
+            train_report.print_summary(summary, out)
     return summary
 
 
@@ -433,121 +436,6 @@ def _mine(pipe: Pipeline, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tenso
     return x.tensor_split(pipe.dp_size)[pipe.dp_rank], y.tensor_split(pipe.dp_size)[pipe.dp_rank]
 
 
-def _bubble_rate(pipe: Pipeline, elapsed: float, world: int) -> float:
-    """Mean idle share of the step over ranks: 1 - compute time / step time."""
-    busy = sum(e.end - e.start for evs in pipe.last_events for e in evs if e.lane == "compute")
-    # Each process plays one pipeline rank, or (one-process pipelines) all of them.
-    ranks = world * (1 if pipe.distributed else pipe.schedule.num_ranks)
-    if world > 1:
-        t = torch.tensor([busy])
-        dist.all_reduce(t)
-        busy = float(t.item())
-    return max(0.0, 1.0 - busy / (ranks * elapsed))
-
-
-def _peak_bytes(pipe: Pipeline) -> int | None:
-    peaks = getattr(pipe, "peak_saved_bytes", None)
-    if peaks is None:
-        return None
-    return int(max(peaks)) if isinstance(peaks, (list, tuple)) else int(peaks)
-
-
-def _gather_timeline(pipe: Pipeline, world: int) -> Timeline:
-    """The first replica's pipeline: every rank's events of the last step."""
-    events: list[list[Event]] = pipe.last_events
-    if pipe.distributed:
-        gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, (pipe.dp_rank, pipe.rank, events[pipe.rank]))
-        first = {r: evs for d, r, evs in gathered if d == 0}
-        events = [list(first[r]) for r in range(pipe.schedule.num_ranks)]
-    return Timeline(pipe.schedule, events, peak_memory=[], memory_unit="bytes", measured=True)
-
-
-def _write_pictures(
-    out: Path, pipe: Pipeline, measured: Timeline | None, losses: list[float], start: int
-) -> None:
-    from zeropipe.core import render
-
-    if measured is not None:
-        render.write_chrome_trace(measured, out / "trace.json")
-        planned = simulate(pipe.schedule, costs_from_timeline(measured))
-        try:
-            render.render_pngs(
-                [planned, measured],
-                out / "timeline.png",
-                ["planned (simulated from measured action times)", "measured"],
-            )
-        except ZeropipeError as exc:
-            print(f"zeropipe: note: {exc}", file=sys.stderr)
-    _loss_png(out, start)
-
-
-def _loss_png(out: Path, start: int) -> None:
-    path = out / "metrics.jsonl"
-    if not path.exists():  # the first step's loss was non-finite: nothing to draw
-        return
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError:
-        print(
-            "zeropipe: note: loss.png needs matplotlib: pip install 'zeropipe[plot]'",
-            file=sys.stderr,
-        )
-        return
-    fig = Figure(figsize=(7, 4))
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], lw=1.2)
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss (cross-entropy)")
-    ax.set_title("zeropipe train: loss")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out / "loss.png", dpi=110)
-
-
-def _progress(record: dict[str, Any], total: int) -> None:
-    width = 24
-    done = int(width * record["step"] / total)
-    peak = record["peak_saved_bytes"]
-    mem = f" | peak {peak / 2**20:.1f} MiB" if peak else ""
-    line = (
-        f"[{'#' * done}{'.' * (width - done)}] step {record['step']}/{total} | loss {record['loss']:.3f} | "
-        f"{record['tokens_per_s']:,.0f} tok/s | bubble {record['bubble_rate']:.0%}{mem}"
-    )
-    end = "\r" if sys.stdout.isatty() else "\n"
-    if end == "\n" and record["step"] % 25 and record["step"] != total:
-        return
-    print(line, end=end, flush=True)
-
-
-def _print_summary(summary: dict[str, Any], out: Path) -> None:
-    rows = [
-        ("model", summary["model"]),
-        (
-            "schedule",
-            summary["schedule"]
-            + (f", W in groups of {summary['group_w']}" if summary["group_w"] > 1 else ""),
-        ),
-        ("ranks", summary["ranks"]),
-        *([("data-parallel replicas", summary["dp"])] if summary["dp"] > 1 else []),
-        ("steps run", summary["steps_run"]),
-        (
-            "eval loss (start -> end)",
-            f"{summary['initial_eval_loss']:.3f} -> {summary['final_eval_loss']:.3f}",
-        ),
-        ("final train loss", f"{summary['final_train_loss']:.3f}"),
-        ("wall time", f"{summary['wall_s']:.1f} s"),
-        ("outputs", str(out)),
-    ]
-    width = max(len(k) for k, _ in rows)
-    print("summary")
-    for k, v in rows:
-        print(f"  {k:<{width}}  {v}")
-
-
 # -- command line ---------------------------------------------------------------------
 def add_arguments(parser: Any) -> None:
     """The flags of ``zeropipe train`` (defaults: the built-in demo)."""
@@ -566,7 +454,7 @@ def add_arguments(parser: Any) -> None:
         default=None,
         metavar="FILE.json",
         help="a Hugging Face config.json of llama, mistral, qwen2, qwen3 or gpt2 (built from "
-        "the config, nothing downloaded); --width/--layers do not apply",
+        "the config, nothing downloaded); --width/--blocks do not apply",
     )
     parser.add_argument(
         "--data",
@@ -612,7 +500,14 @@ def add_arguments(parser: Any) -> None:
         "--lr", type=float, default=d.lr, help=f"AdamW learning rate (default {d.lr})"
     )
     parser.add_argument(
-        "--layers", type=int, default=d.layers, help=f"transformer blocks (default {d.layers})"
+        "--blocks",
+        type=int,
+        default=d.blocks,
+        help=f"transformer blocks (default {d.blocks}); the reference GPT's are two layers each "
+        "(attention, MLP), between the embedding and the head",
+    )
+    refuse_renamed(
+        parser, "--layers", "--blocks", "it counts transformer blocks (a GPT block is 2 layers)"
     )
     parser.add_argument(
         "--width", type=int, default=d.width, help=f"model width (default {d.width})"
@@ -651,7 +546,7 @@ def add_arguments(parser: Any) -> None:
         "--resume",
         action="store_true",
         help="continue from the newest complete checkpoint in --out, after checking its files' "
-        "sha256; --microbatches, --batch-size, --seed, --lr, --width and --layers must be "
+        "sha256; --microbatches, --batch-size, --seed, --lr, --width and --blocks must be "
         "those it was saved with, while --ranks and --schedule (the layout), --steps (to "
         "extend the run), --checkpoint-every, --timeout, --quiet, --device and the memory "
         "flags (--group-w, --recompute, --offload, --memory-limit) may change",

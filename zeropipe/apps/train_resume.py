@@ -51,7 +51,7 @@ _MUST_MATCH = (
     "lr",
     "warmup",
     "width",
-    "layers",
+    "blocks",
     "heads",
     "seq",
     "dropout",
@@ -59,6 +59,8 @@ _MUST_MATCH = (
 )
 # Older per-rank checkpoints fit only the layout they were saved from.
 _LAYOUT = ("schedule", "ranks")
+# Settings that checkpoints recorded under another name: field -> the older key.
+_OLD_KEYS = {"blocks": "layers"}  # --layers counted blocks, and became --blocks
 # TrainConfig fields that the command line does not set (the Python API does).
 _NOT_FLAGS = {"warmup", "heads", "seq", "dropout", "eval_batches", "trace_step", "planned"}
 
@@ -101,7 +103,8 @@ def check_resume(cfg: Any, warn: bool = True) -> None:
     layout_free = manifest.format == DCP_FORMAT
     differ = []
     for name in _MUST_MATCH + (() if layout_free else _LAYOUT):
-        now, then = getattr(cfg, name), saved.get(name, getattr(default, name))
+        key = name if name in saved else _OLD_KEYS.get(name, name)
+        now, then = getattr(cfg, name), saved.get(key, getattr(default, name))
         if now != then:
             differ.append((_flag(name), now, then))
     if not differ:

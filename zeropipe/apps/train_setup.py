@@ -5,6 +5,7 @@ The training loop of :mod:`zeropipe.apps.train` asks this module for
     check_model(cfg)                    one-line errors for --model / --model-config
     load_corpus(cfg)                    the generated corpus, or the bytes of --data FILE
     model_layers(cfg, vocab)            the layers a schedule's stages are cut from
+    describe_layers(cfg, vocab)         those layers counted and named, for messages
     build_model(cfg, vocab, stages)     the GPT of zeropipe.apps.models.gpt and its cut, or a
                                         Hugging Face model (zeropipe.apps.models.hf) cut into
                                         stages by zeropipe.adapters.split; and the model
@@ -26,7 +27,7 @@ import torch
 from zeropipe.adapters.loss import causal_lm_loss
 from zeropipe.adapters.split import split
 from zeropipe.apps.data import Corpus
-from zeropipe.apps.models.gpt import GPTConfig, gpt, lm_loss
+from zeropipe.apps.models.gpt import LAYERS, GPTConfig, gpt, gpt_layers, lm_loss
 from zeropipe.apps.models.hf import PRESETS, build_hf, hf_config
 from zeropipe.core.errors import ZeropipeError
 from zeropipe.planning.balance import even_cut
@@ -36,6 +37,7 @@ __all__ = [
     "batch",
     "build_model",
     "check_model",
+    "describe_layers",
     "load_corpus",
     "loss_fn",
     "model_layers",
@@ -51,7 +53,7 @@ class ModelSettings(Protocol):
     batch_size: int
     seq: int
     width: int
-    layers: int
+    blocks: int  # transformer blocks (--blocks)
     heads: int
     dropout: float
     device: str
@@ -85,7 +87,7 @@ def _hf_config(cfg: ModelSettings, vocab: int) -> Any:
         cfg.model,
         vocab=vocab,
         width=cfg.width,
-        layers=cfg.layers,
+        blocks=cfg.blocks,
         heads=cfg.heads,
         seq=cfg.seq,
         dropout=cfg.dropout,
@@ -93,12 +95,28 @@ def _hf_config(cfg: ModelSettings, vocab: int) -> Any:
     )
 
 
+def _blocks(cfg: ModelSettings, vocab: int) -> int:
+    if cfg.model == "gpt":
+        return cfg.blocks
+    return int(_hf_config(cfg, vocab).num_hidden_layers)  # --blocks, or the config file's
+
+
 def model_layers(cfg: ModelSettings, vocab: int) -> int:
-    """The model's blocks plus its embedding and head: the most stages it can be cut into."""
-    blocks = cfg.layers
-    if cfg.model != "gpt":
-        blocks = int(_hf_config(cfg, vocab).num_hidden_layers)
-    return blocks + 2  # embedding and head are layers of the Sequential too
+    """The model's layers: the most stages it can be cut into.
+
+    The GPT's ``nn.Sequential`` is its embedding, the attention and MLP of each
+    block, and its head; a Hugging Face model's stages hold whole decoder layers
+    (blocks), with the embedding and the head beside them.
+    """
+    blocks = _blocks(cfg, vocab)
+    return gpt_layers(blocks) if cfg.model == "gpt" else blocks + 2
+
+
+def describe_layers(cfg: ModelSettings, vocab: int) -> str:
+    """:func:`model_layers` counted and named, e.g. '10 layers (4 blocks; embedding, ...)'."""
+    blocks = _blocks(cfg, vocab)
+    what = LAYERS if cfg.model == "gpt" else "embedding, each block, head"
+    return f"{model_layers(cfg, vocab)} layers ({blocks} block{'s' * (blocks != 1)}; {what})"
 
 
 def _balance(blocks: int, stages: int, per_block: int = 1) -> list[int]:
@@ -127,11 +145,11 @@ def build_model(
             seq=cfg.seq,
             width=cfg.width,
             heads=cfg.heads,
-            layers=cfg.layers,
+            layers=cfg.blocks,
             dropout=cfg.dropout,
         )
         # The GPT's blocks are two layers each (attention, MLP).
-        cut = _balance(cfg.layers, num_stages, per_block=2)
+        cut = _balance(cfg.blocks, num_stages, per_block=2)
         whole = gpt(gpt_cfg, seed=cfg.seed).to(cfg.device)
         return whole, cut, whole
     config = _hf_config(cfg, vocab)

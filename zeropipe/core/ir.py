@@ -7,19 +7,10 @@ microbatch: ``1OFFLOAD`` / ``1RELOAD`` (``1RELOAD3`` is the reload of stage 1's
 saved activations of microbatch 3).
 
 A :class:`Schedule` is the stage -> rank placement plus one ordered action list
-per rank.  It is plain, immutable data; every other module reads it.  Text
-form::
-
-    # zeropipe schedule
-    name: 1f1b
-    microbatches: 4
-    placement: 0 1
-    rank 0: 0F0 0F1 0B0 0F2 0B1 0F3 0B2 0B3
-    rank 1: 1F0 1B0 1F1 1B1 1F2 1B2 1F3 1B3
-
-The torch CSV form is the one ``torch.distributed.pipelining`` reads with
-``_load_csv`` and writes with ``_dump_csv``: one row per rank, one action per
-cell, empty cells for idle steps.
+per rank.  It is plain, immutable data; every other module reads it.  Its
+methods read and write the text, JSON and torch-CSV forms (``from_text`` /
+``to_text``, ...): :mod:`zeropipe.core.forms` holds their layouts, and this
+module turns the action tokens in them into actions and back.
 
 Overlapped pairs.  torch's DualPipeV writes ``(0F3;3B1)OVERLAP_F_B``: a forward
 of one stage overlapped with a backward of another stage on the same rank.
@@ -42,10 +33,7 @@ it; keeping the members as actions means only adjacency has to be kept.
 
 from __future__ import annotations
 
-import csv
-import io
 import json
-import operator
 import re
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -53,6 +41,19 @@ from enum import Enum
 from typing import Any
 
 from zeropipe.core.errors import ScheduleError
+from zeropipe.core.forms import (
+    Fields,
+    as_integers,
+    format_text,
+    format_torch_csv,
+    pair_members,
+    read_dict,
+    read_json,
+    read_text,
+    refuse_torch_only,
+    schedule_dict,
+    torch_csv_rows,
+)
 
 __all__ = [
     "COMM_KINDS",
@@ -102,8 +103,6 @@ STAGE_KINDS = frozenset({Kind.REDUCE_GRAD})
 # Longest spellings first so that "RECV_F" is not read as "R" + junk.
 _KIND_ALTERNATION = "|".join(sorted((k.value for k in Kind), key=len, reverse=True))
 _ACTION_RE = re.compile(rf"^(\d+)({_KIND_ALTERNATION})(\d*)$")
-# "(0F3;3B1)" here, "(0F3;3B1)OVERLAP_F_B" in torch's CSV (accepted in every form).
-_PAIR_RE = re.compile(r"^\(([^;()]*);([^;()]*)\)(OVERLAP_F_B)?$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,7 +227,7 @@ class Schedule:
     _stages: tuple[tuple[int, ...], ...] = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "placement", _integers("placement", self.placement))
+        object.__setattr__(self, "placement", as_integers("placement", self.placement))
         try:
             actions = tuple(tuple(a) for a in self.actions)
         except TypeError:
@@ -346,20 +345,22 @@ class Schedule:
         acts = self.actions[rank]
         return frozenset(k for k in range(len(acts) - 1) if (acts[k], acts[k + 1]) in self.overlaps)
 
-    def _tokens(self, rank: int) -> list[str]:
-        """``rank``'s actions as text, each overlapped pair one ``(a;b)`` token."""
-        acts = self.actions[rank]
-        starts = self.overlapped(rank)
-        out: list[str] = []
-        k = 0
-        while k < len(acts):
-            if k in starts:
-                out.append(f"({acts[k]};{acts[k + 1]})")
-                k += 2
-            else:
-                out.append(str(acts[k]))
-                k += 1
-        return out
+    def _tokens(self) -> list[list[str]]:
+        """Each rank's actions as text, each overlapped pair one ``(a;b)`` token."""
+        ranks: list[list[str]] = []
+        for rank, acts in enumerate(self.actions):
+            starts = self.overlapped(rank)
+            out: list[str] = []
+            k = 0
+            while k < len(acts):
+                if k in starts:
+                    out.append(f"({acts[k]};{acts[k + 1]})")
+                    k += 2
+                else:
+                    out.append(str(acts[k]))
+                    k += 1
+            ranks.append(out)
+        return ranks
 
     def check_overlaps_adjacent(self) -> None:
         """Raise ScheduleError unless every overlapped pair sits adjacent on one rank."""
@@ -390,78 +391,17 @@ class Schedule:
     # -- text ------------------------------------------------------------------
     def to_text(self) -> str:
         self.check_overlaps_adjacent()
-        lines = [
-            "# zeropipe schedule",
-            f"name: {self.name}",
-            f"microbatches: {self.microbatches}",
-            "placement: " + " ".join(str(r) for r in self.placement),
-        ]
-        for rank in range(self.num_ranks):
-            lines.append(f"rank {rank}: " + " ".join(self._tokens(rank)))
-        return "\n".join(lines) + "\n"
+        return format_text(self.name, self.microbatches, self.placement, self._tokens())
 
     @classmethod
     def from_text(cls, text: str) -> Schedule:
-        header: dict[str, str] = {}
-        ranks: dict[int, list[Action]] = {}
         pairs: list[Overlap] = []
-        for lineno, raw in enumerate(text.splitlines(), start=1):
-            line = raw.split("#", 1)[0].strip()
-            if not line:
-                continue
-            key, sep, value = line.partition(":")
-            if not sep:
-                raise ScheduleError(
-                    f"line {lineno}: expected 'key: value' or 'rank N: ACTIONS', got {raw!r}",
-                    rule="syntax",
-                )
-            key = key.strip()
-            if key.startswith("rank"):
-                try:
-                    rank = int(key[4:])
-                except ValueError:
-                    raise ScheduleError(
-                        f"line {lineno}: bad rank header {key!r}, expected 'rank N'", rule="syntax"
-                    ) from None
-                if rank in ranks:
-                    raise ScheduleError(f"line {lineno}: rank {rank} listed twice", rule="syntax")
-                ranks[rank] = _read_tokens(value.split(), pairs)
-            elif key in ("name", "microbatches", "placement"):
-                header[key] = value.strip()
-            else:
-                raise ScheduleError(
-                    f"line {lineno}: unknown key {key!r} (known: name, microbatches, placement, rank N)",
-                    rule="syntax",
-                )
-        for needed in ("microbatches", "placement"):
-            if needed not in header:
-                raise ScheduleError(f"schedule text has no '{needed}:' line", rule="syntax")
-        if sorted(ranks) != list(range(len(ranks))):
-            raise ScheduleError(
-                f"schedule text lists ranks {sorted(ranks)}; expected 0..{len(ranks) - 1}",
-                rule="syntax",
-            )
-        schedule = cls(
-            placement=tuple(_integer("placement", t) for t in header["placement"].split()),
-            actions=tuple(tuple(ranks[r]) for r in range(len(ranks))),
-            microbatches=_integer("microbatches", header["microbatches"]),
-            name=header.get("name", "custom"),
-            overlaps=pairs,
-        )
-        schedule.check_stages()
-        return schedule
+        return cls._from_fields(read_text(text, lambda t: _read_tokens(t, pairs)), pairs)
 
     # -- JSON ------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         self.check_overlaps_adjacent()
-        return {
-            "format": "zeropipe-schedule",
-            "version": 1,
-            "name": self.name,
-            "microbatches": self.microbatches,
-            "placement": list(self.placement),
-            "actions": [self._tokens(r) for r in range(self.num_ranks)],
-        }
+        return schedule_dict(self.name, self.microbatches, self.placement, self._tokens())
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
@@ -469,52 +409,24 @@ class Schedule:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Schedule:
         """Read :meth:`to_dict`'s form; anything malformed is a ScheduleError naming it."""
-        if not isinstance(data, dict) or data.get("format") != "zeropipe-schedule":
-            raise ScheduleError(
-                "not a zeropipe schedule: JSON field 'format' must be 'zeropipe-schedule'",
-                rule="syntax",
-            )
-        for needed in ("placement", "actions", "microbatches"):
-            if needed not in data:
-                raise ScheduleError(f"schedule JSON lacks field '{needed}'", rule="syntax")
-        placement, actions = data["placement"], data["actions"]
-        if not isinstance(placement, list):
-            raise ScheduleError(
-                f"schedule JSON 'placement' must be a list of ranks, got {placement!r:.40}",
-                rule="syntax",
-            )
-        if not isinstance(actions, list) or not all(isinstance(a, list) for a in actions):
-            raise ScheduleError(
-                "schedule JSON 'actions' must be a list with one list of action strings per rank",
-                rule="syntax",
-            )
-        parsed = []
         pairs: list[Overlap] = []
-        for rank, acts in enumerate(actions):
-            for a in acts:
-                if not isinstance(a, str):
-                    raise ScheduleError(
-                        f"rank {rank}: action {a!r:.40} is not a string such as '2F0'",
-                        rule="syntax",
-                    )
-            parsed.append(tuple(_read_tokens(acts, pairs)))
+        return cls._from_fields(read_dict(data, lambda t: _read_tokens(t, pairs)), pairs)
+
+    @classmethod
+    def from_json(cls, text: str) -> Schedule:
+        return cls.from_dict(read_json(text))
+
+    @classmethod
+    def _from_fields(cls, fields: Fields[list[Action]], pairs: list[Overlap]) -> Schedule:
         schedule = cls(
-            placement=tuple(_integer("placement", r) for r in placement),
-            actions=tuple(parsed),
-            microbatches=_integer("microbatches", data["microbatches"]),
-            name=str(data.get("name", "custom")),
+            placement=fields.placement,
+            actions=tuple(tuple(acts) for acts in fields.ranks),
+            microbatches=fields.microbatches,
+            name=fields.name,
             overlaps=pairs,
         )
         schedule.check_stages()
         return schedule
-
-    @classmethod
-    def from_json(cls, text: str) -> Schedule:
-        try:
-            data = json.loads(text)
-        except (ValueError, RecursionError) as exc:  # too deep a nesting is RecursionError
-            raise ScheduleError(f"schedule is not valid JSON: {exc}", rule="syntax") from None
-        return cls.from_dict(data)
 
     # -- torch.distributed.pipelining CSV ----------------------------------------
     def to_torch_csv(self) -> str:
@@ -534,13 +446,7 @@ class Schedule:
                 actions=tuple(foreign[:4]),
             )
         self.check_overlaps_adjacent()
-        out = io.StringIO()
-        writer = csv.writer(out, lineterminator="\n")
-        for rank in range(self.num_ranks):
-            writer.writerow(
-                [t + "OVERLAP_F_B" if t.startswith("(") else t for t in self._tokens(rank)]
-            )
-        return out.getvalue()
+        return format_torch_csv(self._tokens())
 
     @classmethod
     def from_torch_csv(
@@ -552,10 +458,7 @@ class Schedule:
         name: str = "torch-csv",
     ) -> Schedule:
         """Read torch's CSV; placement and microbatch count are inferred if not given."""
-        try:
-            rows = [row for row in csv.reader(io.StringIO(text)) if any(c.strip() for c in row)]
-        except csv.Error as exc:  # e.g. a field over csv's size limit
-            raise ScheduleError(f"cannot read torch CSV: {exc}", rule="syntax") from None
+        rows = torch_csv_rows(text)
         actions: list[list[Action]] = []
         owner: dict[int, int] = {}
         pairs: list[Overlap] = []
@@ -564,7 +467,7 @@ class Schedule:
             for cell in row:
                 if not cell.strip():
                     continue  # torch writes idle steps as empty cells
-                _refuse_torch_only(cell)
+                refuse_torch_only(cell)
                 for action in _read_tokens([cell], pairs):
                     acts.append(action)
                     if owner.setdefault(action.stage, rank) == rank:
@@ -599,29 +502,6 @@ class Schedule:
         )
         schedule.check_stages()
         return schedule
-
-
-def _integer(what: str, value: object) -> int:
-    """``value`` as an int: an int, or text of one; anything else is a ScheduleError."""
-    if isinstance(value, str):
-        try:
-            return int(value.strip())
-        except ValueError:
-            pass
-    elif not isinstance(value, bool):
-        try:
-            return operator.index(value)  # type: ignore[arg-type]  # numpy ints too; 1.5 not
-        except TypeError:
-            pass
-    raise ScheduleError(f"{what} must be an integer, got {value!r:.40}", rule="syntax")
-
-
-def _integers(what: str, values: Iterable[object]) -> tuple[int, ...]:
-    try:
-        items = tuple(values)
-    except TypeError:  # not iterable, whatever the annotation says
-        raise ScheduleError(f"{what} must be a sequence of integers, got {values!r:.40}") from None
-    return tuple(_integer(what, v) for v in items)
 
 
 def _overlaps(pairs: object) -> frozenset[Overlap]:
@@ -659,37 +539,14 @@ def _read_tokens(tokens: Iterable[str], pairs: list[Overlap]) -> list[Action]:
     """Actions from text tokens; a ``(a;b)`` token gives two and is recorded in ``pairs``."""
     out: list[Action] = []
     for tok in tokens:
-        text = tok.strip()
-        if not text.startswith("("):
-            out.append(Action.parse(text))
+        members = pair_members(tok)
+        if members is None:
+            out.append(Action.parse(tok.strip()))
             continue
-        match = _PAIR_RE.match(text)
-        if match is None:
-            raise ScheduleError(
-                f"cannot read overlapped pair {text!r}: expected (FORWARD;BACKWARD) such as "
-                f"'(0F3;3B1)' (torch's CSV: '(0F3;3B1)OVERLAP_F_B')",
-                rule="syntax",
-                actions=(text,),
-            )
-        first, second = Action.parse(match.group(1)), Action.parse(match.group(2))
+        first, second = Action.parse(members[0]), Action.parse(members[1])
         pairs.append((first, second))
         out.extend((first, second))
     return out
-
-
-_FSDP_ONLY = ("UNSHARD", "RESHARD")
-
-
-def _refuse_torch_only(cell: str) -> None:
-    text = cell.strip()
-    if any(k in text for k in _FSDP_ONLY):
-        raise ScheduleError(
-            f"torch action {text!r} is FSDP's unshard/reshard: not a schedule action here, "
-            f"since FSDP2's own hooks gather and free the parameters of a stage that uses it; "
-            f"remove it from the CSV",
-            rule="unsupported",
-            actions=(text,),
-        )
 
 
 def format_grid(

@@ -34,7 +34,14 @@ from zeropipe.core.errors import PipelineError
 from zeropipe.core.ir import Kind, Schedule
 from zeropipe.core.schedules.auto import auto_schedule, search
 from zeropipe.planning.balance import balance, stage_costs
-from zeropipe.planning.profiling import StageProbe, global_rank, profile_stages, synchronize
+from zeropipe.planning.profiling import (
+    Sample,
+    StageProbe,
+    global_rank,
+    profile_stages,
+    sample_parts,
+    synchronize,
+)
 from zeropipe.runtime.pipeline import Pipeline
 
 __all__ = [
@@ -67,7 +74,7 @@ class Plan:
 
 def profile(
     stages: Sequence[nn.Module],
-    sample: Tensor | Sequence[Tensor],
+    sample: Sample,
     *,
     target: Tensor | None = None,
     loss_fn: LossFn | None = None,
@@ -78,6 +85,14 @@ def profile(
     process_group: Any | None = None,
 ) -> CostModel:
     """Every stage's costs (:func:`zeropipe.planning.profiling.profile_stages`) and the runtime's overhead.
+
+    ``sample`` is one microbatch as :func:`auto_plan` takes its batch:
+    ``(inputs, target)`` with ``loss_fn=`` -- ``inputs`` a tensor, or a tuple of
+    the first stage's positional inputs -- so ``profile(stages, (x, y),
+    loss_fn=F.mse_loss)`` scores the last stage's output against ``y``.  The
+    inputs alone also do, with ``target=`` given apart or without a loss (the
+    last stage's backward then starts from a gradient of ones).  A sample the
+    first stage's forward cannot take is a one-line :class:`PipelineError`.
 
     ``overhead`` is what the runtime's bookkeeping adds to each compute action
     (:func:`runtime_overhead`); the simulator charges it, so schedules of many
@@ -115,7 +130,7 @@ def runtime_overhead(
     try:
         if threads is not None:
             torch.set_num_threads(threads)
-        pipe = Pipeline([layer], "1f1b", microbatches=m, loss_fn=loss_fn, executor="local")
+        pipe = Pipeline([layer], "1f1b", loss_fn=loss_fn, microbatches=m, mesh="local")
         prepare_split(layer)  # the probe times F, I and W apart
         probe = StageProbe(layer, (x[:1],), (loss_fn, x[:1]), set(), device, last=True)
         steps = []
@@ -139,7 +154,7 @@ def runtime_overhead(
 
 def layer_costs(
     model: nn.Sequential,
-    sample: Tensor | Sequence[Tensor],
+    sample: Sample,
     *,
     target: Tensor | None = None,
     loss_fn: LossFn | None = None,
@@ -151,7 +166,7 @@ def layer_costs(
 
 def balance_by_time(
     model: nn.Sequential,
-    sample: Tensor | Sequence[Tensor],
+    sample: Sample,
     parts: int,
     *,
     target: Tensor | None = None,
@@ -171,7 +186,7 @@ def balance_by_time(
 
 def plan_model(
     model: nn.Sequential,
-    sample: Tensor | Sequence[Tensor],
+    sample: Sample,
     ranks: int,
     microbatches: int,
     *,
@@ -216,7 +231,7 @@ def auto_plan(
     microbatches: int,
     *,
     costs: CostModel | None = None,
-    sample: tuple[Tensor | Sequence[Tensor], Tensor | None] | None = None,
+    sample: Sample | None = None,
     loss_fn: LossFn | None = None,
     memory_limit: float | None = None,
     process_group: Any | None = None,
@@ -226,8 +241,11 @@ def auto_plan(
     With ``costs`` (a :class:`~zeropipe.core.costs.CostModel`, e.g. saved by
     ``zeropipe profile``) the search runs at once and the cut is the caller's
     (``balance=None``).  Otherwise the model (an ``nn.Sequential``) is
-    profiled layer by layer on the first microbatch of ``sample=(inputs,
-    target)`` and balanced for each candidate chunk count (:func:`plan_model`).
+    profiled layer by layer on the first microbatch of ``sample`` and balanced
+    for each candidate chunk count (:func:`plan_model`).  ``sample`` is the
+    batch as :func:`profile` takes a microbatch: ``(inputs, target)`` with
+    ``loss_fn=`` (``inputs`` a tensor or a tuple of the first stage's inputs),
+    or the inputs alone (``(inputs, None)`` or ``inputs``) without a loss.
     ``memory_limit`` is per rank, in the cost model's unit.
 
     When torch.distributed is initialised with more than one process in
@@ -249,12 +267,8 @@ def auto_plan(
             "auto_plan without costs= profiles an nn.Sequential layer by layer; "
             "pass costs= for a list of stage modules"
         )
-    inputs, target = sample
-    first = (
-        torch.tensor_split(inputs, microbatches)[0]
-        if isinstance(inputs, Tensor)
-        else [torch.tensor_split(t, microbatches)[0] for t in inputs]
-    )
+    inputs, target = sample_parts(sample, loss_fn=loss_fn)
+    first = tuple(torch.tensor_split(t, microbatches)[0] for t in inputs)
     tgt = None if target is None else torch.tensor_split(target, microbatches)[0]
     result = plan_model(
         model,

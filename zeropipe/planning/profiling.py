@@ -39,6 +39,7 @@ linears were prepared for split backward are restored afterwards.
 
 from __future__ import annotations
 
+import inspect
 import statistics
 import time
 import weakref
@@ -60,14 +61,91 @@ from zeropipe.base.storage import StorageKey, distinct_bytes, storage_key
 from zeropipe.core.costs import CostModel, StageCost
 from zeropipe.core.errors import PipelineError
 
-__all__ = ["StageProbe", "global_rank", "profile_stages", "synchronize"]
+__all__ = ["Sample", "StageProbe", "global_rank", "profile_stages", "sample_parts", "synchronize"]
 
 LossFn = Callable[..., Tensor]
+Inputs = Tensor | Sequence[Tensor]  # the first stage's positional inputs
+#: ``(inputs, target)``, or the inputs alone (see :func:`sample_parts`).
+Sample = Inputs | tuple[Inputs, Tensor | None]
+
+
+def sample_parts(
+    sample: Sample, *, target: Tensor | None = None, loss_fn: LossFn | None = None
+) -> tuple[tuple[Tensor, ...], Tensor | None]:
+    """The first stage's inputs and the loss's target, from a sample as ``zeropipe.profile``
+    and ``zeropipe.auto_plan`` take it.
+
+    ``sample`` is ``(inputs, target)``: ``inputs`` a tensor, or a tuple of
+    tensors (the first stage's positional inputs), ``target`` what
+    ``loss_fn(output, target)`` scores the last stage's output against, or
+    ``None`` without a loss.  A pair is read so whenever ``loss_fn`` is given or
+    its second item is ``None``; otherwise (no loss, or ``target=`` given
+    apart) ``sample`` is the inputs alone.  Raises a one-line
+    :class:`PipelineError` when the inputs are not tensors, or ``loss_fn`` and
+    a target do not come together.
+    """
+    inputs: object = sample
+    pair = target is None and isinstance(sample, (tuple, list)) and len(sample) == 2
+    if pair and (loss_fn is not None or sample[1] is None):
+        inputs, second = sample[0], sample[1]
+        if second is not None and not isinstance(second, Tensor):
+            raise PipelineError(
+                f"the sample's target (its second item) must be a tensor or None, got "
+                f"{type(second).__name__}; pass sample=(inputs, target)"
+            )
+        target = second
+    if isinstance(inputs, Tensor):
+        parts: tuple[Tensor, ...] = (inputs,)
+    elif isinstance(inputs, (tuple, list)) and all(isinstance(t, Tensor) for t in inputs):
+        parts = tuple(inputs)
+    else:
+        raise PipelineError(
+            f"the sample's inputs must be a tensor or a tuple of tensors (the first stage's "
+            f"positional inputs), got {_kinds(inputs)}; pass sample=(inputs, target)"
+        )
+    if not parts:
+        raise PipelineError("the sample has no inputs; pass sample=(inputs, target)")
+    if target is not None and loss_fn is None:
+        raise PipelineError(
+            "give both target and loss_fn (the last stage's loss, loss_fn(output, target)), "
+            "or neither"
+        )
+    if loss_fn is not None and target is None:
+        raise PipelineError(
+            "loss_fn needs the target it scores the last stage's output against: give both "
+            "target and loss_fn, as sample=(inputs, target), or neither"
+        )
+    return parts, target
+
+
+def _kinds(value: object) -> str:
+    if isinstance(value, (tuple, list)):
+        return f"{type(value).__name__} of ({', '.join(type(v).__name__ for v in value)})"
+    return type(value).__name__
+
+
+def _check_inputs(module: nn.Module, inputs: tuple[Tensor, ...]) -> None:
+    """One line, not a TypeError from deep inside the forward, when the first stage's forward
+    cannot take the sample's inputs."""
+    try:
+        signature = inspect.signature(module.forward)
+    except (TypeError, ValueError):  # no signature to read: the forward will tell
+        return
+    try:
+        signature.bind(*inputs)
+    except TypeError as exc:
+        n = len(inputs)
+        raise PipelineError(
+            f"the first stage's forward, {type(module).__name__}.forward{signature}, cannot "
+            f"take the sample's {n} input tensor{'s' * (n != 1)} ({exc}); pass "
+            f"sample=(inputs, target) with loss_fn= (several inputs: ((a, b), target)), "
+            f"or the inputs alone"
+        ) from None
 
 
 def profile_stages(
     stages: Sequence[nn.Module],
-    sample: Tensor | Sequence[Tensor],
+    sample: Sample,
     *,
     target: Tensor | None = None,
     loss_fn: LossFn | None = None,
@@ -83,7 +161,9 @@ def profile_stages(
     Args:
         stages: one module per stage, in order; an ``nn.Sequential`` is read as
             its children, i.e. one stage per layer (what balancing needs).
-        sample: one microbatch of input to the first stage.
+        sample: one microbatch, ``(inputs, target)`` as :func:`sample_parts`
+            reads it (``inputs``: a tensor or a tuple of the first stage's
+            inputs); or the inputs alone, with ``target=`` or without a loss.
         target, loss_fn: the last stage's loss, ``loss_fn(output, target)``;
             without them the last stage's backward starts from a gradient of ones.
         warmup, repeat: untimed and timed repetitions of each measurement.
@@ -101,10 +181,9 @@ def profile_stages(
         raise PipelineError("profile() needs at least one stage")
     if repeat < 1 or warmup < 0:
         raise PipelineError(f"repeat must be >= 1 and warmup >= 0, got {repeat}, {warmup}")
-    inputs = tuple(sample) if isinstance(sample, (tuple, list)) else (sample,)
+    inputs, target = sample_parts(sample, target=target, loss_fn=loss_fn)
+    _check_inputs(modules[0], inputs)
     device = _device(modules, inputs)
-    if (target is None) != (loss_fn is None):
-        raise PipelineError("give both target and loss_fn (the last stage's loss), or neither")
     keep = _storages(inputs) | (_storages((target,)) if target is not None else set())
     stage_costs: list[StageCost] = []
     spread: list[dict[str, float]] = []

@@ -1,37 +1,71 @@
 """How a :class:`~zeropipe.runtime.pipeline.Pipeline` is assembled from its arguments.
 
-The process groups (a mesh, or pipeline and data-parallel groups), the executor,
-the rank count of a named schedule, the stages, the parameters shared across
+Where it runs (a mesh, a group, or this process alone), the arguments it no
+longer takes (each refused naming its new home), the rank count of a named schedule, the stages, the parameters shared across
 ranks, the compute device and the transport: each a function of the
 constructor's arguments, checked here with errors that name the fix.
 """
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Sequence
+import functools
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import ParamSpec, TypeVar
 
 import torch
 from torch import nn
 
+from zeropipe.autograd.split import prepare_split, split_linears
 from zeropipe.base.device import make_current, resolve_device, single_device
 from zeropipe.core.errors import PipelineError
-from zeropipe.core.ir import Schedule
+from zeropipe.core.ir import Kind, Schedule
 from zeropipe.core.schedules import GENERATORS
-from zeropipe.runtime.data_parallel import Replicas
+from zeropipe.runtime.data_parallel import GradReducer, Replicas, reduction_owners
 from zeropipe.runtime.stage import Stage, split_sequential
 from zeropipe.runtime.transport import Transport
 
 __all__ = [
+    "MOVED",
+    "PLAIN_BELOW_BYTES",
+    "Where",
     "build_stages",
+    "check_call",
+    "check_stages",
     "compute_device",
     "distributed_transport",
-    "executor_mode",
     "named_ranks",
+    "prepare_linears",
+    "refusing_old_arguments",
+    "replica_reducer",
     "replicas_for",
-    "resolve_groups",
+    "resolve_mesh",
     "shared_parameters",
 ]
+
+
+# On a stage whose schedule has no I or W (every backward a B), an ``nn.Linear`` whose
+# weight is smaller than this stays plain: its weight gradient comes from autograd
+# inside B.  Larger ones record for split backward anyway, because B then adds their
+# weight gradients into ``.grad`` with one fused product, into memory kept from the
+# last step, where autograd computes, allocates and adds.  Where that pays depends on
+# the rows of a microbatch: about 256 KiB at 8 rows, about 1 MiB at 128 (one thread on
+# the 2-vCPU VM, 2026-11-25, ``python benchmarks/plain_linears.py``).  The lower is
+# taken: recording where plain would do costs a few percent, the reverse up to 20%.
+PLAIN_BELOW_BYTES = 256 * 1024
+
+
+def prepare_linears(stages: dict[int, Stage], schedule: Schedule) -> None:
+    """Record the stages' linears for split backward where the split buys something.
+
+    Every linear of a stage whose backward the schedule splits (runs I or W of);
+    on a stage that only runs B, those of at least ``PLAIN_BELOW_BYTES``.
+    """
+    split = {a.stage for acts in schedule.actions for a in acts if a.kind in (Kind.I, Kind.W)}
+    for s, stage in stages.items():
+        prepare_split(stage.module, min_weight_bytes=0 if s in split else PLAIN_BELOW_BYTES)
+        stage.linears = split_linears(stage.module, allow_plain=True)
 
 
 def compute_device(
@@ -62,35 +96,85 @@ def compute_device(
     return resolved
 
 
-def resolve_groups(
-    pp_group: object | None,
-    dp_group: object | None,
-    mesh: object | None,
-    process_group: object | None,
-) -> tuple[object | None, object | None]:
-    """The pipeline group and the data-parallel group, from the groups or from a mesh."""
-    if process_group is not None:
-        if pp_group is not None:
-            raise PipelineError("pass pp_group= only (process_group= is its former name)")
-        warnings.warn(
-            "Pipeline(process_group=...) is now pp_group=...", DeprecationWarning, stacklevel=3
-        )
-        pp_group = process_group
-    if mesh is None:
-        return pp_group, dp_group
-    if pp_group is not None or dp_group is not None:
-        raise PipelineError("pass either mesh= or pp_group=/dp_group=, not both")
-    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
-    get_group = getattr(mesh, "get_group", None)
-    if get_group is None:
-        raise PipelineError(f"mesh must be a torch DeviceMesh, got {type(mesh).__name__}")
-    unknown = [n for n in names if n not in ("pp", "dp")]
-    if "pp" not in names or unknown:
+@dataclass(frozen=True)
+class Where:
+    """Where a pipeline runs: its process groups, and this process's rank in the pipeline."""
+
+    distributed: bool
+    rank: int
+    world: int
+    pp_group: object | None = None
+    dp_group: object | None = None
+
+
+def resolve_mesh(mesh: object | None) -> Where:
+    """``Pipeline(mesh=)`` as groups: a DeviceMesh, a ProcessGroup, ``"local"`` or None.
+
+    A pipeline group of one process runs locally (that process plays every rank).
+    """
+    import torch.distributed as dist
+
+    initialised = dist.is_available() and dist.is_initialized()
+    if mesh == "local":
+        return Where(False, 0, 1)
+    if isinstance(mesh, str):
         raise PipelineError(
-            f"mesh has dimensions {names}; Pipeline needs one named 'pp' and at most one "
-            f"more, named 'dp' (init_device_mesh(device, (pp, dp), mesh_dim_names=('pp', 'dp')))"
+            f"mesh={mesh!r}: pass a DeviceMesh, a ProcessGroup, 'local' (this process plays "
+            f"every rank) or None (torch.distributed's default group, when initialised)"
         )
-    return get_group("pp"), (get_group("dp") if "dp" in names else None)
+    pp_group, dp_group = None, None
+    if mesh is None:
+        world = os.environ.get("WORLD_SIZE", "1")
+        if not initialised and world.isdigit() and int(world) > 1:
+            raise PipelineError(
+                f"WORLD_SIZE={world} is set (as torchrun sets it) but torch.distributed is not "
+                f"initialised, so each of the {world} processes would run the whole pipeline on "
+                f"its own: call zeropipe.init_from_env() before building the Pipeline, or pass "
+                f"mesh='local' to run every rank in each process on purpose"
+            )
+    elif hasattr(mesh, "get_group") and hasattr(mesh, "mesh_dim_names"):
+        names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+        unknown = [n for n in names if n not in ("pp", "dp")]
+        if "pp" not in names or unknown:
+            raise PipelineError(
+                f"mesh has dimensions {names}; Pipeline needs one named 'pp' and at most one "
+                f"more, named 'dp' (init_device_mesh(device, (pp, dp), "
+                f"mesh_dim_names=('pp', 'dp')))"
+            )
+        get_group = mesh.get_group
+        pp_group, dp_group = get_group("pp"), (get_group("dp") if "dp" in names else None)
+    elif initialised and isinstance(mesh, dist.ProcessGroup):
+        pp_group = mesh
+    else:
+        raise PipelineError(
+            f"mesh must be a DeviceMesh (dims 'pp' and optionally 'dp'), a ProcessGroup of "
+            f"torch.distributed (initialised), 'local' or None; got {type(mesh).__name__}"
+        )
+    if not initialised:
+        return Where(False, 0, 1)
+    world_size = dist.get_world_size(pp_group)
+    if world_size == 1:
+        return Where(False, 0, 1, dp_group=dp_group)
+    rank = dist.get_rank(pp_group)
+    return Where(True, rank, world_size, pp_group, dp_group)
+
+
+def replica_reducer(
+    replicas: Replicas,
+    schedule: Schedule,
+    stages: Sequence[Stage],
+    shared: Sequence[nn.Parameter],
+    rank: int,
+    distributed: bool,
+) -> GradReducer:
+    """Which REDUCE_GRAD sums each of this process's parameters across replicas."""
+    exclude = {id(p) for p in shared}
+    ranks = [rank] if distributed else range(schedule.num_ranks)
+    owners: dict[int, list[nn.Parameter]] = {}
+    for r in ranks:
+        params = {s: list(stages[s].parameters()) for s in schedule.stages_of(r)}
+        owners.update(reduction_owners(schedule, r, params, exclude=exclude))
+    return GradReducer(replicas.endpoint, owners)
 
 
 def replicas_for(dp_group: object | None, timeout: float) -> Replicas | None:
@@ -100,65 +184,104 @@ def replicas_for(dp_group: object | None, timeout: float) -> Replicas | None:
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
-        raise PipelineError("dp_group= needs torch.distributed initialised first")
+        raise PipelineError(
+            "a mesh with a 'dp' dimension needs torch.distributed initialised first"
+        )
     if dist.get_world_size(dp_group) == 1:  # type: ignore[arg-type]
         return None
     return Replicas(dp_group, timeout)
-
-
-def executor_mode(executor: str, group: object | None) -> tuple[bool, int, int]:
-    import torch.distributed as dist
-
-    initialised = dist.is_available() and dist.is_initialized()
-    if executor == "local":
-        return False, 0, 1
-    if executor == "distributed":
-        if not initialised:
-            raise PipelineError(
-                "executor='distributed' needs torch.distributed initialised first: run under "
-                "torchrun, or use zeropipe.launch(...)"
-            )
-    elif executor != "auto":
-        raise PipelineError(f"executor must be 'auto', 'local' or 'distributed', got {executor!r}")
-    if not initialised:
-        return False, 0, 1
-    world = dist.get_world_size(group)  # type: ignore[arg-type]
-    if executor == "auto" and world == 1:
-        return False, 0, 1
-    return True, dist.get_rank(group), world  # type: ignore[arg-type]
 
 
 def named_ranks(
     name: str,
     stages: nn.Sequential | Sequence[nn.Module],
     microbatches: int | None,
-    ranks: int | None,
-    chunks: int | None,
     world: int,
 ) -> int:
-    """The rank count a named schedule is built for: given, the world, or stages / chunks."""
+    """The rank count a named schedule is built for: the world, or stages / chunks."""
     if name == "auto":
         raise PipelineError(
             "Pipeline(..., 'auto'): plan first, then run the plan -- "
             "plan = zeropipe.auto_plan(model, ranks, microbatches, sample=(inputs, target), "
-            "loss_fn=...) (or costs=...); Pipeline(model, plan.schedule, loss_fn=..., "
+            "loss_fn=...) (or costs=...); Pipeline(model, plan.schedule, loss_fn, "
             "balance=plan.balance)"
         )
     if microbatches is None:
         raise PipelineError(f"Pipeline(..., {name!r}) needs microbatches=")
-    if ranks is not None:
-        return ranks
     if world > 1:
         return world
     if isinstance(stages, nn.Sequential):
-        raise PipelineError("with an nn.Sequential and a schedule name, pass ranks= (and balance=)")
+        raise PipelineError(
+            f"in one process, an nn.Sequential and the name {name!r} do not say how many "
+            f"ranks: build the schedule first, Pipeline(model, "
+            f"zeropipe.build_schedule({name!r}, ranks=R, microbatches={microbatches}), loss_fn)"
+        )
     gen = GENERATORS.get(name)
-    v = chunks if chunks is not None else (gen.default_chunks if gen else 1)
+    v = gen.default_chunks if gen else 1
     if len(stages) % v:
         raise PipelineError(
-            f"{len(stages)} stage modules cannot be spread as {v} chunk(s) per rank"
+            f"{len(stages)} stage modules cannot be spread as {v} chunk(s) per rank; build "
+            f"the schedule with zeropipe.build_schedule({name!r}, ranks=..., chunks=..., "
+            f"microbatches={microbatches})"
         )
     return len(stages) // v
+
+
+def check_stages(stages: object) -> None:
+    """Refuse, in one line, a ``stages`` argument that is neither cut nor cuttable."""
+    if isinstance(stages, nn.Sequential) or (
+        isinstance(stages, Sequence | nn.ModuleList) and not isinstance(stages, str)
+    ):
+        return
+    what = type(stages).__name__
+    raise PipelineError(
+        f"Pipeline needs an nn.Sequential (cut into stages) or a list of one nn.Module per "
+        f"stage, got a single {what}: cut it with zeropipe.split(model, n) (nn.Sequential and "
+        f"the supported Hugging Face models) or pass [stage0, stage1, ...]"
+    )
+
+
+# Keywords Pipeline no longer takes, and where each went.
+MOVED: dict[str, str] = {
+    "ranks": "the schedule's: Pipeline(model, zeropipe.build_schedule(name, ranks=..., "
+    "microbatches=...), loss_fn)",
+    "chunks": "the schedule's: Pipeline(model, zeropipe.build_schedule(name, ranks=..., "
+    "microbatches=..., chunks=...), loss_fn)",
+    "group_w": "the schedule's: Pipeline(model, zeropipe.build_schedule(name, ranks=..., "
+    "microbatches=..., group_w=...), loss_fn)",
+    "seed": "an option: Pipeline(..., options=zeropipe.RuntimeOptions(seed=...))",
+    "device": "an option: Pipeline(..., options=zeropipe.RuntimeOptions(device=...))",
+    "p2p": "an option: Pipeline(..., options=zeropipe.RuntimeOptions(p2p=...))",
+    "dp_shard": "an option: Pipeline(..., mesh=mesh, options=zeropipe.RuntimeOptions("
+    "dp_shard=True))",
+    "executor": "said by mesh=: mesh='local' runs every rank in this process; the default "
+    "(None) runs one rank per process of torch.distributed's default group",
+    "pp_group": "mesh=: Pipeline(..., mesh=group)",
+    "process_group": "mesh=: Pipeline(..., mesh=group)",
+    "dp_group": "mesh=: a DeviceMesh with 'pp' and 'dp' dimensions, "
+    "init_device_mesh(device, (pp, dp), mesh_dim_names=('pp', 'dp'))",
+}
+
+
+def check_call(args: tuple[object, ...], kwargs: dict[str, object]) -> None:
+    """Refuse the constructor's former forms, naming the new one."""
+    moved = [k for k in kwargs if k in MOVED]
+    if moved:
+        raise PipelineError(
+            f"Pipeline({moved[0]}=) is no longer a Pipeline argument; it is {MOVED[moved[0]]}"
+        )
+    if len(args) > 3:
+        raise PipelineError(
+            f"Pipeline takes at most 3 positional arguments (stages, schedule, loss_fn), got "
+            f"{len(args)}; microbatches= and the rest are keywords: "
+            f"Pipeline(model, 'zbv', loss_fn, microbatches=8)"
+        )
+    loss_fn = args[2] if len(args) > 2 else kwargs.get("loss_fn")
+    if loss_fn is not None and not callable(loss_fn):
+        raise PipelineError(
+            f"loss_fn must be callable, got {type(loss_fn).__name__} {loss_fn!r}; the third "
+            f"positional argument is loss_fn (microbatches= is a keyword)"
+        )
 
 
 def build_stages(
@@ -220,3 +343,18 @@ def distributed_transport(
     if p2p == "ordered" or backend != "gloo":
         return OrderedTransport(schedule, rank, group=group, timeout=timeout, device=device)
     return DistributedTransport(schedule, rank, group=group, timeout=timeout)
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def refusing_old_arguments(init: Callable[_P, _R]) -> Callable[_P, _R]:
+    """``Pipeline.__init__``, refusing the constructor's former forms with the new one named."""
+
+    @functools.wraps(init)
+    def checked(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        check_call(args[1:], kwargs)
+        return init(*args, **kwargs)
+
+    return checked

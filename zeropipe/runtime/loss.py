@@ -25,6 +25,15 @@ the rows for ``KLDivLoss(reduction="batchmean")``.  Calling the module with
 ``reduction="sum"`` instead of multiplying its mean back up keeps a
 microbatch whose targets are all ignored at 0 (its mean is 0/0 = nan).
 
+An element-wise loss's target may broadcast over the output's non-batch dims
+(output ``[8, 4]``, target ``[8, 1]``): its mean then divides by the broadcast
+shape's elements, 4 for each of the target's, which the weights (taken from
+the targets, before the output exists) cannot see.  Each microbatch's sum is
+divided by that spread instead -- the same for every microbatch, since it
+depends on the non-batch dims only -- which is exact.  A target whose rows are
+not the output's rows (``[1, 4]`` or ``[4]`` against ``[8, 4]``) would mix rows
+of different microbatches and is refused.
+
 The last row is exact only when every row counts the same number of items;
 anything this module cannot make exact (``reduction="none"``, a mean-reduced
 module it does not know) is refused with a :class:`PipelineError` that says
@@ -50,8 +59,8 @@ __all__ = ["LossContract", "LossCountFn", "LossFn", "StepLoss"]
 LossFn = Callable[..., object]  # -> a scalar Tensor, or (loss_sum, count) with loss_count
 LossCountFn = Callable[[Tensor], object]  # a microbatch's target -> its count (int or Tensor)
 
-# Mean over every element of the (output, target) pair; the target's shape must be the
-# broadcast shape, else the count taken from it would be wrong.
+# Mean over every element of the (output, target) pair, broadcast: the count is taken from
+# the target, and a microbatch's sum divided by how much wider the broadcast is (_spread).
 _ELEMENTWISE: tuple[type[nn.Module], ...] = (
     nn.MSELoss,
     nn.L1Loss,
@@ -153,16 +162,22 @@ class StepLoss:
     fn: LossFn  # what is called per microbatch
     weights: list[float]
     counts: list[float] | None
+    # Loss elements per target element of an element-wise loss whose target broadcasts
+    # (see the module docstring): the first microbatch's, which every other must share.
+    spread: float | None = None
 
     def compute(self, output: Tensor | tuple[Tensor, ...], target: Tensor, i: int) -> Tensor:
         """Microbatch ``i``'s loss as the weights expect it: its sum, or its mean for "rows"."""
         contract = self.contract
+        spread = 1.0
         if contract.weighting == "items":
             assert isinstance(self.fn, nn.Module)
-            _check_shapes(self.fn, output, target, i)
+            spread = self._spread(_spread(self.fn, output, target, i), i)
         first = output[0] if isinstance(output, tuple) else output
         with autocast(first.device, contract.autocast):
             result = self.fn(output, target)
+        if spread != 1.0 and isinstance(result, Tensor):
+            result = result / spread  # the items the weights counted are the target's
         if isinstance(result, tuple):
             return self._sum_and_count(result, i)
         if contract.weighting == "count":
@@ -176,6 +191,18 @@ class StepLoss:
                 f"got {_describe(result)}"
             )
         return result
+
+    def _spread(self, spread: float, i: int) -> float:
+        if self.spread is None:
+            self.spread = spread
+        elif spread != self.spread:
+            raise PipelineError(
+                f"microbatch {i}: {type(self.fn).__name__}'s target broadcasts to {spread:g} "
+                f"loss elements per target element, but to {self.spread:g} in another "
+                f"microbatch of this step, so their means cannot be combined exactly; give "
+                f"the target the output's shape (target.expand_as(output))"
+            )
+        return spread
 
     def _sum_and_count(self, result: tuple[object, ...], i: int) -> Tensor:
         if self.contract.weighting != "count":
@@ -263,10 +290,12 @@ def _items(module: nn.Module, target: Tensor, i: int) -> float:
     return float(target.numel())
 
 
-def _check_shapes(module: nn.Module, output: object, target: Tensor, i: int) -> None:
-    """Element-wise losses count the target's elements: the pair must not broadcast wider."""
+def _spread(module: nn.Module, output: object, target: Tensor, i: int) -> float:
+    """Loss elements per target element: how much wider than the target an element-wise
+    loss broadcasts (1 when it does not).  A target whose rows are not the output's is
+    refused: it would mix rows of different microbatches."""
     if not isinstance(module, _ELEMENTWISE) or not isinstance(output, Tensor):
-        return
+        return 1.0
     shapes = [output.shape, target.shape]
     for extra in ("weight", "pos_weight"):  # per-element weights broadcast too
         w = getattr(module, extra, None)
@@ -276,12 +305,21 @@ def _check_shapes(module: nn.Module, output: object, target: Tensor, i: int) -> 
         wide = torch.broadcast_shapes(*shapes)
     except RuntimeError as exc:
         raise PipelineError(f"microbatch {i}: {type(module).__name__}: {exc}") from None
-    if wide != target.shape:
+    if wide == target.shape == output.shape:
+        return 1.0
+    # Broadcasting aligns trailing dims: unless both have the broadcast's dims, and its rows
+    # as their dim 0, one's rows meet the other's columns.
+    if any(len(s) != len(wide) or s[0] != wide[0] for s in (output.shape, target.shape)):
         raise PipelineError(
             f"microbatch {i}: {type(module).__name__} broadcasts output {list(output.shape)} "
             f"and target {list(target.shape)} to {list(wide)}, which mixes rows of different "
-            f"microbatches; give the output (and any weight) the target's shape"
+            f"microbatches (dim 0 of both must be the rows); give the target one row per "
+            f"output row, with as many dims"
         )
+    batchmean = isinstance(module, nn.KLDivLoss) and module.reduction == "batchmean"
+    if wide == target.shape or batchmean:  # batchmean divides by the rows, whatever the rest
+        return 1.0
+    return wide.numel() / target.numel() if target.numel() else 1.0
 
 
 def _as_count(value: object, what: str) -> float:

@@ -23,7 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["GPTConfig", "gpt", "lm_loss"]
+__all__ = ["LAYERS", "GPTConfig", "gpt", "gpt_layers", "lm_loss"]
+
+#: What the layers (entries of the ``nn.Sequential``, the unit a cut counts) of
+#: :func:`gpt` are, for messages that count them: a block is two layers.
+LAYERS = "embedding, attention and MLP of each block, head"
 
 
 @dataclass(frozen=True)
@@ -32,7 +36,7 @@ class GPTConfig:
     seq: int = 64
     width: int = 128
     heads: int = 4
-    layers: int = 4
+    layers: int = 4  # blocks (attention + MLP); the Sequential has gpt_layers(layers) layers
     dropout: float = 0.1
     tied: bool = True  # the head's projection is the token embedding's weight
 
@@ -95,6 +99,11 @@ class Head(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.out(self.ln(x))
+
+
+def gpt_layers(blocks: int) -> int:
+    """The layers of a GPT of ``blocks`` blocks: embedding, attention and MLP of each, head."""
+    return 2 * blocks + 2
 
 
 def gpt(cfg: GPTConfig | None = None, *, seed: int = 0) -> nn.Sequential:

@@ -1,6 +1,6 @@
 """Hugging Face causal LMs for ``zeropipe train``: small presets, or any config file.
 
-    --model llama | qwen3 | gpt2     a preset sized by --width / --layers (4 heads),
+    --model llama | qwen3 | gpt2     a preset sized by --width / --blocks (4 heads),
                                      tied embeddings, sized for 2 CPU ranks
     --model-config FILE.json         any config of a supported architecture
                                      (its "model_type": llama, mistral, qwen2, qwen3, gpt2)
@@ -48,7 +48,7 @@ def hf_config(
     *,
     vocab: int,
     width: int,
-    layers: int,
+    blocks: int,
     heads: int,
     seq: int,
     dropout: float,
@@ -88,7 +88,7 @@ def hf_config(
         return transformers.GPT2Config(
             vocab_size=vocab,
             n_embd=width,
-            n_layer=layers,
+            n_layer=blocks,
             n_head=heads,
             n_positions=max(seq, 128),
             embd_pdrop=dropout,
@@ -103,7 +103,7 @@ def hf_config(
         vocab_size=vocab,
         hidden_size=width,
         intermediate_size=width * 8 // 3 // 8 * 8,
-        num_hidden_layers=layers,
+        num_hidden_layers=blocks,
         num_attention_heads=heads,
         num_key_value_heads=max(1, heads // 2),
         head_dim=width // heads,

@@ -1,0 +1,149 @@
+"""What ``zeropipe train`` reports: step metrics, the progress line, the summary, the pictures.
+
+:mod:`zeropipe.apps.train`'s loop asks this module for
+
+    bubble_rate(pipe, elapsed, world)       a step's mean idle share over the ranks
+    peak_bytes(pipe)                        a step's peak of saved activation bytes
+    gather_timeline(pipe, world)            the first replica's measured step, every rank's events
+    progress(record, steps)                 the progress line of a step's metrics
+    print_summary(summary, out)             the table printed at the end of a run
+    write_pictures(out, pipe, measured)     trace.json and timeline.png of the measured step
+                                            (beside the one simulated from its action times),
+                                            and loss.png from metrics.jsonl
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zeropipe.core.errors import ZeropipeError
+from zeropipe.core.simulate import Event, Timeline, costs_from_timeline, simulate
+from zeropipe.runtime.pipeline import Pipeline
+
+__all__ = [
+    "bubble_rate",
+    "gather_timeline",
+    "peak_bytes",
+    "print_summary",
+    "progress",
+    "write_pictures",
+]
+
+
+def bubble_rate(pipe: Pipeline, elapsed: float, world: int) -> float:
+    """Mean idle share of the step over ranks: 1 - compute time / step time."""
+    busy = sum(e.end - e.start for evs in pipe.last_events for e in evs if e.lane == "compute")
+    # Each process plays one pipeline rank, or (one-process pipelines) all of them.
+    ranks = world * (1 if pipe.distributed else pipe.schedule.num_ranks)
+    if world > 1:
+        t = torch.tensor([busy])
+        dist.all_reduce(t)
+        busy = float(t.item())
+    return max(0.0, 1.0 - busy / (ranks * elapsed))
+
+
+def peak_bytes(pipe: Pipeline) -> int | None:
+    peaks = getattr(pipe, "peak_saved_bytes", None)
+    if peaks is None:
+        return None
+    return int(max(peaks)) if isinstance(peaks, (list, tuple)) else int(peaks)
+
+
+def gather_timeline(pipe: Pipeline, world: int) -> Timeline:
+    """The first replica's pipeline: every rank's events of the last step."""
+    events: list[list[Event]] = pipe.last_events
+    if pipe.distributed:
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, (pipe.dp_rank, pipe.rank, events[pipe.rank]))
+        first = {r: evs for d, r, evs in gathered if d == 0}
+        events = [list(first[r]) for r in range(pipe.schedule.num_ranks)]
+    return Timeline(pipe.schedule, events, peak_memory=[], memory_unit="bytes", measured=True)
+
+
+def write_pictures(out: Path, pipe: Pipeline, measured: Timeline | None) -> None:
+    from zeropipe.core import render
+
+    if measured is not None:
+        render.write_chrome_trace(measured, out / "trace.json")
+        planned = simulate(pipe.schedule, costs_from_timeline(measured))
+        try:
+            render.render_pngs(
+                [planned, measured],
+                out / "timeline.png",
+                ["planned (simulated from measured action times)", "measured"],
+            )
+        except ZeropipeError as exc:
+            print(f"zeropipe: note: {exc}", file=sys.stderr)
+    _loss_png(out)
+
+
+def _loss_png(out: Path) -> None:
+    path = out / "metrics.jsonl"
+    if not path.exists():  # the first step's loss was non-finite: nothing to draw
+        return
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        print(
+            "zeropipe: note: loss.png needs matplotlib: pip install 'zeropipe[plot]'",
+            file=sys.stderr,
+        )
+        return
+    fig = Figure(figsize=(7, 4))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], lw=1.2)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (cross-entropy)")
+    ax.set_title("zeropipe train: loss")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "loss.png", dpi=110)
+
+
+def progress(record: dict[str, Any], total: int) -> None:
+    width = 24
+    done = int(width * record["step"] / total)
+    peak = record["peak_saved_bytes"]
+    mem = f" | peak {peak / 2**20:.1f} MiB" if peak else ""
+    line = (
+        f"[{'#' * done}{'.' * (width - done)}] step {record['step']}/{total} | loss {record['loss']:.3f} | "
+        f"{record['tokens_per_s']:,.0f} tok/s | bubble {record['bubble_rate']:.0%}{mem}"
+    )
+    end = "\r" if sys.stdout.isatty() else "\n"
+    if end == "\n" and record["step"] % 25 and record["step"] != total:
+        return
+    print(line, end=end, flush=True)
+
+
+def print_summary(summary: dict[str, Any], out: Path) -> None:
+    rows = [
+        ("model", summary["model"]),
+        (
+            "schedule",
+            summary["schedule"]
+            + (f", W in groups of {summary['group_w']}" if summary["group_w"] > 1 else ""),
+        ),
+        ("ranks", summary["ranks"]),
+        *([("data-parallel replicas", summary["dp"])] if summary["dp"] > 1 else []),
+        ("steps run", summary["steps_run"]),
+        (
+            "eval loss (start -> end)",
+            f"{summary['initial_eval_loss']:.3f} -> {summary['final_eval_loss']:.3f}",
+        ),
+        ("final train loss", f"{summary['final_train_loss']:.3f}"),
+        ("wall time", f"{summary['wall_s']:.1f} s"),
+        ("outputs", str(out)),
+    ]
+    width = max(len(k) for k, _ in rows)
+    print("summary")
+    for k, v in rows:
+        print(f"  {k:<{width}}  {v}")

@@ -224,7 +224,7 @@ def part_runtime(args: argparse.Namespace) -> None:
     from zeropipe.runtime.launch import launch
 
     cfg = {
-        "layers": args.layers,
+        "layers": args.blocks,
         "width": args.width,
         "seq": args.seq,
         "batch": args.batch,
@@ -236,7 +236,7 @@ def part_runtime(args: argparse.Namespace) -> None:
     load = os.getloadavg()[0]  # before the ranks start: other work on the machine
     out = launch(_worker, 2, cfg, timeout=args.timeout, threads=args.threads)[0]
     print(
-        f"runtime: GPT {args.layers} blocks, width {args.width}, seq {args.seq}, batch "
+        f"runtime: GPT {args.blocks} blocks, width {args.width}, seq {args.seq}, batch "
         f"{args.batch} in {args.microbatches} microbatches; 2 ranks over gloo, "
         f"{args.threads} thread(s) each; wire latency {out['latency'] * 1e6:.0f} us, "
         f"bandwidth {out['bandwidth'] / 1e6:.0f} MB/s, post {out['post'] * 1e6:.0f} us, runtime "
@@ -282,7 +282,7 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeat", type=int, default=7, help="profile repetitions (median)")
     p.add_argument("--rounds", type=int, default=3, help="balance: interleaved rounds")
-    p.add_argument("--layers", type=int, default=6, help="runtime: GPT blocks")
+    p.add_argument("--blocks", type=int, default=6, help="runtime: GPT blocks")
     p.add_argument("--width", type=int, default=128)
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--batch", type=int, default=32)

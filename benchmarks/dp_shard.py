@@ -59,7 +59,7 @@ def _run(rank: int, world: int, args: Any) -> dict[str, Any]:
     dp = mesh.get_local_rank("dp")
     pipes = {}
     for mode in ("replicated", "sharded"):
-        model = _model(args.width, args.layers)
+        model = _model(args.width, args.blocks)
         pipes[mode] = Pipeline(
             model,
             args.schedule,
@@ -92,7 +92,7 @@ def _run(rank: int, world: int, args: Any) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=8, help="MLP blocks (2 linears each)")
+    parser.add_argument("--blocks", type=int, default=8, help="MLP blocks (2 linears each)")
     parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--rows", type=int, default=16, help="rows per microbatch")
@@ -100,9 +100,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     args = parser.parse_args()
     out = launch(functools.partial(_run, args=args), PP * DP, timeout=600)
-    params = sum(p.numel() for p in _model(args.width, args.layers).parameters())
+    params = sum(p.numel() for p in _model(args.width, args.blocks).parameters())
     print(
-        f"{PP} pp x {DP} dp, gloo on CPU, 1 intra-op thread per rank; MLP {args.layers} x "
+        f"{PP} pp x {DP} dp, gloo on CPU, 1 intra-op thread per rank; MLP {args.blocks} x "
         f"({args.width} -> {4 * args.width} -> {args.width}), {params / 1e6:.2f} M float32 "
         f"parameters; {args.schedule}, {args.microbatches} microbatches of {args.rows} rows per "
         f"replica; median of {args.steps} steps (slowest rank per step), {args.warmup} warm-up"

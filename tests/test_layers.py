@@ -269,3 +269,21 @@ def test_a_command_that_needs_torch_says_so_in_one_line(tmp_path: Path) -> None:
         "zeropipe: error: 'zeropipe train' needs PyTorch, which is not installed; install it "
         "first (pip install torch==2.13.0, or the CPU build: see the README)"
     )
+
+
+def test_modules_stay_under_600_lines_or_say_which_one_concept_they_hold() -> None:
+    big = []
+    for module, path in MODULES.items():
+        text = path.read_text()
+        lines = len(text.splitlines())
+        doc = ast.get_docstring(ast.parse(text)) or ""
+        if lines > 600 and "one concept" not in doc:
+            big.append(f"{module}: {lines} lines")
+    assert not big, "split these, or name their one concept in the docstring: " + ", ".join(big)
+
+
+def test_every_module_opens_with_a_docstring() -> None:
+    missing = [
+        m for m, path in MODULES.items() if not ast.get_docstring(ast.parse(path.read_text()))
+    ]
+    assert not missing, missing

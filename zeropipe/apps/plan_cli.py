@@ -234,7 +234,7 @@ def _run_cluster(args: argparse.Namespace) -> tuple[list[str], Ranking, str]:
     memory = args.memory * GiB if args.memory else hw.memory
     tokens = args.global_batch * args.seq
     header = [
-        f"model: {model.name}, {model.params() / 1e9:.1f}B parameters, {model.layers} layers, "
+        f"model: {model.name}, {model.params() / 1e9:.1f}B parameters, {model.layers} blocks, "
         f"hidden {model.hidden}",
         f"cluster: {args.gpus} x {hw.name} ({peak / 1e12:.0f} TFLOP/s {args.dtype}, "
         f"{hw.memory / GiB:.1f} GiB, {hw.gpus_per_node} per node; "

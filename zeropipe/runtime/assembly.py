@@ -115,7 +115,7 @@ def resolve_mesh(mesh: object | None) -> Where:
     import torch.distributed as dist
 
     initialised = dist.is_available() and dist.is_initialized()
-    if mesh == "local":
+    if isinstance(mesh, str) and mesh == "local":
         return Where(False, 0, 1)
     if isinstance(mesh, str):
         raise PipelineError(

@@ -22,6 +22,7 @@ runtime's own knobs are one :class:`~zeropipe.runtime.options.RuntimeOptions`.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import Tensor, nn
@@ -67,6 +68,10 @@ from zeropipe.runtime.memory import MemoryManager, measured_costs
 from zeropipe.runtime.options import RuntimeOptions
 from zeropipe.runtime.rng import preserved_rng
 from zeropipe.runtime.transport import LocalTransport, Transport
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["Pipeline", "RuntimeOptions"]
 
@@ -120,7 +125,7 @@ class Pipeline:
         microbatches: int | None = None,
         loss_count: LossCountFn | None = None,
         balance: Sequence[int] | None = None,
-        mesh: object | None = None,
+        mesh: DeviceMesh | ProcessGroup | Literal["local"] | None = None,
         options: RuntimeOptions | None = None,
     ) -> None:
         check_stages(stages)

@@ -157,3 +157,15 @@ def test_p2p_posts_take_group_ranks_and_carry_complex_tensors() -> None:
 
     results = launch(_p2p_in_a_subgroup, 3, timeout=60, threads=1)
     assert results == [[], [True, True], [True, True]]
+
+
+def test_tensor_grad_hooks_are_seen_and_their_removal_too() -> None:
+    t = torch.zeros(2, requires_grad=True)
+    assert not _compat.tensor_has_grad_hooks(t)
+    handle = t.register_hook(lambda g: g)
+    assert _compat.tensor_has_grad_hooks(t)
+    handle.remove()
+    assert not _compat.tensor_has_grad_hooks(t)
+    leaf = torch.zeros(2, requires_grad=True)
+    leaf.register_post_accumulate_grad_hook(lambda p: None)
+    assert _compat.tensor_has_grad_hooks(leaf)

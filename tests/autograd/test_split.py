@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import TypeVar
@@ -376,7 +377,7 @@ def test_small_linears_left_plain_compute_their_weight_gradient_in_i() -> None:
     ref = copy.deepcopy(model)
     big = model[2].weight.numel() * model[2].weight.element_size()  # 2 KiB; the first 128 B
     prepare_split(model, min_weight_bytes=big)
-    assert type(model[0]) is nn.Linear and type(model[2]) is not nn.Linear
+    assert type(model[0]) is nn.Linear and type(model[2]) is nn.Linear  # no class swap
     with pytest.raises(PipelineError, match=r"not prepared for split backward \(0\)"):
         split_linears(model)
     found = split_linears(model, allow_plain=True)
@@ -558,3 +559,100 @@ def test_autocast_keeps_param_dtype_and_matches_native() -> None:
         torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0, msg=name)
     assert x_got.grad is not None and x_ref.grad is not None
     torch.testing.assert_close(x_got.grad, x_ref.grad, rtol=0, atol=0)
+
+
+def _hook_logs(model: Stage) -> dict[str, list[Tensor]]:
+    """Hooks on two weights: fc1's clamps its gradient, fc2's reads .grad once accumulated."""
+    log: dict[str, list[Tensor]] = {"clamp": [], "post": []}
+    fc1, fc2 = _block(model, 0).fc1, _block(model, 1).fc2
+
+    def clamp(g: Tensor | None) -> Tensor | None:
+        assert g is not None, "a weight hook was called without a gradient"
+        log["clamp"].append(g.clone())
+        return g.clamp(-1e-3, 1e-3)
+
+    fc1.weight.register_hook(clamp)
+    fc2.weight.register_post_accumulate_grad_hook(lambda p: log["post"].append(p.grad.clone()))
+    return log
+
+
+def test_hooked_weights_get_their_gradient_through_autograd_per_microbatch() -> None:
+    ref, got = _pair(Stage)
+    ref_log, got_log = _hook_logs(ref), _hook_logs(got)
+    inputs = [torch.randn(B, S, D, dtype=torch.float64) for _ in range(3)]
+    grads = [torch.randn(B, S, D, dtype=torch.float64) for _ in range(3)]
+    for k, (x, g) in enumerate(zip(inputs, grads, strict=True)):
+        _full(ref, x.clone().requires_grad_(), g, seed=k)
+    # Three microbatches through I, then one fused W, as a zero-bubble schedule runs them.
+    stashes = []
+    for k, (x, g) in enumerate(zip(inputs, grads, strict=True)):
+        stash = WeightGradStash(stage=0, microbatch=k)
+        torch.manual_seed(k)
+        with stash.recording(got):
+            out = got(x.clone().requires_grad_())
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            stash.input_backward(out, g)
+        # Once per hooked linear, naming it; the two hook-free linears are still deferred.
+        named = sorted(str(w.message).split("'")[1] for w in caught)
+        assert named == (["blocks.0.fc1", "blocks.1.fc2"] if k == 0 else []), named
+        assert len(stash) == 2
+        stashes.append(stash)
+    weight_backward_together(stashes)
+    for key in ("clamp", "post"):
+        assert len(got_log[key]) == len(ref_log[key]) == 3, key
+        for a, b in zip(got_log[key], ref_log[key], strict=True):
+            assert (a - b).abs().max().item() <= TOL, key
+    assert max(t.abs().max().item() for t in ref_log["clamp"]) > 1e-3  # the clamp bites
+    _assert_same_grads(ref, got)
+
+
+def test_a_hook_registered_after_the_forward_is_honoured() -> None:
+    ref, got = _pair(Stage)
+    x_ref, x = _stage_input()
+    g = torch.randn(B, S, D, dtype=torch.float64)
+    stash = WeightGradStash()
+    torch.manual_seed(1)
+    with stash.recording(got):
+        out = got(x)
+    for model in (ref, got):
+        _block(model, 1).fc1.weight.register_hook(lambda t: 2 * t)
+    _full(ref, x_ref, g)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        stash.input_backward(out, g)
+    stash.weight_backward()
+    _assert_same_grads(ref, got)
+
+
+class MyLinear(nn.Linear):
+    """A user's subclass: left as it is by prepare_split."""
+
+
+def test_prepare_and_unprepare_leave_modules_as_they_were() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D, D), MyLinear(D, D), nn.Linear(D, D)).double()
+    own = model[2].forward = lambda x: x  # the user's own forward on the instance is kept
+    before = [(type(m), dict(m.__dict__)) for m in model.modules()]
+    prepare_split(model)
+    assert [type(m) for m in model.modules()] == [t for t, _ in before]
+    assert split_linears(model, allow_plain=True) == (model[0],)
+    assert model[2].forward is own
+    unprepare_split(model)
+    after = [(type(m), dict(m.__dict__)) for m in model.modules()]
+    assert after == before
+
+
+def test_a_copied_prepared_linear_is_prepared_with_its_own_weights() -> None:
+    torch.manual_seed(0)
+    model = prepare_split(nn.Sequential(nn.Linear(D, D), MyLinear(D, D)).double())
+    for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert type(clone[0]) is nn.Linear and split_linears(clone, allow_plain=True) == (clone[0],)
+        with torch.no_grad():
+            clone[0].weight.zero_()
+            clone[0].bias.zero_()
+        assert clone[0](torch.ones(2, D, dtype=torch.float64)).abs().max().item() == 0.0
+    # A shallow copy shares the original's forward: it counts as not prepared.
+    shallow = copy.copy(model[0])
+    assert split_linears(shallow, allow_plain=True) == ()
+    assert split_linears(prepare_split(shallow)) == (shallow,)

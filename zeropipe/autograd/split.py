@@ -5,9 +5,10 @@ early as possible (action I) and fill pipeline bubbles later with the weight
 gradients (action W).  The two together do exactly the work of one full
 backward B, and give the same ``.grad`` on every parameter.
 
-How it works.  :func:`prepare_split` turns every plain ``nn.Linear`` of a
-stage into a linear whose autograd node knows, *at backward time*, whether
-its :class:`WeightGradStash` is deferring.  During I the stash is deferring:
+How it works.  :func:`prepare_split` gives every plain ``nn.Linear`` of a
+stage a forward (on the instance: its class stays ``nn.Linear``) whose
+autograd node knows, *at backward time*, whether its :class:`WeightGradStash`
+is deferring.  During I the stash is deferring:
 each linear returns its input gradient (and bias gradient, a cheap sum) at
 once and pushes ``(weight, input, grad_output)`` into the stash instead of
 computing ``grad_output^T @ input``.  Autograd then frees the whole graph as
@@ -54,14 +55,19 @@ Contract:
   linear uses the same autograd node with or without a stash, so the
   recomputation saves what the forward saved.  (With reentrant checkpointing
   the recomputed linears are not deferred; their weights get gradients in I.)
-- W bypasses autograd for the deferred weights, so tensor hooks registered
-  on those parameters (``register_hook``, post-accumulate-grad hooks) do not
-  see the W part.  Tensors held by the stash must not be changed in place
-  between I and W (their version counters are no longer checked).
+- A weight with tensor hooks (``register_hook``, post-accumulate-grad hooks,
+  registered any time before its backward) is never deferred, since W writes
+  ``.grad`` past autograd: its gradient goes through autograd in I (or B) and
+  its hooks run per backward as in torch (a one-line warning per linear says
+  so).  Module hooks see input and output gradients, which I computes as usual.
+- Tensors held by the stash must not be changed in place between I and W
+  (their version counters are no longer checked).
 """
 
 from __future__ import annotations
 
+import warnings
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -72,6 +78,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from zeropipe.autograd.grad_memory import GradMemory
+from zeropipe.base import _compat
 from zeropipe.base.storage import distinct_bytes
 from zeropipe.core.errors import PipelineError
 
@@ -364,13 +371,16 @@ _STASH_ATTR = "_split_stash"
 
 
 class _LinearCall:
-    """What a linear's autograd node needs beyond tensors: the leaf weight and its stash."""
+    """What a linear's autograd node needs beyond tensors: the leaf weight, its stash, its owner."""
 
-    __slots__ = ("param", "stash")
+    __slots__ = ("owner", "param", "stash")
 
-    def __init__(self, param: Tensor, stash: WeightGradStash | None) -> None:
+    def __init__(
+        self, param: Tensor, stash: WeightGradStash | None, owner: _SplitForward | None
+    ) -> None:
         self.param = param
         self.stash = stash
+        self.owner = owner
 
 
 class _DeferrableLinearFn(torch.autograd.Function):
@@ -404,10 +414,24 @@ class _DeferrableLinearFn(torch.autograd.Function):
             # weight) must send its gradient back through autograd now.
             stash = call.stash
             if stash is not None and stash.deferring and call.param.is_leaf:
-                stash._defer(call.param, input, grad_output)
+                if _has_tensor_hooks(call.param):
+                    if call.owner is not None:
+                        call.owner.warn_hooked(stash)
+                    grad_weight = _weight_grad(input, grad_output)
+                else:
+                    stash._defer(call.param, input, grad_output)
             else:
                 grad_weight = _weight_grad(input, grad_output)
         return grad_input, grad_weight, grad_bias, None
+
+
+def _has_tensor_hooks(param: Tensor) -> bool:
+    """Whether ``param`` has gradient hooks: read at backward time, as torch reads them.
+
+    Deferred, its AccumulateGrad would run in I with no gradient (hooks called
+    with ``None``, post-accumulate hooks seeing the previous ``.grad``).
+    """
+    return _compat.tensor_has_grad_hooks(param)
 
 
 def _autocast_dtype(device_type: str, tensors: Sequence[Tensor | None]) -> torch.dtype | None:
@@ -424,9 +448,13 @@ def _autocast_eligible(t: Tensor) -> bool:
 
 
 def _recorded_linear(
-    input: Tensor, weight: Tensor, bias: Tensor | None, stash: WeightGradStash | None
+    input: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    stash: WeightGradStash | None,
+    owner: _SplitForward | None = None,
 ) -> Tensor:
-    call = _LinearCall(weight, stash)
+    call = _LinearCall(weight, stash, owner)
     device_type = input.device.type
     if not torch.is_autocast_enabled(device_type):  # the common case, checked first: it is cheap
         return _DeferrableLinearFn.apply(input, weight, bias, call)
@@ -442,23 +470,67 @@ def _recorded_linear(
         return _DeferrableLinearFn.apply(args[0], args[1], args[2], call)
 
 
-class _SplitLinear(nn.Linear):
-    """An ``nn.Linear`` that routes through :class:`_DeferrableLinearFn` while a stash is bound.
+class _SplitForward:
+    """A prepared linear's forward, held in its instance ``__dict__`` as ``forward``.
 
-    Installed by class swap, so parameters, buffers, ``state_dict`` keys,
-    ``isinstance(m, nn.Linear)``, deepcopy and pickling are all unchanged.
+    It shadows ``nn.Linear.forward`` while the class stays the user's, so
+    ``type``, parameters, ``state_dict``, ``repr``, deepcopy and pickling are
+    unchanged.  Its linear is held weakly: a strong reference would make every
+    prepared linear a reference cycle, freed only by the cyclic collector.
     """
 
-    def forward(self, input: Tensor) -> Tensor:
+    __slots__ = ("_module", "name", "warned")
+
+    def __init__(self, module: nn.Linear, name: str) -> None:
+        self._module = weakref.ref(module)
+        self.name = name  # in the module prepare_split was given: for the hooks warning
+        self.warned = False
+
+    def __call__(self, input: Tensor) -> Tensor:
+        m = self._module()
+        if m is None:
+            raise PipelineError(
+                f"split backward: the forward of linear {self.name or '<root>'} outlived its "
+                "module (a shallow copy of a prepared linear?); call prepare_split on the copy"
+            )
+        weight, bias = m.weight, m.bias
         if not torch.is_grad_enabled():
-            return F.linear(input, self.weight, self.bias)
+            return F.linear(input, weight, bias)
         # The same autograd node whether a stash is bound or not: activation checkpointing
         # recomputes outside the recording context and hands the recomputed saved tensors to
         # the *original* node, so both must save the same things (plain F.linear would not).
-        return _recorded_linear(input, self.weight, self.bias, self.__dict__.get(_STASH_ATTR))
+        return _recorded_linear(input, weight, bias, m.__dict__.get(_STASH_ATTR), self)
 
-    def _get_name(self) -> str:
-        return "Linear"
+    def warn_hooked(self, stash: WeightGradStash) -> None:
+        """Say once per linear why its weight gradient is not deferred (its weight is hooked)."""
+        if self.warned:
+            return
+        self.warned = True
+        stage = "" if stash.stage is None else f" of stage {stash.stage}"
+        warnings.warn(
+            f"split backward: the weight of linear '{self.name or '<root>'}'{stage} has gradient "
+            "hooks, so its gradient is computed by autograd in I (or B), not deferred to W; "
+            "its hooks run as in torch",
+            stacklevel=2,
+        )
+
+    def __reduce__(self) -> tuple[type[_SplitForward], tuple[nn.Linear | None, str]]:
+        # deepcopy and pickle rebuild it bound to the copy of its module (memoised).
+        return (_SplitForward, (self._module(), self.name))
+
+
+def _prepared(m: nn.Module) -> bool:
+    forward = m.__dict__.get("forward")
+    return isinstance(forward, _SplitForward) and forward._module() is m
+
+
+def _preparable(m: nn.Module) -> bool:
+    """An exact ``nn.Linear`` running ``nn.Linear.forward``, not yet prepared."""
+    if type(m) is not nn.Linear or _prepared(m):
+        return False
+    # A forward the user set on the instance is theirs; a shallow copy's is the original's.
+    forward = m.__dict__.get("forward")
+    return forward is None or isinstance(forward, _SplitForward)
 
 
 def prepare_split(module: nn.Module, *, min_weight_bytes: int = 0) -> nn.Module:
@@ -466,7 +538,9 @@ def prepare_split(module: nn.Module, *, min_weight_bytes: int = 0) -> nn.Module:
 
     Only exact ``nn.Linear`` instances are converted: subclasses may override
     ``forward`` (or, like attention's ``out_proj``, never call it), so they keep
-    computing their weight gradient in I, which is still exact.  Returns
+    computing their weight gradient in I, which is still exact; so does a
+    linear whose instance already has a ``forward`` of its own.  No class
+    changes: the prepared forward is set on the instance.  Returns
     ``module`` itself.  Without a bound stash a prepared linear computes all
     its gradients in its backward, as ``nn.Linear`` does, with the same values.
 
@@ -474,9 +548,10 @@ def prepare_split(module: nn.Module, *, min_weight_bytes: int = 0) -> nn.Module:
     compute their weight gradient in I (record with ``split_linears(module,
     allow_plain=True)``).
     """
-    for m in module.modules():
-        if type(m) is nn.Linear and _weight_bytes(m) >= min_weight_bytes:
-            m.__class__ = _SplitLinear
+    for name, m in module.named_modules():
+        if isinstance(m, nn.Linear) and _preparable(m) and _weight_bytes(m) >= min_weight_bytes:
+            # Straight into __dict__: nn.Module.__setattr__ has nothing to register here.
+            m.__dict__["forward"] = _SplitForward(m, name)
     return module
 
 
@@ -496,21 +571,20 @@ def split_linears(
     ``allow_plain`` (they were left plain on purpose).
     """
     modules = list(module.modules())
-    if not allow_plain and any(type(m) is nn.Linear for m in modules):
-        unprepared = [name for name, m in module.named_modules() if type(m) is nn.Linear]
+    if not allow_plain and any(_preparable(m) for m in modules):
+        unprepared = [name for name, m in module.named_modules() if _preparable(m)]
         raise PipelineError(
             f"{where}: module has nn.Linear layers that are not prepared for split "
             f"backward ({', '.join(n or '<root>' for n in unprepared[:5])}); call "
             "prepare_split(module) once before recording"
         )
-    return tuple(m for m in modules if isinstance(m, _SplitLinear))
+    return tuple(m for m in modules if _prepared(m))
 
 
 def unprepare_split(module: nn.Module) -> nn.Module:
-    """Undo :func:`prepare_split`: prepared linears become plain ``nn.Linear`` again."""
+    """Undo :func:`prepare_split`: prepared linears run ``nn.Linear.forward`` again."""
     for m in module.modules():
-        cls: type[nn.Module] = type(m)  # compared, not narrowed: the swap changes the type
-        if cls is _SplitLinear:
+        if isinstance(m.__dict__.get("forward"), _SplitForward):
+            del m.__dict__["forward"]
             m.__dict__.pop(_STASH_ATTR, None)
-            m.__class__ = nn.Linear
     return module

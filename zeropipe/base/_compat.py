@@ -186,6 +186,19 @@ def top_saved_tensors_hooks() -> tuple[Callable[..., Any], Callable[..., Any]] |
 # --- accelerator streams ----------------------------------------------------
 
 
+def tensor_has_grad_hooks(tensor: torch.Tensor) -> bool:
+    """Whether ``register_hook`` or ``register_post_accumulate_grad_hook`` hooks are on ``tensor``.
+
+    Reads the private ``_backward_hooks`` / ``_post_accumulate_grad_hooks`` that
+    ``torch/_tensor.py`` sets (None until a first hook, an emptied dict once its
+    handle is removed); checked on torch 2.11 and 2.13.
+    """
+    return bool(
+        getattr(tensor, "_backward_hooks", None)
+        or getattr(tensor, "_post_accumulate_grad_hooks", None)
+    )
+
+
 def storage_use_count(tensor: torch.Tensor) -> int:
     """References to ``tensor``'s storage (each tensor or view on it holds one)."""
     return int(torch._C._storage_Use_Count(tensor.untyped_storage()._cdata))

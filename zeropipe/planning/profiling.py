@@ -54,6 +54,7 @@ from torch import Tensor, nn
 from zeropipe.autograd.split import (
     WeightGradStash,
     prepare_split,
+    split_linears,
     unprepare_split,
     weight_backward_together,
 )
@@ -507,7 +508,14 @@ def _restored(
     modules: list[nn.Module], device: torch.device, threads: int | None
 ) -> Iterator[None]:
     """Prepare for split backward and one thread; afterwards, put everything back."""
-    plain = [m for mod in modules for m in mod.modules() if type(m) is nn.Linear]
+    # Linears a Pipeline already prepared stay prepared (they keep their class now).
+    prepared = {id(m) for mod in modules for m in split_linears(mod, allow_plain=True)}
+    plain = [
+        m
+        for mod in modules
+        for m in mod.modules()
+        if type(m) is nn.Linear and id(m) not in prepared
+    ]
     params = list({id(p): p for mod in modules for p in mod.parameters()}.values())
     grads = [p.grad for p in params]
     old_threads = torch.get_num_threads()

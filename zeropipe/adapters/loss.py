@@ -47,9 +47,10 @@ class CausalLMLoss:
                 f"causal_lm_loss takes logits [batch, seq, vocab], got "
                 f"{_shape(logits)}; the last stage must return the LM head's logits"
             )
-        if labels.shape != logits.shape[:2]:
+        if not isinstance(labels, Tensor) or labels.shape != logits.shape[:2]:
+            got = list(labels.shape) if isinstance(labels, Tensor) else type(labels).__name__
             raise PipelineError(
-                f"causal_lm_loss: labels {list(labels.shape)} must be [batch, seq] = "
+                f"causal_lm_loss: labels {got} must be [batch, seq] = "
                 f"{list(logits.shape[:2])}, the input_ids' shape (pass labels=input_ids, "
                 f"-100 where a token is not counted; the shift is done here)"
             )
@@ -62,6 +63,14 @@ class CausalLMLoss:
 
     def count(self, labels: Tensor) -> Tensor:
         """How many tokens of ``labels`` [batch, seq] the loss counts (after the shift)."""
+        # The pipeline counts every microbatch's labels before any logits exist, so this is
+        # where a wrong shape is met first.
+        if not isinstance(labels, Tensor) or labels.dim() != 2:
+            raise PipelineError(
+                f"causal_lm_loss takes labels [batch, seq] (logits [batch, seq, vocab]), got "
+                f"{_shape(labels)}; pass labels shaped like input_ids (labels=input_ids, -100 "
+                f"where a token is not counted; the shift is done here)"
+            )
         return (labels[:, 1:] != self.ignore_index).sum()
 
     def __repr__(self) -> str:

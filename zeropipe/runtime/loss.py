@@ -10,6 +10,9 @@ What ``loss_i`` and ``w_i`` are depends on the kind of ``loss_fn``::
     loss_fn                                   loss_i                   w_i
     torch loss module, reduction="mean"       the module's sum         1 / items in the batch
     torch loss module, reduction="sum"        the module's sum         1
+    F.cross_entropy, F.nll_loss itself        as its module (nn.CrossEntropyLoss(), ...)
+      (or a functools.partial of keywords
+      its module takes)
     any module with reduction="sum"           its sum                  1
     function -> (loss_sum, count)             loss_sum                 1 / sum_j loss_count(target_j)
       with Pipeline(loss_count=...)
@@ -34,21 +37,33 @@ depends on the non-batch dims only -- which is exact.  A target whose rows are
 not the output's rows (``[1, 4]`` or ``[4]`` against ``[8, 4]``) would mix rows
 of different microbatches and is refused.
 
-The last row is exact only when every row counts the same number of items;
-anything this module cannot make exact (``reduction="none"``, a mean-reduced
-module it does not know) is refused with a :class:`PipelineError` that says
-what to pass instead.
+A mean weighted by rows (any other function returning a scalar) is exact only
+when every row counts the same number of items.  Two signs that they do not
+are refused with a :class:`PipelineError` naming ``loss_count=`` and
+``zeropipe.causal_lm_loss``: integer targets holding -100 (the ignore_index
+of torch's losses and Hugging Face's labels) when the batch is cut into
+several microbatches or replicas, at the first microbatch's loss, before any
+backward; and a microbatch whose loss is nan although its output is finite (a
+mean over no items, 0/0) beside one whose loss is finite -- the whole batch's
+mean would be finite.  Every
+microbatch nan is the whole batch's nan, and passes.  Other ignored targets
+(another ignore_index, a mask) that leave every microbatch something to count
+cannot be seen, and are weighted by rows.  Anything else this module cannot
+make exact (``reduction="none"``, a mean-reduced module it does not know) is
+refused too, saying what to pass instead.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NoReturn
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from zeropipe.base.device import autocast
@@ -73,6 +88,22 @@ _ELEMENTWISE: tuple[type[nn.Module], ...] = (
     nn.KLDivLoss,
 )
 _CLASSES: tuple[type[nn.Module], ...] = (nn.CrossEntropyLoss, nn.NLLLoss)
+# torch's functional losses with an ignore_index, passed as loss_fn itself or as a
+# functools.partial of keywords: each is its module's forward with the same defaults, so it
+# is run as that module and weighted by the items it counts, not by rows (which ignored
+# targets make wrong, and a microbatch whose targets are all ignored makes nan).
+_FUNCTIONAL: tuple[tuple[Callable[..., object], type[nn.Module], frozenset[str]], ...] = (
+    (
+        F.cross_entropy,
+        nn.CrossEntropyLoss,
+        frozenset({"weight", "ignore_index", "reduction", "label_smoothing"}),
+    ),
+    (F.nll_loss, nn.NLLLoss, frozenset({"weight", "ignore_index", "reduction"})),
+)
+# The ignore_index of torch's losses and Hugging Face's labels: in the integer targets of a
+# mean weighted by rows, it says that rows count different numbers of items.
+_IGNORE_INDEX = -100
+_SIGNED = (torch.int8, torch.int16, torch.int32, torch.int64)
 
 Weighting = Literal["items", "sum", "count", "rows"]
 
@@ -105,6 +136,10 @@ class LossContract:
                     f"drop loss_count="
                 )
             loss_fn, loss_count = counted
+        elif loss_count is None:
+            module = _functional_module(loss_fn)
+            if module is not None:
+                loss_fn = module
         self.loss_fn = loss_fn
         self.loss_count = loss_count
         self.autocast = autocast
@@ -126,8 +161,10 @@ class LossContract:
         fn = self.loss_fn
         overall = total if total is not None else (lambda x: x)
         if self.weighting == "rows":
+            # One slice of the batch is weighted exactly, ignored targets or not.
+            ignored = (len(sizes) > 1 or total is not None) and _holds_ignored(targets)
             batch = overall(float(sum(sizes)))
-            return StepLoss(self, fn, [n / batch for n in sizes], None)
+            return StepLoss(self, fn, [n / batch for n in sizes], None, ignored=ignored)
         if self.weighting == "sum":
             return StepLoss(self, fn, [1.0] * len(sizes), None)
         if self.weighting == "count":
@@ -165,6 +202,13 @@ class StepLoss:
     # Loss elements per target element of an element-wise loss whose target broadcasts
     # (see the module docstring): the first microbatch's, which every other must share.
     spread: float | None = None
+    # For a mean weighted by rows: a microbatch whose loss was nan from a finite output, and
+    # one whose loss was finite (see _check_mean).
+    empty: int | None = None
+    finite: int | None = None
+    # A mean weighted by rows whose integer targets hold -100: refused at the first loss,
+    # before any backward, once a tuple (which has a message of its own) is ruled out.
+    ignored: bool = False
 
     def compute(self, output: Tensor | tuple[Tensor, ...], target: Tensor, i: int) -> Tensor:
         """Microbatch ``i``'s loss as the weights expect it: its sum, or its mean for "rows"."""
@@ -190,7 +234,44 @@ class StepLoss:
                 f"microbatch {i}: loss_fn must return a scalar tensor or (loss_sum, count), "
                 f"got {_describe(result)}"
             )
+        if contract.weighting == "rows":
+            if self.ignored:
+                _refuse_ignored(self.fn)
+            if not (torch.is_floating_point(target) or target.is_complex()):
+                # Only labels are ignored (counted out of a mean); checking only them
+                # spares an element-wise mean (the common F.mse_loss) a device sync.
+                self._check_mean(result, output, i)
         return result
+
+    def _check_mean(self, result: Tensor, output: object, i: int) -> None:
+        """Refuse a mean over no items beside a finite one: the batch's mean would skip it.
+
+        A mean's only way to nan from finite inputs is 0/0, a microbatch that counts
+        nothing (its targets all ignored); the whole batch's mean counts the other
+        microbatches' items and is finite, while rows weighting carries the nan.  A nan
+        output, or every microbatch empty, is nan in the whole batch too, and passes.  An
+        inf cannot come from an empty mean, and is the whole batch's as well.
+        """
+        # One scalar read per microbatch with labels: what it costs to refuse, not be wrong.
+        if bool(torch.isfinite(result)):
+            self.finite = i
+            if self.empty is None:
+                return
+            empty, other = self.empty, i
+        elif bool(torch.isnan(result)) and _all_finite(output):
+            self.empty = i
+            if self.finite is None:
+                return
+            empty, other = i, self.finite
+        else:
+            return
+        raise PipelineError(
+            f"microbatch {empty}: loss_fn returned nan for a finite output while microbatch "
+            f"{other}'s loss is finite: a mean over no items (every target ignored?), which "
+            f"the whole batch's mean would skip but a mean weighted by rows cannot; return "
+            f"(loss_sum, count) with Pipeline(loss_count=...), or pass zeropipe.causal_lm_loss "
+            f"or a torch loss module (nn.CrossEntropyLoss()) itself"
+        )
 
     def _spread(self, spread: float, i: int) -> float:
         if self.spread is None:
@@ -236,6 +317,49 @@ def _self_counting(loss_fn: LossFn) -> tuple[LossFn, LossCountFn] | None:
     if callable(summed) and callable(count):
         return summed, count
     return None
+
+
+def _functional_module(loss_fn: LossFn) -> nn.Module | None:
+    """``F.cross_entropy`` / ``F.nll_loss`` (or a partial of keywords its module takes) as
+    that module, which calls it with the same arguments: ``None`` for anything else."""
+    fn, keywords = loss_fn, {}
+    if isinstance(loss_fn, functools.partial) and not loss_fn.args:
+        fn, keywords = loss_fn.func, dict(loss_fn.keywords)
+    for func, module, accepted in _FUNCTIONAL:
+        if fn is func and set(keywords) <= accepted:
+            return module(**keywords)
+    return None
+
+
+def _holds_ignored(targets: Sequence[Tensor]) -> bool:
+    """Whether integer targets hold -100: some items are then not counted, and the rows no
+    longer say how many items each microbatch's mean covers."""
+    flags = [
+        (t == _IGNORE_INDEX).any()
+        for t in targets
+        if isinstance(t, Tensor) and t.dtype in _SIGNED and t.numel()
+    ]
+    return bool(flags) and bool(torch.stack(flags).any())  # one read, however many targets
+
+
+def _refuse_ignored(loss_fn: LossFn) -> NoReturn:
+    name = getattr(loss_fn, "__name__", type(loss_fn).__name__)
+    raise PipelineError(
+        f"loss_fn {name} returns a mean, weighted by rows, but the targets hold "
+        f"{_IGNORE_INDEX} (ignored), so a microbatch's mean may count fewer items than its rows "
+        f"and rows cannot weight it exactly; pass zeropipe.causal_lm_loss, "
+        f"nn.CrossEntropyLoss() or F.cross_entropy itself, or a function returning "
+        f"(loss_sum, count) with Pipeline(loss_count=...)"
+    )
+
+
+def _all_finite(output: object) -> bool:
+    tensors = output if isinstance(output, tuple) else (output,)
+    return all(
+        bool(torch.isfinite(t).all())
+        for t in tensors
+        if isinstance(t, Tensor) and (t.is_floating_point() or t.is_complex())
+    )
 
 
 def _weighting(loss_fn: LossFn, loss_count: LossCountFn | None) -> Weighting:

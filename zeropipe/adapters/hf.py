@@ -39,6 +39,7 @@ from torch import Tensor, nn
 
 from zeropipe.core.errors import PipelineError
 from zeropipe.planning.balance import balance as balance_times
+from zeropipe.runtime.stage import seed_layers
 
 __all__ = ["SUPPORTED", "hf_family", "is_hf_model", "split_hf"]
 
@@ -51,6 +52,10 @@ SUPPORTED: dict[str, str] = {
     "GPT2LMHeadModel": "gpt2",
 }
 _CHECKED = "checked on transformers 5.23; needs 4.53 or later (transformers.masking_utils)"
+# The stages call the model's submodules (embedding, decoder layers, norm, head) themselves,
+# so these methods of the model and of its inner model never run: a subclass that changes
+# one would be split as its base class.
+_BYPASSED = ("forward", "__call__")
 
 
 def is_hf_model(model: object) -> bool:
@@ -80,6 +85,7 @@ def split_hf(
     if family is None:
         raise PipelineError(f"{type(model).__name__} is not one of {', '.join(SUPPORTED)}")
     build = _llama_stage if family == "llama" else _gpt2_stage
+    _check_not_overridden(model, family)
     layers = _layers(model, family)
     if balance is None:
         cut = _measured_cut(model, build, len(layers), num_stages, sample_len)
@@ -88,9 +94,70 @@ def split_hf(
     stages, start = [], 0
     for s, count in enumerate(cut):
         picked = list(range(start, start + count))
-        stages.append(build(model, picked, s == 0, s == num_stages - 1))
+        stage = build(model, picked, s == 0, s == num_stages - 1)
+        stages.append(seed_layers(stage, _layer_keys(stage, picked, len(layers))))
         start += count
     return stages
+
+
+def _layer_keys(stage: nn.Module, picked: list[int], layers: int) -> dict[str, int]:
+    """Each unit seeded by its index in the whole model: the embedding 0, decoder layer
+    ``i`` ``i + 1``, the head ``layers + 1``; so dropout does not depend on the cut.
+
+    A unit is keyed by the submodule it runs first (the embedding unit of GPT-2 draws
+    its dropout after ``wte`` and ``wpe``, as the model does).
+    """
+    names = [n for n, _ in stage.named_children()]
+    keys = {f"layers.{k}": i + 1 for k, i in enumerate(picked)}
+    first = next((n for n in ("embed_tokens", "wte") if n in names), None)
+    head = next((n for n in ("norm", "ln_f") if n in names), None)
+    if first is not None:
+        keys[first] = 0
+    if head is not None:
+        keys[head] = layers + 1
+    return keys
+
+
+def _check_not_overridden(model: nn.Module, family: str) -> None:
+    """Refuse a model whose own forward (or its inner model's) is not the supported class's."""
+    cls = type(model)
+    base = next(
+        c
+        for c in cls.__mro__
+        if c.__module__.startswith("transformers.") and c.__name__ in SUPPORTED
+    )
+    attr = "model" if family == "llama" else "transformer"
+    inner = getattr(model, attr, None)
+    parts: list[tuple[nn.Module, type, str]] = [(model, base, cls.__name__)]
+    if isinstance(inner, nn.Module):
+        want = "GPT2Model" if family == "gpt2" else base.__name__.replace("ForCausalLM", "Model")
+        inner_base = next(
+            (
+                c
+                for c in type(inner).__mro__
+                if c.__module__.startswith("transformers.") and c.__name__ == want
+            ),
+            None,
+        )
+        if inner_base is None:
+            raise PipelineError(
+                f"zeropipe.split cannot cut {cls.__name__}: its .{attr} is a "
+                f"{type(inner).__name__}, not transformers' {want}, and the stages rebuild "
+                f"{want}'s forward; cut it into stage modules by hand (examples/manual_stages.py)"
+            )
+        parts.append((inner, inner_base, f"{cls.__name__}.{attr}"))
+    for obj, supported, what in parts:
+        changed = [n for n in _BYPASSED if n in vars(obj)]
+        changed += [
+            n for n in _BYPASSED if getattr(type(obj), n, None) is not getattr(supported, n, None)
+        ]
+        if changed:
+            raise PipelineError(
+                f"zeropipe.split cannot cut {cls.__name__}: {what} overrides {changed[0]} of "
+                f"transformers' {supported.__name__}, which its stages never call (they run the "
+                f"embedding, decoder layers, norm and head themselves), so the change would be "
+                f"lost; cut it into stage modules by hand (examples/manual_stages.py)"
+            )
 
 
 # -- the stages -------------------------------------------------------------------------
@@ -104,7 +171,21 @@ class _DecoderStage(nn.Module):
         self.kinds = kinds  # per layer: "full_attention" or "sliding_attention"
         self.first = self.last = False
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, *inputs: Tensor) -> Tensor:
+        if len(inputs) != 1 or (self.first and inputs[0].is_floating_point()):
+            got = ", ".join(
+                f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)}" for t in inputs
+            )
+            where = "the first stage" if self.first else "a stage"
+            takes = (
+                "input_ids only (integer token ids [batch, seq])" if self.first else "one tensor"
+            )
+            raise PipelineError(
+                f"{where} of a split Hugging Face model takes {takes}, got {len(inputs)} "
+                f"tensor(s): {got}; attention masks / padding are not supported yet: pack "
+                f"sequences without padding (labels of -100 mark targets to ignore)"
+            )
+        x = inputs[0]
         h = self.embed(x) if self.first else x
         if len(self.layers):
             pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)

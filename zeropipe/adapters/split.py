@@ -23,7 +23,7 @@ from torch import nn
 
 from zeropipe.adapters.hf import SUPPORTED, hf_family, is_hf_model, split_hf
 from zeropipe.core.errors import PipelineError
-from zeropipe.runtime.stage import split_sequential
+from zeropipe.runtime.stage import seed_layers, split_sequential
 
 __all__ = ["split"]
 
@@ -44,11 +44,23 @@ def split(
     first and last stages, which also hold the embedding and the head).
     A stage's input is the previous stage's output; the first takes
     ``input_ids`` and the last returns logits ``[batch, seq, vocab]``.
+
+    Each stage names the index in the whole model of every layer it holds
+    (:func:`zeropipe.runtime.stage.seed_layers`; for an HF model: the embedding
+    0, decoder layer ``i`` ``i + 1``, the head last), by which a pipeline seeds
+    the layer's dropout: the masks do not depend on the cut or the schedule.
+    A subclass whose ``forward`` differs from the supported class's is refused:
+    the stages never call it.
     """
     if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
         raise PipelineError(f"num_stages must be a positive int, got {num_stages!r}")
     if isinstance(model, nn.Sequential):
-        return [stage.module for stage in split_sequential(model, num_stages, balance)]
+        # Each slice names its layers' indices in the whole model, so that a Pipeline
+        # given the slices seeds them as it seeds a Sequential it cuts itself.
+        return [
+            seed_layers(stage.module, {str(k): key for k, key in enumerate(stage.layer_keys or ())})
+            for stage in split_sequential(model, num_stages, balance)
+        ]
     if hf_family(model) is not None:
         return split_hf(model, num_stages, balance)
     what = type(model).__name__

@@ -28,7 +28,12 @@ class RuntimeOptions:
 
     Attributes:
         seed: dropout and other randomness are seeded per (seed, step,
-            microbatch, layer), identical whatever the schedule or rank count.
+            microbatch, layer), identical whatever the schedule or rank count
+            for an ``nn.Sequential``, the stages ``zeropipe.split`` returns, and
+            hand-made stages that name their layers' indices with
+            :func:`zeropipe.runtime.stage.seed_layers`; any other hand-made stage
+            is seeded per (seed, step, microbatch, stage index): its masks do not
+            depend on the schedule, but change with the cut.
         device: where the stages compute; the stages this process runs are moved
             there.  Default: GPU number ``LOCAL_RANK`` on an NCCL process group,
             else where their parameters are (which must then be one device).  A

@@ -1,8 +1,11 @@
 """Per-(step, microbatch, layer) seeding, so randomness does not depend on the schedule.
 
 Dropout masks must be the same whatever order the schedule runs microbatches
-in, and whatever the number of ranks: each layer (or, for hand-made stages,
-each stage) draws from a generator seeded by ``(seed, step, microbatch, key)``.
+in, and whatever the number of ranks: each layer draws from a generator
+seeded by ``(seed, step, microbatch, key)``, ``key`` being its index in the
+whole model (a Sequential's layer, or a submodule a stage names with
+``runtime.stage.seed_layers``); what a hand-made stage draws outside such
+layers is keyed by the stage index, and so depends on the cut.
 The caller's global RNG state is saved once per step and restored afterwards.
 """
 

@@ -1,9 +1,14 @@
 """A pipeline stage: the user's module, how it is seeded, and its per-microbatch state.
 
-A stage is built either from a hand-made module (seeded per stage) or from a
-slice of an ``nn.Sequential`` (seeded per layer, by the layer's index in the
-whole model, so the same model cut into 2 or 4 stages draws the same dropout
-masks).  Between its forward and its backward a microbatch's state holds::
+A stage is built either from a hand-made module or from a slice of an
+``nn.Sequential`` (seeded per layer, by the layer's index in the whole model,
+so the same model cut into 2 or 4 stages draws the same dropout masks).  A
+hand-made module is seeded by its stage index, so its randomness depends on
+the cut, unless it names its layers' indices in the whole model with
+:func:`seed_layers` (as ``zeropipe.split`` does for the stages it builds):
+then each named submodule is seeded by its own index right before it runs,
+exactly as a Sequential slice's layer is.  Between its forward and its
+backward a microbatch's state holds::
 
     inputs   leaves fed to the module (float ones require grad)
     outputs  what the module returned (with graph); nothing once the loss is computed
@@ -14,9 +19,10 @@ masks).  Between its forward and its backward a microbatch's state holds::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -29,7 +35,13 @@ from zeropipe.runtime.rng import seeded
 if TYPE_CHECKING:
     from zeropipe.runtime.offload import SavedActivations
 
-__all__ = ["MicrobatchState", "Stage", "as_tuple", "split_sequential"]
+__all__ = ["LAYER_KEYS", "MicrobatchState", "Stage", "as_tuple", "seed_layers", "split_sequential"]
+
+# The attribute of a stage module that maps its submodules' names to their layer indices
+# in the whole model (see seed_layers).
+LAYER_KEYS = "zeropipe_layer_keys"
+# Layer seeds live apart from the per-stage ones (keyed by the stage index).
+_LAYER_SEED_BASE = 1_000_003
 
 
 def as_tuple(value: object, what: str) -> tuple[Tensor, ...]:
@@ -57,6 +69,48 @@ class MicrobatchState:
     seen: set[str] = field(default_factory=set)
 
 
+def seed_layers(module: nn.Module, keys: Mapping[str, int]) -> nn.Module:
+    """Seed ``module``'s submodules by their layer indices in the whole model; returns it.
+
+    ``keys`` maps a submodule's name (as ``module.named_modules()`` gives it) to
+    its index in the whole model, e.g. ``{"0": 4, "1": 5}`` for a slice holding
+    a model's layers 4 and 5.  A pipeline then seeds each named submodule by
+    ``(seed, step, microbatch, index)`` right before it runs, so its dropout
+    masks do not depend on how the model is cut into stages.  Randomness drawn
+    outside the named submodules is still seeded by the stage index.
+    """
+    setattr(module, LAYER_KEYS, dict(keys))
+    _keyed_modules(module, -1)  # checked now, where the mistake is made
+    return module
+
+
+def _keyed_modules(module: nn.Module, index: int) -> tuple[tuple[int, nn.Module], ...]:
+    """The (layer index, submodule) pairs ``module`` names under ``LAYER_KEYS``, checked."""
+    keys: Any = getattr(module, LAYER_KEYS, None)
+    if keys is None:
+        return ()
+    where = f"stage {index}'s {LAYER_KEYS}" if index >= 0 else LAYER_KEYS
+    if not isinstance(keys, Mapping):
+        raise PipelineError(
+            f"{where} must map submodule names to layer indices, got {type(keys).__name__}"
+        )
+    named = dict(module.named_modules())
+    out, seen = [], set()
+    for name, key in keys.items():
+        if not isinstance(name, str) or name not in named:
+            raise PipelineError(
+                f"{where} names {name!r}, which is not a submodule of the "
+                f"{type(module).__name__}; use names as module.named_modules() gives them"
+            )
+        if isinstance(key, bool) or not isinstance(key, int) or key < 0 or key in seen:
+            raise PipelineError(
+                f"{where} gives {name!r} the index {key!r}; layer indices are distinct ints >= 0"
+            )
+        seen.add(key)
+        out.append((key, named[name]))
+    return tuple(out)
+
+
 class Stage:
     """One stage of the model: ``module`` plus the seeding keys of its layers."""
 
@@ -65,6 +119,8 @@ class Stage:
         self.module = module
         # One key per child layer (Sequential slice) or None: one key for the stage.
         self.layer_keys = tuple(layer_keys) if layer_keys is not None else None
+        # A hand-made module's submodules seeded by their layer index (seed_layers).
+        self.keyed = _keyed_modules(module, index) if layer_keys is None else ()
         self.state: dict[int, MicrobatchState] = {}
         # The dtype F and R compute in under torch.autocast (None: none); the pipeline
         # sets it from RuntimeOptions.autocast.  The backward runs outside autocast.
@@ -87,12 +143,36 @@ class Stage:
     ) -> tuple[Tensor, ...]:
         if self.layer_keys is None:
             seeded(seed, step, mb, self.index, device)
-            return as_tuple(self.module(*inputs), f"stage {self.index}'s output")
+            if not self.keyed:  # a context entered per action costs microseconds: skipped
+                return as_tuple(self.module(*inputs), f"stage {self.index}'s output")
+            with self._seeding_layers(seed, step, mb, device):
+                return as_tuple(self.module(*inputs), f"stage {self.index}'s output")
         value: tuple[Tensor, ...] = inputs
         for key, layer in zip(self.layer_keys, self.module.children(), strict=True):
-            seeded(seed, step, mb, 1_000_003 + key, device)
+            seeded(seed, step, mb, _LAYER_SEED_BASE + key, device)
             value = as_tuple(layer(*value), f"layer {key}'s output")
         return value
+
+    @contextmanager
+    def _seeding_layers(
+        self, seed: int, step: int, mb: int, device: torch.device
+    ) -> Iterator[None]:
+        """Each keyed submodule seeded right before it runs, for this one forward only.
+
+        The hooks are removed afterwards so that the user's own calls of the model
+        (outside the pipeline) are not reseeded.
+        """
+        handles = [
+            sub.register_forward_pre_hook(
+                lambda _m, _a, k=key: seeded(seed, step, mb, _LAYER_SEED_BASE + k, device)
+            )
+            for key, sub in self.keyed
+        ]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
 
     def parameters(self) -> list[nn.Parameter]:
         return list(self.module.parameters())

@@ -230,9 +230,24 @@ def export_safetensors(source: Path, out: Path) -> tuple[Path, int]:
     storage), so ``model.load_state_dict(safetensors.torch.load_file(out))``
     loads it strictly; the copies are equal, and loading into a model whose
     weights are tied leaves them tied.  Needs no process group.
+
+    ``out`` is written to a temporary file beside it and renamed over it, so a
+    failed export leaves an existing ``out`` as it was; it gets the permissions
+    a new file gets (0666 less the umask), not safetensors' 0600.
     """
+    if out.is_dir():
+        raise ZeropipeError(
+            f"cannot export to {out}: it is a folder; name the file to write, "
+            f"e.g. {out / 'model.safetensors'}"
+        )
+    above = next((p for p in out.parents if p.exists()), None)
+    if above is not None and not above.is_dir():
+        raise ZeropipeError(
+            f"cannot export to {out}: {above} is a file, not a folder; name a file in a folder"
+        )
     folder = checkpoint_folder(source)
     try:
+        from safetensors import SafetensorError
         from safetensors.torch import save_file
     except ImportError:
         raise ZeropipeError(
@@ -242,12 +257,28 @@ def export_safetensors(source: Path, out: Path) -> tuple[Path, int]:
     full = dict(tensors)
     for alias, name in aliases.items():
         full[alias] = tensors[name].clone()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    save_file(
-        {k: v.contiguous() for k, v in sorted(full.items())},
-        str(out),
-        metadata={"format": "pt", "tied": json.dumps(aliases, sort_keys=True)},
-    )
+    written = {k: v.contiguous() for k, v in sorted(full.items())}
+
+    def write(tmp: Path) -> None:
+        # The kernel applies the umask to a file it creates; safetensors then makes
+        # the file 0600, so the mode is read here and put back after it.
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+        mode = tmp.stat().st_mode & 0o777
+        save_file(
+            written,
+            str(tmp),
+            metadata={"format": "pt", "tied": json.dumps(aliases, sort_keys=True)},
+        )
+        os.chmod(tmp, mode)
+
+    try:
+        _atomic_write(out, write)
+    except (OSError, SafetensorError) as exc:
+        text = str(exc).strip()
+        why = getattr(exc, "strerror", None) or (text.splitlines()[0] if text else repr(exc))
+        raise ZeropipeError(
+            f"cannot export to {out}: {why}; name a file in a folder you can write"
+        ) from None
     return folder, len(full)
 
 

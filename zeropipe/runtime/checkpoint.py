@@ -38,10 +38,23 @@ folder into place; the other ranks wait for its word.  A save killed midway
 leaves only the ``.partial`` folder, which the next save replaces.
 :func:`load_checkpoint` and :func:`verify_checkpoint` compare every file with
 the manifest first.
+
+A save that fails (a full disk, a path that cannot be written) ends every
+rank with the same one-line :class:`CheckpointError` naming the path and the
+cause, and removes the ``.partial`` folder it made.  Re-saving to an existing
+``path`` moves the old folder to ``.<name>.old`` before renaming the new one
+in; a save killed between those two renames leaves no folder at ``path``:
+:func:`load_checkpoint` then loads the newest complete one it left (the
+``.partial``, else the ``.old``) with a warning, and the next save to
+``path`` renames that ``.partial`` into place first.
+
+The module holds one concept, a pipeline's DCP checkpoint: what it holds,
+how it is written whole or not at all, and how it is verified and read back.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -57,8 +70,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
+from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
 from zeropipe.core.errors import ZeropipeError
 from zeropipe.runtime.pipeline import Pipeline
@@ -220,6 +237,83 @@ def _partial(path: Path) -> Path:
     return path.with_name(f".{path.name}.partial")
 
 
+def _old(path: Path) -> Path:
+    return path.with_name(f".{path.name}.old")
+
+
+def _os_error(exc: BaseException) -> OSError | None:
+    """The OSError behind ``exc``: itself, or one it was raised from or while handling."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, OSError):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
+
+
+_WRITABLE = "save to a writable folder with free space"
+_FIXES = {
+    errno.ENOSPC: "free space there, or save elsewhere",
+    errno.EDQUOT: "free space there (the disk quota is used up), or save elsewhere",
+    errno.EACCES: "make the folder writable, or save elsewhere",
+    errno.EPERM: "make the folder writable, or save elsewhere",
+    errno.EROFS: "the file system is read-only: save elsewhere",
+    errno.ENOTDIR: "a part of the path is a file, not a folder: save elsewhere",
+    errno.EEXIST: "a part of the path is a file, not a folder: save elsewhere",
+}
+
+
+def _why(exc: BaseException, rank: int | None) -> tuple[str, str]:
+    """What went wrong, in one line (the OSError under ``exc`` if any), and how to fix it."""
+    cause = _os_error(exc)
+    if cause is not None and cause.strerror:
+        why = cause.strerror[:1].lower() + cause.strerror[1:]  # "no space left on device"
+        if cause.filename:
+            why += f" ({cause.filename})"
+        fix = _FIXES.get(cause.errno or 0, _WRITABLE)
+    else:
+        text = str(exc).strip()
+        why = text.splitlines()[0] if text else type(exc).__name__
+        fix = _WRITABLE
+    return why + ("" if rank is None else f" on rank {rank}"), fix
+
+
+def _cannot_save(path: Path, exc: BaseException, rank: int | None = None) -> str:
+    why, fix = _why(exc, rank)
+    return f"cannot save checkpoint {path}: {why}; {fix}"
+
+
+class _Writer(dcp.FileSystemWriter):
+    """DCP's file writer, whose failures reach the other ranks as the OSError behind them.
+
+    A full disk fails inside ``torch.save`` as a RuntimeError ("unexpected pos 704
+    vs 598") raised while handling the OSError; DCP pickles a rank's failure to
+    hand it to every rank, which drops ``__context__``, so without this the peers
+    would learn only the RuntimeError.
+    """
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        try:
+            return super().write_data(plan, planner)
+        except Exception as exc:
+            cause = _os_error(exc)
+            if cause is None or cause is exc:
+                raise
+            raise cause from None
+
+
+def _agree(error: str | None, distributed: bool, group: dist.ProcessGroup | None) -> str | None:
+    """Rank 0's word, on every rank: a rank that raised alone would leave its peers
+    blocked in the next collective, then failing with gloo's "connection reset by peer"."""
+    if not distributed:
+        return error
+    word = [error]
+    dist.broadcast_object_list(word, group=group, group_src=0)
+    return word[0]
+
+
 def _files(folder: Path) -> dict[str, str]:
     return {
         p.relative_to(folder).as_posix(): sha256_of(p)
@@ -251,11 +345,17 @@ def _publish(tmp: Path, path: Path, meta: Mapping[str, Any], aliases: dict[str, 
         fh.flush()
         os.fsync(fh.fileno())
     _fsync_dir(tmp)
-    old = path.with_name(f".{path.name}.old")
-    if path.exists():  # re-saving a step a killed run had saved: it was never `latest`
+    old = _old(path)
+    moved = path.exists()
+    if moved:  # re-saving a step a killed run had saved: it was never `latest`
         shutil.rmtree(old, ignore_errors=True)
         os.replace(path, old)
-    os.replace(tmp, path)
+    try:
+        os.replace(tmp, path)
+    except OSError:
+        if moved:  # the checkpoint being replaced goes back where it was
+            os.replace(old, path)
+        raise
     _fsync_dir(path.parent)
     shutil.rmtree(old, ignore_errors=True)
 
@@ -277,7 +377,8 @@ def save_checkpoint(
     object (rank 0's is stored, e.g. step and RNG state), returned by
     :func:`load_checkpoint`; ``meta`` (JSON) goes into the manifest, readable
     without torch.  ``model``: the model the stages were cut from, whose
-    names the tensors take (see the module).  Returns ``path``.
+    names the tensors take (see the module).  Returns ``path``; a save that
+    fails raises the same :class:`CheckpointError` on every rank.
     """
     _not_sharded(pipe)
     path = Path(path)
@@ -287,30 +388,51 @@ def save_checkpoint(
     names = state_names(pipe, model)
     state = _state_to_save(pipe, optimizer, names, extra)
     json.dumps(dict(meta or {}))  # not serialisable: fail before anything is written
-    if lead:
-        shutil.rmtree(tmp, ignore_errors=True)  # what a killed save left
-        tmp.mkdir(parents=True)
-    if distributed:
-        dist.barrier(group=process_group)
-    with _quiet():
-        dcp.save(
-            state,
-            checkpoint_id=tmp,
-            process_group=process_group,
-            # Flat already; unflattened, ``extra`` stays one pickled object.
-            planner=DefaultSavePlanner(flatten_state_dict=False),
-            no_dist=not distributed,
-        )
     error: str | None = None
+    created = False
     if lead:
+        try:
+            if not path.exists() and _verifies(tmp):
+                os.replace(tmp, path)  # a save killed between its renames: finish it first
+            shutil.rmtree(tmp, ignore_errors=True)  # what a killed save left
+            tmp.mkdir(parents=True)
+            created = True
+        except OSError as exc:
+            error = _cannot_save(path, exc)
+    # Before any rank writes: a folder rank 0 cannot make fails every rank alike.
+    error = _agree(error, distributed, process_group)
+    if error is not None:
+        raise CheckpointError(error)
+    interrupted: BaseException | None = None
+    try:
+        with _quiet():
+            dcp.save(
+                state,
+                checkpoint_id=tmp,
+                storage_writer=_Writer(tmp),
+                process_group=process_group,
+                # Flat already; unflattened, ``extra`` stays one pickled object.
+                planner=DefaultSavePlanner(flatten_state_dict=False),
+                no_dist=not distributed,
+            )
+    except CheckpointException as exc:  # a BaseException, which DCP hands every rank alike
+        me = dist.get_rank(process_group) if distributed else 0
+        own = exc.failures.get(me)
+        if own is not None and not isinstance(own[0], Exception):
+            interrupted = own[0]  # Ctrl-C while saving: re-raised once the peers are told
+        rank, (cause, _) = min(exc.failures.items(), key=lambda item: item[0])
+        error = _cannot_save(path, cause, rank if distributed else None)
+    if error is None and lead:
         try:
             _publish(tmp, path, meta or {}, names.aliases)
         except OSError as exc:
-            error = f"cannot publish checkpoint {path}: {exc}"
-    if distributed:  # the other ranks return once the checkpoint is in place, or fail alike
-        word = [error]
-        dist.broadcast_object_list(word, group=process_group, group_src=0)
-        error = word[0]
+            error = _cannot_save(path, exc)
+    if error is not None and created:
+        shutil.rmtree(tmp, ignore_errors=True)  # only the folder this save made
+    # The other ranks return once the checkpoint is in place, or fail alike.
+    error = _agree(error, distributed, process_group)
+    if interrupted is not None:
+        raise interrupted
     if error is not None:
         raise CheckpointError(error)
     return path
@@ -321,9 +443,7 @@ def read_checkpoint_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
     path = Path(path)
     file = path / MANIFEST
     if not file.exists():
-        partial = " (a save was interrupted: its .partial folder is not a checkpoint)"
-        why = partial if _partial(path).exists() else ""
-        raise CheckpointError(f"{path} is not a complete checkpoint: it has no {MANIFEST}{why}")
+        raise CheckpointError(f"{path} is not a complete checkpoint: {_what_is_left(path)}")
     try:
         record: dict[str, Any] = json.loads(file.read_text())
     except (OSError, ValueError) as exc:
@@ -334,6 +454,59 @@ def read_checkpoint_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
             f"read it with the zeropipe that wrote it"
         )
     return record
+
+
+def _what_is_left(path: Path) -> str:
+    """Why ``path`` has no manifest, and what a failed save left beside it."""
+    complete = [p for p in (_partial(path), _old(path)) if (p / MANIFEST).exists()]
+    if not path.exists() and complete:
+        return (
+            f"it does not exist; a save killed between its two renames left "
+            f"{' and '.join(str(p) for p in complete)} beside it: load_checkpoint loads "
+            f"the newest that verifies, or rename that one to {path}"
+        )
+    why = f"it has no {MANIFEST}"
+    if _partial(path).exists():
+        why += " (a save was interrupted: its .partial folder is not a checkpoint)"
+    return why
+
+
+def _recovered(path: Path) -> tuple[Path, dict[str, Any]]:
+    """``path`` and its verified manifest; or, where a save was killed between its two
+    renames and left no folder at ``path``, the newest complete one it left, with a warning."""
+    if not path.exists():
+        failed: list[str] = []
+        for folder in (_partial(path), _old(path)):  # newest first
+            if not (folder / MANIFEST).exists():
+                continue  # not one: a save died before its manifest
+            try:
+                record = verify_checkpoint(folder)
+            except CheckpointError as exc:
+                failed.append(str(exc))
+                continue
+            warnings.warn(
+                f"{path} does not exist (a save was killed between its two renames); "
+                f"loading {folder}, the newest complete checkpoint it left: rename it to "
+                f"{path} to keep it",
+                stacklevel=3,
+            )
+            return folder, record
+        if failed:
+            raise CheckpointError(
+                f"{path} does not exist, and what a killed save left beside it does not "
+                f"verify: {'; '.join(failed)}"
+            )
+    return path, verify_checkpoint(path)
+
+
+def _verifies(path: Path) -> bool:
+    if not (path / MANIFEST).exists():
+        return False
+    try:
+        verify_checkpoint(path)
+    except CheckpointError:
+        return False
+    return True
 
 
 def verify_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -400,8 +573,15 @@ def _dcp_load(
     """``dcp.load``, returning the state with objects too: DCP loads tensors in place but
     puts unpickled objects into the planner's own copy of the dict."""
     planner = DefaultLoadPlanner(flatten_state_dict=False)
-    with _quiet():
-        dcp.load(state, checkpoint_id=path, process_group=group, planner=planner, no_dist=no_dist)
+    try:
+        with _quiet():
+            dcp.load(
+                state, checkpoint_id=path, process_group=group, planner=planner, no_dist=no_dist
+            )
+    except CheckpointException as exc:  # a BaseException: `except Exception` would miss it
+        rank, (cause, _) = min(exc.failures.items(), key=lambda item: item[0])
+        why, _ = _why(cause, None if no_dist else rank)
+        raise CheckpointError(f"cannot load checkpoint {path}: {why}") from None
     return {**state, **planner.state_dict}
 
 
@@ -422,8 +602,7 @@ def load_checkpoint(
     given to :func:`save_checkpoint` (None if none was).
     """
     _not_sharded(pipe)
-    path = Path(path)
-    verify_checkpoint(path)
+    path, _ = _recovered(Path(path))
     md = _metadata(path)
     names = state_names(pipe, model)
     _check_model_keys(path, md, names)
@@ -487,8 +666,7 @@ def consolidated_state_dict(
     and ``alias -> name`` for the other names of tied tensors.  Files are
     verified against the manifest first.
     """
-    path = Path(path)
-    record = verify_checkpoint(path)
+    path, record = _recovered(Path(path))
     md = _metadata(path)
     state = {k: _template(v) for k, v in md.items() if k.startswith(_MODEL)}
     if not state:

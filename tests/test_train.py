@@ -14,7 +14,8 @@ import torch
 from zeropipe.apps import train_resume, train_state
 from zeropipe.apps.cli import main
 from zeropipe.apps.models.gpt import GPTConfig, gpt, lm_loss
-from zeropipe.apps.train import TrainConfig, train, train_rank
+from zeropipe.apps.train import train, train_rank
+from zeropipe.apps.train_config import TrainConfig
 from zeropipe.apps.train_setup import batch, build_model, load_corpus, loss_fn, model_layers
 from zeropipe.core.errors import PipelineError, ZeropipeError
 from zeropipe.core.ir import Kind
@@ -442,3 +443,76 @@ def test_export_writes_the_model_that_gives_the_pipelines_loss(
     assert sum(losses) / len(losses) == pytest.approx(summary["final_eval_loss"], rel=1e-6)
     code, err = _cli(["export", str(tmp_path / "nowhere"), str(out)], capsys)
     assert code == 2 and len(err) == 1 and "is not a checkpoint" in err[0], err
+
+
+# -- flags that only the ranks used to trip over: one line before any process starts ----
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--timeout", "-5"], "--timeout must be a number of seconds > 0 (how long a rank"),
+        (["--timeout", "nan"], "--timeout must be a number of seconds > 0"),
+        (["--lr", "-1"], "--lr must be a finite number >= 0, got -1"),
+        (["--lr", "nan"], "--lr must be a finite number >= 0, got nan"),
+        (["--width", "30"], "--width 30 must be a multiple of the 4 heads; use e.g. --width 32"),
+        (["--width", "-4"], "--width must be >= 1, got -4"),
+        (["--blocks", "-1"], "--blocks must be >= 1, got -1"),
+        (["--memory-limit", "nan"], "--memory-limit must be a number > 0"),
+    ],
+)
+def test_flags_the_ranks_would_trip_over_are_one_line_before_launching(
+    argv: list[str], needle: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    start = time.monotonic()
+    code, err = _cli(["train", "--ranks", "2", "--out", str(tmp_path), *argv], capsys)
+    assert code == 2 and len(err) == 1 and err[0].startswith("zeropipe: error: "), err
+    assert needle in err[0], err
+    assert time.monotonic() - start < 10  # refused here, not after starting the ranks
+
+
+def test_the_python_api_checks_what_only_the_command_line_checked() -> None:
+    # Every step divides by it: the ranks would fail with a ZeroDivisionError.
+    with pytest.raises(ZeropipeError, match=r"^--checkpoint-every must be >= 1 \(steps"):
+        TrainConfig(**SMALL, checkpoint_every=0).check()
+
+
+def test_an_out_folder_that_cannot_be_made_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "file").write_text("")
+    out = tmp_path / "file" / "out"
+    code, err = _cli(["train", "--ranks", "2", "--out", str(out)], capsys)
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith(f"zeropipe: error: --out {out} cannot be made ("), err
+
+
+def test_launch_times_that_cannot_work_name_themselves() -> None:
+    with pytest.raises(
+        PipelineError, match=r"^launch: timeout must be positive \(seconds, > 0\), got -5$"
+    ):
+        launch(_every_rank_refuses, 2, timeout=-5)
+    with pytest.raises(PipelineError, match=r"^launch: grace must be a number of seconds >= 0"):
+        launch(_every_rank_refuses, 2, grace=-1)
+
+
+def _every_rank_refuses(rank: int, world: int) -> None:
+    raise ZeropipeError("--knob 3 cannot work here; use --knob 2")
+
+
+def test_an_error_every_rank_raises_on_purpose_is_reported_once_as_one_line() -> None:
+    with pytest.raises(PipelineError) as err:
+        launch(_every_rank_refuses, 2, timeout=120)
+    assert str(err.value) == "--knob 3 cannot work here; use --knob 2"
+
+
+def test_resume_with_steps_not_above_the_checkpoint_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, err = _cli(_small_argv(tmp_path, "--ranks", "1", "--steps", "2"), capsys)
+    assert code == 0, err
+    for steps in ("2", "1"):
+        code, err = _cli(_small_argv(tmp_path, "--resume", "--steps", steps), capsys)
+        assert code == 2 and len(err) == 1, err
+        assert err[0] == (
+            f"zeropipe: error: --resume: the checkpoint is at step 2; --steps {steps} must be "
+            f"above it to train more (checkpoint {tmp_path / 'checkpoints' / 'step-000002'})"
+        )

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from zeropipe.apps.cli import main
-from zeropipe.apps.train import TrainConfig, train
+from zeropipe.apps.train import train
+from zeropipe.apps.train_config import TrainConfig
 from zeropipe.core.errors import ZeropipeError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -81,7 +82,14 @@ def test_a_hugging_face_model_trains_and_resume_refuses_another_config(
     summary = train(cfg)
     assert summary["final_train_loss"] < summary["initial_eval_loss"]
     config = tmp_path / "cfg.json"
-    config.write_text(json.dumps({"model_type": model, "vocab_size": 64}))
+    # Small, so that the memory check lets it through to the resume check it is about.
+    small = (
+        {"n_embd": 32, "n_layer": 2, "n_head": 4}
+        if model == "gpt2"
+        else {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 4, "intermediate_size": 64}
+    )  # fmt: skip
+    config.write_text(json.dumps({"model_type": model, "vocab_size": 64, **small}))
     with pytest.raises(
         ZeropipeError,
         match=r"--model-config \S+cfg.json differs from the checkpoint's None; pass no --model-config",

@@ -221,6 +221,11 @@ def _search(args: argparse.Namespace) -> tuple[Schedule, CostModel, str]:
 def _load_schedule(args: argparse.Namespace) -> Schedule:
     name = args.schedule or _default_schedule()
     path = Path(name)
+    if path.is_dir() and name not in GENERATORS:  # a folder named like a generator is no file
+        raise ZeropipeError(
+            f"--schedule {name} is a directory; give a schedule file ({_SCHEDULE_FORMS}) "
+            f"or a generator name ({', '.join(sorted(GENERATORS))})"
+        )
     if path.is_file():
         schedule = _read_schedule_file(path, args.microbatches)
         given = {
@@ -248,8 +253,25 @@ def _load_schedule(args: argparse.Namespace) -> Schedule:
     )
 
 
+_SCHEDULE_FORMS = "zeropipe's text form, JSON (.json) or torch's CSV (.csv)"
+
+
 def _read_schedule_file(path: Path, microbatches: int | None) -> Schedule:
-    text = path.read_text()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        # Say so in one line: the decoder's own message is long and names no fix.
+        raise ZeropipeError(
+            f"schedule file {path} is not text (byte {exc.start} is not UTF-8); give a "
+            f"schedule in {_SCHEDULE_FORMS}"
+        ) from None
+    except OSError as exc:
+        raise ZeropipeError(f"cannot read schedule file {path}: {exc.strerror or exc}") from None
+    if "\0" in text:  # UTF-8 decodes NUL bytes, but no schedule form has them
+        raise ZeropipeError(
+            f"schedule file {path} is not text (it holds NUL bytes); give a schedule in "
+            f"{_SCHEDULE_FORMS}"
+        )
     suffix = path.suffix.lower()
     try:
         if suffix == ".json":
@@ -449,9 +471,9 @@ def _run_bench(args: argparse.Namespace) -> int:
 
 # -- zeropipe train -----------------------------------------------------------------------
 def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
-    from zeropipe.apps import train  # imports torch: only for this command
+    from zeropipe.apps import train_config  # imports torch: only for this command
 
-    train.add_arguments(parser)
+    train_config.add_arguments(parser)
 
 
 def _run_train(args: argparse.Namespace) -> int:

@@ -18,8 +18,16 @@ loss and its batches -- and leaves in ``--out``::
 
 (:mod:`zeropipe.apps.train_report` measures, prints and draws what a run reports.)
 
-Stopping: Ctrl-C (SIGINT) is turned into a request that all ranks agree on at
-the next step boundary; they save a checkpoint and exit.  ``--resume``
+Stopping: Ctrl-C (SIGINT, which a terminal sends to the launcher and every
+rank) or SIGTERM (to the launcher, which passes it on, or to every process,
+as a job scheduler does) is turned into a request that all ranks agree on at
+the end of the step they are running: they finish it, save a checkpoint of
+it, the launcher waits for them (up to twice ``--timeout``) and the command
+exits 130 after SIGINT, 143 after SIGTERM (128 + the signal, as a shell
+reports a process the signal ended), printing where it saved.  A second
+Ctrl-C ends the ranks at once, unsaved.  A job started in the background by
+a non-interactive shell ignores SIGINT (POSIX), and so does the run: stop it
+with SIGTERM.  ``--resume``
 continues from the newest complete checkpoint, reading exactly the batches
 an uninterrupted run would have read, so its losses are the same -- also on
 another ``--ranks`` or ``--schedule`` (the checkpoint is keyed by the model's
@@ -39,201 +47,31 @@ import json
 import math
 import os
 import signal
+import sys
+import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from zeropipe.apps import train_report, train_resume
-from zeropipe.apps.cli_args import refuse_renamed
+from zeropipe.apps import train_report, train_resume, train_state
 from zeropipe.apps.data import Corpus
-from zeropipe.apps.models.hf import PRESETS
-from zeropipe.apps.train_resume import check_resume, run_settings
+from zeropipe.apps.train_config import TrainConfig
+from zeropipe.apps.train_resume import check_resume
 from zeropipe.apps.train_setup import (
     batch,
     build_model,
-    check_model,
-    describe_layers,
     load_corpus,
     loss_fn,
-    model_layers,
 )
-from zeropipe.core import fit
-from zeropipe.core.build import build_schedule
 from zeropipe.core.errors import PipelineError, ZeropipeError
 from zeropipe.core.ir import Schedule
-from zeropipe.core.schedules import GENERATORS
 from zeropipe.core.simulate import Timeline
 from zeropipe.runtime.pipeline import Pipeline, RuntimeOptions
 
-__all__ = ["TrainConfig", "check_resume", "run_settings", "train", "train_rank"]
-
-
-@dataclass
-class TrainConfig:
-    """Every knob of ``zeropipe train``; the defaults are the built-in demo."""
-
-    schedule: str = "zbv"
-    model: str = "gpt"  # or a Hugging Face preset: llama, qwen3, gpt2
-    model_config: str | None = None  # a Hugging Face config.json (with model set from it)
-    data: str | None = None  # a UTF-8 text file (bytes as tokens); None: the generated corpus
-    ranks: int = 2
-    dp: int = 1  # data-parallel replicas of the pipeline: ranks x dp processes
-    clip: float | None = None  # clip the gradients' global norm to this
-    microbatches: int = 8  # per replica
-    batch_size: int = 16
-    steps: int = 300
-    lr: float = 3e-3
-    warmup: int = 20
-    seq: int = 48
-    width: int = 96
-    blocks: int = 4  # transformer blocks (the GPT's are two layers each: attention, MLP)
-    heads: int = 4
-    dropout: float = 0.0
-    memory_limit: float | None = None
-    group_w: int = 1
-    recompute: str | None = None
-    offload: str | None = None
-    device: str = "cpu"
-    seed: int = 0
-    out: str = "zeropipe-out"
-    resume: bool = False
-    checkpoint_every: int = 50
-    eval_batches: int = 4
-    timeout: float = 120.0
-    trace_step: int = 10  # which step's timeline to keep (clamped to the run)
-    quiet: bool = False
-    # The schedule check() built, as text: ranks reuse it instead of rebuilding
-    # (with --memory-limit that means re-running fit_memory's search).
-    planned: str | None = None
-
-    def check(self) -> None:
-        """One-line errors for flags that cannot work, before any process starts."""
-        if self.schedule not in GENERATORS:
-            raise ZeropipeError(
-                f"unknown schedule {self.schedule!r}; choose one of {', '.join(sorted(GENERATORS))}"
-            )
-        if self.ranks < 1 or self.microbatches < 1 or self.steps < 1 or self.batch_size < 1:
-            raise ZeropipeError("--ranks, --microbatches, --steps and --batch-size must be >= 1")
-        if self.group_w < 1:
-            raise ZeropipeError(
-                f"--group-w must be >= 1 (1: the schedule as given), got {self.group_w}"
-            )
-        if self.dp < 1:
-            raise ZeropipeError(f"--dp must be >= 1 (1: one pipeline), got {self.dp}")
-        if self.clip is not None and not self.clip > 0:
-            raise ZeropipeError(f"--clip must be > 0 (the largest gradient norm), got {self.clip}")
-        if self.batch_size % self.dp:
-            raise ZeropipeError(
-                f"--batch-size {self.batch_size} cannot be split evenly among --dp {self.dp} "
-                f"replicas; use a multiple of {self.dp}"
-            )
-        if self.batch_size // self.dp < self.microbatches:
-            each = " per replica" if self.dp > 1 else ""
-            raise ZeropipeError(
-                f"--batch-size {self.batch_size} gives {self.batch_size // self.dp} sequences"
-                f"{each}, which cannot be cut into --microbatches {self.microbatches}; "
-                f"raise the batch size or lower the microbatches"
-            )
-        _check_device(self.device)
-        schedule = self.build_schedule()
-        check_model(self)
-        vocab = load_corpus(self).vocab
-        if schedule.num_stages > model_layers(self, vocab):
-            more = "num_hidden_layers in --model-config" if self.model_config else "--blocks"
-            raise ZeropipeError(
-                f"--ranks {self.ranks} with {self.schedule} needs {schedule.num_stages} stages "
-                f"but the model has {describe_layers(self, vocab)}, and a stage needs a layer; "
-                f"use fewer ranks or more {more}"
-            )
-        self.planned = schedule.to_text()
-
-    def build_schedule(self) -> Schedule:
-        """The schedule to train with: built as any pipeline's, plus the memory actions asked for.
-
-        :func:`zeropipe.core.build.build_schedule` generates it and gathers W
-        (``--group-w``) first, so the memory actions see the W-parts it keeps
-        alive.  ``--recompute`` / ``--offload`` checkpoint / offload the named
-        stages ('all' or indices); ``--memory-limit`` (microbatch units per
-        rank) lets :func:`zeropipe.core.fit.fit_memory` choose, and fails in one line
-        naming the smallest limit that would fit.
-        """
-        try:
-            schedule = build_schedule(
-                self.schedule,
-                ranks=self.ranks,
-                microbatches=self.microbatches,
-                group_w=self.group_w,
-            )
-        except ZeropipeError as exc:
-            raise ZeropipeError(
-                f"--schedule {self.schedule} with --ranks {self.ranks}: {str(exc).splitlines()[0]}"
-            ) from None
-        if self.recompute is not None:
-            schedule = fit.checkpoint(
-                schedule, _stage_choice(self.recompute, schedule, "--recompute")
-            )
-        if self.offload is not None:
-            schedule = fit.offload(schedule, _stage_choice(self.offload, schedule, "--offload"))
-        if self.memory_limit is not None:
-            try:
-                schedule = fit.fit_memory(schedule, self.memory_limit).schedule
-            except fit.LimitTooLow as exc:
-                raise ZeropipeError(
-                    f"--memory-limit {self.memory_limit:g} is too small for {self.schedule} on "
-                    f"{self.ranks} ranks: raise it to at least {max(exc.smallest):g} "
-                    f"(microbatches of activations per rank)"
-                ) from None
-        return schedule
-
-
-def _check_device(name: str) -> None:
-    """``--device`` must be one torch can parse and this machine has (one-line errors)."""
-    accel = getattr(torch, "accelerator", None)  # torch >= 2.6
-    here = accel.current_accelerator() if accel is not None and accel.is_available() else None
-    # Examples from what this machine has: the device module is the one place naming a type.
-    valid = "cpu" if here is None else f"cpu, {here.type} or {here.type}:0"
-    try:
-        device = torch.device(name)
-    except (RuntimeError, ValueError) as exc:
-        why = str(exc).strip().splitlines()[0] if str(exc).strip() else "not a device"
-        raise ZeropipeError(
-            f"--device {name!r} is not a device torch knows ({why}); use e.g. {valid}"
-        ) from None
-    if device.type == "cpu":
-        return
-    if device.type == "meta":
-        raise ZeropipeError(f"--device {name!r} holds no data, so nothing trains; use e.g. {valid}")
-    if here is None or here.type != device.type:
-        raise ZeropipeError(f"--device {name!r} is not available on this machine; use e.g. {valid}")
-    count = accel.device_count() if accel is not None else 0
-    if device.index is not None and device.index >= count:
-        raise ZeropipeError(
-            f"--device {name!r}: this machine has {count} {device.type} device(s), numbered from 0; "
-            f"use e.g. {valid}"
-        )
-
-
-def _stage_choice(spec: str, schedule: Schedule, flag: str) -> Callable[[int, int], bool] | None:
-    """'all' or '0,2': which stages a memory flag applies to."""
-    if spec.strip() == "all":
-        return None
-    try:
-        chosen = {int(t) for t in spec.split(",") if t.strip()}
-    except ValueError:
-        raise ZeropipeError(
-            f"{flag} takes 'all' or stage indices like '0,1', got {spec!r}"
-        ) from None
-    bad = sorted(s for s in chosen if not 0 <= s < schedule.num_stages)
-    if bad:
-        raise ZeropipeError(
-            f"{flag}: stage(s) {bad} do not exist; this schedule has stages 0..{schedule.num_stages - 1}"
-        )
-    return lambda stage, mb: stage in chosen
+__all__ = ["run_cli", "train", "train_rank"]
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
@@ -245,6 +83,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     :class:`ZeropipeError` naming the step.
     """
     cfg.check()
+    _check_out(cfg.out)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun
         from zeropipe.runtime.launch import init_from_env
 
@@ -273,6 +112,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             cfg,
             timeout=cfg.timeout * 4 + cfg.steps * 5.0,
             threads=1,
+            # A stop finishes the step and saves it, each bounded by --timeout's waits.
+            stop_wait=2 * cfg.timeout,
         )
         summary = results[0]
     if summary.get("non_finite") is not None:
@@ -280,8 +121,36 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     return summary
 
 
+def _check_out(out: str) -> None:
+    """``--out`` made (if new) and writable here, before any rank trains into it."""
+    path = Path(out)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ZeropipeError(
+            f"--out {out} cannot be made ({exc.strerror or exc}); give a folder you can write"
+        ) from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ZeropipeError(f"--out {out} is not writable; give a folder you can write")
+
+
 def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
-    """The training loop as one rank runs it (also the whole job when ranks == 1)."""
+    """The training loop as one rank runs it (also the whole job when ranks == 1).
+
+    SIGINT and SIGTERM, from the moment it starts, ask it to stop after the
+    step it is running (see the module's docstring); the handlers that were
+    there before come back when it returns.
+    """
+    # First thing: a signal during the model's construction is a request too, not
+    # a KeyboardInterrupt that would end this rank alone.
+    stop = _StopRequest(abort_on_repeat=world == 1)
+    try:
+        return _train(rank, world, cfg, stop)
+    finally:
+        stop.restore()
+
+
+def _train(rank: int, world: int, cfg: TrainConfig, stop: _StopRequest) -> dict[str, Any]:
     torch.set_num_threads(1)
     out = Path(cfg.out)
     ckpt_root = out / "checkpoints"
@@ -302,7 +171,6 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
     if lead:
         out.mkdir(parents=True, exist_ok=True)
         train_resume.trim_metrics(out / "metrics.jsonl", start)
-    stop = _StopRequest()
     tokens = cfg.batch_size * cfg.seq
     initial_eval = _evaluate(pipe, corpus, cfg)
     losses: list[float] = []
@@ -311,6 +179,7 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
     wall0 = time.perf_counter()
     step = start
     non_finite: dict[str, Any] | None = None  # why and where training stopped short
+    stopped_by: int | None = None  # the signal the ranks agreed to stop on
     while step < cfg.steps:
         for group in optimizer.param_groups:  # linear warm-up: no early loss spikes
             group["lr"] = cfg.lr * min(1.0, (step + 1) / cfg.warmup)
@@ -327,8 +196,9 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
         step += 1
         value = loss.item()
         # The loss is the same on every rank; agreeing on it anyway keeps every rank on
-        # the same path even if one saw it differently.  One all-reduce for both flags.
-        stopping, diverged = _agree([stop.requested, not math.isfinite(value)], world)
+        # the same path even if one saw it differently.  One all-reduce for both: the
+        # stop is the largest signal any rank got (SIGTERM over SIGINT), 0 for none.
+        stopping, diverged = _agree([stop.signum, int(not math.isfinite(value))], world)
         if diverged:  # saving now would make a checkpoint no run should resume from
             non_finite = {"what": "loss", "step": step, "loss": value}
             break
@@ -351,15 +221,25 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
                 train_report.progress(record, cfg.steps)
         if step % cfg.checkpoint_every == 0 or step == cfg.steps or stopping:
             # A finite loss can still be followed by an update that overflowed.
-            if _agree([not _weights_finite(pipe)], world)[0]:
+            if _agree([int(not _weights_finite(pipe))], world)[0]:
                 non_finite = {"what": "weights", "step": step, "loss": value}
                 break
             train_resume.save(ckpt_root, step, pipe, optimizer, cfg, model)
         if stopping:
+            stopped_by = stopping
             if lead:
-                print(f"\nstopped at step {step}; resume with --resume", flush=True)
+                name = signal.Signals(stopping).name
+                below_bar = "" if cfg.quiet else "\n"  # the progress line may lack its end
+                print(
+                    f"{below_bar}zeropipe: stopped by {name} after step "
+                    f"{step} of {cfg.steps}: saved {train_state.step_dir(ckpt_root, step)}; "
+                    f"run the same command with --resume to go on",
+                    flush=True,
+                )
             break
-    final_eval = _evaluate(pipe, corpus, cfg) if non_finite is None else math.nan
+    # Skipped after a stop: whoever stopped the run is waiting for it to end.
+    done = non_finite is None and stopped_by is None
+    final_eval = _evaluate(pipe, corpus, cfg) if done else math.nan
     summary = {
         "model": cfg.model,
         "schedule": cfg.schedule,
@@ -372,7 +252,7 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
         "final_eval_loss": final_eval,
         "final_train_loss": losses[-1] if losses else math.nan,
         "wall_s": time.perf_counter() - wall0,
-        "interrupted": stop.requested,
+        "interrupted": stopped_by,
         "non_finite": non_finite,
     }
     if lead:
@@ -385,24 +265,43 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
 
 
 class _StopRequest:
-    """Ctrl-C sets a flag; the ranks agree on it at the next step boundary."""
+    """SIGINT or SIGTERM records the signal; the ranks agree on it at the next step boundary.
 
-    def __init__(self) -> None:
-        self.requested = False
-        if hasattr(signal, "SIGINT"):
-            signal.signal(signal.SIGINT, self._handle)
+    Installed from the main thread only (Python's rule for signal handlers),
+    and not for a signal this process ignores.  Under a launcher a repeat is
+    the same request (a terminal's Ctrl-C reaches a rank, and the launcher
+    passes it on too; a second Ctrl-C is the launcher's to act on); alone
+    (``abort_on_repeat``) a second signal raises KeyboardInterrupt.
+    """
+
+    def __init__(self, abort_on_repeat: bool) -> None:
+        self.signum = 0
+        self._abort_on_repeat = abort_on_repeat
+        self._previous: dict[int, Any] = {}
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            if signal.getsignal(sig) is not signal.SIG_IGN:
+                self._previous[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, frame: object) -> None:
-        self.requested = True
+        if self.signum and self._abort_on_repeat:
+            raise KeyboardInterrupt
+        self.signum = self.signum or signum
+
+    def restore(self) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, signal.SIG_DFL if previous is None else previous)
+        self._previous = {}
 
 
-def _agree(flags: list[bool], world: int) -> list[bool]:
-    """Each flag, true on every rank if it is true on any."""
+def _agree(values: list[int], world: int) -> list[int]:
+    """Each value, the largest any rank holds (a flag: true on every rank if true on any)."""
     if world == 1:
-        return flags
-    t = torch.tensor([1 if f else 0 for f in flags])
+        return values
+    t = torch.tensor(values, dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return [bool(v) for v in t.tolist()]
+    return [int(v) for v in t.tolist()]
 
 
 def _weights_finite(pipe: Pipeline) -> bool:
@@ -437,127 +336,6 @@ def _mine(pipe: Pipeline, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tenso
 
 
 # -- command line ---------------------------------------------------------------------
-def add_arguments(parser: Any) -> None:
-    """The flags of ``zeropipe train`` (defaults: the built-in demo)."""
-    d = TrainConfig()
-    parser.add_argument(
-        "--schedule", default=d.schedule, help=f"schedule generator (default {d.schedule})"
-    )
-    parser.add_argument(
-        "--model",
-        default=None,
-        help=f"gpt (the reference GPT, default) or a Hugging Face preset: {', '.join(PRESETS)} "
-        "(needs transformers: pip install -e '.[hf]')",
-    )
-    parser.add_argument(
-        "--model-config",
-        default=None,
-        metavar="FILE.json",
-        help="a Hugging Face config.json of llama, mistral, qwen2, qwen3 or gpt2 (built from "
-        "the config, nothing downloaded); --width/--blocks do not apply",
-    )
-    parser.add_argument(
-        "--data",
-        default=None,
-        metavar="FILE",
-        help="train on a UTF-8 text file, its bytes as tokens (last tenth held out for the "
-        "eval loss); default: a generated corpus",
-    )
-    parser.add_argument(
-        "--ranks", type=int, default=d.ranks, help=f"pipeline ranks = processes (default {d.ranks})"
-    )
-    parser.add_argument(
-        "--dp",
-        type=int,
-        default=d.dp,
-        help="data-parallel replicas of the pipeline, each on its slice of every batch: "
-        f"--ranks x --dp processes (default {d.dp})",
-    )
-    parser.add_argument(
-        "--clip",
-        type=float,
-        default=d.clip,
-        metavar="NORM",
-        help="clip the gradients' global norm (every stage, rank and replica) to NORM; "
-        "metrics.jsonl records the norm before clipping (default: no clipping)",
-    )
-    parser.add_argument(
-        "--microbatches",
-        type=int,
-        default=d.microbatches,
-        help=f"per step, per replica (default {d.microbatches})",
-    )
-    parser.add_argument(
-        "--batch-size",
-        type=int,
-        default=d.batch_size,
-        help=f"sequences per step (default {d.batch_size})",
-    )
-    parser.add_argument(
-        "--steps", type=int, default=d.steps, help=f"training steps (default {d.steps})"
-    )
-    parser.add_argument(
-        "--lr", type=float, default=d.lr, help=f"AdamW learning rate (default {d.lr})"
-    )
-    parser.add_argument(
-        "--blocks",
-        type=int,
-        default=d.blocks,
-        help=f"transformer blocks (default {d.blocks}); the reference GPT's are two layers each "
-        "(attention, MLP), between the embedding and the head",
-    )
-    refuse_renamed(
-        parser, "--layers", "--blocks", "it counts transformer blocks (a GPT block is 2 layers)"
-    )
-    parser.add_argument(
-        "--width", type=int, default=d.width, help=f"model width (default {d.width})"
-    )
-    parser.add_argument(
-        "--memory-limit",
-        type=float,
-        default=None,
-        help="per-rank activation memory limit in microbatch units; recompute/offload fill the gap",
-    )
-    parser.add_argument(
-        "--group-w",
-        type=int,
-        default=d.group_w,
-        help="split B into I + W and run each stage's W in groups of this many: faster "
-        "weight gradients for more activation memory (default 1: the schedule as given)",
-    )
-    parser.add_argument(
-        "--recompute",
-        default=None,
-        help="checkpoint stages: 'all' or a comma list of stage indices",
-    )
-    parser.add_argument(
-        "--offload", default=None, help="offload activations of stages: 'all' or stage indices"
-    )
-    parser.add_argument(
-        "--device",
-        default=d.device,
-        help="device of every rank: cpu, or an accelerator this machine has (default cpu)",
-    )
-    parser.add_argument(
-        "--seed", type=int, default=d.seed, help="seed of data, init and dropout (default 0)"
-    )
-    parser.add_argument("--out", default=d.out, help=f"output folder (default {d.out})")
-    parser.add_argument(
-        "--resume",
-        action="store_true",
-        help="continue from the newest complete checkpoint in --out, after checking its files' "
-        "sha256; --microbatches, --batch-size, --seed, --lr, --width and --blocks must be "
-        "those it was saved with, while --ranks and --schedule (the layout), --steps (to "
-        "extend the run), --checkpoint-every, --timeout, --quiet, --device and the memory "
-        "flags (--group-w, --recompute, --offload, --memory-limit) may change",
-    )
-    parser.add_argument(
-        "--checkpoint-every", type=int, default=d.checkpoint_every, help="steps between checkpoints"
-    )
-    parser.add_argument(
-        "--timeout", type=float, default=d.timeout, help="seconds a rank waits for a peer"
-    )
-    parser.add_argument("--quiet", action="store_true", help="no progress bar or summary")
 
 
 def run_cli(args: Any) -> int:
@@ -571,9 +349,14 @@ def run_cli(args: Any) -> int:
 
             given["model"] = read_model_config(given["model_config"])["model_type"]
     cfg = TrainConfig(**given)
-    if cfg.checkpoint_every < 1:
-        raise ZeropipeError("--checkpoint-every must be >= 1")
-    summary = train(cfg)
+    try:
+        summary = train(cfg)
+    except KeyboardInterrupt:  # a second Ctrl-C, or ranks that a stop ended before they saved
+        print(
+            f"zeropipe: interrupted before the ranks saved; {train_resume.kept_checkpoint(cfg)}",
+            file=sys.stderr,
+        )
+        return 128 + signal.SIGINT
     if summary["interrupted"]:
-        return 130
+        return 128 + int(summary["interrupted"])  # as a shell reports the signal's end
     return 0

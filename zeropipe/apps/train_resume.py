@@ -12,7 +12,7 @@ another ``--ranks``, ``--schedule`` or chunking than the run that saved.
 Checkpoints of the older per-rank format still resume, on their own layout.
 
 The settings come as any dataclass with the fields of
-``zeropipe.apps.train.TrainConfig``; its defaults are ``type(cfg)()``.
+``zeropipe.apps.train_config.TrainConfig``; its defaults are ``type(cfg)()``.
 """
 
 from __future__ import annotations
@@ -32,7 +32,15 @@ from zeropipe.runtime.checkpoint import FORMAT as DCP_FORMAT
 from zeropipe.runtime.checkpoint import load_checkpoint
 from zeropipe.runtime.pipeline import Pipeline
 
-__all__ = ["check_resume", "non_finite_message", "resume", "run_settings", "save", "trim_metrics"]
+__all__ = [
+    "check_resume",
+    "kept_checkpoint",
+    "non_finite_message",
+    "resume",
+    "run_settings",
+    "save",
+    "trim_metrics",
+]
 
 # What makes a run the run it is: resuming with any of these changed would continue
 # another run (other data, other model, other optimisation), so --resume refuses.
@@ -92,6 +100,7 @@ def check_resume(cfg: Any, warn: bool = True) -> None:
                 f"flags are not compared with those it was saved with",
                 file=sys.stderr,
             )
+        _check_steps(root, train_state.latest_step(root), cfg)
         return
     saved = manifest.meta.get("config")
     if not isinstance(saved, dict):
@@ -108,6 +117,7 @@ def check_resume(cfg: Any, warn: bool = True) -> None:
         if now != then:
             differ.append((_flag(name), now, then))
     if not differ:
+        _check_steps(root, manifest.step, cfg)
         return
     told = ", ".join(
         f"{flag} {now} differs from the checkpoint's {then}" for flag, now, then in differ
@@ -126,6 +136,27 @@ def check_resume(cfg: Any, warn: bool = True) -> None:
     raise ZeropipeError(
         f"--resume: {told}{layout}; pass {fix} or start a new --out "
         f"(checkpoint {train_state.step_dir(root, manifest.step)})"
+    )
+
+
+def _check_steps(root: Path, step: int | None, cfg: Any) -> None:
+    """A resume that would train nothing is a mistake in --steps, not a run to report done."""
+    if step is not None and cfg.steps <= step:
+        raise ZeropipeError(
+            f"--resume: the checkpoint is at step {step}; --steps {cfg.steps} must be above it "
+            f"to train more (checkpoint {train_state.step_dir(root, step)})"
+        )
+
+
+def kept_checkpoint(cfg: Any) -> str:
+    """What a run that ended early left to resume from, in words."""
+    root = Path(cfg.out) / "checkpoints"
+    latest = train_state.latest_step(root)
+    if latest is None:
+        return f"no checkpoint was saved in {root}"
+    return (
+        f"{root / 'latest'} names {train_state.step_dir(root, latest).name}; run the same "
+        f"command with --resume to go on from it"
     )
 
 

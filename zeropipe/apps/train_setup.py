@@ -2,10 +2,13 @@
 
 The training loop of :mod:`zeropipe.apps.train` asks this module for
 
-    check_model(cfg)                    one-line errors for --model / --model-config
+    check_model(cfg)                    one-line errors for --model / --model-config, and for
+                                        a model or rank count this machine cannot hold
     load_corpus(cfg)                    the generated corpus, or the bytes of --data FILE
     model_layers(cfg, vocab)            the layers a schedule's stages are cut from
     describe_layers(cfg, vocab)         those layers counted and named, for messages
+    model_size(cfg, vocab)              its parameters and their bytes, without building it
+    available_memory(), process_limit() what this machine can hold and start (check_model's)
     build_model(cfg, vocab, stages)     the GPT of zeropipe.apps.models.gpt and its cut, or a
                                         Hugging Face model (zeropipe.apps.models.hf) cut into
                                         stages by zeropipe.adapters.split; and the model
@@ -13,13 +16,16 @@ The training loop of :mod:`zeropipe.apps.train` asks this module for
     batch(corpus, cfg, step)            a step's inputs and targets, on --device
 
 The settings come as any object with the fields of :class:`ModelSettings`
-(``zeropipe.apps.train.TrainConfig`` is one), so this module need not import the
+(``zeropipe.apps.train_config.TrainConfig`` is one), so this module need not import the
 command that uses it.
 """
 
 from __future__ import annotations
 
+import os
+import resource
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, Protocol
 
 import torch
@@ -28,12 +34,14 @@ from zeropipe.adapters.loss import causal_lm_loss
 from zeropipe.adapters.split import split
 from zeropipe.apps.data import Corpus
 from zeropipe.apps.models.gpt import LAYERS, GPTConfig, gpt, gpt_layers, lm_loss
-from zeropipe.apps.models.hf import PRESETS, build_hf, hf_config
+from zeropipe.apps.models.hf import PRESETS, build_hf, hf_config, with_blocks
 from zeropipe.core.errors import ZeropipeError
 from zeropipe.planning.balance import even_cut
 
 __all__ = [
+    "PROCESS_BYTES",
     "ModelSettings",
+    "available_memory",
     "batch",
     "build_model",
     "check_model",
@@ -41,11 +49,17 @@ __all__ = [
     "load_corpus",
     "loss_fn",
     "model_layers",
+    "model_size",
+    "process_limit",
 ]
+
+#: Memory a rank's process holds besides the model: the interpreter, torch, the transport.
+#: Measured: 230-260 MiB private per rank of the built-in demo (torch 2.13, CPU).
+PROCESS_BYTES = 256 * 2**20
 
 
 class ModelSettings(Protocol):
-    """The fields of ``zeropipe.apps.train.TrainConfig`` that decide the model and its data."""
+    """The fields of ``zeropipe.apps.train_config.TrainConfig`` that decide the model and its data."""
 
     model: str  # gpt, or a Hugging Face preset / a --model-config file's model_type
     model_config: str | None
@@ -58,10 +72,13 @@ class ModelSettings(Protocol):
     dropout: float
     device: str
     seed: int
+    ranks: int  # pipeline ranks (--ranks)
+    dp: int  # replicas of the pipeline (--dp): ranks x dp processes
 
 
 def check_model(cfg: ModelSettings) -> None:
-    """One-line errors for a ``--model`` / ``--model-config`` that names no model we build."""
+    """One-line errors for a ``--model`` / ``--model-config`` that names no model we build,
+    and for a rank count or a model this machine cannot hold (before any rank starts)."""
     if cfg.model not in ("gpt", *PRESETS) and cfg.model_config is None:
         raise ZeropipeError(
             f"unknown --model {cfg.model!r}; choose gpt, {', '.join(PRESETS)}, or give "
@@ -72,6 +89,129 @@ def check_model(cfg: ModelSettings) -> None:
             "--model-config describes a Hugging Face model, not --model gpt: leave --model "
             "out (the architecture is the file's model_type)"
         )
+    if cfg.model == "gpt" and cfg.width % cfg.heads:
+        raise ZeropipeError(f"--width {cfg.width} must be a multiple of the {cfg.heads} heads")
+    _check_machine(cfg)
+
+
+def available_memory() -> int | None:
+    """Bytes of memory this machine can still give, or None where it does not say."""
+    try:
+        with open("/proc/meminfo") as fh:  # Linux: what can be allocated without swapping
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def process_limit() -> int | None:
+    """How many processes one user may run here (``ulimit -u``), or None if unlimited."""
+    try:
+        soft, _ = resource.getrlimit(resource.RLIMIT_NPROC)
+    except (AttributeError, ValueError, OSError):
+        return None
+    return None if soft == resource.RLIM_INFINITY or soft <= 0 else int(soft)
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def _vocab(cfg: ModelSettings) -> int:
+    # A --data file's tokens are its bytes (Corpus.vocab: 256), so it need not be read here;
+    # the generated corpus is quick to make.
+    return 256 if cfg.data is not None else load_corpus(cfg).vocab
+
+
+def model_size(cfg: ModelSettings, vocab: int) -> tuple[int, int]:
+    """Parameters and their bytes, without building the model: it is built on the meta
+    device (nothing allocated) with one block and with two, and since its blocks are alike
+    the rest follows, so a config of billions of parameters or of thousands of blocks is
+    sized in about a second."""
+    build: Callable[[int], torch.nn.Module]
+    if cfg.model == "gpt":
+        gpt_cfg = GPTConfig(vocab=vocab, seq=cfg.seq, width=cfg.width, heads=cfg.heads)
+
+        def build(k: int) -> torch.nn.Module:
+            return gpt(replace(gpt_cfg, layers=k), seed=cfg.seed)
+    else:
+        config = _hf_config(cfg, vocab)
+
+        def build(k: int) -> torch.nn.Module:
+            return build_hf(with_blocks(config, k), cfg.seed)
+
+    sizes = []
+    for k in (1, 2):
+        with torch.device("meta"):
+            params = list(build(k).parameters())  # a tied weight once
+        sizes.append(
+            (sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params))
+        )
+    (count1, bytes1), (count2, bytes2) = sizes
+    more = _blocks(cfg, vocab) - 1
+    return count1 + more * (count2 - count1), bytes1 + more * (bytes2 - bytes1)
+
+
+def _check_machine(cfg: ModelSettings) -> None:
+    """Refuse, before anything is launched or built, what would only end when the kernel
+    kills a rank: more processes than may run, more ranks than layers, or more memory than
+    the machine has."""
+    world = cfg.ranks * cfg.dp
+    asked = f"--ranks {cfg.ranks}" + (f" x --dp {cfg.dp}" if cfg.dp != 1 else "")
+    limit = process_limit()
+    if limit is not None and world > limit:
+        raise ZeropipeError(
+            f"{asked} would start {world} processes, more than this machine lets one user "
+            f"run (ulimit -u: {limit}); use fewer --ranks"
+        )
+    vocab = _vocab(cfg)
+    layers = model_layers(cfg, vocab)
+    if cfg.ranks > layers:  # every schedule has at least one stage per rank
+        more = "num_hidden_layers in --model-config" if cfg.model_config else "--blocks"
+        raise ZeropipeError(
+            f"--ranks {cfg.ranks} needs at least {cfg.ranks} stages but the model has "
+            f"{describe_layers(cfg, vocab)}, and a stage needs a layer; use fewer ranks "
+            f"or more {more} (at most {layers} ranks for this model)"
+        )
+    free = available_memory()
+    if free is None:
+        return
+    count, model = model_size(cfg, vocab)
+    # Every rank builds the whole model (its state_dict names the checkpoint's keys); the
+    # gradients and AdamW's two moments of one replica's stages add up to the model three
+    # times, on the host unless the stages run on an accelerator.
+    state = 3 * model if torch.device(cfg.device).type == "cpu" else 0
+
+    def need(ranks: int) -> int:
+        procs = ranks * cfg.dp + (ranks * cfg.dp > 1)  # and the launcher
+        # A tenth more for what is not counted: activations, transport buffers, allocator
+        # slack.  A 1-rank GPT of 200 blocks peaks at 1.26x the rest, so the estimate stays
+        # below what a run takes, and a refusal is never of a run that would have fitted.
+        return int(1.1 * (procs * PROCESS_BYTES + ranks * cfg.dp * model + cfg.dp * state))
+
+    if need(cfg.ranks) <= free:
+        return
+    fits = max((r for r in range(1, cfg.ranks) if need(r) <= free), default=0)
+    if cfg.model_config is not None:
+        smaller = (
+            f"a smaller --model-config {cfg.model_config} (hidden_size, num_hidden_layers, "
+            f"intermediate_size, vocab_size)"
+        )
+    else:
+        smaller = "fewer --blocks or a smaller --width"
+    fix = f"use --ranks {fits} or fewer, or {smaller}" if fits else f"use {smaller}"
+    each = f"each of {world} processes" if world > 1 else "its one process"
+    raise ZeropipeError(
+        f"{asked} needs about {_gib(need(cfg.ranks))} of memory (a model of "
+        f"{count / 1e6:,.0f}M parameters, {_gib(model)}, built whole in {each}, plus its "
+        f"gradients, AdamW state and a tenth for activations) but this machine has "
+        f"{_gib(free)} available; {fix}"
+    )
 
 
 def load_corpus(cfg: ModelSettings) -> Corpus:

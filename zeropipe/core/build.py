@@ -12,6 +12,8 @@ hand-lowered schedule runs exactly as written.
 
 from __future__ import annotations
 
+from numbers import Integral
+
 from zeropipe.core.errors import ScheduleError
 from zeropipe.core.fuse import group_weights
 from zeropipe.core.ir import Kind, Schedule
@@ -20,7 +22,20 @@ from zeropipe.core.reduce import add_reductions
 from zeropipe.core.schedules import generate
 from zeropipe.core.validate import validate
 
-__all__ = ["build_schedule"]
+__all__ = ["build_schedule", "check_count"]
+
+
+def check_count(name: str, value: object) -> int:
+    """``value`` as an int, or a one-line error naming ``name``: it must be a whole number >= 1.
+
+    A float such as 2.5 would otherwise reach ``range()`` deep inside a generator and
+    surface as a bare TypeError; numpy's integers are accepted, bools are not.
+    """
+    if isinstance(value, bool) or not isinstance(value, Integral) or int(value) < 1:
+        raise ScheduleError(
+            f"{name} must be a whole number >= 1, got {value!r}", rule="unsupported"
+        )
+    return int(value)
 
 
 def build_schedule(
@@ -54,8 +69,11 @@ def build_schedule(
         ScheduleError: an unknown name, values a generator cannot take, or a
             schedule that breaks a rule (the error shows the rank x step grid).
     """
-    if isinstance(group_w, bool) or not isinstance(group_w, int) or group_w < 1:
-        raise ScheduleError(f"group_w must be a whole number >= 1, got {group_w!r}")
+    group_w = check_count("group_w", group_w)
+    ranks, microbatches, chunks = (
+        None if value is None else check_count(key, value)
+        for key, value in (("ranks", ranks), ("microbatches", microbatches), ("chunks", chunks))
+    )
     if isinstance(schedule, str):
         if schedule == "auto" and group_w != 1:
             # The search already gathers W where its costs say it pays and the memory

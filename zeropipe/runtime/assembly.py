@@ -19,7 +19,8 @@ from torch import nn
 
 from zeropipe.autograd.split import prepare_split, split_linears
 from zeropipe.base.device import make_current, resolve_device, single_device
-from zeropipe.core.errors import PipelineError
+from zeropipe.core.build import check_count
+from zeropipe.core.errors import PipelineError, ScheduleError
 from zeropipe.core.ir import Kind, Schedule
 from zeropipe.core.schedules import GENERATORS
 from zeropipe.runtime.data_parallel import GradReducer, Replicas, reduction_owners
@@ -193,12 +194,17 @@ def replicas_for(dp_group: object | None, timeout: float) -> Replicas | None:
 
 
 def named_ranks(
-    name: str,
+    name: Schedule | str,
     stages: nn.Sequential | Sequence[nn.Module],
     microbatches: int | None,
     world: int,
-) -> int:
-    """The rank count a named schedule is built for: the world, or stages / chunks."""
+) -> int | None:
+    """The rank count a named schedule is built for: the world, or stages / chunks.
+
+    None for a :class:`~zeropipe.core.ir.Schedule`, which has its own.
+    """
+    if not isinstance(name, str):
+        return None
     if name == "auto":
         raise PipelineError(
             "Pipeline(..., 'auto'): plan first, then run the plan -- "
@@ -208,6 +214,11 @@ def named_ranks(
         )
     if microbatches is None:
         raise PipelineError(f"Pipeline(..., {name!r}) needs microbatches=")
+    try:
+        # Before the messages below, which would suggest the same bad value back.
+        microbatches = check_count("microbatches", microbatches)
+    except ScheduleError as exc:
+        raise PipelineError(str(exc)) from None
     if world > 1:
         return world
     if isinstance(stages, nn.Sequential):

@@ -18,7 +18,22 @@ The parent hosts the rendezvous store (a TCPStore on a free port of
     overall timeout   -> everything is killed, and the error says so
 
 and raises one :class:`PipelineError` naming the rank where the failure
-started, with the other ranks' errors beneath.  The children watch the
+started, with the other ranks' errors beneath (a :class:`ZeropipeError` that
+every rank raised alike, such as a bad setting, is reported once, as its own
+line).  Stopping it::
+
+    SIGINT / SIGTERM  -> passed on to every rank still running (a terminal's
+                         Ctrl-C reaches them anyway: it signals the whole
+                         process group); the launcher waits up to `stop_wait`
+                         seconds for them.  Ranks that handle it (finish their
+                         step, save, return) have their results returned as
+                         usual; ranks that it ends make the launch raise
+                         KeyboardInterrupt
+    a second signal   -> every rank is killed at once; KeyboardInterrupt
+
+A SIGINT that the launcher ignores (a background job of a non-interactive
+shell, under POSIX) stays ignored, here and, inherited, in the ranks.  The
+children watch the
 parent in turn: when the launcher dies (killed, or ended by a job
 scheduler) the rendezvous store dies with it, so they end at once, silently,
 instead of training on until the lost store fails them with C++ stack traces
@@ -33,6 +48,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
+import math
 import os
 import pickle
 import signal
@@ -50,7 +66,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from zeropipe.base import _compat
-from zeropipe.core.errors import PipelineError
+from zeropipe.core.errors import PipelineError, ZeropipeError
 from zeropipe.runtime.failures import FAILED_KEY, failure_origin
 
 __all__ = ["init_from_env", "launch"]
@@ -66,6 +82,7 @@ def launch(
     timeout: float = 300.0,
     threads: int = 1,
     grace: float = 5.0,
+    stop_wait: float = 60.0,
 ) -> list[Any]:
     """Run ``fn(rank, world, *args)`` in ``nprocs`` fresh processes; return the results by rank.
 
@@ -73,12 +90,17 @@ def launch(
     process has torch.distributed initialised (``backend``, store on a free
     local port, ``timeout`` for its collectives) and ``threads`` intra-op
     threads.  ``timeout`` also bounds the whole launch.  Raises
-    :class:`PipelineError` if any rank raises or dies.
+    :class:`PipelineError` if any rank raises or dies.  SIGINT or SIGTERM
+    while it runs is passed on to the ranks, which get ``stop_wait`` seconds
+    to return (see the module's docstring); a second one ends them at once.
     """
     if nprocs < 1:
         raise PipelineError(f"nprocs must be >= 1, got {nprocs}")
-    if timeout <= 0 or grace < 0:
-        raise PipelineError(f"timeout must be positive and grace >= 0, got {timeout}, {grace}")
+    if not (timeout > 0 and math.isfinite(timeout)):
+        raise PipelineError(f"launch: timeout must be positive (seconds, > 0), got {timeout}")
+    for name, value in (("grace", grace), ("stop_wait", stop_wait)):
+        if not (value >= 0 and math.isfinite(value)):
+            raise PipelineError(f"launch: {name} must be a number of seconds >= 0, got {value}")
     # Port 0: the OS picks a free port; the store keeps it bound, so no race.
     store = dist.TCPStore(
         "127.0.0.1",
@@ -89,7 +111,10 @@ def launch(
         wait_for_workers=False,
     )
     ctx = mp.get_context("spawn")
-    procs, conns, lifelines = [], [], []
+    procs: list[Any] = []
+    conns: list[Connection] = []
+    lifelines: list[Connection] = []
+    stop = _StopSignals(procs, stop_wait)
     try:
         for rank in range(nprocs):
             reader, writer = ctx.Pipe(duplex=False)
@@ -108,12 +133,15 @@ def launch(
             procs.append(proc)
             conns.append(reader)
             lifelines.append(lifeline)
-        return _watch(procs, conns, store, timeout, grace)
+        return _watch(procs, conns, store, timeout, grace, stop)
     finally:
-        for proc in procs:
-            _stop(proc)
+        stop.restore()
+        # Killed, not terminated: a rank that stops cleanly on SIGTERM would take a
+        # step and a save to end, and the launch is over.
+        _kill_all(procs)
         for conn in (*conns, *lifelines):
             conn.close()
+        stop.close()
 
 
 def init_from_env(backend: str | None = None, timeout: float = 300.0) -> tuple[int, int]:
@@ -151,7 +179,12 @@ def init_from_env(backend: str | None = None, timeout: float = 300.0) -> tuple[i
 
 # -- the parent side ---------------------------------------------------------------
 def _watch(
-    procs: list[Any], conns: list[Connection], store: Any, timeout: float, grace: float
+    procs: list[Any],
+    conns: list[Connection],
+    store: Any,
+    timeout: float,
+    grace: float,
+    stop: _StopSignals,
 ) -> list[Any]:
     n = len(procs)
     deadline = time.monotonic() + timeout
@@ -171,12 +204,24 @@ def _watch(
                 f"launch timed out after {timeout:g} s; rank(s) {running} still running were "
                 f"killed" + _beneath(failures)
             )
+        if stop.at is not None and now >= stop.at + stop.wait_s:
+            running = sorted(set(range(n)) - reported)
+            _kill_all(procs)
+            raise PipelineError(
+                f"rank(s) {running} had not stopped {stop.wait_s:g} s after {stop.name} and "
+                f"were killed; whatever they had not saved is lost" + _beneath(failures)
+            )
         if first_failure is not None and now >= first_failure + grace:
             break
         limit = deadline if first_failure is None else min(deadline, first_failure + grace)
+        if stop.at is not None:
+            limit = min(limit, stop.at + stop.wait_s)
         ready = wait(
-            [*live_conns.values(), *(p.sentinel for p in live_procs.values())], limit - now
+            [*live_conns.values(), *(p.sentinel for p in live_procs.values()), stop.wakeup],
+            limit - now,
         )
+        if stop.wakeup in ready:
+            stop.drain()
         for rank, conn in list(live_conns.items()):
             if conn in ready or conn.poll():
                 _receive(rank, conn, results, failures, reported)
@@ -190,7 +235,7 @@ def _watch(
                 _receive(rank, unread, results, failures, reported)
             if rank not in reported:
                 proc.join(1)
-                failures[rank] = _died(rank, proc.exitcode)
+                failures[rank] = _died(rank, proc.exitcode, stop.signum)
                 reported.add(rank)
         if failures and first_failure is None:
             first_failure = time.monotonic()
@@ -198,8 +243,10 @@ def _watch(
             told = _tell_store(store, failures)
     if failures:
         _kill_all(procs)
+        if stop.signum is not None and failures[_cause(failures)]["interrupted"]:
+            raise KeyboardInterrupt  # the ranks did not handle the stop: it ended them
         unfinished = sorted(set(range(n)) - reported)
-        raise _launch_error(failures, unfinished, grace)
+        raise _launch_error(failures, unfinished, grace, n)
     for proc in procs:
         proc.join(max(0.1, deadline - time.monotonic()))  # they exit right after reporting
     return [results[r] for r in range(n)]
@@ -223,7 +270,7 @@ def _receive(
         failures[rank] = payload
 
 
-def _died(rank: int, code: int | None) -> dict[str, Any]:
+def _died(rank: int, code: int | None, stop: int | None) -> dict[str, Any]:
     if code is not None and code < 0:
         try:
             how = f"was killed by {signal.Signals(-code).name}"
@@ -232,7 +279,15 @@ def _died(rank: int, code: int | None) -> dict[str, Any]:
     else:
         how = f"exited with code {code} without reporting a result"
     message = f"rank {rank} {how}"
-    return {"message": message, "traceback": "", "origin": rank, "died": True}
+    interrupted = stop is not None and code == -stop  # the signal passed on ended it
+    return {
+        "message": message,
+        "traceback": "",
+        "origin": rank,
+        "died": True,
+        "interrupted": interrupted,
+        "user": False,
+    }
 
 
 def _tell_store(store: Any, failures: dict[int, dict[str, Any]]) -> bool:
@@ -257,14 +312,26 @@ def _cause(failures: dict[int, dict[str, Any]]) -> int:
 
 
 def _launch_error(
-    failures: dict[int, dict[str, Any]], unfinished: list[int], grace: float
+    failures: dict[int, dict[str, Any]], unfinished: list[int], grace: float, world: int
 ) -> PipelineError:
     cause = _cause(failures)
     report = failures[cause]
-    text = f"rank {cause} failed: {report['message']}"
-    if report["traceback"]:
-        text += f"\n\n--- rank {cause} traceback ---\n{report['traceback'].rstrip()}"
-    others = {r: f for r, f in failures.items() if r != cause}
+    if report["user"]:
+        # An error raised on purpose says all there is to say: its traceback would
+        # only bury it, and ranks that raised it too, or relay it, would repeat it.
+        others = {
+            r: f
+            for r, f in failures.items()
+            if r != cause and f["origin"] != cause and f["message"] != report["message"]
+        }
+        if not others and not unfinished and len(failures) == world:
+            return PipelineError(report["message"])  # every rank alike: a setting, say
+        text = f"rank {cause} failed: {report['message']}"
+    else:
+        text = f"rank {cause} failed: {report['message']}"
+        if report["traceback"]:
+            text += f"\n\n--- rank {cause} traceback ---\n{report['traceback'].rstrip()}"
+        others = {r: f for r, f in failures.items() if r != cause}
     text += _beneath(others)
     if unfinished:
         text += (
@@ -281,21 +348,73 @@ def _beneath(failures: dict[int, dict[str, Any]]) -> str:
     return "\n--- other ranks ---\n" + "\n".join(lines)
 
 
-def _stop(proc: Any) -> None:
-    if proc.is_alive():
-        proc.terminate()
-        proc.join(2)
-    if proc.is_alive():
-        proc.kill()
-        proc.join(2)
-
-
 def _kill_all(procs: list[Any]) -> None:
     for proc in procs:
         if proc.is_alive():
             proc.kill()
     for proc in procs:
         proc.join(2)
+
+
+class _StopSignals:
+    """SIGINT and SIGTERM while the ranks run: passed on to them once; a second one aborts.
+
+    Installed only from the main thread (Python's rule for signal handlers),
+    and not for a SIGINT this process ignores.  The handler writes to a pipe
+    that :func:`_watch` waits on, so the stop's deadline starts counting at
+    once rather than when the next rank reports.
+    """
+
+    def __init__(self, procs: list[Any], wait_s: float) -> None:
+        self.procs = procs  # filled as they start: a signal reaches those started
+        self.wait_s = wait_s
+        self.signum: int | None = None
+        self.name = ""
+        self.at: float | None = None
+        self.wakeup, self._poke = os.pipe()
+        os.set_blocking(self._poke, False)
+        self._previous: dict[int, Any] = {}
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            if signal.getsignal(sig) is signal.SIG_IGN:
+                continue
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.signum is not None:
+            raise KeyboardInterrupt  # again: end every rank now (launch's finally kills them)
+        self.signum, self.at = signum, time.monotonic()
+        self.name = signal.Signals(signum).name
+        for proc in self.procs:
+            # A terminal's Ctrl-C has reached the ranks already; a second one is harmless
+            # to a rank that stops on it, and a SIGTERM sent to the launcher alone is not.
+            if proc.pid is not None and proc.exitcode is None:
+                with contextlib.suppress(OSError):
+                    os.kill(proc.pid, signum)
+        with contextlib.suppress(OSError, ValueError):  # no stderr left to tell
+            print(
+                f"zeropipe: {self.name}: waiting up to {self.wait_s:g} s for the ranks to stop; "
+                f"send it again (or Ctrl-C) to end them at once",
+                file=sys.stderr,
+                flush=True,
+            )
+        with contextlib.suppress(OSError):
+            os.write(self._poke, b"!")
+
+    def drain(self) -> None:
+        with contextlib.suppress(OSError):
+            os.read(self.wakeup, 64)
+
+    def restore(self) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, signal.SIG_DFL if previous is None else previous)
+        self._previous = {}
+
+    def close(self) -> None:
+        for fd in (self.wakeup, self._poke):
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 # -- the child side ----------------------------------------------------------------
@@ -337,12 +456,17 @@ def _child(
     except BaseException as exc:
         code = 1
         origin = failure_origin(exc)
-        text = str(exc) if isinstance(exc, PipelineError) else f"{type(exc).__name__}: {exc}"
+        # zeropipe's own errors say what they are; anything else is named by its type.
+        text = str(exc) if isinstance(exc, ZeropipeError) else f"{type(exc).__name__}: {exc}"
         report = {
             "message": text,
             "traceback": "".join(traceback.format_exception(exc)),
             "origin": rank if origin is None else origin,
             "died": False,
+            "interrupted": isinstance(exc, KeyboardInterrupt),
+            # Raised on purpose with the whole story (a bad setting, a corrupt file), as
+            # opposed to a failed run or a bug, whose traceback helps.
+            "user": isinstance(exc, ZeropipeError) and not isinstance(exc, RuntimeError),
         }
         with contextlib.suppress(Exception):  # the parent is gone: nobody to tell
             conn.send_bytes(pickle.dumps(("error", report)))

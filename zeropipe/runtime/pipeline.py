@@ -13,10 +13,8 @@ the same schedule, the same handlers, the same gradients.  In the
 distributed case every rank builds the whole model and calls ``step`` with
 the same batch; each keeps only the stages placed on it.
 
-The schedule comes from :func:`zeropipe.core.build.build_schedule` (a name is
-generated, W grouped, lowered, validated) and runs exactly as built; a plan
-searched for the model comes from :func:`zeropipe.planning.plan.auto_plan`.  The
-runtime's own knobs are one :class:`~zeropipe.runtime.options.RuntimeOptions`.
+The schedule, built by :func:`zeropipe.core.build.build_schedule` or searched by
+:func:`zeropipe.planning.plan.auto_plan`, runs exactly as built.
 """
 
 from __future__ import annotations
@@ -59,7 +57,9 @@ from zeropipe.runtime.grad_sums import (
     add_back,
     clip_grads,
     counted_once,
+    grads_before,
     reduce_shared,
+    restore_grads,
     set_aside,
 )
 from zeropipe.runtime.handlers import BoundaryMeta, StepContext
@@ -92,24 +92,22 @@ class Pipeline:
             searched for this model comes from :func:`zeropipe.auto_plan`.
         loss_fn: ``loss_fn(output, target)``, called per microbatch, such that the
             step's loss and gradients are the whole batch's: a torch loss module
-            (its items counted from the targets), a function returning
-            ``(loss_sum, count)`` with ``loss_count``, or a mean over its
-            microbatch, weighted by rows.  :mod:`zeropipe.runtime.loss` says how
-            each is weighted and refuses what cannot be exact.
+            or ``F.cross_entropy`` / ``F.nll_loss`` (items counted from the
+            targets), a function returning ``(loss_sum, count)`` with
+            ``loss_count``, or a mean over its microbatch, weighted by rows.
+            :mod:`zeropipe.runtime.loss` says how each is weighted and refuses
+            what cannot be exact (a mean over labels holding -100, say).
         microbatches: how many microbatches a batch is cut into, with a schedule name.
         loss_count: ``loss_count(target) -> count`` for a ``loss_fn`` returning
             ``(loss_sum, count)``: the count of a microbatch's target, so that the
             batch's total (which seeds every backward) is known before the first
             one; each microbatch's returned count is checked against it.
         balance: layers per stage when cutting an ``nn.Sequential``.
-        mesh: where it runs.  A ``DeviceMesh`` with a "pp" dimension and
-            optionally a "dp" dimension (replicas of the pipeline, each calling
-            ``step`` with its own slice of the global batch; REDUCE_GRAD sums
-            each stage's gradients across them as soon as they are final, see
-            :mod:`zeropipe.runtime.data_parallel`); or the pipeline's
-            ``ProcessGroup``; or ``"local"``: this process plays every rank.
-            Default: every process of torch.distributed's default group when it
-            is initialised, else this process alone.
+        mesh: where it runs: a ``DeviceMesh`` with a "pp" dimension and
+            optionally "dp" (replicas, each stepping on its own slice of the
+            global batch: :mod:`zeropipe.runtime.data_parallel`), the pipeline's
+            ``ProcessGroup``, or ``"local"`` (this process plays every rank).
+            Default: torch.distributed's default group if initialised, else local.
         options: how it runs (:class:`~zeropipe.runtime.options.RuntimeOptions`):
             seed, device, the point-to-point protocol, sharding over "dp",
             timeouts, autocast.
@@ -157,13 +155,10 @@ class Pipeline:
                 "mesh= a DeviceMesh with a 'dp' dimension of more than one rank, and run one "
                 "process per pipeline rank"
             )
-        ranks = None
-        if isinstance(schedule, str):
-            ranks = named_ranks(schedule, stages, microbatches, world)
         try:
             self.schedule = build_schedule(
                 schedule,
-                ranks=ranks,
+                ranks=named_ranks(schedule, stages, microbatches, world),
                 microbatches=microbatches,
                 reduce_grad=self.replicas is not None,
             )
@@ -387,6 +382,10 @@ class Pipeline:
     def _run(
         self, inputs: Tensor | Sequence[Tensor], target: Tensor | None, training: bool
     ) -> Tensor | tuple[Tensor, ...] | None:
+        # In one process a failed step can be caught and the next batch run: the gradients
+        # must then be those before the step, not some microbatches' worth added to them.
+        # (A distributed failure ends the step on every rank, whose transport is then spent.)
+        before = grads_before(self.parameters()) if training and not self.distributed else []
         try:
             return self._run_step(inputs, target, training)
         except BaseException as exc:
@@ -394,6 +393,7 @@ class Pipeline:
             self.transport.fail(exc)
             if self.replicas is not None:
                 self.replicas.fail(exc)
+            restore_grads(before)
             raise
 
     def _run_step(

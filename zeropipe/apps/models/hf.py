@@ -11,6 +11,7 @@ downloaded.  transformers is imported only when one of these is asked for.
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from torch import nn
 
 from zeropipe.core.errors import ZeropipeError
 
-__all__ = ["ARCHITECTURES", "PRESETS", "build_hf", "hf_config", "read_model_config"]
+__all__ = ["ARCHITECTURES", "PRESETS", "build_hf", "hf_config", "read_model_config", "with_blocks"]
 
 PRESETS = ("llama", "qwen3", "gpt2")
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")  # model_type in a config file
@@ -111,6 +112,16 @@ def hf_config(
         attention_dropout=dropout,
         tie_word_embeddings=True,
     )
+
+
+def with_blocks(config: Any, blocks: int) -> Any:
+    """A copy of ``config`` with ``blocks`` decoder layers (to size the model from a few)."""
+    small = copy.deepcopy(config)
+    small.num_hidden_layers = blocks  # gpt2's n_layer, through its attribute map
+    kinds = getattr(small, "layer_types", None)  # one entry per layer where the config has it
+    if isinstance(kinds, list):
+        small.layer_types = kinds[:blocks]
+    return small
 
 
 def build_hf(config: Any, seed: int) -> nn.Module:

@@ -6,7 +6,8 @@ cancelled, while the barrier's point-to-point receives are waited on like
 any other (bounded, watching for failed peers)::
 
     start_step:   the barrier's receives posted (gloo; NCCL posts them in the barrier)
-    finish_step:  sends done -> barrier (carries the loss to every rank)
+    finish_step:  sends done -> barrier (carries the loss to every rank, and each rank's
+                  step number and batch fingerprint, checked by every rank that hears them)
     after it:     all_reduce of the gradients of parameters shared across ranks
 """
 
@@ -30,6 +31,9 @@ __all__ = ["Heard", "all_reduce", "barrier", "flatten", "grad_norm", "post_barri
 Heard = list[tuple[Tensor, Any, Label]]
 """A barrier's receives, posted: per round, (buffer, work, what it is and its source rank)."""
 
+# A barrier's token: [loss known?, loss as float64, its dtype code, step, fingerprint].
+_TOKEN = 5
+
 
 def post_barrier(endpoint: Endpoint, tag: Callable[[int], int], device: torch.device) -> Heard:
     """Post the receives of the next :func:`barrier` (not batched), one per round.
@@ -44,7 +48,7 @@ def post_barrier(endpoint: Endpoint, tag: Callable[[int], int], device: torch.de
     for k in range((w - 1).bit_length()):
         src = (rank - (1 << k)) % w
         what = f"the end-of-step barrier (round {k}) from rank {src}"
-        buf = torch.empty(3, dtype=torch.float64, device=device)
+        buf = torch.empty(_TOKEN, dtype=torch.float64, device=device)
         heard.append((buf, endpoint.recv(buf, src, tag(k), what), (what, src)))
     return heard
 
@@ -71,6 +75,11 @@ def barrier(
     critical path), and a peer that dies leaves only a daemon thread
     behind, where a collective could not be given up.
 
+    Each token also carries its sender's step number and batch fingerprint
+    (when ``endpoint`` has an :class:`~zeropipe.runtime.works.Agreement`):
+    every rank checks those it hears against its own, at no cost of its own.
+    The rank that hears a mismatch fails, and the others hear of it.
+
     ``tag(k)`` is the tag of round k; returns the loss (None if no rank had one).
     ``batched``: each round's send and receive are one ``batch_isend_irecv``,
     issued only after the round before completed, for backends that match
@@ -80,8 +89,11 @@ def barrier(
     """
     rank, w = endpoint.rank, endpoint.world
     rounds = (w - 1).bit_length()
-    # [loss known?, loss as float64 (exact for every floating dtype), dtype code]
-    known = torch.zeros(3, dtype=torch.float64, device=device)
+    agreement = endpoint.agreement
+    stamp = (0, 0) if agreement is None else (agreement.stamp.step, agreement.stamp.fingerprint)
+    # The loss as float64 is exact for every floating dtype; the fingerprint has 48 bits.
+    known = torch.tensor([0.0, 0.0, 0.0, *stamp], dtype=torch.float64, device=device)
+    have = loss is not None
     if loss is not None:
         code = dtype_code(loss.dtype)
         assert code is not None  # the caller checked
@@ -89,7 +101,7 @@ def barrier(
     if batched:
         for k in range(rounds):
             src, dst = (rank - (1 << k)) % w, (rank + (1 << k)) % w
-            buf = torch.empty(3, dtype=torch.float64, device=device)
+            buf = torch.empty(_TOKEN, dtype=torch.float64, device=device)
             ops = [
                 dist.P2POp(
                     dist.isend, known.clone(), endpoint.global_rank(dst), endpoint.group, tag(k)
@@ -99,8 +111,8 @@ def barrier(
             what = f"the end-of-step barrier (round {k}) with ranks {dst} and {src}"
             works = endpoint.call(partial(dist.batch_isend_irecv, ops), what, src)
             endpoint.wait(endpoint.pending(works, [(what, src)] * len(works)))
-            if buf[0] > 0 and known[0] == 0:
-                known = buf
+            if _heard_from(endpoint, src, buf) and not have:
+                known, have = buf, True
         return _shared_loss(loss, known)
     if heard is None:
         heard = post_barrier(endpoint, tag, device)
@@ -113,11 +125,19 @@ def barrier(
         told.append(endpoint.send(token, dst, tag(k), what))
         labels.append((what, dst))
         endpoint.wait(endpoint.pending([work], [label]))
-        if buf[0] > 0 and known[0] == 0:
-            known = buf
+        if _heard_from(endpoint, int(label[1] or 0), buf) and not have:
+            known, have = buf, True
     if told:
         endpoint.wait(endpoint.pending(told, labels))
     return _shared_loss(loss, known)
+
+
+def _heard_from(endpoint: Endpoint, src: int, buf: Tensor) -> bool:
+    """Check the token ``src`` sent against this rank's step; whether it carries the loss."""
+    words = buf.tolist()  # one copy of the token to the host
+    if endpoint.agreement is not None:
+        endpoint.agreement.check(src, int(words[3]), int(words[4]))
+    return bool(words[0] > 0)
 
 
 def _shared_loss(loss: Tensor | None, known: Tensor) -> Tensor | None:

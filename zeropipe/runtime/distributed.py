@@ -15,6 +15,12 @@ tensors against what was learnt, so a mismatch fails with the stage and
 microbatch named instead of corrupting memory.
 :meth:`DistributedTransport.reset` forgets it all (new batch size).
 
+Every rank must be in the same step with the same batch: the header and the
+end-of-step barrier carry each rank's step number and batch fingerprint, and
+payloads travel on the tags of their fingerprint's lane, so ranks that
+disagree never mix their data; they stall, and learn it from the store
+(:class:`~zeropipe.runtime.works.Agreement`).
+
 The rest lives beside it: every wait is bounded and watches for failed
 peers (:mod:`zeropipe.runtime.works`), a failure reaches every rank through
 the rendezvous store (:mod:`zeropipe.runtime.failures`), and the step ends
@@ -43,17 +49,19 @@ from zeropipe.core.message_order import receiver_of
 from zeropipe.runtime import collectives
 from zeropipe.runtime.wire import (
     HEADER_LEN,
+    LANES,
     MAX_TAG,
     SLOTS,
     TAGGED_TAGS,
     Meta,
+    Stamper,
     decode_header,
     describe_meta,
     dtype_code,
     encode_header,
     meta_of,
 )
-from zeropipe.runtime.works import Label, Pending, connect
+from zeropipe.runtime.works import Agreement, Label, Pending, connect
 
 __all__ = ["DistributedTransport"]
 
@@ -114,14 +122,20 @@ class DistributedTransport:
             for d, src, dst, i in Dependencies(schedule).transfers()
         ]
         self._transfer = {recv: t for t, recv in enumerate(transfers)}
-        self._endpoint = connect(rank, group, timeout)
+        self._endpoint = connect(rank, group, timeout, agree=True)
         self._failures = self._endpoint.failures
-        # Tags: SLOTS per transfer, then SLOTS for the end-of-step barrier's rounds.  The
-        # n-th pipeline built on each rank is the same pipeline: the tags of a failed or
+        assert self._endpoint.agreement is not None  # connect(agree=True) made it
+        self._agreement: Agreement = self._endpoint.agreement
+        # Tags: SLOTS per transfer per lane, then SLOTS for the end-of-step barrier's rounds
+        # (on no lane: ranks in different steps meet there and compare them).  The n-th
+        # pipeline built on each rank is the same pipeline: the tags of a failed or
         # finished one never collide with a later one's.
         n = self._failures.number
-        self._barrier_tags = len(transfers)
-        self._tag0 = ((n - 1) * (len(transfers) + 1) * SLOTS) % (MAX_TAG // 2)
+        self._transfers = len(transfers)
+        self._barrier_tags = LANES * len(transfers)
+        self._tag0 = ((n - 1) * (self._barrier_tags + 1) * SLOTS) % (MAX_TAG // 2)
+        self._stamper = Stamper()  # this rank's steps, and the lane of tags of each
+        self._lane_tag0 = self._lane_tag(0)
         self._meta_send: dict[Action, Meta] = {}
         self._meta_recv: dict[Action, Meta] = {}
         self._recvs: dict[Action, _Recv] = {}
@@ -139,11 +153,13 @@ class DistributedTransport:
         self._endpoint.timeout = float(seconds)
 
     # -- the Transport protocol ------------------------------------------------------
-    def start_step(self, schedule: Schedule, signature: Hashable) -> None:
+    def start_step(self, schedule: Schedule, signature: Hashable, step: int | None = None) -> None:
         # Shapes are learnt per transfer, not per signature: a new one learns them again.
         if signature != self._signature:
             self._signature = signature
             self.reset()
+        self._agreement.begin(self._stamper.begin(schedule, signature, step))
+        self._lane_tag0 = self._lane_tag(self._stamper.lane)
         if self._heard is None:
             self._failures.usable()
             self._heard = collectives.post_barrier(self._endpoint, self._barrier_tag, self._device)
@@ -174,7 +190,7 @@ class DistributedTransport:
         keep = list(payload)
         what = f"{action} to be received by rank {peer}"
         if known is None:
-            header = encode_header(got, action, self._device)
+            header = encode_header(got, action, self._device, self._agreement.stamp)
             works.append(self._endpoint.send(header, peer, self._tag(t, 0), what))
             labels.append((what, peer))
             keep.append(header)
@@ -211,7 +227,10 @@ class DistributedTransport:
         if rec.payload is None:
             assert rec.header_pending is not None and rec.header is not None
             self._endpoint.wait(rec.header_pending)
-            meta = decode_header(rec.header, action)
+            meta, stamp = decode_header(rec.header, action)
+            if stamp is None:
+                raise self._agreement.not_a_header(rec.peer, f"{action}'s shape header")
+            self._agreement.check(rec.peer, *stamp)
             self._meta_recv[action] = meta
             self._post_payload(rec, meta)
         assert rec.payload is not None
@@ -232,10 +251,12 @@ class DistributedTransport:
             works = [w for sent in sends for w in sent.works]
             labels = [lab for sent in sends for lab in sent.labels]
             self._endpoint.wait(self._endpoint.pending(works, labels))
-        heard, self._heard = self._heard, None
-        return collectives.barrier(
-            self._endpoint, loss, self._barrier_tag, self._device, heard=heard
+        # Kept until the barrier returns: a failed step's receives stay alive (see fail).
+        loss = collectives.barrier(
+            self._endpoint, loss, self._barrier_tag, self._device, heard=self._heard
         )
+        self._heard = None
+        return loss
 
     def reset(self) -> None:
         self._meta_send.clear()
@@ -257,10 +278,14 @@ class DistributedTransport:
         return t
 
     def _tag(self, transfer: int, slot: int) -> int:
-        return TAGGED_TAGS + self._tag0 + transfer * SLOTS + slot
+        return self._lane_tag0 + transfer * SLOTS + slot
+
+    def _lane_tag(self, lane: int) -> int:
+        """The first tag of ``lane``'s transfers."""
+        return TAGGED_TAGS + self._tag0 + lane * self._transfers * SLOTS
 
     def _barrier_tag(self, round_: int) -> int:
-        return self._tag(self._barrier_tags, round_)
+        return TAGGED_TAGS + self._tag0 + self._barrier_tags * SLOTS + round_
 
     def _post_payload(self, rec: _Recv, meta: Meta) -> None:
         t = self._transfer_of(rec.action)

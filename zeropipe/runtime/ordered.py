@@ -26,6 +26,15 @@ alone.  A new batch size or sequence length is a new signature: nothing has
 to be reset, and alternating between a few costs nothing after the first
 step of each.
 
+Every rank must be in the same step with the same batch: each header and
+each end-of-step barrier token carries the sender's step number and batch
+fingerprint, checked on arrival.  On gloo, payloads travel on the tag of
+their fingerprint's lane, so ranks whose batches disagree never read each
+other's data as their own (gloo aborts a process that receives more bytes
+than it posted for); they stall, and learn it from the store
+(:class:`~zeropipe.runtime.works.Agreement`).  NCCL ignores tags: there
+only the headers and the barrier check.
+
 On an accelerator a wait is a stream wait (the compute stream waits for the
 receive; the host does not), and the end of the step polls the step's
 operations, bounded by the timeout, aborting the communicator when a peer
@@ -51,16 +60,18 @@ from zeropipe.core.message_order import message_order, receiver_of
 from zeropipe.runtime import collectives
 from zeropipe.runtime.wire import (
     HEADER_LEN,
+    LANES,
     ORDERED_TAGS,
     TAGGED_TAGS,
     Meta,
+    Stamper,
     decode_header,
     describe_meta,
     dtype_code,
     encode_header,
     meta_of,
 )
-from zeropipe.runtime.works import Label, connect
+from zeropipe.runtime.works import Agreement, Label, connect
 
 __all__ = ["OrderedTransport"]
 
@@ -120,13 +131,20 @@ class OrderedTransport:
                 f"on {self._device}; pass the rank's GPU as device (the one numbered LOCAL_RANK "
                 f"under torchrun), or use a gloo group for a CPU pipeline"
             )
-        self._endpoint = connect(rank, group, timeout)
+        self._endpoint = connect(rank, group, timeout, agree=True)
         self._failures = self._endpoint.failures
+        assert self._endpoint.agreement is not None  # connect(agree=True) made it
+        self._agreement: Agreement = self._endpoint.agreement
+        self._stamper = Stamper()  # this rank's steps, and the lane of tags of each
         self._group = group
         self._on_device = is_accelerator(self._device)
-        # One tag for all of a pipeline's messages (NCCL ignores it; on gloo it keeps them
-        # apart from other traffic and from other pipelines, tagged ones included).
-        self._tag = ORDERED_TAGS + (self._failures.number - 1) % (TAGGED_TAGS - ORDERED_TAGS)
+        # A tag for the barrier and one per lane for the payloads (NCCL ignores them; on gloo
+        # they keep a pipeline's messages apart from other traffic and from other
+        # pipelines, tagged ones included, and payloads of different batches apart).
+        span = LANES + 1
+        number = (self._failures.number - 1) % ((TAGGED_TAGS - ORDERED_TAGS) // span)
+        self._tag = ORDERED_TAGS + number * span
+        self._data_tag = self._tag + 1
         self._plans: list[tuple[Schedule, _Plan]] = []
         self._plan = self._plan_for(schedule)
         self._shapes_by_signature: OrderedDict[Hashable, _Shapes] = OrderedDict()
@@ -153,9 +171,11 @@ class OrderedTransport:
         self._endpoint.timeout = float(seconds)
 
     # -- the Transport protocol ------------------------------------------------------
-    def start_step(self, schedule: Schedule, signature: Hashable) -> None:
+    def start_step(self, schedule: Schedule, signature: Hashable, step: int | None = None) -> None:
         self._failures.usable()
         self._plan = self._plan_for(schedule)
+        self._agreement.begin(self._stamper.begin(schedule, signature, step))
+        self._data_tag = self._tag + 1 + self._stamper.lane
         if signature != self._signature:
             shapes = self._shapes_by_signature.pop(signature, None) or _Shapes()
             self._shapes_by_signature[signature] = shapes  # most recent last
@@ -279,7 +299,10 @@ class OrderedTransport:
                     works = self._issue(ops, labels)
                     self._wait_now(works, labels)
                     ops, labels = [], []
-                    meta = decode_header(header, action)
+                    meta, stamp = decode_header(header, action)
+                    if stamp is None:
+                        raise self._agreement.not_a_header(peer, f"{action}'s shape header")
+                    self._agreement.check(peer, *stamp)
                     self._shapes.received[action] = meta
                 buffers = tuple(torch.empty(s, dtype=d, device=self._device) for d, s in meta)
                 first = len(ops)
@@ -299,7 +322,7 @@ class OrderedTransport:
         known = self._shapes.sent.get(recv)
         ops = []
         if known is None:
-            header = encode_header(got, action, self._device)
+            header = encode_header(got, action, self._device, self._agreement.stamp)
             ops.append(self._op(dist.isend, header, peer))
             self._shapes.sent[recv] = got
         elif got != known:
@@ -314,7 +337,7 @@ class OrderedTransport:
 
     def _op(self, fn: Any, tensor: Tensor, peer: int) -> Any:
         self._keep.append(tensor)  # alive until the step's operations completed
-        return dist.P2POp(fn, tensor, self._endpoint.global_rank(peer), self._group, self._tag)
+        return dist.P2POp(fn, tensor, self._endpoint.global_rank(peer), self._group, self._data_tag)
 
     def _issue(self, ops: list[Any], labels: list[Label]) -> list[Any]:
         what, peer = labels[0]

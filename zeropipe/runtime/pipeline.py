@@ -420,7 +420,7 @@ class Pipeline:
         schedule, deps, graph = (
             (self.schedule, self.deps, self.graph) if training else self._forward_plan()
         )
-        self.transport.start_step(schedule, signature)
+        self.transport.start_step(schedule, signature, step=self._step)
         ctx = StepContext(
             step=self._step,
             seed=self.seed,

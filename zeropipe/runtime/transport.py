@@ -24,11 +24,16 @@ __all__ = ["LocalTransport", "Transport"]
 class Transport(Protocol):
     """What the runtime needs from a communication backend."""
 
-    def start_step(self, schedule: Schedule, signature: Hashable) -> None:
+    def start_step(self, schedule: Schedule, signature: Hashable, step: int | None = None) -> None:
         """A step of ``schedule`` begins; ``signature`` names the shapes of its inputs.
 
         Boundary shapes follow from the signature: a transport may learn them
         on the first step of a signature and rely on them on later ones.
+        Every rank must start the same steps with the same signature: a
+        distributed transport checks that its peers did, and fails the step
+        naming both ranks if not.  ``step``: the step number the pipeline
+        names (its training steps so far, restored on resume); by default the
+        transport counts the training steps it started.
         """
 
     def send(self, action: Action, tensors: tuple[Tensor, ...]) -> None:
@@ -67,8 +72,8 @@ class LocalTransport:
         self._mailbox: dict[Action, tuple[Tensor, ...]] = {}
         self._posted: set[Action] = set()
 
-    def start_step(self, schedule: Schedule, signature: Hashable) -> None:
-        return None  # tensors are handed over as they are: nothing to learn
+    def start_step(self, schedule: Schedule, signature: Hashable, step: int | None = None) -> None:
+        return None  # tensors are handed over as they are: nothing to learn or to agree on
 
     def send(self, action: Action, tensors: tuple[Tensor, ...]) -> None:
         self._mailbox[receiver_of(action)] = tensors

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint import filesystem
 
-from tests.gradcheck import token_loss, token_model
+from tests.gradcheck import batch_for, token_loss, token_model
 from zeropipe import build_schedule
 from zeropipe.runtime.checkpoint import (
     CheckpointError,
@@ -155,3 +155,94 @@ def test_a_resave_killed_between_its_renames_loads_the_newest_complete_folder_it
     save_checkpoint(pipe, None, path, extra="third")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
     assert load_checkpoint(_pipe(), None, path) == "third"
+
+
+def _refused_alike(rank: int, world: int, path: str) -> str:
+    try:
+        save_checkpoint(_pipe(world), None, path)
+    except CheckpointError as exc:
+        return str(exc)
+    return "saved"
+
+
+def test_a_path_that_exists_and_is_not_a_checkpoint_is_refused_and_left_as_it_was(
+    tmp_path: Path,
+) -> None:
+    results = tmp_path / "results"
+    (results / "run1").mkdir(parents=True)
+    (results / "run1" / "data.csv").write_text("a,b\n1,2\n")
+    note = tmp_path / "notes.txt"
+    note.write_text("mine\n")
+    pipe = _pipe()
+    for _ in range(2):  # the second save used to delete what the first had moved aside
+        for path in (results, note):
+            with pytest.raises(CheckpointError) as caught:
+                save_checkpoint(pipe, None, path)
+            _one_line(str(caught.value), str(path), "exists and is", "no manifest.json")
+            _one_line(str(caught.value), "save to a new path or remove it")
+    assert "a file" in str(caught.value)
+    assert (results / "run1" / "data.csv").read_text() == "a,b\n1,2\n"
+    assert note.read_text() == "mine\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "results"]
+    # every rank fails with rank 0's line, before any rank writes
+    told = launch(_refused_alike, 2, str(results), timeout=120, threads=1)
+    assert told[0] == told[1] and "is not a checkpoint" in told[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "results"]
+    # an empty folder is taken, and a checkpoint is re-saved over
+    (tmp_path / "empty").mkdir()
+    save_checkpoint(pipe, None, tmp_path / "empty", extra="first")
+    save_checkpoint(pipe, None, tmp_path / "empty", extra="second")
+    assert load_checkpoint(_pipe(), None, tmp_path / "empty") == "second"
+
+
+@pytest.mark.parametrize("path", ["", "."])
+def test_a_path_with_no_folder_name_is_one_line_asking_for_one(path: str) -> None:
+    with pytest.raises(CheckpointError) as caught:
+        save_checkpoint(_pipe(), None, path)
+    _one_line(str(caught.value), "names no folder", "give a folder name")
+
+
+def test_an_unpicklable_extra_is_told_to_be_picklable_not_to_free_space(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError) as caught:
+        save_checkpoint(_pipe(), None, tmp_path / "c", extra={"f": lambda: 1})
+    _one_line(str(caught.value), str(tmp_path / "c"), "extra= ", "must be picklable")
+    assert "free space" not in str(caught.value) and "writable" not in str(caught.value)
+    assert list(tmp_path.iterdir()) == []  # no .partial left
+
+
+def _stepped(optimizer: type[torch.optim.Optimizer], **kw: Any) -> tuple[Pipeline, Any]:
+    pipe = _pipe()
+    opt = optimizer(pipe.parameters(), lr=0.01, **kw)
+    pipe.step(*batch_for(token_model(layers=4), batch=4))
+    opt.step()
+    return pipe, opt
+
+
+def test_optimizer_state_of_another_kind_is_one_line_naming_the_keys(tmp_path: Path) -> None:
+    pipe, sgd = _stepped(torch.optim.SGD, momentum=0.9)
+    save_checkpoint(pipe, sgd, tmp_path / "c")
+    fresh = _pipe()
+    for other, adamw in (
+        (fresh, torch.optim.AdamW(fresh.parameters())),
+        _stepped(torch.optim.AdamW),
+    ):
+        kept = [sorted(v) for v in adamw.state.values()]  # a new AdamW's, one that has stepped
+        with pytest.raises(CheckpointError) as caught:
+            load_checkpoint(other, adamw, tmp_path / "c")
+        _one_line(str(caught.value), "saved with SGD", "'momentum_buffer'", "'step'")
+        _one_line(str(caught.value), "same kind of optimizer", "optimizer=None")
+        assert [sorted(v) for v in adamw.state.values()] == kept  # left as it was
+    load_checkpoint(_pipe(), None, tmp_path / "c")  # the model alone still loads
+
+
+def test_a_checkpoint_saved_without_an_optimizer_refuses_one_on_load(tmp_path: Path) -> None:
+    save_checkpoint(_pipe(), None, tmp_path / "model-only", extra="x")
+    pipe = _pipe()
+    with pytest.raises(CheckpointError) as caught:
+        load_checkpoint(pipe, torch.optim.AdamW(pipe.parameters()), tmp_path / "model-only")
+    _one_line(str(caught.value), "holds no optimizer state", "pass optimizer=None")
+    assert load_checkpoint(pipe, None, tmp_path / "model-only") == "x"
+    # an optimizer with no state yet (or one that keeps none, plain SGD) is not refused
+    for opt in (torch.optim.AdamW(pipe.parameters()), torch.optim.SGD(pipe.parameters(), lr=1)):
+        save_checkpoint(pipe, opt, tmp_path / "fresh", extra="y")
+        assert load_checkpoint(pipe, type(opt)(pipe.parameters(), lr=1), tmp_path / "fresh") == "y"

@@ -47,6 +47,9 @@ in; a save killed between those two renames leaves no folder at ``path``:
 :func:`load_checkpoint` then loads the newest complete one it left (the
 ``.partial``, else the ``.old``) with a warning, and the next save to
 ``path`` renames that ``.partial`` into place first.
+A ``path`` that exists and is not a checkpoint (a file, or a folder that
+is neither empty nor holds a ``manifest.json``) is refused before anything
+is written or moved: a re-save would move it aside and the next delete it.
 
 The module holds one concept, a pipeline's DCP checkpoint: what it holds,
 how it is written whole or not at all, and how it is verified and read back.
@@ -58,6 +61,7 @@ import errno
 import hashlib
 import json
 import os
+import pickle
 import shutil
 import warnings
 from collections.abc import Iterator, Mapping
@@ -265,24 +269,45 @@ _FIXES = {
 }
 
 
-def _why(exc: BaseException, rank: int | None) -> tuple[str, str]:
+def _why(exc: BaseException, rank: int | None) -> tuple[str, str | None]:
     """What went wrong, in one line (the OSError under ``exc`` if any), and how to fix it."""
     cause = _os_error(exc)
     if cause is not None and cause.strerror:
         why = cause.strerror[:1].lower() + cause.strerror[1:]  # "no space left on device"
         if cause.filename:
             why += f" ({cause.filename})"
-        fix = _FIXES.get(cause.errno or 0, _WRITABLE)
+        fix: str | None = _FIXES.get(cause.errno or 0, _WRITABLE)
     else:
         text = str(exc).strip()
         why = text.splitlines()[0] if text else type(exc).__name__
-        fix = _WRITABLE
+        # Not the disk: advice about free space would mislead.
+        fix = _UNPICKLABLE if isinstance(exc, pickle.PickleError) or "pickle" in text else None
     return why + ("" if rank is None else f" on rank {rank}"), fix
+
+
+_UNPICKLABLE = (
+    "extra= (and any non-tensor optimizer state) must be picklable: pass plain data, "
+    "not lambdas, local functions or open files"
+)
 
 
 def _cannot_save(path: Path, exc: BaseException, rank: int | None = None) -> str:
     why, fix = _why(exc, rank)
-    return f"cannot save checkpoint {path}: {why}; {fix}"
+    return f"cannot save checkpoint {path}: {why}" + ("" if fix is None else f"; {fix}")
+
+
+def _not_a_checkpoint(path: Path) -> str | None:
+    """Why ``path`` must not be saved over: it holds something other than a checkpoint,
+    which the re-save's rename would move aside and the next one delete."""
+    if not os.path.lexists(path) or (path / MANIFEST).is_file():
+        return None
+    if path.is_dir() and not path.is_symlink() and not any(path.iterdir()):
+        return None  # an empty folder: nothing to lose
+    what = "a file, not a checkpoint" if path.is_file() else "not a checkpoint"
+    return (
+        f"cannot save checkpoint {path}: it exists and is {what} (no {MANIFEST}); "
+        f"save to a new path or remove it"
+    )
 
 
 class _Writer(dcp.FileSystemWriter):
@@ -330,7 +355,13 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def _publish(tmp: Path, path: Path, meta: Mapping[str, Any], aliases: dict[str, str]) -> None:
+def _publish(
+    tmp: Path,
+    path: Path,
+    meta: Mapping[str, Any],
+    aliases: dict[str, str],
+    optimizer: torch.optim.Optimizer | None,
+) -> None:
     """Rank 0, once every rank's files are in ``tmp``: the manifest, then the rename."""
     record = {
         "format": FORMAT,
@@ -338,6 +369,8 @@ def _publish(tmp: Path, path: Path, meta: Mapping[str, Any], aliases: dict[str, 
         "files": _files(tmp),
         "aliases": aliases,
         "meta": dict(meta),
+        # None: saved without one (the model only); a load with an optimizer is refused
+        "optimizer": None if optimizer is None else type(optimizer).__name__,
     }
     manifest = tmp / MANIFEST
     with open(manifest, "w") as fh:
@@ -382,6 +415,11 @@ def save_checkpoint(
     """
     _not_sharded(pipe)
     path = Path(path)
+    if path.name in ("", ".."):  # "", ".", "/": no name to put the checkpoint under
+        raise CheckpointError(
+            f"cannot save checkpoint {str(path)!r}: it names no folder of its own; give a "
+            f"folder name, e.g. 'ckpt/step-40'"
+        )
     tmp = _partial(path)
     distributed = _collective(pipe)
     lead = _is_lead(pipe)
@@ -391,6 +429,8 @@ def save_checkpoint(
     error: str | None = None
     created = False
     if lead:
+        error = _not_a_checkpoint(path)
+    if lead and error is None:
         try:
             if not path.exists() and _verifies(tmp):
                 os.replace(tmp, path)  # a save killed between its renames: finish it first
@@ -399,7 +439,8 @@ def save_checkpoint(
             created = True
         except OSError as exc:
             error = _cannot_save(path, exc)
-    # Before any rank writes: a folder rank 0 cannot make fails every rank alike.
+    # Before any rank writes: a folder rank 0 cannot make, or a path holding something
+    # other than a checkpoint, fails every rank alike.
     error = _agree(error, distributed, process_group)
     if error is not None:
         raise CheckpointError(error)
@@ -424,7 +465,7 @@ def save_checkpoint(
         error = _cannot_save(path, cause, rank if distributed else None)
     if error is None and lead:
         try:
-            _publish(tmp, path, meta or {}, names.aliases)
+            _publish(tmp, path, meta or {}, names.aliases, optimizer)
         except OSError as exc:
             error = _cannot_save(path, exc)
     if error is not None and created:
@@ -602,7 +643,12 @@ def load_checkpoint(
     given to :func:`save_checkpoint` (None if none was).
     """
     _not_sharded(pipe)
-    path, _ = _recovered(Path(path))
+    path, record = _recovered(Path(path))
+    if optimizer is not None and "optimizer" in record and record["optimizer"] is None:
+        raise CheckpointError(
+            f"checkpoint {path} holds no optimizer state (it was saved with optimizer=None); "
+            f"pass optimizer=None to load the model only"
+        )
     md = _metadata(path)
     names = state_names(pipe, model)
     _check_model_keys(path, md, names)
@@ -632,7 +678,7 @@ def load_checkpoint(
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             raise CheckpointError(f"checkpoint {path} holds non-finite values in {name!r}")
     if optimizer is not None:
-        _load_optimizer(optimizer, names, state, wanted)
+        _load_optimizer(optimizer, names, state, wanted, path, record.get("optimizer"))
     if _STEPS in state:  # dropout after the resume draws as an uninterrupted run would
         pipe.steps_done = int(state[_STEPS])
     return state.get(_EXTRA)
@@ -643,9 +689,12 @@ def _load_optimizer(
     names: StateNames,
     state: dict[str, Any],
     wanted: dict[str, list[str]],
+    path: Path,
+    saved_with: Any,
 ) -> None:
     """Hand the optimizer its state by position, as ``load_state_dict`` wants, from names."""
     sd = optimizer.state_dict()
+    before = {**sd, "state": dict(sd["state"])}
     per_param: dict[int, dict[str, Any]] = {}
     for group, saved_group in zip(optimizer.param_groups, sd["param_groups"], strict=True):
         for p, i in zip(group["params"], saved_group["params"], strict=True):
@@ -654,7 +703,22 @@ def _load_optimizer(
             if keys:
                 per_param[i] = {k.rsplit(".", 1)[1]: state[k] for k in keys}
     sd["state"] = per_param
-    optimizer.load_state_dict(sd)
+    has = sorted({k for values in per_param.values() for k in values})
+    needs = sorted({k for values in before["state"].values() for k in values})
+    try:
+        if has and needs and has != needs:  # an optimizer that has stepped: its own keys
+            raise KeyError(needs)
+        optimizer.load_state_dict(sd)
+    except KeyError as exc:  # AdamW's `step` missing from SGD's state, and the like
+        optimizer.load_state_dict(before)  # left as it was
+        needed = needs or [str(k) for k in exc.args]
+        kind = type(optimizer).__name__
+        by = f" (saved with {saved_with})" if isinstance(saved_with, str) else ""
+        raise CheckpointError(
+            f"checkpoint {path}'s optimizer state{by} does not fit this {kind}: it holds "
+            f"{has}, {kind} needs {needed}; pass the same kind of optimizer it was saved "
+            f"with, or optimizer=None to load the model only"
+        ) from None
 
 
 def consolidated_state_dict(

@@ -125,6 +125,27 @@ def test_sigterm_to_the_launcher_alone_stops_the_replicas_saved_with_143(
     assert "Traceback" not in stderr, stderr
 
 
+def test_a_signal_relayed_twice_at_once_is_one_stop_and_saves(tmp_path: Path) -> None:
+    """`timeout` or a shell relays a SIGTERM to the whole group: every process gets it twice
+    at once, which is one stop, not "send it again to end them at once"."""
+    proc = _start(tmp_path, "--ranks", "2")
+    try:
+        deadline = time.monotonic() + 150
+        while len(_steps(tmp_path)) < 3:
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the run never trained 3 steps"
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGTERM)
+        os.killpg(proc.pid, signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=150)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 143, (proc.returncode, stdout, stderr)
+    _saved_step(tmp_path, stdout, "SIGTERM")
+
+
 def _slow_to_stop(rank: int, world: int, folder: str) -> None:
     """A rank that stops on SIGINT as zeropipe train's do, but whose save takes minutes."""
     got: list[int] = []

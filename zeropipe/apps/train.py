@@ -69,6 +69,7 @@ from zeropipe.apps.train_setup import (
 from zeropipe.core.errors import PipelineError, ZeropipeError
 from zeropipe.core.ir import Schedule
 from zeropipe.core.simulate import Timeline
+from zeropipe.runtime.launch import SAME_STOP_S
 from zeropipe.runtime.pipeline import Pipeline, RuntimeOptions
 
 __all__ = ["run_cli", "train", "train_rank"]
@@ -276,6 +277,7 @@ class _StopRequest:
 
     def __init__(self, abort_on_repeat: bool) -> None:
         self.signum = 0
+        self._at = 0.0
         self._abort_on_repeat = abort_on_repeat
         self._previous: dict[int, Any] = {}
         if threading.current_thread() is not threading.main_thread():
@@ -285,9 +287,11 @@ class _StopRequest:
                 self._previous[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, frame: object) -> None:
-        if self.signum and self._abort_on_repeat:
+        now = time.monotonic()
+        if self.signum and self._abort_on_repeat and now - self._at >= SAME_STOP_S:
             raise KeyboardInterrupt
-        self.signum = self.signum or signum
+        if not self.signum:
+            self.signum, self._at = signum, now
 
     def restore(self) -> None:
         for sig, previous in self._previous.items():

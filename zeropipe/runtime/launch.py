@@ -69,8 +69,12 @@ from zeropipe.base import _compat
 from zeropipe.core.errors import PipelineError, ZeropipeError
 from zeropipe.runtime.failures import FAILED_KEY, failure_origin
 
-__all__ = ["init_from_env", "launch"]
+__all__ = ["SAME_STOP_S", "init_from_env", "launch"]
 
+# A second SIGINT/SIGTERM within this many seconds of the first is the same stop: `timeout`
+# or a shell relaying a signal to the group delivers it twice at once, and reading that as
+# "send it again to end them at once" would kill the ranks before they save.
+SAME_STOP_S = 0.3
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>: the signal a process gets when its parent ends
 
 
@@ -383,6 +387,8 @@ class _StopSignals:
 
     def _handle(self, signum: int, frame: object) -> None:
         if self.signum is not None:
+            if self.at is not None and time.monotonic() - self.at < SAME_STOP_S:
+                return  # the same stop twice: a wrapper (timeout, a shell) relayed it too
             raise KeyboardInterrupt  # again: end every rank now (launch's finally kills them)
         self.signum, self.at = signum, time.monotonic()
         self.name = signal.Signals(signum).name

@@ -101,14 +101,15 @@ def test_a_functional_loss_with_ignored_labels_gives_the_whole_batch_loss_and_gr
 
 
 @pytest.mark.filterwarnings("ignore:size_average and reduce args will be deprecated")
-def test_a_partial_with_arguments_its_module_does_not_take_stays_a_function() -> None:
-    # Positional arguments, or keywords the module has no say over, are not the module's
-    # call: weighted by rows as any function, so the -100 labels are refused.
+@pytest.mark.filterwarnings("ignore:size_average and reduce args will be deprecated")
+def test_a_partial_with_the_deprecated_reduce_keyword_is_counted_as_its_module() -> None:
+    # reduce= and size_average= are the module's keywords too: counted, so exact.
+    model = classifier()
     x, y = padded(8)
     loss_fn = functools.partial(F.cross_entropy, reduce=True)
-    pipe = Pipeline(classifier(), build_schedule("1f1b", ranks=2, microbatches=2), loss_fn=loss_fn)
-    with pytest.raises(PipelineError, match=r"weighted by rows, but the targets hold -100"):
-        pipe.step(x, y)
+    ref = whole_batch(model, x, y, loss_fn, 2)
+    pipe = Pipeline(model, build_schedule("1f1b", ranks=2, microbatches=2), loss_fn=loss_fn)
+    exact(model, pipe.step(x, y), ref)
 
 
 # -- item 2b: a mean weighted by rows, its integer targets holding -100 -------------------
@@ -233,3 +234,23 @@ def test_causal_lm_loss_with_1d_labels_is_a_one_line_pipeline_error() -> None:
     assert "[8]" in message or "[4]" in message  # the shape it got
     with pytest.raises(PipelineError, match=r"labels \[batch, seq\]"):
         zeropipe.causal_lm_loss.count(y[:, 0])
+
+
+def test_a_masked_mean_over_float_targets_with_an_empty_microbatch_is_refused() -> None:
+    """NaN marks missing regression targets; a microbatch with none left is a mean over no
+    items, which the whole batch's mean skips: refused, as for labels, not a NaN loss."""
+
+    def masked_mse(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        kept = ~torch.isnan(t)
+        return F.mse_loss(o[kept], t[kept])
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 10), nn.Linear(10, 10)).double()
+    x = torch.randn(16, 6, dtype=torch.float64)
+    y = torch.randn(16, 10, dtype=torch.float64)
+    y[:4] = float("nan")  # microbatch 0 has no target left
+    pipe = Pipeline(model, build_schedule("1f1b", ranks=2, microbatches=4), loss_fn=masked_mse)
+    with pytest.raises(PipelineError) as err:
+        pipe.step(x, y)
+    assert "\n" not in str(err.value) and "microbatch 0" in str(err.value)
+    assert "loss_count=" in str(err.value)

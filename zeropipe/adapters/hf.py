@@ -158,6 +158,30 @@ def _check_not_overridden(model: nn.Module, family: str) -> None:
                 f"embedding, decoder layers, norm and head themselves), so the change would be "
                 f"lost; cut it into stage modules by hand (examples/manual_stages.py)"
             )
+    _check_loss_not_overridden(model, base)
+
+
+def _check_loss_not_overridden(model: nn.Module, base: type) -> None:
+    """Refuse a model whose ``.loss`` is not transformers' causal-LM loss: its forward computes
+    it with ``self.loss_function`` (an override of it, one set on the model, or a
+    ``loss_type`` naming another), but the pipeline computes the loss with its own loss_fn."""
+    name = type(model).__name__
+    why = ""
+    if "loss_function" in vars(model) or "_loss_function" in vars(model):
+        why = "sets loss_function on the model"
+    elif getattr(type(model), "loss_function", None) is not getattr(base, "loss_function", None):
+        why = f"overrides loss_function of transformers' {base.__name__}"
+    elif hasattr(type(model), "_loss_function"):
+        why = "sets _loss_function (its loss_function)"
+    elif getattr(model, "loss_type", None) not in (None, "ForCausalLM"):
+        why = f"sets loss_type={model.loss_type!r} (not 'ForCausalLM')"
+    if why:
+        raise PipelineError(
+            f"zeropipe.split cannot cut {name}: it {why}, which computes the model's own .loss, "
+            f"but the pipeline computes the loss with the loss_fn it is given, so the change "
+            f"would be silently ignored; pass Pipeline(loss_fn=...) a loss_fn that computes it, "
+            f"and split a plain {base.__name__} holding the same weights"
+        )
 
 
 # -- the stages -------------------------------------------------------------------------

@@ -6,7 +6,8 @@ across the replicas too.  Gradients accumulated over earlier steps (no
 ``zero_grad`` between them) are set aside before the step, so the sums add
 only this step's contributions, and added back afterwards, once.  Clipping takes
 the norm over every rank's gradients, a shared parameter counted once.  A step that
-fails in one process leaves ``.grad`` as it found it.
+fails in one process leaves ``.grad`` as it found it.  A gradient hook on a parameter
+used by several stages is refused: it would run on each stage's part of the gradient.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor, nn
 
+from zeropipe.base._compat import tensor_has_grad_hooks
 from zeropipe.core.errors import PipelineError
 from zeropipe.runtime.collectives import grad_norm
 from zeropipe.runtime.data_parallel import Replicas
@@ -23,13 +25,16 @@ from zeropipe.runtime.stage import Stage
 
 __all__ = [
     "GradBefore",
+    "SplitParam",
     "add_back",
     "clip_grads",
     "counted_once",
     "grads_before",
     "reduce_shared",
+    "refuse_split_hooks",
     "restore_grads",
     "set_aside",
+    "split_params",
 ]
 
 
@@ -158,3 +163,32 @@ def restore_grads(before: Sequence[GradBefore]) -> None:
             if grad is not None and values is not None:
                 grad.copy_(values)
             p.grad = grad
+
+
+SplitParam = tuple[nn.Parameter, str, list[int]]  # a parameter, its name, the stages using it
+
+
+def split_params(stages: Sequence[Stage]) -> list[SplitParam]:
+    """Parameters used by more than one stage, on any rank (a tied embedding): each with its
+    name in the first stage using it and the stages' indices."""
+    used: dict[int, SplitParam] = {}
+    for stage in stages:
+        for name, p in stage.module.named_parameters():
+            used.setdefault(id(p), (p, name, []))[2].append(stage.index)
+    return [entry for entry in used.values() if len(entry[2]) > 1]
+
+
+def refuse_split_hooks(split: Sequence[SplitParam]) -> None:
+    """Refuse a gradient hook on a parameter used by several stages (``split``, from
+    :func:`split_params`): each stage's backward accumulates its own part of the gradient,
+    and the hook would run on each part, where torch runs it once on their sum.  Hooks may
+    be registered after the pipeline is built, so this runs at each training step."""
+    for p, name, used in split:
+        if tensor_has_grad_hooks(p):
+            which = ", ".join(map(str, used[:-1])) + f" and {used[-1]}"
+            raise PipelineError(
+                f"a gradient hook on parameter {name!r}, used by stages {which}, would run on "
+                f"each stage's part of its gradient, not on their sum as in torch; remove the "
+                f"hook and act on {name}.grad after pipe.step() (the summed gradient), or untie "
+                f"the parameter (one copy per stage)"
+            )

@@ -88,6 +88,9 @@ _ELEMENTWISE: tuple[type[nn.Module], ...] = (
     nn.KLDivLoss,
 )
 _CLASSES: tuple[type[nn.Module], ...] = (nn.CrossEntropyLoss, nn.NLLLoss)
+# The deprecated keywords that override reduction= (reduce=False is reduction="none"): the
+# module takes them as the function does, so a partial giving them is refused as it is.
+_LEGACY = ("size_average", "reduce")
 # torch's functional losses with an ignore_index, passed as loss_fn itself or as a
 # functools.partial of keywords: each is its module's forward with the same defaults, so it
 # is run as that module and weighted by the items it counts, not by rows (which ignored
@@ -96,9 +99,9 @@ _FUNCTIONAL: tuple[tuple[Callable[..., object], type[nn.Module], frozenset[str]]
     (
         F.cross_entropy,
         nn.CrossEntropyLoss,
-        frozenset({"weight", "ignore_index", "reduction", "label_smoothing"}),
+        frozenset({"weight", "ignore_index", "reduction", "label_smoothing", *_LEGACY}),
     ),
-    (F.nll_loss, nn.NLLLoss, frozenset({"weight", "ignore_index", "reduction"})),
+    (F.nll_loss, nn.NLLLoss, frozenset({"weight", "ignore_index", "reduction", *_LEGACY})),
 )
 # The ignore_index of torch's losses and Hugging Face's labels: in the integer targets of a
 # mean weighted by rows, it says that rows count different numbers of items.
@@ -237,10 +240,7 @@ class StepLoss:
         if contract.weighting == "rows":
             if self.ignored:
                 _refuse_ignored(self.fn)
-            if not (torch.is_floating_point(target) or target.is_complex()):
-                # Only labels are ignored (counted out of a mean); checking only them
-                # spares an element-wise mean (the common F.mse_loss) a device sync.
-                self._check_mean(result, output, i)
+            self._check_mean(result, output, i)
         return result
 
     def _check_mean(self, result: Tensor, output: object, i: int) -> None:
@@ -252,7 +252,8 @@ class StepLoss:
         output, or every microbatch empty, is nan in the whole batch too, and passes.  An
         inf cannot come from an empty mean, and is the whole batch's as well.
         """
-        # One scalar read per microbatch with labels: what it costs to refuse, not be wrong.
+        # One scalar read per microbatch: what it costs to refuse rather than be wrong (a
+        # mask may hide float targets as well as labels: NaN-masked regression targets).
         if bool(torch.isfinite(result)):
             self.finite = i
             if self.empty is None:

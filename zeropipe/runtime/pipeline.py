@@ -59,8 +59,10 @@ from zeropipe.runtime.grad_sums import (
     counted_once,
     grads_before,
     reduce_shared,
+    refuse_split_hooks,
     restore_grads,
     set_aside,
+    split_params,
 )
 from zeropipe.runtime.handlers import BoundaryMeta, StepContext
 from zeropipe.runtime.loss import LossContract, LossCountFn, LossFn
@@ -83,13 +85,11 @@ class Pipeline:
         stages: an ``nn.Sequential`` (cut into the schedule's stages, by
             ``balance`` = layers per stage, or evenly) or one module per stage
             (:func:`zeropipe.split` cuts supported models).
-        schedule: a :class:`~zeropipe.core.ir.Schedule` (compute-only, or lowered
-            and then run exactly as given) or a generator name (``zeropipe
-            schedules`` lists them), built with ``microbatches`` and one rank per
-            process of the pipeline's group (in one process: ``len(stages) /
-            chunks`` ranks).  Anything else about a named schedule (ranks,
-            chunks, grouped W) is :func:`zeropipe.build_schedule`'s; a schedule
-            searched for this model comes from :func:`zeropipe.auto_plan`.
+        schedule: a :class:`~zeropipe.core.ir.Schedule` (run exactly as given) or a
+            generator name, built with ``microbatches`` and one rank per process of
+            the pipeline's group (in one process: ``len(stages) / chunks``); for
+            other ranks, chunks or grouped W, :func:`zeropipe.build_schedule` it;
+            :func:`zeropipe.auto_plan` searches one for the model.
         loss_fn: ``loss_fn(output, target)``, called per microbatch, such that the
             step's loss and gradients are the whole batch's: a torch loss module
             or ``F.cross_entropy`` / ``F.nll_loss`` (items counted from the
@@ -193,6 +193,7 @@ class Pipeline:
         for stage in self.stages.values():
             stage.autocast = self.options.autocast
         self.shared = shared_parameters(self.all_stages, self.schedule.placement)
+        self.tied = split_params(self.all_stages)  # used by several stages, on any rank
         if self.replicas is not None and not dp_shard:
             self.replicas.reducer = replica_reducer(
                 self.replicas,
@@ -322,6 +323,7 @@ class Pipeline:
         """One training step: forward and backward of every microbatch; returns the loss."""
         if self.loss_fn is None:
             raise PipelineError("Pipeline(loss_fn=...) is needed for a training step")
+        refuse_split_hooks(self.tied)  # a hook on a parameter of several stages
         loss = self._run(inputs, target, training=True)
         if not isinstance(loss, Tensor):
             raise PipelineError("the step produced no loss (the last stage never ran its forward)")

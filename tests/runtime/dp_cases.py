@@ -225,7 +225,8 @@ def _fsdp_train_case(mesh: Any, dp: int, name: str) -> dict[str, Any]:
 
 def _checkpoint_refusal(pipe: Pipeline) -> str:
     """Saving a sharded pipeline is refused before anything is written."""
-    from zeropipe.runtime.checkpoint import CheckpointError, save_checkpoint
+    from zeropipe.runtime.checkpoint import save_checkpoint
+    from zeropipe.runtime.checkpoint_folder import CheckpointError
 
     try:
         save_checkpoint(pipe, None, "/nonexistent/zeropipe-checkpoint")

@@ -20,14 +20,12 @@ from torch import Tensor, nn
 from tests.gradcheck import batch_for, token_loss, token_model
 from zeropipe import build_schedule
 from zeropipe.runtime.checkpoint import (
-    MANIFEST,
-    CheckpointError,
     consolidated_state_dict,
     load_checkpoint,
     save_checkpoint,
     state_names,
-    verify_checkpoint,
 )
+from zeropipe.runtime.checkpoint_folder import MANIFEST, CheckpointError, verify_checkpoint
 from zeropipe.runtime.launch import launch
 from zeropipe.runtime.pipeline import Pipeline, RuntimeOptions
 
@@ -234,13 +232,13 @@ _KILLED_SAVE = """
 import os, signal, sys, torch
 sys.path.insert(0, {root!r})
 from tests.runtime.test_checkpoint import _pipe, _run
-from zeropipe.runtime import checkpoint
+from zeropipe.runtime import checkpoint, checkpoint_folder
 pipe, opt = _pipe("1f1b", 2)
 _run(pipe, opt, range(1))
 checkpoint.save_checkpoint(pipe, opt, {first!r}, extra="first")
 _run(pipe, opt, range(1, 2))
 # Every DCP file of the second save is written; die as the manifest's hashes are taken.
-checkpoint.sha256_of = lambda path: os.kill(os.getpid(), signal.SIGKILL)
+checkpoint_folder.sha256_of = lambda path: os.kill(os.getpid(), signal.SIGKILL)
 checkpoint.save_checkpoint(pipe, opt, {second!r}, extra="second")
 """
 

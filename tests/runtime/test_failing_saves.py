@@ -19,13 +19,8 @@ from torch.distributed.checkpoint import filesystem
 
 from tests.gradcheck import batch_for, token_loss, token_model
 from zeropipe import build_schedule
-from zeropipe.runtime.checkpoint import (
-    CheckpointError,
-    consolidated_state_dict,
-    load_checkpoint,
-    save_checkpoint,
-    verify_checkpoint,
-)
+from zeropipe.runtime.checkpoint import consolidated_state_dict, load_checkpoint, save_checkpoint
+from zeropipe.runtime.checkpoint_folder import CheckpointError, verify_checkpoint
 from zeropipe.runtime.launch import launch
 from zeropipe.runtime.pipeline import Pipeline, RuntimeOptions
 

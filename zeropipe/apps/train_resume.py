@@ -28,8 +28,8 @@ import torch
 from zeropipe.apps import train_state
 from zeropipe.apps.train_state import CheckpointError
 from zeropipe.core.errors import ZeropipeError
-from zeropipe.runtime.checkpoint import FORMAT as DCP_FORMAT
 from zeropipe.runtime.checkpoint import load_checkpoint
+from zeropipe.runtime.checkpoint_folder import FORMAT as DCP_FORMAT
 from zeropipe.runtime.pipeline import Pipeline
 
 __all__ = [

@@ -45,14 +45,9 @@ from typing import Any
 import torch
 
 from zeropipe.core.errors import ZeropipeError
-from zeropipe.runtime.checkpoint import FORMAT as DCP_FORMAT
-from zeropipe.runtime.checkpoint import (
-    MANIFEST,
-    CheckpointError,
-    consolidated_state_dict,
-    save_checkpoint,
-    sha256_of,
-)
+from zeropipe.runtime.checkpoint import consolidated_state_dict, save_checkpoint
+from zeropipe.runtime.checkpoint_folder import FORMAT as DCP_FORMAT
+from zeropipe.runtime.checkpoint_folder import MANIFEST, CheckpointError, sha256_of
 from zeropipe.runtime.pipeline import Pipeline
 
 __all__ = [

@@ -36,11 +36,11 @@ after gathering every rank's writes) rank 0 writes ``manifest.json`` (the
 sha256 of every file, the caller's ``meta``, the aliases) and renames the
 folder into place; the other ranks wait for its word.  A save killed midway
 leaves only the ``.partial`` folder, which the next save replaces.
-:func:`load_checkpoint` and :func:`verify_checkpoint` compare every file with
+:func:`load_checkpoint` and ``checkpoint_folder.verify_checkpoint`` compare every file with
 the manifest first.
 
 A save that fails (a full disk, a path that cannot be written) ends every
-rank with the same one-line :class:`CheckpointError` naming the path and the
+rank with the same one-line ``CheckpointError`` naming the path and the
 cause, and removes the ``.partial`` folder it made.  Re-saving to an existing
 ``path`` moves the old folder to ``.<name>.old`` before renaming the new one
 in; a save killed between those two renames leaves no folder at ``path``:
@@ -51,17 +51,14 @@ A ``path`` that exists and is not a checkpoint (a file, or a folder that
 is neither empty nor holds a ``manifest.json``) is refused before anything
 is written or moved: a re-save would move it aside and the next delete it.
 
-The module holds one concept, a pipeline's DCP checkpoint: what it holds,
-how it is written whole or not at all, and how it is verified and read back.
+The folder itself -- the manifest, the renames, verification, recovery and the
+one-line reasons a save failed -- is :mod:`zeropipe.runtime.checkpoint_folder`'s.
 """
 
 from __future__ import annotations
 
-import errno
-import hashlib
 import json
 import os
-import pickle
 import shutil
 import warnings
 from collections.abc import Iterator, Mapping
@@ -81,39 +78,29 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from zeropipe.core.errors import ZeropipeError
+from zeropipe.runtime.checkpoint_folder import (
+    CheckpointError,
+    cannot_save,
+    not_a_checkpoint,
+    os_error,
+    partial_path,
+    publish,
+    recovered,
+    verifies,
+    why_failed,
+)
 from zeropipe.runtime.pipeline import Pipeline
 
 __all__ = [
-    "MANIFEST",
-    "CheckpointError",
     "StateNames",
     "consolidated_state_dict",
     "load_checkpoint",
-    "read_checkpoint_manifest",
     "save_checkpoint",
-    "sha256_of",
     "state_names",
-    "verify_checkpoint",
 ]
 
-MANIFEST = "manifest.json"
-FORMAT = 2  # of the manifest (1: zeropipe train's older per-rank .pt files)
 _MODEL, _OPTIM, _EXTRA = "model.", "optim.", "extra"
 _STEPS = "pipeline.steps"  # training steps run: what dropout is seeded by
-
-
-class CheckpointError(ZeropipeError):
-    """A checkpoint is missing, incomplete, unreadable, corrupt, or does not fit the model."""
-
-
-def sha256_of(path: Path) -> str:
-    """The sha256 hex digest of a file's bytes (read in chunks: checkpoints can be large)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 @dataclass(frozen=True)
@@ -237,79 +224,6 @@ def _collective(pipe: Pipeline) -> bool:
     return pipe.distributed or pipe.dp_size > 1
 
 
-def _partial(path: Path) -> Path:
-    return path.with_name(f".{path.name}.partial")
-
-
-def _old(path: Path) -> Path:
-    return path.with_name(f".{path.name}.old")
-
-
-def _os_error(exc: BaseException) -> OSError | None:
-    """The OSError behind ``exc``: itself, or one it was raised from or while handling."""
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        if isinstance(current, OSError):
-            return current
-        seen.add(id(current))
-        current = current.__cause__ or current.__context__
-    return None
-
-
-_WRITABLE = "save to a writable folder with free space"
-_FIXES = {
-    errno.ENOSPC: "free space there, or save elsewhere",
-    errno.EDQUOT: "free space there (the disk quota is used up), or save elsewhere",
-    errno.EACCES: "make the folder writable, or save elsewhere",
-    errno.EPERM: "make the folder writable, or save elsewhere",
-    errno.EROFS: "the file system is read-only: save elsewhere",
-    errno.ENOTDIR: "a part of the path is a file, not a folder: save elsewhere",
-    errno.EEXIST: "a part of the path is a file, not a folder: save elsewhere",
-}
-
-
-def _why(exc: BaseException, rank: int | None) -> tuple[str, str | None]:
-    """What went wrong, in one line (the OSError under ``exc`` if any), and how to fix it."""
-    cause = _os_error(exc)
-    if cause is not None and cause.strerror:
-        why = cause.strerror[:1].lower() + cause.strerror[1:]  # "no space left on device"
-        if cause.filename:
-            why += f" ({cause.filename})"
-        fix: str | None = _FIXES.get(cause.errno or 0, _WRITABLE)
-    else:
-        text = str(exc).strip()
-        why = text.splitlines()[0] if text else type(exc).__name__
-        # Not the disk: advice about free space would mislead.
-        fix = _UNPICKLABLE if isinstance(exc, pickle.PickleError) or "pickle" in text else None
-    return why + ("" if rank is None else f" on rank {rank}"), fix
-
-
-_UNPICKLABLE = (
-    "extra= (and any non-tensor optimizer state) must be picklable: pass plain data, "
-    "not lambdas, local functions or open files"
-)
-
-
-def _cannot_save(path: Path, exc: BaseException, rank: int | None = None) -> str:
-    why, fix = _why(exc, rank)
-    return f"cannot save checkpoint {path}: {why}" + ("" if fix is None else f"; {fix}")
-
-
-def _not_a_checkpoint(path: Path) -> str | None:
-    """Why ``path`` must not be saved over: it holds something other than a checkpoint,
-    which the re-save's rename would move aside and the next one delete."""
-    if not os.path.lexists(path) or (path / MANIFEST).is_file():
-        return None
-    if path.is_dir() and not path.is_symlink() and not any(path.iterdir()):
-        return None  # an empty folder: nothing to lose
-    what = "a file, not a checkpoint" if path.is_file() else "not a checkpoint"
-    return (
-        f"cannot save checkpoint {path}: it exists and is {what} (no {MANIFEST}); "
-        f"save to a new path or remove it"
-    )
-
-
 class _Writer(dcp.FileSystemWriter):
     """DCP's file writer, whose failures reach the other ranks as the OSError behind them.
 
@@ -323,7 +237,7 @@ class _Writer(dcp.FileSystemWriter):
         try:
             return super().write_data(plan, planner)
         except Exception as exc:
-            cause = _os_error(exc)
+            cause = os_error(exc)
             if cause is None or cause is exc:
                 raise
             raise cause from None
@@ -337,60 +251,6 @@ def _agree(error: str | None, distributed: bool, group: dist.ProcessGroup | None
     word = [error]
     dist.broadcast_object_list(word, group=group, group_src=0)
     return word[0]
-
-
-def _files(folder: Path) -> dict[str, str]:
-    return {
-        p.relative_to(folder).as_posix(): sha256_of(p)
-        for p in sorted(folder.rglob("*"))
-        if p.is_file() and p.name != MANIFEST
-    }
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _publish(
-    tmp: Path,
-    path: Path,
-    meta: Mapping[str, Any],
-    aliases: dict[str, str],
-    optimizer: torch.optim.Optimizer | None,
-) -> None:
-    """Rank 0, once every rank's files are in ``tmp``: the manifest, then the rename."""
-    record = {
-        "format": FORMAT,
-        "layout": "torch.distributed.checkpoint",
-        "files": _files(tmp),
-        "aliases": aliases,
-        "meta": dict(meta),
-        # None: saved without one (the model only); a load with an optimizer is refused
-        "optimizer": None if optimizer is None else type(optimizer).__name__,
-    }
-    manifest = tmp / MANIFEST
-    with open(manifest, "w") as fh:
-        fh.write(json.dumps(record, indent=1, sort_keys=True) + "\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    _fsync_dir(tmp)
-    old = _old(path)
-    moved = path.exists()
-    if moved:  # re-saving a step a killed run had saved: it was never `latest`
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(path, old)
-    try:
-        os.replace(tmp, path)
-    except OSError:
-        if moved:  # the checkpoint being replaced goes back where it was
-            os.replace(old, path)
-        raise
-    _fsync_dir(path.parent)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def save_checkpoint(
@@ -420,7 +280,7 @@ def save_checkpoint(
             f"cannot save checkpoint {str(path)!r}: it names no folder of its own; give a "
             f"folder name, e.g. 'ckpt/step-40'"
         )
-    tmp = _partial(path)
+    tmp = partial_path(path)
     distributed = _collective(pipe)
     lead = _is_lead(pipe)
     names = state_names(pipe, model)
@@ -429,16 +289,16 @@ def save_checkpoint(
     error: str | None = None
     created = False
     if lead:
-        error = _not_a_checkpoint(path)
+        error = not_a_checkpoint(path)
     if lead and error is None:
         try:
-            if not path.exists() and _verifies(tmp):
+            if not path.exists() and verifies(tmp):
                 os.replace(tmp, path)  # a save killed between its renames: finish it first
             shutil.rmtree(tmp, ignore_errors=True)  # what a killed save left
             tmp.mkdir(parents=True)
             created = True
         except OSError as exc:
-            error = _cannot_save(path, exc)
+            error = cannot_save(path, exc)
     # Before any rank writes: a folder rank 0 cannot make, or a path holding something
     # other than a checkpoint, fails every rank alike.
     error = _agree(error, distributed, process_group)
@@ -462,12 +322,12 @@ def save_checkpoint(
         if own is not None and not isinstance(own[0], Exception):
             interrupted = own[0]  # Ctrl-C while saving: re-raised once the peers are told
         rank, (cause, _) = min(exc.failures.items(), key=lambda item: item[0])
-        error = _cannot_save(path, cause, rank if distributed else None)
+        error = cannot_save(path, cause, rank if distributed else None)
     if error is None and lead:
         try:
-            _publish(tmp, path, meta or {}, names.aliases, optimizer)
+            publish(tmp, path, meta or {}, names.aliases, optimizer)
         except OSError as exc:
-            error = _cannot_save(path, exc)
+            error = cannot_save(path, exc)
     if error is not None and created:
         shutil.rmtree(tmp, ignore_errors=True)  # only the folder this save made
     # The other ranks return once the checkpoint is in place, or fail alike.
@@ -477,92 +337,6 @@ def save_checkpoint(
     if error is not None:
         raise CheckpointError(error)
     return path
-
-
-def read_checkpoint_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The manifest of the checkpoint folder ``path`` (files, aliases, meta), unverified."""
-    path = Path(path)
-    file = path / MANIFEST
-    if not file.exists():
-        raise CheckpointError(f"{path} is not a complete checkpoint: {_what_is_left(path)}")
-    try:
-        record: dict[str, Any] = json.loads(file.read_text())
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"cannot read {file}: {exc}") from None
-    if record.get("format") != FORMAT:
-        raise CheckpointError(
-            f"{file} has format {record.get('format')!r}, not {FORMAT} (a DCP checkpoint); "
-            f"read it with the zeropipe that wrote it"
-        )
-    return record
-
-
-def _what_is_left(path: Path) -> str:
-    """Why ``path`` has no manifest, and what a failed save left beside it."""
-    complete = [p for p in (_partial(path), _old(path)) if (p / MANIFEST).exists()]
-    if not path.exists() and complete:
-        return (
-            f"it does not exist; a save killed between its two renames left "
-            f"{' and '.join(str(p) for p in complete)} beside it: load_checkpoint loads "
-            f"the newest that verifies, or rename that one to {path}"
-        )
-    why = f"it has no {MANIFEST}"
-    if _partial(path).exists():
-        why += " (a save was interrupted: its .partial folder is not a checkpoint)"
-    return why
-
-
-def _recovered(path: Path) -> tuple[Path, dict[str, Any]]:
-    """``path`` and its verified manifest; or, where a save was killed between its two
-    renames and left no folder at ``path``, the newest complete one it left, with a warning."""
-    if not path.exists():
-        failed: list[str] = []
-        for folder in (_partial(path), _old(path)):  # newest first
-            if not (folder / MANIFEST).exists():
-                continue  # not one: a save died before its manifest
-            try:
-                record = verify_checkpoint(folder)
-            except CheckpointError as exc:
-                failed.append(str(exc))
-                continue
-            warnings.warn(
-                f"{path} does not exist (a save was killed between its two renames); "
-                f"loading {folder}, the newest complete checkpoint it left: rename it to "
-                f"{path} to keep it",
-                stacklevel=3,
-            )
-            return folder, record
-        if failed:
-            raise CheckpointError(
-                f"{path} does not exist, and what a killed save left beside it does not "
-                f"verify: {'; '.join(failed)}"
-            )
-    return path, verify_checkpoint(path)
-
-
-def _verifies(path: Path) -> bool:
-    if not (path / MANIFEST).exists():
-        return False
-    try:
-        verify_checkpoint(path)
-    except CheckpointError:
-        return False
-    return True
-
-
-def verify_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Check every file of checkpoint ``path`` against its manifest; return the manifest."""
-    path = Path(path)
-    record = read_checkpoint_manifest(path)
-    for name, digest in sorted(record["files"].items()):
-        file = path / name
-        if not file.exists():
-            raise CheckpointError(f"{file} is missing (the manifest lists it)")
-        if sha256_of(file) != digest:
-            raise CheckpointError(
-                f"{file} is corrupt (its sha256 differs from the one recorded when it was saved)"
-            )
-    return record
 
 
 def _metadata(path: Path) -> dict[str, Any]:
@@ -621,7 +395,7 @@ def _dcp_load(
             )
     except CheckpointException as exc:  # a BaseException: `except Exception` would miss it
         rank, (cause, _) = min(exc.failures.items(), key=lambda item: item[0])
-        why, _ = _why(cause, None if no_dist else rank)
+        why, _ = why_failed(cause, None if no_dist else rank)
         raise CheckpointError(f"cannot load checkpoint {path}: {why}") from None
     return {**state, **planner.state_dict}
 
@@ -643,7 +417,7 @@ def load_checkpoint(
     given to :func:`save_checkpoint` (None if none was).
     """
     _not_sharded(pipe)
-    path, record = _recovered(Path(path))
+    path, record = recovered(Path(path))
     if optimizer is not None and "optimizer" in record and record["optimizer"] is None:
         raise CheckpointError(
             f"checkpoint {path} holds no optimizer state (it was saved with optimizer=None); "
@@ -730,7 +504,7 @@ def consolidated_state_dict(
     and ``alias -> name`` for the other names of tied tensors.  Files are
     verified against the manifest first.
     """
-    path, record = _recovered(Path(path))
+    path, record = recovered(Path(path))
     md = _metadata(path)
     state = {k: _template(v) for k, v in md.items() if k.startswith(_MODEL)}
     if not state:

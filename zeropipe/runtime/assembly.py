@@ -30,6 +30,7 @@ from zeropipe.runtime.transport import Transport
 __all__ = [
     "MOVED",
     "PLAIN_BELOW_BYTES",
+    "SplitParam",
     "Where",
     "build_stages",
     "check_call",
@@ -43,6 +44,7 @@ __all__ = [
     "replicas_for",
     "resolve_mesh",
     "shared_parameters",
+    "split_params",
 ]
 
 
@@ -316,19 +318,27 @@ def build_stages(
     return [Stage(s, m, None) for s, m in enumerate(modules)]
 
 
-def shared_parameters(stages: list[Stage], placement: Sequence[int]) -> list[nn.Parameter]:
-    """Parameters used by stages on more than one rank (tied embeddings), in a stable order.
+SplitParam = tuple[nn.Parameter, str, list[int]]  # a parameter, its name, the stages using it
+
+
+def split_params(stages: Sequence[Stage]) -> list[SplitParam]:
+    """Parameters used by more than one stage, on any rank (a tied embedding): each with its
+    name in the first stage using it and the stages' indices."""
+    used: dict[int, SplitParam] = {}
+    for stage in stages:
+        for name, p in stage.module.named_parameters():
+            used.setdefault(id(p), (p, name, []))[2].append(stage.index)
+    return [entry for entry in used.values() if len(entry[2]) > 1]
+
+
+def shared_parameters(split: Sequence[SplitParam], placement: Sequence[int]) -> list[nn.Parameter]:
+    """Of the parameters used by several stages (:func:`split_params`), those whose stages run
+    on more than one rank (tied embeddings), in a stable order.
 
     A parameter whose stages all run on one rank (the first and last stage of
     a V placement) has its whole gradient there already: it needs no all-reduce.
     """
-    ranks: dict[int, set[int]] = {}
-    params: dict[int, nn.Parameter] = {}
-    for stage in stages:
-        for p in stage.parameters():
-            ranks.setdefault(id(p), set()).add(placement[stage.index])
-            params.setdefault(id(p), p)
-    return [params[k] for k, r in ranks.items() if len(r) > 1]
+    return [p for p, _, used in split if len({placement[s] for s in used}) > 1]
 
 
 def distributed_transport(

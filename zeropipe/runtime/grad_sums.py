@@ -19,13 +19,13 @@ from torch import Tensor, nn
 
 from zeropipe.base._compat import tensor_has_grad_hooks
 from zeropipe.core.errors import PipelineError
+from zeropipe.runtime.assembly import SplitParam
 from zeropipe.runtime.collectives import grad_norm
 from zeropipe.runtime.data_parallel import Replicas
 from zeropipe.runtime.stage import Stage
 
 __all__ = [
     "GradBefore",
-    "SplitParam",
     "add_back",
     "clip_grads",
     "counted_once",
@@ -34,7 +34,6 @@ __all__ = [
     "refuse_split_hooks",
     "restore_grads",
     "set_aside",
-    "split_params",
 ]
 
 
@@ -163,19 +162,6 @@ def restore_grads(before: Sequence[GradBefore]) -> None:
             if grad is not None and values is not None:
                 grad.copy_(values)
             p.grad = grad
-
-
-SplitParam = tuple[nn.Parameter, str, list[int]]  # a parameter, its name, the stages using it
-
-
-def split_params(stages: Sequence[Stage]) -> list[SplitParam]:
-    """Parameters used by more than one stage, on any rank (a tied embedding): each with its
-    name in the first stage using it and the stages' indices."""
-    used: dict[int, SplitParam] = {}
-    for stage in stages:
-        for name, p in stage.module.named_parameters():
-            used.setdefault(id(p), (p, name, []))[2].append(stage.index)
-    return [entry for entry in used.values() if len(entry[2]) > 1]
 
 
 def refuse_split_hooks(split: Sequence[SplitParam]) -> None:

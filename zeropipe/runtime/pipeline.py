@@ -45,12 +45,10 @@ from zeropipe.runtime.assembly import (
     replicas_for,
     resolve_mesh,
     shared_parameters,
+    split_params,
 )
 from zeropipe.runtime.batch import forward_only, split_step, step_signature
-from zeropipe.runtime.data_parallel import (
-    Replicas,
-    reductions_as_run,
-)
+from zeropipe.runtime.data_parallel import Replicas, reductions_as_run
 from zeropipe.runtime.executor import run_local, run_rank
 from zeropipe.runtime.fsdp import ShardedReducer
 from zeropipe.runtime.grad_sums import (
@@ -62,7 +60,6 @@ from zeropipe.runtime.grad_sums import (
     refuse_split_hooks,
     restore_grads,
     set_aside,
-    split_params,
 )
 from zeropipe.runtime.handlers import BoundaryMeta, StepContext
 from zeropipe.runtime.loss import LossContract, LossCountFn, LossFn
@@ -192,8 +189,8 @@ class Pipeline:
         prepare_linears(self.stages, self.schedule)
         for stage in self.stages.values():
             stage.autocast = self.options.autocast
-        self.shared = shared_parameters(self.all_stages, self.schedule.placement)
         self.tied = split_params(self.all_stages)  # used by several stages, on any rank
+        self.shared = shared_parameters(self.tied, self.schedule.placement)  # by several ranks
         if self.replicas is not None and not dp_shard:
             self.replicas.reducer = replica_reducer(
                 self.replicas,

@@ -26,6 +26,7 @@ __all__ = [
     "StorageKey",
     "as_bytes",
     "distinct_bytes",
+    "local_tensor",
     "movable",
     "same_storage",
     "storage_key",
@@ -37,8 +38,19 @@ StorageKey = tuple[torch.device, int]
 """Identifies a storage while it is alive: its device and its address."""
 
 
+def local_tensor(t: Tensor) -> Tensor:
+    """The plain tensor holding ``t``'s bytes in this process: a DTensor's local shard
+    (tensor parallelism, FSDP2), ``t`` itself otherwise.
+
+    A DTensor is a wrapper whose own storage is invalid; its bytes live in the shard.
+    """
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, Tensor) else t
+
+
 def storage_key(t: Tensor) -> StorageKey:
-    """Which storage ``t`` lives in (device and address)."""
+    """Which storage ``t`` (a DTensor: its local shard) lives in (device and address)."""
+    t = local_tensor(t)
     return (t.device, t.untyped_storage().data_ptr())
 
 
@@ -48,8 +60,9 @@ def same_storage(a: Tensor, b: Tensor) -> bool:
 
 
 def storage_nbytes(t: Tensor) -> int:
-    """Bytes of the whole storage under ``t`` (not only the part ``t`` views)."""
-    return int(t.untyped_storage().nbytes())
+    """Bytes of the whole storage under ``t`` (not only the part ``t`` views); a DTensor:
+    its local shard's."""
+    return int(local_tensor(t).untyped_storage().nbytes())
 
 
 def as_bytes(t: Tensor) -> Tensor:
@@ -89,6 +102,7 @@ def distinct_bytes(
     """
     seen: dict[StorageKey, int] = {}
     for t in tensors:
+        t = local_tensor(t)
         if t.layout is not torch.strided or t.device.type == "meta":
             continue
         key = storage_key(t)

@@ -108,6 +108,8 @@ class Where:
     world: int
     pp_group: object | None = None
     dp_group: object | None = None
+    dp_mesh: object | None = None  # the mesh's "dp" dimension: FSDP2 shards over it
+    tp_size: int = 1  # the mesh's "tp" dimension: the user's tensor parallelism
 
 
 def resolve_mesh(mesh: object | None) -> Where:
@@ -125,7 +127,7 @@ def resolve_mesh(mesh: object | None) -> Where:
             f"mesh={mesh!r}: pass a DeviceMesh, a ProcessGroup, 'local' (this process plays "
             f"every rank) or None (torch.distributed's default group, when initialised)"
         )
-    pp_group, dp_group = None, None
+    pp_group, dp_group, dp_mesh, tp_size = None, None, None, 1
     if mesh is None:
         world = os.environ.get("WORLD_SIZE", "1")
         if not initialised and world.isdigit() and int(world) > 1:
@@ -137,29 +139,34 @@ def resolve_mesh(mesh: object | None) -> Where:
             )
     elif hasattr(mesh, "get_group") and hasattr(mesh, "mesh_dim_names"):
         names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
-        unknown = [n for n in names if n not in ("pp", "dp")]
-        if "pp" not in names or unknown:
+        unknown = [n for n in names if n not in ("pp", "dp", "tp")]
+        if "pp" not in names or unknown or len(set(names)) != len(names):
             raise PipelineError(
-                f"mesh has dimensions {names}; Pipeline needs one named 'pp' and at most one "
-                f"more, named 'dp' (init_device_mesh(device, (pp, dp), "
-                f"mesh_dim_names=('pp', 'dp')))"
+                f"mesh has dimensions {names}; Pipeline needs one named 'pp' and, optionally, "
+                f"'dp' (data parallel) and 'tp' (tensor parallel, applied to the stages by "
+                f"the user): init_device_mesh(device, (pp, dp, tp), "
+                f"mesh_dim_names=('pp', 'dp', 'tp'))"
             )
         get_group = mesh.get_group
-        pp_group, dp_group = get_group("pp"), (get_group("dp") if "dp" in names else None)
+        pp_group = get_group("pp")
+        if "dp" in names:
+            dp_group, dp_mesh = get_group("dp"), mesh["dp"]  # type: ignore[index]
+        if "tp" in names:
+            tp_size = int(mesh["tp"].size())  # type: ignore[index]
     elif initialised and isinstance(mesh, dist.ProcessGroup):
         pp_group = mesh
     else:
         raise PipelineError(
-            f"mesh must be a DeviceMesh (dims 'pp' and optionally 'dp'), a ProcessGroup of "
+            f"mesh must be a DeviceMesh (dims 'pp' and optionally 'dp', 'tp'), a ProcessGroup of "
             f"torch.distributed (initialised), 'local' or None; got {type(mesh).__name__}"
         )
     if not initialised:
         return Where(False, 0, 1)
     world_size = dist.get_world_size(pp_group)
     if world_size == 1:
-        return Where(False, 0, 1, dp_group=dp_group)
+        return Where(False, 0, 1, dp_group=dp_group, dp_mesh=dp_mesh, tp_size=tp_size)
     rank = dist.get_rank(pp_group)
-    return Where(True, rank, world_size, pp_group, dp_group)
+    return Where(True, rank, world_size, pp_group, dp_group, dp_mesh, tp_size)
 
 
 def replica_reducer(

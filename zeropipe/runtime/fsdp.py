@@ -78,6 +78,9 @@ class ShardedReducer(GradReducer):
             order every pipeline rank lists them (before sharding).
         sum_over_pp: sums tensors in place over the pipeline group.
         device: where the stages compute.
+        mesh: the DeviceMesh to shard over (a "dp" dimension of the user's mesh, which
+            FSDP2 needs when the parameters are tensor-parallel DTensors on its "tp"
+            dimension); None: one built from the replicas' group.
     """
 
     def __init__(
@@ -89,6 +92,7 @@ class ShardedReducer(GradReducer):
         shared: Sequence[nn.Parameter],
         sum_over_pp: Callable[[list[Tensor]], None],
         device: torch.device,
+        mesh: object | None = None,
     ) -> None:
         super().__init__(replicas.endpoint, {})
         missing = _compat.fsdp_missing()
@@ -105,7 +109,8 @@ class ShardedReducer(GradReducer):
         self.sum_over_pp = sum_over_pp
         self.shared_shapes = [tuple(p.shape) for p in shared]
         self.shared_dtypes = [p.dtype for p in shared]
-        mesh = DeviceMesh.from_group(replicas.group, device.type)  # type: ignore[arg-type]
+        if mesh is None:
+            mesh = DeviceMesh.from_group(replicas.group, device.type)  # type: ignore[arg-type]
         # Where each shared parameter lives in this rank's stages, by name: sharding
         # replaces the parameter objects, the names stay.
         where: dict[int, tuple[nn.Module, str]] = {}

@@ -241,6 +241,7 @@ class Pipeline:
                 self.shared,
                 self.transport.reduce_shared,
                 self.device or next((p.device for p in self.parameters()), torch.device("cpu")),
+                where.dp_mesh,
             )
             self.replicas.reducer = self.sharded
             self.shared = []  # their shards are summed over the pipeline ranks by the reducer

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["LAYERS", "GPTConfig", "gpt", "gpt_layers", "lm_loss"]
+__all__ = ["LAYERS", "GPTConfig", "gpt", "gpt_layers", "lm_loss", "parallelize_gpt"]
 
 #: What the layers (entries of the ``nn.Sequential``, the unit a cut counts) of
 #: :func:`gpt` are, for messages that count them: a block is two layers.
@@ -60,19 +60,28 @@ class Attention(nn.Module):
         super().__init__()
         self.heads = cfg.heads
         self.ln1 = nn.LayerNorm(cfg.width)
-        self.qkv = nn.Linear(cfg.width, 3 * cfg.width)
+        # Separate projections, so that tensor parallelism can give each rank whole heads
+        # of all three by cutting each weight's rows (parallelize_gpt).
+        self.q = nn.Linear(cfg.width, cfg.width)
+        self.k = nn.Linear(cfg.width, cfg.width)
+        self.v = nn.Linear(cfg.width, cfg.width)
         self.proj = nn.Linear(cfg.width, cfg.width)
         self.drop = nn.Dropout(cfg.dropout)
         self.p = cfg.dropout
 
     def forward(self, x: Tensor) -> Tensor:
         b, t, c = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        h = self.ln1(x)
+        # -1 heads: under tensor parallelism a rank holds heads / tp of them, whole.
+        q, k, v = (z(h).view(b, t, -1, c // self.heads).transpose(1, 2) for z in self.qkv)
         a = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.p if self.training else 0.0
         )
-        return x + self.drop(self.proj(a.transpose(1, 2).reshape(b, t, c)))
+        return x + self.drop(self.proj(a.transpose(1, 2).reshape(b, t, -1)))
+
+    @property
+    def qkv(self) -> tuple[nn.Linear, nn.Linear, nn.Linear]:
+        return (self.q, self.k, self.v)
 
 
 class MLP(nn.Module):
@@ -139,3 +148,36 @@ def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
     and pass ``Pipeline(loss_count=...)`` (see :mod:`zeropipe.runtime.loss`).
     """
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def parallelize_gpt(model: nn.Sequential, tp_mesh: object) -> None:
+    """Tensor parallelism (Megatron's layout) on :func:`gpt`'s blocks over ``tp_mesh`` (1-D).
+
+    Per attention, q, k and v are cut by columns (each rank: heads / tp whole heads) and
+    the output projection by rows; per MLP, up by columns and down by rows: two
+    all-reduces per block forward, two backward.  Embeddings, LayerNorms and the head
+    stay replicated (the loss runs on whole logits).  Raises ``ValueError`` when the
+    heads or the MLP width do not divide by the mesh's size.
+    """
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    tp = int(tp_mesh.size())  # type: ignore[attr-defined]
+    for layer in model:
+        if isinstance(layer, Attention):
+            if layer.heads % tp:
+                raise ValueError(
+                    f"tensor parallelism {tp} must divide the GPT's {layer.heads} heads: pick "
+                    f"--tp among the divisors of {layer.heads}"
+                )
+            plan = {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel()}
+            parallelize_module(layer, tp_mesh, {**plan, "proj": RowwiseParallel()})  # type: ignore[arg-type]
+        elif isinstance(layer, MLP):
+            parallelize_module(
+                layer,
+                tp_mesh,  # type: ignore[arg-type]
+                {"up": ColwiseParallel(), "down": RowwiseParallel()},
+            )

@@ -109,8 +109,11 @@ class ShardedReducer(GradReducer):
         self.sum_over_pp = sum_over_pp
         self.shared_shapes = [tuple(p.shape) for p in shared]
         self.shared_dtypes = [p.dtype for p in shared]
-        if mesh is None:
-            mesh = DeviceMesh.from_group(replicas.group, device.type)  # type: ignore[arg-type]
+        dp_mesh = (
+            mesh
+            if isinstance(mesh, DeviceMesh)
+            else DeviceMesh.from_group(replicas.group, device.type)  # type: ignore[arg-type]
+        )
         # Where each shared parameter lives in this rank's stages, by name: sharding
         # replaces the parameter objects, the names stay.
         where: dict[int, tuple[nn.Module, str]] = {}
@@ -125,7 +128,7 @@ class ShardedReducer(GradReducer):
         self.reduced_at: dict[int, int] = {}  # unit index -> the stage whose REDUCE_GRAD runs it
         for group in _connected(stages):
             unit = _Unit([stages[s].module for s in group])
-            fully_shard(unit, mesh=mesh, reshard_after_forward=False)
+            fully_shard(unit, mesh=dp_mesh, reshard_after_forward=False)
             # The loss weights are global shares already: the reduce-scatter must SUM.
             unit.set_gradient_divide_factor(1.0)  # type: ignore[operator]
             unit.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]

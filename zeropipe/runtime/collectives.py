@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from zeropipe.base.storage import local_tensor
 from zeropipe.runtime.wire import DTYPES, dtype_code
 from zeropipe.runtime.works import Endpoint, Label
 
@@ -147,9 +148,13 @@ def _shared_loss(loss: Tensor | None, known: Tensor) -> Tensor | None:
 
 
 def flatten(tensors: Sequence[Tensor]) -> list[tuple[list[Tensor], Tensor]]:
-    """``tensors`` grouped by (dtype, device), each group with one flat copy of it."""
+    """``tensors`` grouped by (dtype, device), each group with one flat copy of it.
+
+    A DTensor (a tensor-parallel gradient) takes part as its local shard: the
+    peers of a data-parallel or pipeline group hold the same shard of it.
+    """
     groups: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
-    for t in tensors:
+    for t in map(local_tensor, tensors):
         groups.setdefault((t.dtype, t.device), []).append(t)
     return [(ts, torch.cat([t.reshape(-1) for t in ts])) for ts in groups.values()]
 
@@ -189,7 +194,7 @@ def grad_norm(
     one process holds them all); ``rank`` is this process's among ``ranks``.
     """
     if norm_type == math.inf:
-        maxima = [g.abs().max().double() for g in grads if g.numel()]
+        maxima = [_whole(g.abs().max()).double() for g in grads if g.numel()]
         part = torch.stack(maxima).max().cpu() if maxima else torch.zeros((), dtype=torch.float64)
         if sum_over_ranks is None:
             return part
@@ -197,7 +202,7 @@ def grad_norm(
         spread[rank] = part
         sum_over_ranks([spread])
         return spread.max()
-    norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float64) for g in grads]
+    norms = [_whole(torch.linalg.vector_norm(g, norm_type, dtype=torch.float64)) for g in grads]
     part = (
         torch.stack(norms).pow(norm_type).sum().cpu()
         if norms
@@ -206,3 +211,10 @@ def grad_norm(
     if sum_over_ranks is not None:
         sum_over_ranks([part])
     return part ** (1.0 / norm_type)
+
+
+def _whole(t: Tensor) -> Tensor:
+    """A plain tensor: a DTensor (a tensor-parallel or FSDP gradient's norm) gathered over its
+    mesh, so that every rank of the mesh holds the whole parameter's norm."""
+    full = getattr(t, "full_tensor", None)
+    return full() if callable(full) else t

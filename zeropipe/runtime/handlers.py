@@ -44,12 +44,29 @@ class BoundaryMeta:
 
     def check(self, stage: int, mb: int, tensors: Sequence[Tensor]) -> None:
         got = tuple((tuple(t.shape), t.dtype) for t in tensors)
+        if (stage, mb) not in self._known:
+            _refuse_dtensors(stage, tensors)
         expected = self._known.setdefault((stage, mb), got)
         if got != expected:
             raise PipelineError(
                 f"stage {stage} microbatch {mb}: boundary output mismatch: expected "
                 f"{_describe(expected)}, got {_describe(got)} (shapes and dtypes crossing a stage "
                 f"boundary must stay the same from step to step)"
+            )
+
+
+def _refuse_dtensors(stage: int, tensors: Sequence[Tensor]) -> None:
+    """A stage boundary carries plain tensors: a DTensor output is refused, naming the fix."""
+    for k, t in enumerate(tensors):
+        placements = getattr(t, "placements", None)
+        if placements is not None:
+            raise PipelineError(
+                f"stage {stage} returned a DTensor (output {k}, placements {tuple(placements)}); "
+                f"stage boundaries carry this rank's plain tensor: let the stage's last parallel "
+                f"style return its local shard (use_local_output=True, e.g. "
+                f"RowwiseParallel(output_layouts=Shard(1), use_local_output=True)) and the next "
+                f"stage's first rebuild it (SequenceParallel, ColwiseParallel(input_layouts="
+                f"Shard(1)) or PrepareModuleInput do)"
             )
 
 

@@ -35,6 +35,7 @@ from zeropipe.base.storage import (
     StorageKey,
     as_bytes,
     distinct_bytes,
+    local_tensor,
     movable,
     same_storage,
     storage_key,
@@ -85,6 +86,30 @@ class _ParamView:
         return view_bytes(as_bytes(self.param), self.dtype, self.offset, self.size, self.stride)
 
 
+class _Shard:
+    """A saved DTensor whose local shard was packed (``inner``): rebuilt around it on unpack.
+
+    Holds the DTensor's layout, not the DTensor, which would keep the shard alive.
+    """
+
+    __slots__ = ("inner", "mesh", "placements", "shape", "stride")
+
+    def __init__(self, inner: Any, t: Tensor) -> None:
+        self.inner = inner
+        self.mesh = t.device_mesh  # type: ignore[attr-defined]
+        self.placements = tuple(t.placements)  # type: ignore[attr-defined]
+        self.shape, self.stride = t.shape, t.stride()
+
+    def rebuild(self, local: Tensor) -> Tensor:
+        from torch.distributed.tensor import DTensor
+
+        with torch.no_grad():
+            return DTensor.from_local(
+                local.detach(), self.mesh, self.placements,
+                run_check=False, shape=self.shape, stride=self.stride,
+            )  # fmt: skip
+
+
 class SavedActivations:
     """Every tensor one (stage, microbatch)'s forward saved for its backward.
 
@@ -128,6 +153,10 @@ class SavedActivations:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _pack(self, t: Tensor) -> Any:
+        local = local_tensor(t)
+        if local is not t:  # a DTensor (tensor parallelism): its local shard moves
+            inner = self._pack(local)
+            return t if inner is local else _Shard(inner, t)
         if not movable(t):
             return t
         key = storage_key(t)
@@ -143,6 +172,8 @@ class SavedActivations:
     def _unpack(self, handle: Any) -> Tensor:
         if isinstance(handle, Tensor):
             return handle
+        if isinstance(handle, _Shard):
+            return handle.rebuild(self._unpack(handle.inner))
         if isinstance(handle, _ParamView):
             return handle.get()
         if handle.tensor is not None:
@@ -246,6 +277,15 @@ class StageWeights:
         params: dict[int, nn.Parameter] = {}
         for p in parameters:
             params.setdefault(id(p), p)
+        sharded = [p for p in params.values() if local_tensor(p) is not p]
+        if sharded:
+            raise PipelineError(
+                f"stage {self.index} holds {len(sharded)} DTensor parameter(s) (tensor "
+                f"parallelism or FSDP); weight offload moves plain tensors' storages and cannot "
+                f"move a DTensor's shard yet: drop the weight OFFLOAD/RELOAD actions of this "
+                f"stage (offload activations instead, or shard the weights with "
+                f"RuntimeOptions(dp_shard=True))"
+            )
         others = {id(p) for p in shared}
         tied = [p for k, p in params.items() if k in others]
         if tied:

@@ -294,14 +294,15 @@ class Pipeline:
         is taken over the gradients of every stage on every pipeline rank (a
         parameter shared by several stages, such as a tied embedding, counted
         once), after the step has summed them across data-parallel replicas,
-        so every rank and replica computes the same norm and scales alike.
+        so every rank and replica computes the same norm and scales alike.  A DTensor
+        gradient (tensor parallelism, dp_shard) counts as the whole parameter's.
         Returns that norm (a float64 scalar on every rank).
         """
-        if self.sharded is not None:
+        if self.sharded is not None and self.sharded.shared_shapes:
             raise PipelineError(
-                "clip_grad_norm_ with dp_shard=True is not supported yet: the gradients are "
-                "DTensor shards; use torch.nn.utils.clip_grad_norm_ on pipe.parameters() per "
-                "pipeline rank only if the stages share no parameter"
+                "clip_grad_norm_ with dp_shard=True and parameters shared across pipeline "
+                "ranks (tied embeddings) is not supported yet: untie them, or clip without "
+                "dp_shard"
             )
         counted = self.parameters()
         if self.distributed and self.shared:
@@ -389,11 +390,15 @@ class Pipeline:
         try:
             return self._run_step(inputs, target, training)
         except BaseException as exc:
+            # A lost tensor-parallel peer: the error to raise is its, recorded before it left.
+            cause = self.transport.culprit(exc)
             # Peers may be blocked on this rank; the transport tells them why it stopped.
-            self.transport.fail(exc)
+            self.transport.fail(exc if cause is None else cause)
             if self.replicas is not None:
-                self.replicas.fail(exc)
+                self.replicas.fail(exc if cause is None else cause)
             restore_grads(before)
+            if cause is not None:
+                raise cause from exc
             raise
 
     def _run_step(

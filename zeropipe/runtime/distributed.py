@@ -266,6 +266,9 @@ class DistributedTransport:
         self._failures.usable()
         collectives.all_reduce(self._endpoint, grads)
 
+    def culprit(self, error: BaseException) -> BaseException | None:
+        return self._failures.culprit(error)
+
     def fail(self, error: BaseException) -> None:
         self._failures.record(error)
         _FAILED_STEPS.append((self._recvs, self._sends, self._heard))

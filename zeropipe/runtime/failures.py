@@ -69,13 +69,19 @@ class PeerFailures:
         group_name: the process group's name ("world" for the default group).
     """
 
-    def __init__(self, rank: int, store: Any, group_name: str) -> None:
+    def __init__(
+        self, rank: int, store: Any, group_name: str, world_rank: int | None = None
+    ) -> None:
         self.rank = rank
+        self.world_rank = rank if world_rank is None else world_rank
         self._store = store
         self.number: int = self.store_call(
             lambda: store.add(f"zeropipe/{group_name}/pipelines{rank}", 1)
         )
         self._key = f"zeropipe/{group_name}/pipeline{self.number}"
+        # The n-th pipeline of every process, whatever its group: where a failure is seen
+        # by processes of other pipeline groups (the same stage's tensor-parallel peers).
+        self._world_key = f"zeropipe/world/pipeline{self.number}"
         self.broken: str | None = None  # why the transport can no longer be used
         self._relayed: BaseException | None = None  # raised on a peer's behalf
         self._lost: tuple[BaseException, dict[str, Any]] | None = None
@@ -112,8 +118,32 @@ class PeerFailures:
             # The first failure recorded wins: it is the cause, later ones are echoes.
             if self._store.add(f"{self._key}/failures", 1) == 1:
                 self._store.set(f"{self._key}/error", json.dumps(record))
+            if not record["lost"] and self._store.add(f"{self._world_key}/failures", 1) == 1:
+                mine = {**record, "rank": self.world_rank}
+                self._store.set(f"{self._world_key}/error", json.dumps(mine))
         except Exception:
             pass  # the store is gone too: peers see their connections drop or time out
+
+    def culprit(self, error: BaseException) -> PipelineError | None:
+        """The failure of another process that ``error`` echoes, if any.
+
+        A collective outside the pipeline's transport (tensor parallelism's, inside a
+        stage's forward or backward) fails with a lost connection when a peer process
+        fails and exits; the peer recorded why first, under the world-wide key.
+        """
+        if not any(w.lower() in str(error).lower() for w in _LOST_WORDS):
+            return None
+        key = f"{self._world_key}/error"
+        try:
+            if not self._store.check([key]):
+                return None
+            record = json.loads(self._store.get(key))
+        except Exception:
+            return None
+        origin = int(record["rank"])
+        if origin == self.world_rank:
+            return None
+        return _relay(f"global rank {origin} failed: {record['message']}", origin)
 
     def check(self) -> None:
         """Raise the failure a peer (or the launcher) recorded, if any."""

@@ -256,6 +256,9 @@ class OrderedTransport:
         self._failures.usable()
         collectives.all_reduce(self._endpoint, grads)
 
+    def culprit(self, error: BaseException) -> BaseException | None:
+        return self._failures.culprit(error)
+
     def fail(self, error: BaseException) -> None:
         self._failures.record(error)
         self._clear_step()

@@ -64,6 +64,10 @@ class Transport(Protocol):
         Called by the pipeline before it re-raises; must not raise itself.
         """
 
+    def culprit(self, error: BaseException) -> BaseException | None:
+        """The failure of another process that ``error`` only echoes (a lost connection in a
+        collective outside the transport, such as tensor parallelism's), if one was recorded."""
+
 
 class LocalTransport:
     """Every rank in one process: sends are hand-offs into a mailbox, nothing is copied."""
@@ -109,3 +113,6 @@ class LocalTransport:
 
     def fail(self, error: BaseException) -> None:
         return None  # one process: nobody else is waiting
+
+    def culprit(self, error: BaseException) -> BaseException | None:
+        return None  # one process: no other process to fail

@@ -492,7 +492,7 @@ def connect(rank: int, group: Any | None, timeout: float, *, agree: bool = False
         raise PipelineError(f"timeout must be positive, got {timeout}")
     name = str(getattr(group, "group_name", "world")) if group is not None else "world"
     store = _compat.rendezvous_store()
-    failures = PeerFailures(rank, store, name)
+    failures = PeerFailures(rank, store, name, world_rank=dist.get_rank())
     endpoint = Endpoint(rank, group, failures, float(timeout))
     if agree:
         key = f"zeropipe/{name}/pipeline{failures.number}/agreement"

@@ -404,7 +404,9 @@ def _measured_cut(
             f"{type(model).__name__} has {layers} decoder layer(s), too few for {num_stages} "
             f"stages; use fewer stages (ranks x chunks) or a deeper model"
         )
-    cut = _agreed(lambda: _time_and_cut(model, build, layers, num_stages, sample_len))
+    # A tensor-parallel model's layers run collectives over "tp": every rank times them.
+    everywhere = any(_is_dtensor(p) for p in model.parameters())
+    cut = _agreed(lambda: _time_and_cut(model, build, layers, num_stages, sample_len), everywhere)
     return _checked_cut(cut, layers, num_stages)
 
 
@@ -452,12 +454,20 @@ def _timed(module: nn.Module, x: Tensor, repeat: int = 3) -> float:
     return sorted(times[1:])[repeat // 2]
 
 
-def _agreed(compute: Callable[[], list[int]]) -> list[int]:
-    """Rank 0's result in a distributed job (measured times differ between processes)."""
+def _is_dtensor(t: Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _agreed(compute: Callable[[], list[int]], everywhere: bool = False) -> list[int]:
+    """Rank 0's result in a distributed job (measured times differ between processes);
+    ``everywhere``: every rank computes (the computation runs collectives), rank 0's is kept."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return compute()
-    box: list[Any] = [compute() if dist.get_rank() == 0 else None]
+    mine = compute() if everywhere or dist.get_rank() == 0 else None
+    box: list[Any] = [mine if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     return list(box[0])

@@ -1,0 +1,181 @@
+"""``zeropipe.parallelize``: HF models tensor-parallel inside a pipeline, exactly the model's own.
+
+The gradient checks are one 4-process gloo launch (tests/adapters/tp_cases.py: tp 2
+inside pp 2, Llama, Qwen2 and Qwen3 under 1f1b and zbv, with and without sequence
+parallelism, both orders of split and parallelize), compared here with the unsplit,
+unparallel model in float64 to 1e-10.  The refusals that need no processes run here.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+from unittest import mock
+
+import pytest
+from torch import Tensor, nn
+
+pytest.importorskip(
+    "transformers", reason="the HF adapter needs transformers: pip install -e '.[hf]'"
+)
+
+import zeropipe
+from tests.adapters import hf_cases, tp_cases
+from tests.gradcheck import no_crash
+from zeropipe.core.errors import PipelineError
+
+TOL = 1e-10
+COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+ROWWISE = ("o_proj", "down_proj")
+
+
+@functools.cache
+def _reference(arch: str, tied: bool) -> list[tuple[float, dict[str, Tensor]]]:
+    return tp_cases.reference(arch, tied)
+
+
+def _case_results(key: str) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    results = tp_cases.results()
+    out = []
+    for r in results:
+        got = r["cases"][key]
+        no_crash(got, f"{key} on pp rank {r['pp']}, tp rank {r['tp']}")
+        out.append((r, got))
+    return out
+
+
+@pytest.mark.parametrize("key", sorted(tp_cases.CASES))
+def test_tensor_parallel_pipeline_gives_the_models_own_loss_and_gradients(key: str) -> None:
+    arch, tied, *_ = tp_cases.CASES[key]
+    refs = _reference(arch, tied)
+    names = set(dict(tp_cases.build(arch, tied).named_parameters()))
+    ranks = _case_results(key)
+    for step, (ref_loss, ref_grads) in enumerate(refs):
+        seen: set[str] = set()
+        for r, got in ranks:
+            where = f"{key} step {step} on pp {r['pp']} tp {r['tp']}"
+            mine = got["steps"][step]
+            assert abs(mine["loss"] - ref_loss) <= TOL, (where, mine["loss"], ref_loss)
+            for name, g in mine["grads"].items():
+                diff = (g - ref_grads[name]).abs().max().item()
+                assert diff <= TOL, f"{where}: {name} differs by {diff:.3g}"
+            seen |= set(mine["grads"])
+            # the gradients compared were computed tensor-parallel: sharded ones are DTensors
+            sharded = {n for n in mine["grads"] if got["layouts"][n] != "plain"}
+            assert sharded and set(mine["dtensor_grads"]) == sharded, (where, sharded)
+        assert seen == names, f"{key} step {step}: no gradient for {sorted(names - seen)}"
+
+
+@pytest.mark.parametrize("key", sorted(tp_cases.CASES))
+def test_the_plan_shards_projections_and_keeps_embedding_and_head_whole(key: str) -> None:
+    arch, _tied, _schedule, _order, sp = tp_cases.CASES[key]
+    for _r, got in _case_results(key):
+        layouts, local = got["layouts"], got["local_shapes"]
+        for name, placement in layouts.items():
+            leaf = name.split(".")[-2]
+            if leaf in COLWISE and name.endswith(".weight"):
+                assert placement == "Shard(0)", (key, name, placement)
+                assert local[name][0] * tp_cases.TP in (32, 16, 48), (key, name, local[name])
+            elif leaf in COLWISE:  # Qwen2's q/k/v biases
+                assert placement == "Shard(0)", (key, name, placement)
+            elif leaf in ROWWISE:
+                assert placement == "Shard(1)", (key, name, placement)
+                assert local[name][1] * tp_cases.TP in (32, 48), (key, name, local[name])
+            elif leaf in ("q_norm", "k_norm") or (sp and leaf.endswith("_layernorm")):
+                assert placement == "Replicate", (key, name, placement)
+            else:  # embedding, final norm, head; the layer norms without sequence parallelism
+                assert placement == "plain", (key, name, placement)
+        sharded = [n for n, pl in layouts.items() if pl.startswith("Shard")]
+        per_layer = 7 + (3 if arch == "qwen2" else 0)
+        assert len(sharded) == 4 * per_layer, (key, sharded)
+
+
+def test_refusals_inside_the_launch() -> None:
+    for r in tp_cases.results():
+        no_crash(r["refusals"], f"refusals on pp {r['pp']} tp {r['tp']}")
+        two_d, kv, twice, odd = r["refusals"]
+        assert "must be a 1-D DeviceMesh, got a 2-D mesh (dims 'pp', 'tp')" in two_d
+        assert "mesh['tp']" in two_d
+        assert "4 attention heads and 1 key/value heads" in kv and "2 'tp' ranks" in kv
+        assert "Qwen3DecoderLayer already holds DTensor parameters" in twice
+        assert "a decoder layer got 5 positions, which the 2 'tp' ranks" in odd
+
+
+# -- refusals in one process -------------------------------------------------------------
+def _fake_mesh(ndim: int = 1, size: int = 2) -> Any:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    mesh = mock.MagicMock(spec=DeviceMesh)
+    mesh.ndim = ndim
+    mesh.size.return_value = size
+    mesh.mesh_dim_names = ("pp", "tp")[:ndim] if ndim <= 2 else None
+    return mesh
+
+
+def _plain(model: nn.Module) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return not any(isinstance(p, DTensor) for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv", "size", "says"),
+    [
+        (4, 1, 2, "4 attention heads and 1 key/value heads"),
+        (6, 2, 4, "6 attention heads and 2 key/value heads"),
+        (4, 4, 8, "4 attention heads and 4 key/value heads"),
+    ],
+)
+def test_heads_not_divisible_by_tp_are_refused_before_anything_changes(
+    heads: int, kv: int, size: int, says: str
+) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model("llama", vocab_size=16, hidden_size=heads * 4, intermediate_size=8,
+                               num_hidden_layers=1, num_attention_heads=heads,
+                               num_key_value_heads=kv, head_dim=4)  # fmt: skip
+    model = AutoModelForCausalLM.from_config(cfg)
+    mesh = _fake_mesh(size=size)
+    with pytest.raises(PipelineError, match=f"{says}.*{size} 'tp' ranks.*use a tp size"):
+        zeropipe.parallelize(model, mesh)
+    with pytest.raises(PipelineError, match=says):
+        zeropipe.parallelize(zeropipe.split(model, 2, balance=[1, 0]), mesh)
+    assert _plain(model)
+
+
+def test_unsupported_families_are_refused_naming_the_supported_ones() -> None:
+    supported = "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"
+    gpt2 = hf_cases.build("gpt2", tied=False)
+    with pytest.raises(PipelineError, match=f"the Hugging Face model GPT2LMHeadModel.*{supported}"):
+        zeropipe.parallelize(gpt2, _fake_mesh())
+    with pytest.raises(PipelineError, match=f"GPT2Block.*{supported}"):
+        zeropipe.parallelize(zeropipe.split(gpt2, 2, balance=[2, 2]), _fake_mesh())
+    seq = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    with pytest.raises(PipelineError, match=f"Sequential.*{supported}"):
+        zeropipe.parallelize(seq, _fake_mesh())
+    with pytest.raises(PipelineError, match=f"Linear.*{supported}"):
+        zeropipe.parallelize(list(seq), _fake_mesh())
+    with pytest.raises(PipelineError, match="takes a Hugging Face causal LM or the list"):
+        zeropipe.parallelize([], _fake_mesh())
+    assert _plain(gpt2)
+
+
+@pytest.mark.parametrize(
+    ("mesh", "says"),
+    [
+        (None, "must be a 1-D DeviceMesh .*got NoneType"),
+        ("tp", "must be a 1-D DeviceMesh .*got str"),
+        (_fake_mesh(ndim=2), r"got a 2-D mesh \(dims 'pp', 'tp'\); pass its 'tp' dimension"),
+    ],
+    ids=["none", "str", "2-D"],
+)
+def test_a_tp_mesh_that_is_not_one_dimensional_is_refused(mesh: Any, says: str) -> None:
+    model = tp_cases.build("qwen3", tied=False)
+    with pytest.raises(PipelineError, match=says):
+        zeropipe.parallelize(model, mesh)
+    assert _plain(model)
+
+
+def test_parallelize_is_public_and_lazy() -> None:
+    assert "parallelize" in zeropipe.__all__
+    assert zeropipe.parallelize.__module__ == "zeropipe.adapters.tp"

@@ -1,0 +1,173 @@
+"""What each rank runs in the Hugging Face tensor-parallel test: tp 2 inside pp 2 (4 processes).
+
+One launch (``results``, cached for the test session) runs every case in turn inside
+the ranks: a small HF model built from a config (float64, eager attention, no
+dropout, 4 heads, 2 key/value heads), ``zeropipe.parallelize`` over ``mesh["tp"]``,
+two steps of a ``Pipeline`` over ``mesh``.  Each rank returns the loss and, by
+parameter name, the whole gradient (``full_tensor()`` of a DTensor's) of the
+parameters its stages own, and what ``parallelize`` made of each parameter; the test
+process compares them with the unsplit, unparallel model's (tests/adapters/test_hf_tp.py).
+
+The mesh is ("pp", "tp"): rank = pp * TP + tp.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+import zeropipe
+from tests.adapters import hf_cases
+from tests.runtime.dist_cases import guard
+from zeropipe.core.errors import PipelineError
+
+PP, TP = 2, 2
+WORLD = PP * TP
+MICROBATCHES = 3  # hf_cases.batch has 6 rows
+LAUNCH_TIMEOUT = 300.0
+VOCAB = 64  # hf_cases.batch draws ids below 64
+
+# name -> (arch, tied, schedule, order, sequence_parallel); order "stages": split, then
+# parallelize the stages; "model": parallelize the model, then split it (measured cut).
+CASES: dict[str, tuple[str, bool, str, str, bool]] = {
+    "llama 1f1b": ("llama", False, "1f1b", "stages", False),
+    "llama zbv model-first": ("llama", False, "zbv", "model", False),
+    "qwen3 1f1b tied": ("qwen3", True, "1f1b", "stages", False),
+    "qwen3 zbv tied": ("qwen3", True, "zbv", "stages", False),
+    "qwen2 1f1b": ("qwen2", False, "1f1b", "stages", False),
+    "llama 1f1b sp": ("llama", False, "1f1b", "stages", True),
+    "qwen3 zbv sp model-first": ("qwen3", False, "zbv", "model", True),
+}
+
+
+def build(arch: str, tied: bool, heads: int = 4, kv_heads: int = 2) -> nn.Module:
+    """A 4-layer model of ``arch`` (hidden 32, head_dim 8), the same on every process."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(
+        arch,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=4,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=8,
+        max_position_embeddings=32,
+        tie_word_embeddings=tied,
+        attention_dropout=0.0,
+    )
+    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float64, attn_implementation="eager")
+
+
+def reference(arch: str, tied: bool) -> list[tuple[float, dict[str, Tensor]]]:
+    """The unsplit, unparallel model's loss and gradients at each of ``hf_cases.STEPS``."""
+    model = build(arch, tied)
+    return [hf_cases.reference(model, *hf_cases.batch(step, seq)) for step, seq in hf_cases.STEPS]
+
+
+def layout(p: Tensor) -> str:
+    """``"plain"`` or the DTensor's placements, e.g. ``"Shard(0)"``, ``"Replicate"``."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if not isinstance(p, DTensor):
+        return "plain"
+    return ",".join(
+        f"Shard({pl.dim})" if isinstance(pl, Shard) else
+        "Replicate" if isinstance(pl, Replicate) else repr(pl)
+        for pl in p.placements
+    )  # fmt: skip
+
+
+def _grads(model: nn.Module) -> dict[str, Tensor]:
+    """This rank's gradients, whole, by name (the tp ranks of a pp rank gather alike)."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            g = p.grad
+            out[name] = g.full_tensor() if isinstance(g, DTensor) else g.detach().clone()
+    return out
+
+
+def _case(mesh: Any, arch: str, tied: bool, schedule: str, order: str, sp: bool) -> dict[str, Any]:
+    model = build(arch, tied)
+    chunks = 2 if schedule == "zbv" else 1
+    if order == "model":
+        zeropipe.parallelize(model, mesh["tp"], sequence_parallel=sp)
+        stages = zeropipe.split(model, PP * chunks)  # cut by time measured on every rank
+    else:
+        stages = zeropipe.split(model, PP * chunks, balance=[1] * 4 if chunks == 2 else [2, 2])
+        zeropipe.parallelize(stages, mesh["tp"], sequence_parallel=sp)
+    pipe = zeropipe.Pipeline(
+        stages,
+        schedule,
+        loss_fn=zeropipe.causal_lm_loss,
+        microbatches=MICROBATCHES,
+        mesh=mesh,
+        options=zeropipe.RuntimeOptions(timeout=60.0),
+    )
+    steps = []
+    for step, seq in hf_cases.STEPS:
+        model.zero_grad(set_to_none=True)
+        loss = pipe.step(*hf_cases.batch(step, seq))
+        distributed = sorted(n for n, p in model.named_parameters() if layout(p.grad) != "plain")
+        steps.append({"loss": loss.item(), "grads": _grads(model), "dtensor_grads": distributed})
+    layouts = {name: layout(p) for name, p in model.named_parameters()}
+    local = {name: list(p.to_local().shape) for name, p in model.named_parameters()
+             if layout(p) != "plain"}  # fmt: skip
+    return {"steps": steps, "layouts": layouts, "local_shapes": local}
+
+
+def _twice(mesh: Any) -> None:
+    model = build("qwen3", False)
+    zeropipe.parallelize(zeropipe.split(model, 2, balance=[2, 2]), mesh["tp"])
+    zeropipe.parallelize(model, mesh["tp"])
+
+
+def _odd_sequence(mesh: Any) -> None:
+    stages = zeropipe.split(build("llama", False), 2, balance=[2, 2])
+    zeropipe.parallelize(stages, mesh["tp"], sequence_parallel=True)
+    stages[0](torch.zeros(1, 5, dtype=torch.long))
+
+
+def _refusals(mesh: Any) -> list[str]:
+    """parallelize given the 2-D ("pp", "tp") mesh; 1 key/value head for 2 tp ranks; the
+    model parallelized again after its stages were; 5 positions under sequence parallelism."""
+    out = []
+    for make in (
+        lambda: zeropipe.parallelize(build("llama", False), mesh),
+        lambda: zeropipe.parallelize(build("llama", False, heads=4, kv_heads=1), mesh["tp"]),
+        lambda: _twice(mesh),
+        lambda: _odd_sequence(mesh),
+    ):
+        try:
+            make()
+            out.append("accepted")
+        except PipelineError as err:
+            out.append(str(err))
+    return out
+
+
+def cases(rank: int, world: int) -> dict[str, Any]:
+    """Everything the 4-process launch runs (per rank: its results)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (PP, TP), mesh_dim_names=("pp", "tp"))
+    out: dict[str, Any] = {"pp": mesh.get_local_rank("pp"), "tp": mesh.get_local_rank("tp")}
+    out["cases"] = {
+        key: guard(functools.partial(_case, mesh, *case)) for key, case in CASES.items()
+    }
+    out["refusals"] = guard(lambda: _refusals(mesh))
+    return out
+
+
+@functools.cache
+def results() -> list[dict[str, Any]]:
+    """``cases`` on 4 processes, launched once per test session."""
+    return zeropipe.launch(cases, WORLD, timeout=LAUNCH_TIMEOUT)

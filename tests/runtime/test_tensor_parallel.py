@@ -28,8 +28,8 @@ TOL = 1e-10
 
 
 @functools.cache
-def _reference(rows: int) -> tuple[float, dict[str, Tensor]]:
-    model = tp_cases.plain_model()
+def _reference(rows: int, kind: str = "tp") -> tuple[float, dict[str, Tensor]]:
+    model = tp_cases.plain_model(kind)
     x, y = tp_cases.batch(rows)
     loss = tp_cases.loss_fn(model(x), y)
     loss.backward()
@@ -38,7 +38,7 @@ def _reference(rows: int) -> tuple[float, dict[str, Tensor]]:
 
 def _check(results: list[dict[str, Any]], key: str, rows: int = 2 * tp_cases.M) -> None:
     """Both steps of ``key``: every rank the plain loss; each pipeline of ranks, every gradient."""
-    ref_loss, ref = _reference(rows)
+    ref_loss, ref = _reference(rows, "chain" if key.startswith("chain/") else "tp")
     owned: dict[tuple[int, ...], set[str]] = {}
     for out in results:
         case = out["grads"][key]
@@ -68,6 +68,11 @@ def test_every_generator_on_pp2_tp2_matches_the_plain_model_float64(name: str) -
 @pytest.mark.parametrize("name", ["1f1b", "zbv", "interleaved-zb"])
 def test_sequence_parallel_stages_send_their_shard_and_match_the_plain_model(name: str) -> None:
     _check(tp_cases.results(), f"sp/{name}/plain")
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zbv", "interleaved-zb"])
+def test_a_row_wise_output_feeding_the_next_block_directly_is_exact(name: str) -> None:
+    _check(tp_cases.results(), f"chain/{name}/plain")
 
 
 @pytest.mark.parametrize("kind", ["tp", "sp"])

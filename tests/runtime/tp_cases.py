@@ -14,6 +14,8 @@ Models (float64, no dropout: a mask drawn on a shard is not the plain model's):
 
     tp      residual blocks LayerNorm-Linear-GELU-Linear: the first Linear
             column-wise, the second row-wise; boundaries carry whole tensors
+    chain   blocks Linear-GELU-Linear without the residual: a row-wise output (an
+            AsyncCollectiveTensor) goes straight into the next block, or across a boundary
     sp      the same blocks with sequence parallelism: LayerNorm on sequence
             shards, column-wise from and row-wise back to sequence shards; the
             first block cuts the sequence, the last gathers it, so every
@@ -62,8 +64,17 @@ class Block(nn.Module):
         return x + self.down(F.gelu(self.up(self.norm(x))))
 
 
-def plain_model() -> nn.Sequential:
+def plain_model(kind: str = "tp") -> nn.Sequential:
+    """The unparallel model of ``kind``: ``chain`` has no residual, so a row-wise linear's
+    output (an AsyncCollectiveTensor) feeds the next block's column-wise one directly."""
     torch.manual_seed(2024)
+    if kind == "chain":
+        return nn.Sequential(
+            *[
+                nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.GELU(), nn.Linear(2 * WIDTH, WIDTH))
+                for _ in range(LAYERS)
+            ]
+        ).double()
     return nn.Sequential(*[Block(WIDTH) for _ in range(LAYERS)]).double()
 
 
@@ -90,7 +101,11 @@ def parallel_model(kind: str, tp_mesh: Any) -> nn.Sequential:
         parallelize_module,
     )
 
-    model = plain_model()
+    model = plain_model(kind)
+    if kind == "chain":
+        for block in model:
+            parallelize_module(block, tp_mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        return model
     if kind == "tp":
         for block in model:
             parallelize_module(block, tp_mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
@@ -188,6 +203,7 @@ def grid() -> list[tuple[str, str, str]]:
     """(model, schedule, variant) of the gradient cases."""
     out = [("tp", name, "plain") for name in sorted(GENERATORS) if supported(name, M)]
     out += [("sp", name, "plain") for name in ("1f1b", "zbv", "interleaved-zb")]
+    out += [("chain", name, "plain") for name in ("1f1b", "zbv", "interleaved-zb")]
     out += [(kind, name, "recompute") for kind in ("tp", "sp") for name in ("1f1b", "zbv")]
     out += [("tp", name, "offload") for name in ("1f1b", "zbv")]
     return out

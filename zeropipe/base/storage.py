@@ -40,12 +40,22 @@ StorageKey = tuple[torch.device, int]
 
 def local_tensor(t: Tensor) -> Tensor:
     """The plain tensor holding ``t``'s bytes in this process: a DTensor's local shard
-    (tensor parallelism, FSDP2), ``t`` itself otherwise.
+    (tensor parallelism, FSDP2), the tensor inside any other wrapper subclass of one
+    inner tensor (the AsyncCollectiveTensor a row-wise parallel linear returns), ``t``
+    itself otherwise.
 
-    A DTensor is a wrapper whose own storage is invalid; its bytes live in the shard.
+    A wrapper's own storage is invalid; its bytes live in the tensor it wraps.
     """
-    local = getattr(t, "_local_tensor", None)
-    return local if isinstance(local, Tensor) else t
+    while type(t) not in (Tensor, nn.Parameter):
+        inner = getattr(t, "_local_tensor", None)  # a DTensor
+        flatten = getattr(t, "__tensor_flatten__", None)
+        if not isinstance(inner, Tensor) and flatten is not None:
+            names = [n for n in flatten()[0] if isinstance(getattr(t, n, None), Tensor)]
+            inner = getattr(t, names[0]) if len(names) == 1 else None
+        if not isinstance(inner, Tensor) or inner is t:
+            return t
+        t = inner
+    return t
 
 
 def storage_key(t: Tensor) -> StorageKey:

@@ -154,7 +154,10 @@ class SavedActivations:
 
     def _pack(self, t: Tensor) -> Any:
         local = local_tensor(t)
-        if local is not t:  # a DTensor (tensor parallelism): its local shard moves
+        if local is not t:
+            if not hasattr(t, "device_mesh"):  # a wrapper other than a DTensor: kept
+                return t
+            # A DTensor (tensor parallelism): its local shard moves.
             inner = self._pack(local)
             return t if inner is local else _Shard(inner, t)
         if not movable(t):

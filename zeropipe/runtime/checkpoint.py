@@ -30,6 +30,19 @@ number of data-parallel replicas (every replica reads the same tensors).
 The optimizer's hyperparameters (lr, betas, ...) are the ones of the optimizer
 passed in; only its per-parameter state is restored.
 
+Tensor parallelism: parameters that ``parallelize_module`` made DTensors (and
+the optimizer's state for them) are stored as DCP stores a DTensor, each
+process of the tensor-parallel group writing its own shard of the global
+tensor; a tensor the group replicates (a LayerNorm's weight) is offered by
+each and written once (DCP keeps one copy of identical entries).  The keys,
+the shapes in the metadata and the checks on load are the global ones, so a
+checkpoint saved at one tensor-parallel degree loads at another, or into plain
+tensors (``tp`` 1, or :func:`consolidated_state_dict`): each process reads the
+part of every tensor that its own layout holds.  The processes of a
+tensor-parallel group save and load together even where the pipeline is one
+rank (:func:`saves_together`), and only the group's rank 0 finishes the folder
+(:func:`is_lead`).
+
 A checkpoint is never half-written.  DCP writes into ``.<name>.partial`` next
 to ``path``; once every rank's files exist (``dcp.save`` returns on rank 0
 after gathering every rank's writes) rank 0 writes ``manifest.json`` (the
@@ -76,8 +89,11 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import empty as dtensor_empty
 from torch.futures import Future
 
+from zeropipe.base.storage import local_tensor
 from zeropipe.runtime.checkpoint_folder import (
     CheckpointError,
     cannot_save,
@@ -94,8 +110,10 @@ from zeropipe.runtime.pipeline import Pipeline
 __all__ = [
     "StateNames",
     "consolidated_state_dict",
+    "is_lead",
     "load_checkpoint",
     "save_checkpoint",
+    "saves_together",
     "state_names",
 ]
 
@@ -112,6 +130,8 @@ class StateNames:
     (a tensor on stages of several ranks is written by the lowest);
     ``every``: the names of every stage's tensors, on whichever rank;
     ``aliases``: a tensor's other names (``lm_head.weight`` -> the embedding's).
+    Every process of a tensor-parallel group owns what its pipeline rank owns:
+    each writes its shard of a DTensor (see the module).
     """
 
     tensors: dict[str, Tensor]
@@ -177,6 +197,7 @@ def _state_to_save(
     optimizer: torch.optim.Optimizer | None,
     names: StateNames,
     extra: Any,
+    lead: bool,
 ) -> dict[str, Any]:
     state: dict[str, Any] = {
         _MODEL + n: t.detach() for n, t in names.tensors.items() if n in names.owned
@@ -192,9 +213,9 @@ def _state_to_save(
             if name in names.owned:
                 for k, v in values.items():
                     state[f"{_OPTIM}{name}.{k}"] = v.detach() if isinstance(v, Tensor) else v
-    if extra is not None and _is_lead(pipe):
+    if extra is not None and lead:
         state[_EXTRA] = extra
-    if _is_lead(pipe):
+    if lead:
         state[_STEPS] = pipe.steps_done
     return state
 
@@ -207,7 +228,19 @@ def _quiet() -> Iterator[None]:
         yield
 
 
-def _is_lead(pipe: Pipeline) -> bool:
+def is_lead(
+    pipe: Pipeline,
+    names: StateNames | None = None,
+    process_group: dist.ProcessGroup | None = None,
+) -> bool:
+    """Whether this process is the one that writes a checkpoint's manifest and moves it into
+    place: rank 0 of the processes that save together (see :func:`saves_together`).
+
+    Pipeline rank 0 of replica 0 is not enough: under tensor parallelism every process
+    of its tensor-parallel group is that, and two of them renaming the same folder race.
+    """
+    if saves_together(pipe, names) and dist.is_available() and dist.is_initialized():
+        return dist.get_rank(process_group) == 0
     return (not pipe.distributed or pipe.rank == 0) and pipe.dp_rank == 0
 
 
@@ -219,9 +252,19 @@ def _not_sharded(pipe: Pipeline) -> None:
         )
 
 
-def _collective(pipe: Pipeline) -> bool:
-    """Whether several processes save and load together (pipeline ranks or replicas)."""
-    return pipe.distributed or pipe.dp_size > 1
+def saves_together(pipe: Pipeline, names: StateNames | None = None) -> bool:
+    """Whether several processes save and load together: pipeline ranks, replicas, or the
+    processes of a tensor-parallel group (a stage's DTensors span them, even at pp 1)."""
+    if pipe.distributed or pipe.dp_size > 1:
+        return True
+    tensors = (names or state_names(pipe)).tensors.values()
+    return any(_mesh_size(t) > 1 for t in tensors)
+
+
+def _mesh_size(t: Tensor) -> int:
+    """How many processes a DTensor spans (1 for a plain tensor)."""
+    mesh = getattr(t, "device_mesh", None)
+    return int(mesh.size()) if isinstance(t, DTensor) and mesh is not None else 1
 
 
 class _Writer(dcp.FileSystemWriter):
@@ -281,10 +324,10 @@ def save_checkpoint(
             f"folder name, e.g. 'ckpt/step-40'"
         )
     tmp = partial_path(path)
-    distributed = _collective(pipe)
-    lead = _is_lead(pipe)
     names = state_names(pipe, model)
-    state = _state_to_save(pipe, optimizer, names, extra)
+    distributed = saves_together(pipe, names)
+    lead = is_lead(pipe, names, process_group)
+    state = _state_to_save(pipe, optimizer, names, extra, lead)
     json.dumps(dict(meta or {}))  # not serialisable: fail before anything is written
     error: str | None = None
     created = False
@@ -376,10 +419,33 @@ def _check_model_keys(path: Path, md: dict[str, Any], names: StateNames) -> None
             )
 
 
-def _template(entry: Any) -> Any:
-    if isinstance(entry, TensorStorageMetadata):
-        return torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
-    return None  # an object: DCP puts what it unpickles in its place
+def _template(entry: Any, like: Tensor | None = None) -> Any:
+    """Where DCP loads ``entry``: a tensor of its global size, laid out as the parameter
+    ``like`` when it is a DTensor of that size (the optimizer's moments of a
+    tensor-parallel weight), so each process reads only its own shard."""
+    if not isinstance(entry, TensorStorageMetadata):
+        return None  # an object: DCP puts what it unpickles in its place
+    size, dtype = tuple(entry.size), entry.properties.dtype
+    if isinstance(like, DTensor) and tuple(like.shape) == size:
+        return dtensor_empty(
+            size, dtype=dtype, device_mesh=like.device_mesh, placements=like.placements
+        )
+    return torch.empty(size, dtype=dtype)
+
+
+def _finite(t: Tensor) -> bool:
+    """No NaN or inf in what this process holds of ``t`` (a DTensor: its shard)."""
+    t = local_tensor(t)
+    return not t.is_floating_point() or bool(torch.isfinite(t).all())
+
+
+def _first_found(found: str | None, together: bool, group: dist.ProcessGroup | None) -> str | None:
+    """The lowest rank's finding, on every rank (``found`` alone when loading alone)."""
+    if not together:
+        return found
+    every: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, found, group=group)
+    return next((f for f in every if f is not None), None)
 
 
 def _dcp_load(
@@ -441,16 +507,18 @@ def load_checkpoint(
                 wanted[name] = [
                     k for k in md if k.startswith(prefix) and "." not in k[len(prefix) :]
                 ]
-                state.update({k: _template(md[k]) for k in wanted[name]})
+                state.update({k: _template(md[k], like=p) for k in wanted[name]})
     if _EXTRA in md:
         state[_EXTRA] = None
     if _STEPS in md:
         state[_STEPS] = 0
-    state = _dcp_load(state, path, process_group, no_dist=not _collective(pipe))
-    for name in names.tensors:
-        t = state[_MODEL + name]
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise CheckpointError(f"checkpoint {path} holds non-finite values in {name!r}")
+    together = saves_together(pipe, names)
+    state = _dcp_load(state, path, process_group, no_dist=not together)
+    # Each process sees its own shards only: any process's finding fails every one alike.
+    bad = next((n for n in names.tensors if not _finite(state[_MODEL + n])), None)
+    bad = _first_found(bad, together, process_group)
+    if bad is not None:
+        raise CheckpointError(f"checkpoint {path} holds non-finite values in {bad!r}")
     if optimizer is not None:
         _load_optimizer(optimizer, names, state, wanted, path, record.get("optimizer"))
     if _STEPS in state:  # dropout after the resume draws as an uninterrupted run would

@@ -14,7 +14,7 @@ import torch
 from zeropipe.apps import train_resume, train_state
 from zeropipe.apps.cli import main
 from zeropipe.apps.models.gpt import GPTConfig, gpt, lm_loss
-from zeropipe.apps.train import train, train_rank
+from zeropipe.apps.train import layout, train, train_rank
 from zeropipe.apps.train_config import TrainConfig
 from zeropipe.apps.train_setup import batch, build_model, load_corpus, loss_fn, model_layers
 from zeropipe.core.errors import PipelineError, ZeropipeError
@@ -457,6 +457,14 @@ def test_export_writes_the_model_that_gives_the_pipelines_loss(
         (["--width", "-4"], "--width must be >= 1, got -4"),
         (["--blocks", "-1"], "--blocks must be >= 1, got -1"),
         (["--memory-limit", "nan"], "--memory-limit must be a number > 0"),
+        (["--tp", "0"], "--tp must be >= 1 (1: no tensor parallelism), got 0"),
+        (
+            ["--tp", "3"],
+            "--tp 3 must divide the GPT's 4 attention heads (each process holds "
+            "whole heads); use --tp 1, 2 or 4",
+        ),
+        (["--model", "gpt2", "--tp", "2"], "tensor-parallel plan"),
+        (["--model", "llama", "--tp", "4"], "--tp 4 must divide the llama model's 2 key/value"),
     ],
 )
 def test_flags_the_ranks_would_trip_over_are_one_line_before_launching(
@@ -516,3 +524,32 @@ def test_resume_with_steps_not_above_the_checkpoint_says_so(
             f"zeropipe: error: --resume: the checkpoint is at step 2; --steps {steps} must be "
             f"above it to train more (checkpoint {tmp_path / 'checkpoints' / 'step-000002'})"
         )
+
+
+def test_tp_trains_the_one_process_losses_and_resumes_on_tp_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--ranks 2 --tp 2 (4 processes) trains as one process does; its checkpoint, whose
+    tensor-parallel weights and AdamW moments are stored as shards, resumes at --tp 1."""
+    full, moved = tmp_path / "full", tmp_path / "moved"
+    code, err = _cli(_small_argv(full, "--ranks", "1", "--steps", "4"), capsys)
+    assert code == 0, err
+    code, err = _cli(_small_argv(moved, "--ranks", "2", "--tp", "2", "--steps", "2"), capsys)
+    assert code == 0, err
+    manifest = train_state.verify(moved / "checkpoints")
+    assert manifest is not None and manifest.meta["config"]["tp"] == 2
+    argv = _small_argv(moved, "--ranks", "2", "--tp", "1", "--steps", "4", "--resume")
+    argv.remove("--quiet")  # the start-up line names the layout
+    capsys.readouterr()
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("zeropipe train: gpt on pp 2 x dp 1 x tp 1 = 2 processes, "), out
+    # steps 1..4, each once (_losses checks): the resumed run went on from step 3.
+    # float32: tensor parallelism sums each row-parallel product in two halves.
+    assert _losses(moved) == pytest.approx(_losses(full), rel=1e-5)
+    assert len(_losses(moved)) == 4
+
+
+def test_layout_names_every_dimension() -> None:
+    assert layout(TrainConfig(ranks=2, tp=2)) == "pp 2 x dp 1 x tp 2 = 4 processes"
+    assert layout(TrainConfig(ranks=1)) == "pp 1 x dp 1 x tp 1 = 1 process"

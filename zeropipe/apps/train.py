@@ -1,13 +1,15 @@
 """``zeropipe train``: a small GPT (or a Hugging Face causal LM) trained across pipeline ranks.
 
-One call of :func:`train` spawns ``ranks`` processes over gloo (or, under
-torchrun, runs as the rank it was started as), trains the GPT of
+One call of :func:`train` spawns ``ranks x dp x tp`` processes over gloo (or,
+under torchrun, runs as the rank it was started as; :func:`layout` says it in
+words and the run's first line prints it), trains the GPT of
 :mod:`zeropipe.apps.models.gpt` (``--model gpt``, the default) or a Hugging Face
 model of :mod:`zeropipe.apps.models.hf` cut by :func:`zeropipe.adapters.split.split`
 (``--model llama|qwen3|gpt2``, ``--model-config FILE.json``) on the generated
 corpus of :mod:`zeropipe.apps.data` (or the bytes of ``--data FILE``) under the
 chosen schedule -- :mod:`zeropipe.apps.train_setup` builds the model, its cut, its
-loss and its batches -- and leaves in ``--out``::
+loss and its batches; with ``--tp`` > 1 it is tensor-parallel over the "tp" dimension
+of a (pp, dp, tp) mesh -- and leaves in ``--out``::
 
     metrics.jsonl      one JSON object per step: step, loss, tokens_per_s, ...
     checkpoints/       the last complete checkpoints, in torch's distributed checkpoint
@@ -30,8 +32,8 @@ a non-interactive shell ignores SIGINT (POSIX), and so does the run: stop it
 with SIGTERM.  ``--resume``
 continues from the newest complete checkpoint, reading exactly the batches
 an uninterrupted run would have read, so its losses are the same -- also on
-another ``--ranks`` or ``--schedule`` (the checkpoint is keyed by the model's
-parameter names).  Before any rank starts, it checks the checkpoint's files
+another ``--ranks``, ``--dp``, ``--tp`` or ``--schedule`` (the checkpoint is keyed
+by the model's parameter names and holds each tensor at its global shape).  Before any rank starts, it checks the checkpoint's files
 against their sha256 and the settings it was saved with against the flags
 (:func:`check_resume`).  ``zeropipe export`` writes a checkpoint's model as
 one safetensors file.
@@ -66,13 +68,14 @@ from zeropipe.apps.train_setup import (
     load_corpus,
     loss_fn,
 )
+from zeropipe.base.storage import local_tensor
 from zeropipe.core.errors import PipelineError, ZeropipeError
 from zeropipe.core.ir import Schedule
 from zeropipe.core.simulate import Timeline
 from zeropipe.runtime.launch import SAME_STOP_S
 from zeropipe.runtime.pipeline import Pipeline, RuntimeOptions
 
-__all__ = ["run_cli", "train", "train_rank"]
+__all__ = ["layout", "processes", "run_cli", "train", "train_rank"]
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
@@ -89,27 +92,30 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         from zeropipe.runtime.launch import init_from_env
 
         rank, world = init_from_env(timeout=cfg.timeout)
-        if world % cfg.dp:
-            raise ZeropipeError(
-                f"torchrun started {world} processes, which --dp {cfg.dp} replicas cannot share"
-            )
-        if world != cfg.ranks * cfg.dp:
-            cfg.ranks = world // cfg.dp
+        if world % (cfg.dp * cfg.tp):
+            shared = f"--dp {cfg.dp} replicas" + (f" of --tp {cfg.tp}" if cfg.tp > 1 else "")
+            raise ZeropipeError(f"torchrun started {world} processes, which {shared} cannot share")
+        if world != cfg.ranks * cfg.dp * cfg.tp:
+            cfg.ranks = world // (cfg.dp * cfg.tp)
         if cfg.resume:
             check_resume(cfg, warn=rank == 0)
+        if rank == 0:
+            _announce(cfg)
         summary = train_rank(rank, world, cfg)
-    elif cfg.ranks * cfg.dp == 1:
+    elif processes(cfg) == 1:
         if cfg.resume:
             check_resume(cfg)
+        _announce(cfg)
         summary = train_rank(0, 1, cfg)
     else:
         from zeropipe.runtime.launch import launch
 
         if cfg.resume:
             check_resume(cfg)
+        _announce(cfg)
         results = launch(
             train_rank,
-            cfg.ranks * cfg.dp,
+            processes(cfg),
             cfg,
             timeout=cfg.timeout * 4 + cfg.steps * 5.0,
             threads=1,
@@ -120,6 +126,25 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     if summary.get("non_finite") is not None:
         raise ZeropipeError(train_resume.non_finite_message(summary["non_finite"], cfg))
     return summary
+
+
+def processes(cfg: TrainConfig) -> int:
+    """The processes a run takes: pipeline ranks x replicas x tensor-parallel processes."""
+    return cfg.ranks * cfg.dp * cfg.tp
+
+
+def layout(cfg: TrainConfig) -> str:
+    """The run's layout in words, e.g. 'pp 2 x dp 1 x tp 2 = 4 processes'."""
+    n = processes(cfg)
+    return f"pp {cfg.ranks} x dp {cfg.dp} x tp {cfg.tp} = {n} process{'es' * (n != 1)}"
+
+
+def _announce(cfg: TrainConfig) -> None:
+    """The start-up line: what trains, on which layout (rank 0 only; not under --quiet)."""
+    if cfg.quiet:
+        return
+    resumed = " (resuming)" if cfg.resume else ""
+    print(f"zeropipe train: {cfg.model} on {layout(cfg)}, schedule {cfg.schedule}{resumed}")
 
 
 def _check_out(out: str) -> None:
@@ -158,13 +183,15 @@ def _train(rank: int, world: int, cfg: TrainConfig, stop: _StopRequest) -> dict[
     lead = rank == 0
     corpus = load_corpus(cfg)
     schedule = Schedule.from_text(cfg.planned) if cfg.planned else cfg.build_schedule()
-    stages, cut, model = build_model(cfg, corpus.vocab, schedule.num_stages)
+    mesh = _mesh(cfg)
+    tp_mesh = mesh["tp"] if mesh is not None and cfg.tp > 1 else None
+    stages, cut, model = build_model(cfg, corpus.vocab, schedule.num_stages, tp_mesh)
     pipe = Pipeline(
         stages,
         schedule,
         loss_fn=loss_fn(cfg),
         balance=cut,
-        mesh=_mesh(cfg) if cfg.dp > 1 else (None if cfg.ranks > 1 else "local"),
+        mesh=mesh if mesh is not None else (None if cfg.ranks > 1 else "local"),
         options=RuntimeOptions(seed=cfg.seed, timeout=cfg.timeout),
     )
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=cfg.lr, weight_decay=0.0)
@@ -247,6 +274,7 @@ def _train(rank: int, world: int, cfg: TrainConfig, stop: _StopRequest) -> dict[
         "group_w": cfg.group_w,
         "ranks": cfg.ranks,
         "dp": cfg.dp,
+        "tp": cfg.tp,
         "steps_run": step - start,
         "last_step": step,
         "initial_eval_loss": initial_eval,
@@ -309,7 +337,8 @@ def _agree(values: list[int], world: int) -> list[int]:
 
 
 def _weights_finite(pipe: Pipeline) -> bool:
-    return all(bool(torch.isfinite(p).all()) for p in pipe.parameters())
+    # A tensor-parallel weight's shard: what this process would save (_agree asks every one).
+    return all(bool(torch.isfinite(local_tensor(p)).all()) for p in pipe.parameters())
 
 
 def _evaluate(pipe: Pipeline, corpus: Corpus, cfg: TrainConfig) -> float:
@@ -324,11 +353,19 @@ def _evaluate(pipe: Pipeline, corpus: Corpus, cfg: TrainConfig) -> float:
 
 
 def _mesh(cfg: TrainConfig) -> Any:
-    """The (pp, dp) mesh of a data-parallel run, pipeline outermost (as torchtitan's)."""
+    """The (pp, dp, tp) mesh of a data- or tensor-parallel run (None for a pipeline alone).
+
+    torchtitan's order: pipeline outermost, tensor parallelism innermost, so a
+    tensor-parallel group is consecutive ranks (one node under torchrun).
+    """
+    if cfg.dp == 1 and cfg.tp == 1:
+        return None
     from torch.distributed.device_mesh import init_device_mesh
 
     return init_device_mesh(
-        torch.device(cfg.device).type, (cfg.ranks, cfg.dp), mesh_dim_names=("pp", "dp")
+        torch.device(cfg.device).type,
+        (cfg.ranks, cfg.dp, cfg.tp),
+        mesh_dim_names=("pp", "dp", "tp"),
     )
 
 

@@ -37,7 +37,8 @@ class TrainConfig:
     model_config: str | None = None  # a Hugging Face config.json (with model set from it)
     data: str | None = None  # a UTF-8 text file (bytes as tokens); None: the generated corpus
     ranks: int = 2
-    dp: int = 1  # data-parallel replicas of the pipeline: ranks x dp processes
+    dp: int = 1  # data-parallel replicas of the pipeline
+    tp: int = 1  # tensor-parallel processes per pipeline rank: ranks x dp x tp processes
     clip: float | None = None  # clip the gradients' global norm to this
     microbatches: int = 8  # per replica
     batch_size: int = 16
@@ -264,6 +265,15 @@ def add_arguments(parser: Any) -> None:
         f"--ranks x --dp processes (default {d.dp})",
     )
     parser.add_argument(
+        "--tp",
+        type=int,
+        default=d.tp,
+        metavar="N",
+        help="tensor parallelism: each pipeline rank's layers cut across N processes "
+        "(Megatron's layout, whole attention heads each; N must divide the heads): "
+        f"--ranks x --dp x --tp processes (default {d.tp})",
+    )
+    parser.add_argument(
         "--clip",
         type=float,
         default=d.clip,
@@ -337,8 +347,8 @@ def add_arguments(parser: Any) -> None:
         action="store_true",
         help="continue from the newest complete checkpoint in --out, after checking its files' "
         "sha256; --microbatches, --batch-size, --seed, --lr, --width and --blocks must be "
-        "those it was saved with, while --ranks and --schedule (the layout), --steps (above "
-        "the checkpoint's step, to extend the run), --checkpoint-every, --timeout, --quiet, --device and the memory "
+        "those it was saved with, while --ranks, --dp, --tp and --schedule (the layout), --steps "
+        "(above the checkpoint's step, to extend the run), --checkpoint-every, --timeout, --quiet, --device and the memory "
         "flags (--group-w, --recompute, --offload, --memory-limit) may change",
     )
     parser.add_argument(

@@ -134,6 +134,7 @@ def print_summary(summary: dict[str, Any], out: Path) -> None:
         ),
         ("ranks", summary["ranks"]),
         *([("data-parallel replicas", summary["dp"])] if summary["dp"] > 1 else []),
+        *([("tensor parallel", summary["tp"])] if summary.get("tp", 1) > 1 else []),
         ("steps run", summary["steps_run"]),
         (
             "eval loss (start -> end)",

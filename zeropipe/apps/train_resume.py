@@ -8,7 +8,9 @@
 A checkpoint holds the model and the AdamW state by parameter name, the RNG
 state and the data position as the number of samples consumed (a layout-free
 number: the next batch is ``samples / batch_size``), so ``--resume`` may use
-another ``--ranks``, ``--schedule`` or chunking than the run that saved.
+another ``--ranks``, ``--dp``, ``--tp``, ``--schedule`` or chunking than the run
+that saved (tensor-parallel weights are stored at their global shapes, and
+resharded on load).
 Checkpoints of the older per-rank format still resume, on their own layout.
 
 The settings come as any dataclass with the fields of
@@ -47,8 +49,9 @@ __all__ = [
 # The rest may change: --steps (extend a run), --checkpoint-every, --timeout, --quiet,
 # --out (a moved folder), --device, how a step is executed (--group-w, --recompute,
 # --offload, --memory-limit), which changes memory and time, not the losses beyond
-# float rounding, and the layout (--schedule, --ranks, --dp): a DCP checkpoint is keyed
-# by the model's names, and each rank reads what its stages now need.
+# float rounding, and the layout (--schedule, --ranks, --dp, --tp): a DCP checkpoint is
+# keyed by the model's names and holds every tensor at its global shape (a tensor-parallel
+# weight as its shards), and each process reads what its stages now need, cut as it cuts them.
 _MUST_MATCH = (
     "model",
     "model_config",
@@ -66,7 +69,7 @@ _MUST_MATCH = (
     "clip",
 )
 # Older per-rank checkpoints fit only the layout they were saved from.
-_LAYOUT = ("schedule", "ranks")
+_LAYOUT = ("schedule", "ranks", "tp")
 # Settings that checkpoints recorded under another name: field -> the older key.
 _OLD_KEYS = {"blocks": "layers"}  # --layers counted blocks, and became --blocks
 # TrainConfig fields that the command line does not set (the Python API does).
@@ -130,7 +133,7 @@ def check_resume(cfg: Any, warn: bool = True) -> None:
     )
     layout = (
         " (a checkpoint in the older per-rank format resumes only on the layout that saved it)"
-        if {"--schedule", "--ranks"} & {flag for flag, _, _ in differ}
+        if {"--schedule", "--ranks", "--tp"} & {flag for flag, _, _ in differ}
         else ""
     )
     raise ZeropipeError(

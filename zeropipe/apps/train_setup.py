@@ -9,9 +9,10 @@ The training loop of :mod:`zeropipe.apps.train` asks this module for
     describe_layers(cfg, vocab)         those layers counted and named, for messages
     model_size(cfg, vocab)              its parameters and their bytes, without building it
     available_memory(), process_limit() what this machine can hold and start (check_model's)
-    build_model(cfg, vocab, stages)     the GPT of zeropipe.apps.models.gpt and its cut, or a
-                                        Hugging Face model (zeropipe.apps.models.hf) cut into
-                                        stages by zeropipe.adapters.split; and the model
+    build_model(cfg, vocab, stages,     the GPT of zeropipe.apps.models.gpt and its cut, or a
+                tp_mesh)                Hugging Face model (zeropipe.apps.models.hf) cut into
+                                        stages by zeropipe.adapters.split; and the model;
+                                        tensor-parallel over tp_mesh (--tp) when given
     loss_fn(cfg)                        the loss that model's outputs are scored with
     batch(corpus, cfg, step)            a step's inputs and targets, on --device
 
@@ -32,9 +33,23 @@ import torch
 
 from zeropipe.adapters.loss import causal_lm_loss
 from zeropipe.adapters.split import split
+from zeropipe.adapters.tp import TP_FAMILIES, parallelize
 from zeropipe.apps.data import Corpus
-from zeropipe.apps.models.gpt import LAYERS, GPTConfig, gpt, gpt_layers, lm_loss
-from zeropipe.apps.models.hf import PRESETS, build_hf, hf_config, with_blocks
+from zeropipe.apps.models.gpt import (
+    LAYERS,
+    GPTConfig,
+    gpt,
+    gpt_layers,
+    lm_loss,
+    parallelize_gpt,
+)
+from zeropipe.apps.models.hf import (
+    PRESETS,
+    build_hf,
+    hf_class_name,
+    hf_config,
+    with_blocks,
+)
 from zeropipe.core.errors import ZeropipeError
 from zeropipe.planning.balance import even_cut
 
@@ -73,7 +88,8 @@ class ModelSettings(Protocol):
     device: str
     seed: int
     ranks: int  # pipeline ranks (--ranks)
-    dp: int  # replicas of the pipeline (--dp): ranks x dp processes
+    dp: int  # replicas of the pipeline (--dp)
+    tp: int  # tensor-parallel processes per pipeline rank (--tp): ranks x dp x tp processes
 
 
 def check_model(cfg: ModelSettings) -> None:
@@ -91,7 +107,45 @@ def check_model(cfg: ModelSettings) -> None:
         )
     if cfg.model == "gpt" and cfg.width % cfg.heads:
         raise ZeropipeError(f"--width {cfg.width} must be a multiple of the {cfg.heads} heads")
+    _check_tp(cfg)
     _check_machine(cfg)
+
+
+def _divisors(n: int) -> str:
+    found = [str(d) for d in range(1, n + 1) if n % d == 0]
+    return ", ".join(found[:-1]) + f" or {found[-1]}" if len(found) > 1 else found[0]
+
+
+def _check_tp(cfg: ModelSettings) -> None:
+    """``--tp``: each tensor-parallel process holds whole attention heads (and, for a Hugging
+    Face model, zeropipe has a tensor-parallel plan for it)."""
+    if cfg.tp < 1:
+        raise ZeropipeError(f"--tp must be >= 1 (1: no tensor parallelism), got {cfg.tp}")
+    if cfg.tp == 1:
+        return
+    if cfg.model == "gpt":
+        heads, what = cfg.heads, "the GPT's"
+    else:
+        config = _hf_config(cfg, _vocab(cfg))
+        kind = hf_class_name(config, cfg.seed)
+        if kind not in TP_FAMILIES:
+            raise ZeropipeError(
+                f"--tp {cfg.tp} with --model {cfg.model}: zeropipe.parallelize has no "
+                f"tensor-parallel plan for {kind} (it has one for {', '.join(TP_FAMILIES)}); "
+                f"use --tp 1, or a model of those (--model llama or qwen3, or --model-config)"
+            )
+        heads, what = int(config.num_attention_heads), f"the {cfg.model} model's"
+        kv = int(getattr(config, "num_key_value_heads", None) or heads)
+        if kv % cfg.tp:  # grouped-query attention: fewer key/value heads to share out
+            raise ZeropipeError(
+                f"--tp {cfg.tp} must divide {what} {kv} key/value heads (each process holds "
+                f"whole heads); use --tp {_divisors(kv)}"
+            )
+    if heads % cfg.tp:
+        raise ZeropipeError(
+            f"--tp {cfg.tp} must divide {what} {heads} attention heads (each process holds "
+            f"whole heads); use --tp {_divisors(heads)}"
+        )
 
 
 def available_memory() -> int | None:
@@ -161,13 +215,18 @@ def _check_machine(cfg: ModelSettings) -> None:
     """Refuse, before anything is launched or built, what would only end when the kernel
     kills a rank: more processes than may run, more ranks than layers, or more memory than
     the machine has."""
-    world = cfg.ranks * cfg.dp
-    asked = f"--ranks {cfg.ranks}" + (f" x --dp {cfg.dp}" if cfg.dp != 1 else "")
+    world = cfg.ranks * cfg.dp * cfg.tp
+    asked = (
+        f"--ranks {cfg.ranks}"
+        + (f" x --dp {cfg.dp}" if cfg.dp != 1 else "")
+        + (f" x --tp {cfg.tp}" if cfg.tp != 1 else "")
+    )
     limit = process_limit()
     if limit is not None and world > limit:
+        fewer = "--ranks" + (", --dp or --tp" if cfg.dp * cfg.tp > 1 else "")
         raise ZeropipeError(
             f"{asked} would start {world} processes, more than this machine lets one user "
-            f"run (ulimit -u: {limit}); use fewer --ranks"
+            f"run (ulimit -u: {limit}); use fewer {fewer}"
         )
     vocab = _vocab(cfg)
     layers = model_layers(cfg, vocab)
@@ -184,15 +243,18 @@ def _check_machine(cfg: ModelSettings) -> None:
     count, model = model_size(cfg, vocab)
     # Every rank builds the whole model (its state_dict names the checkpoint's keys); the
     # gradients and AdamW's two moments of one replica's stages add up to the model three
-    # times, on the host unless the stages run on an accelerator.
+    # times (shared out among a tensor-parallel group, which holds one copy between them,
+    # less what stays replicated), on the host unless the stages run on an accelerator.
     state = 3 * model if torch.device(cfg.device).type == "cpu" else 0
 
     def need(ranks: int) -> int:
-        procs = ranks * cfg.dp + (ranks * cfg.dp > 1)  # and the launcher
+        procs = ranks * cfg.dp * cfg.tp
+        procs += procs > 1  # and the launcher
         # A tenth more for what is not counted: activations, transport buffers, allocator
         # slack.  A 1-rank GPT of 200 blocks peaks at 1.26x the rest, so the estimate stays
         # below what a run takes, and a refusal is never of a run that would have fitted.
-        return int(1.1 * (procs * PROCESS_BYTES + ranks * cfg.dp * model + cfg.dp * state))
+        built = (procs - (procs > 1)) * model
+        return int(1.1 * (procs * PROCESS_BYTES + built + cfg.dp * state))
 
     if need(cfg.ranks) <= free:
         return
@@ -275,10 +337,15 @@ def _balance(blocks: int, stages: int, per_block: int = 1) -> list[int]:
 
 
 def build_model(
-    cfg: ModelSettings, vocab: int, num_stages: int
+    cfg: ModelSettings, vocab: int, num_stages: int, tp_mesh: Any = None
 ) -> tuple[torch.nn.Sequential | list[torch.nn.Module], list[int] | None, torch.nn.Module]:
     """What the pipeline runs: the GPT and its cut, or a Hugging Face model's stages; and the
-    whole model, whose ``state_dict`` names are the checkpoint's keys whatever the cut."""
+    whole model, whose ``state_dict`` names are the checkpoint's keys whatever the cut.
+
+    ``tp_mesh`` (the 1-D "tp" mesh of ``--tp`` > 1): the whole model is made
+    tensor-parallel over it before it is cut -- the GPT by :func:`parallelize_gpt`,
+    a Hugging Face model by :func:`zeropipe.adapters.tp.parallelize` (Megatron's layout).
+    """
     if cfg.model == "gpt":
         gpt_cfg = GPTConfig(
             vocab=vocab,
@@ -291,9 +358,14 @@ def build_model(
         # The GPT's blocks are two layers each (attention, MLP).
         cut = _balance(cfg.blocks, num_stages, per_block=2)
         whole = gpt(gpt_cfg, seed=cfg.seed).to(cfg.device)
+        if tp_mesh is not None:
+            _parallelize(parallelize_gpt, whole, tp_mesh, cfg)
         return whole, cut, whole
     config = _hf_config(cfg, vocab)
     model = build_hf(config, cfg.seed).to(cfg.device)
+    if tp_mesh is not None:
+        # The whole model, before it is cut: the stages hold its own (now parallel) layers.
+        _parallelize(parallelize, model, tp_mesh, cfg)
     blocks = int(config.num_hidden_layers)
     # The GPT's cut with the embedding and head taken off: a fixed cut (not a measured
     # one), so that a checkpoint's stages fit the same run resumed.
@@ -304,6 +376,15 @@ def build_model(
     else:
         cut = [blocks]
     return split(model, num_stages, balance=cut), None, model
+
+
+def _parallelize(
+    plan: Callable[[Any, Any], Any], model: torch.nn.Module, tp_mesh: Any, cfg: ModelSettings
+) -> None:
+    try:
+        plan(model, tp_mesh)
+    except ValueError as exc:  # a size the plan cannot cut: check_model names the usual ones
+        raise ZeropipeError(f"--tp {cfg.tp}: {exc}") from None
 
 
 def loss_fn(cfg: ModelSettings) -> Callable[..., Any]:

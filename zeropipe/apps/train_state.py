@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from zeropipe.core.errors import ZeropipeError
-from zeropipe.runtime.checkpoint import consolidated_state_dict, save_checkpoint
+from zeropipe.runtime.checkpoint import consolidated_state_dict, is_lead, save_checkpoint
 from zeropipe.runtime.checkpoint_folder import FORMAT as DCP_FORMAT
 from zeropipe.runtime.checkpoint_folder import MANIFEST, CheckpointError, sha256_of
 from zeropipe.runtime.pipeline import Pipeline
@@ -198,7 +198,7 @@ def save_step(
         meta={**meta, "step": step},
         model=model,
     )
-    if not pipe.distributed or pipe.rank == 0:
+    if is_lead(pipe):  # one process: under --tp every process of pipeline rank 0 is rank 0
         point_latest(root, step, keep)
 
 

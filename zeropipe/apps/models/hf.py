@@ -21,7 +21,15 @@ from torch import nn
 
 from zeropipe.core.errors import ZeropipeError
 
-__all__ = ["ARCHITECTURES", "PRESETS", "build_hf", "hf_config", "read_model_config", "with_blocks"]
+__all__ = [
+    "ARCHITECTURES",
+    "PRESETS",
+    "build_hf",
+    "hf_class_name",
+    "hf_config",
+    "read_model_config",
+    "with_blocks",
+]
 
 PRESETS = ("llama", "qwen3", "gpt2")
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")  # model_type in a config file
@@ -135,6 +143,12 @@ def build_hf(config: Any, seed: int) -> nn.Module:
     finally:
         torch.random.set_rng_state(state)
     return model
+
+
+def hf_class_name(config: Any, seed: int) -> str:
+    """The class of the model ``config`` builds, without building it (one block, on meta)."""
+    with torch.device("meta"):
+        return type(build_hf(with_blocks(config, 1), seed)).__name__
 
 
 def _transformers(model: str) -> Any:

@@ -184,7 +184,27 @@ def _schedule(name: str, model: nn.Sequential, variant: str) -> Any:
 
 def _grad_case(mesh: Any, kind: str, name: str, variant: str = "plain",
                options: RuntimeOptions = OPTIONS) -> dict[str, Any]:  # fmt: skip
-    """Two steps: each step's loss and this rank's whole gradients."""
+    """Two steps: each step's loss and this rank's whole gradients (with activation offload:
+    also how many saved DTensors had their local shard moved and rebuilt)."""
+    from zeropipe.runtime import offload as offload_module
+
+    rebuilt = [0]
+    rebuild = offload_module._Shard.rebuild
+
+    def counted(self: Any, local: Tensor) -> Tensor:
+        rebuilt[0] += 1
+        return rebuild(self, local)
+
+    offload_module._Shard.rebuild = counted  # type: ignore[method-assign]
+    try:
+        out = _two_steps(mesh, kind, name, variant, options)
+    finally:
+        offload_module._Shard.rebuild = rebuild  # type: ignore[method-assign]
+    return {**out, "dtensors_moved": rebuilt[0]}
+
+
+def _two_steps(mesh: Any, kind: str, name: str, variant: str,
+               options: RuntimeOptions) -> dict[str, Any]:  # fmt: skip
     model = parallel_model(kind, mesh["tp"])
     x, y = batch()
     pipe = Pipeline(
@@ -202,9 +222,13 @@ def _grad_case(mesh: Any, kind: str, name: str, variant: str = "plain",
 def grid() -> list[tuple[str, str, str]]:
     """(model, schedule, variant) of the gradient cases."""
     out = [("tp", name, "plain") for name in sorted(GENERATORS) if supported(name, M)]
-    out += [("sp", name, "plain") for name in ("1f1b", "zbv", "interleaved-zb")]
+    out += [("sp", name, "plain") for name in sorted(GENERATORS) if supported(name, M)]
     out += [("chain", name, "plain") for name in ("1f1b", "zbv", "interleaved-zb")]
-    out += [(kind, name, "recompute") for kind in ("tp", "sp") for name in ("1f1b", "zbv")]
+    out += [
+        (kind, name, "recompute")
+        for kind in ("tp", "sp")
+        for name in ("1f1b", "zbv", "interleaved-zb")
+    ]
     out += [("tp", name, "offload") for name in ("1f1b", "zbv")]
     return out
 

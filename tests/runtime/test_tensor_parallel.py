@@ -120,8 +120,9 @@ def test_a_failing_tensor_parallel_rank_ends_every_rank_naming_it(p2p: str) -> N
     assert set(others) == {"0", "2", "3"}, text
     for rank, line in others.items():
         assert "injected failure on a tensor-parallel rank" in line, (rank, line)
+        assert f"rank 0 (process {tp_cases.FAILING}) failed in training step 0" in line, line
     # the tensor-parallel peer lost its collective, and names who failed, not itself
-    assert others["0"].startswith(f"global rank {tp_cases.FAILING} failed:"), others["0"]
+    assert others["0"].startswith(f"process {tp_cases.FAILING} failed:"), others["0"]
     # spawning 4 processes takes seconds; hanging would take the launch's whole timeout
     assert took < tp_cases.LAUNCH_TIMEOUT / 2, took
 

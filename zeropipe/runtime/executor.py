@@ -32,10 +32,20 @@ def _run(ctx: StepContext, rank: int, step: int, action: Action) -> Event:
         raise
     except Exception as exc:
         raise PipelineError(
-            f"rank {rank} failed in {_which_step(ctx)} at action {action} (position {step} of "
+            f"{_who(rank)} failed in {_which_step(ctx)} at action {action} (position {step} of "
             f"its schedule): {type(exc).__name__}: {exc}"
         ) from exc
     return Event(rank, step, action, start, time.perf_counter())
+
+
+def _who(rank: int) -> str:
+    """``rank 0``, and the process's own rank where that differs (a mesh with "dp" or "tp":
+    pipeline rank 0 of tensor-parallel rank 1 is process 1)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != rank:
+        return f"rank {rank} (process {dist.get_rank()})"
+    return f"rank {rank}"
 
 
 def _which_step(ctx: StepContext) -> str:

@@ -143,7 +143,7 @@ class PeerFailures:
         origin = int(record["rank"])
         if origin == self.world_rank:
             return None
-        return _relay(f"global rank {origin} failed: {record['message']}", origin)
+        return _relay(f"process {origin} failed: {record['message']}", origin)
 
     def check(self) -> None:
         """Raise the failure a peer (or the launcher) recorded, if any."""

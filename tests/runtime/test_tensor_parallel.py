@@ -144,10 +144,18 @@ def test_clip_grad_norm_counts_each_sharded_parameter_whole() -> None:
                 assert (grad - ref[name]).abs().max().item() <= TOL, (norm_type, name)
 
 
-def test_weight_offload_and_dtensor_boundaries_are_refused_naming_the_fix() -> None:
+def test_auto_plan_profiled_on_every_process_gives_every_tp_peer_one_plan() -> None:
+    _check(tp_cases.results(), "tp/auto/profiled")
+
+
+def test_weight_offload_dtensor_boundaries_and_peers_out_of_step_are_refused() -> None:
     for out in tp_cases.results():
         no_crash(out["refusals"], "refusals")
         refusals = out["refusals"]
+        # TP peers on different schedules would pair up the wrong collectives, silently
+        assert "must run the same schedule on the same cut" in refusals["different_schedules"]
+        assert "'1f1b'" in refusals["different_schedules"]
+        assert "'gpipe'" in refusals["different_schedules"]
         assert "DTensor parameter" in refusals["weight_offload"]
         assert "drop the weight OFFLOAD/RELOAD" in refusals["weight_offload"]
         assert "returned a DTensor" in refusals["dtensor_boundary"]

@@ -169,7 +169,13 @@ def whole_grads(model: nn.Module) -> dict[str, Tensor]:
     return out
 
 
-def _schedule(name: str, model: nn.Sequential, variant: str) -> Any:
+def _schedule(name: str, model: nn.Sequential, variant: str, mesh: Any) -> Any:
+    if name == "auto" and variant == "profiled":
+        # every process profiles its TP shard of the model; process 0's plan is everyone's
+        x, y = batch()
+        plan = auto_plan(model, PP, M, sample=(x, y), loss_fn=loss_fn,
+                         process_group=mesh["pp"].get_group())  # fmt: skip
+        return plan.schedule, plan.balance
     if name == "auto":
         return auto_plan(model, PP, M, costs=CostModel.uniform(PP)).schedule
     if variant == "plain":
@@ -207,8 +213,10 @@ def _two_steps(mesh: Any, kind: str, name: str, variant: str,
                options: RuntimeOptions) -> dict[str, Any]:  # fmt: skip
     model = parallel_model(kind, mesh["tp"])
     x, y = batch()
+    schedule = _schedule(name, model, variant, mesh)
+    schedule, cut = schedule if isinstance(schedule, tuple) else (schedule, None)
     pipe = Pipeline(
-        model, _schedule(name, model, variant), loss_fn, microbatches=M, mesh=mesh, options=options
+        model, schedule, loss_fn, microbatches=M, balance=cut, mesh=mesh, options=options
     )
     steps = []
     for _ in range(2):
@@ -230,6 +238,7 @@ def grid() -> list[tuple[str, str, str]]:
         for name in ("1f1b", "zbv", "interleaved-zb")
     ]
     out += [("tp", name, "offload") for name in ("1f1b", "zbv")]
+    out += [("tp", "auto", "profiled")]
     return out
 
 
@@ -263,7 +272,13 @@ def _refusals(mesh: Any) -> dict[str, str]:
         pipe = Pipeline(model, "1f1b", loss_fn, microbatches=M, mesh=mesh, options=OPTIONS)
         pipe.step(*batch())
 
+    def different_schedules() -> None:
+        tp = mesh.get_local_rank("tp")
+        Pipeline(parallel_model("tp", mesh["tp"]), ("1f1b", "gpipe")[tp], loss_fn,
+                 microbatches=M, mesh=mesh, options=OPTIONS)  # fmt: skip
+
     return {
+        "different_schedules": _outcome(different_schedules),
         "weight_offload": _outcome(
             lambda: Pipeline(
                 parallel_model("tp", mesh["tp"]),

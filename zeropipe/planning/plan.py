@@ -9,9 +9,10 @@ Profiling is :mod:`zeropipe.planning.profiling`; the cut is the pure
 :func:`zeropipe.core.schedules.auto.search`.  This module joins them, and adds the
 two things that need the runtime: the runtime's own cost per action (it runs
 a tiny :class:`~zeropipe.runtime.pipeline.Pipeline`), and, in a distributed
-job, agreement -- every rank profiles (measuring the wire between ranks 0 and
-1 takes both), but only rank 0's plan is used, broadcast as text, so all
-ranks run the same schedule with the same cut::
+job, agreement -- every process profiles (measuring the wire between ranks 0 and
+1 takes both), but only process 0's plan is used, broadcast as text to every
+process of the job, so all ranks, replicas and tensor-parallel peers run the
+same schedule with the same cut::
 
     plan = zeropipe.auto_plan(model, ranks=2, microbatches=8, sample=(x, y), loss_fn=F.mse_loss)
     pipe = zeropipe.Pipeline(model, plan.schedule, loss_fn=F.mse_loss, balance=plan.balance)
@@ -37,7 +38,6 @@ from zeropipe.planning.balance import balance, stage_costs
 from zeropipe.planning.profiling import (
     Sample,
     StageProbe,
-    global_rank,
     profile_stages,
     sample_parts,
     synchronize,
@@ -248,9 +248,11 @@ def auto_plan(
     or the inputs alone (``(inputs, None)`` or ``inputs``) without a loss.
     ``memory_limit`` is per rank, in the cost model's unit.
 
-    When torch.distributed is initialised with more than one process in
-    ``process_group``, call this on every rank: each profiles, rank 0's plan is
-    broadcast, and every rank returns the same plan.
+    When torch.distributed is initialised with more than one process, call this
+    on every process of the job: each profiles (``process_group``: the pipeline's
+    group, whose ranks 0 and 1 measure the wire), process 0's plan is broadcast to
+    every process (replicas and tensor-parallel peers included), and every process
+    returns the same plan.
     """
     if ranks < 1 or microbatches < 1:
         raise PipelineError(f"ranks and microbatches must be >= 1, got {ranks}, {microbatches}")
@@ -280,15 +282,16 @@ def auto_plan(
         memory_limit=memory_limit,
         process_group=process_group,
     )
-    if not _several_processes(process_group):
+    if not _several_processes(None):
         return result
-    # Profiles differ slightly between processes: rank 0's plan is everyone's.
+    # Profiles differ slightly between processes: process 0's plan is everyone's, over the
+    # whole job and not only this pipeline's group, because the pipelines of other replicas
+    # and of the other ranks of a tensor-parallel group must run the same schedule and cut
+    # (tensor-parallel peers running different ones would pair up the wrong collectives).
     message: list[object] = [
         (result.schedule.to_text(), result.balance, result.explanation, result.costs)
     ]
-    torch.distributed.broadcast_object_list(
-        message, src=global_rank(process_group, 0), group=process_group
-    )
+    torch.distributed.broadcast_object_list(message, src=0)
     text, cut, why, planned = cast(tuple[str, list[int], str, CostModel], message[0])
     return Plan(Schedule.from_text(text), cut, planned, why)
 

@@ -8,7 +8,10 @@ constructor's arguments, checked here with errors that name the fix.
 
 from __future__ import annotations
 
+import datetime
 import functools
+import hashlib
+import json
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -34,6 +37,7 @@ __all__ = [
     "Where",
     "build_stages",
     "check_call",
+    "check_same_pipeline",
     "check_stages",
     "compute_device",
     "distributed_transport",
@@ -110,6 +114,7 @@ class Where:
     dp_group: object | None = None
     dp_mesh: object | None = None  # the mesh's "dp" dimension: FSDP2 shards over it
     tp_size: int = 1  # the mesh's "tp" dimension: the user's tensor parallelism
+    tp_group: object | None = None
 
 
 def resolve_mesh(mesh: object | None) -> Where:
@@ -127,7 +132,7 @@ def resolve_mesh(mesh: object | None) -> Where:
             f"mesh={mesh!r}: pass a DeviceMesh, a ProcessGroup, 'local' (this process plays "
             f"every rank) or None (torch.distributed's default group, when initialised)"
         )
-    pp_group, dp_group, dp_mesh, tp_size = None, None, None, 1
+    pp_group, dp_group, dp_mesh, tp_size, tp_group = None, None, None, 1, None
     if mesh is None:
         world = os.environ.get("WORLD_SIZE", "1")
         if not initialised and world.isdigit() and int(world) > 1:
@@ -152,7 +157,7 @@ def resolve_mesh(mesh: object | None) -> Where:
         if "dp" in names:
             dp_group, dp_mesh = get_group("dp"), mesh["dp"]  # type: ignore[index]
         if "tp" in names:
-            tp_size = int(mesh["tp"].size())  # type: ignore[index]
+            tp_size, tp_group = int(mesh["tp"].size()), get_group("tp")  # type: ignore[index]
     elif initialised and isinstance(mesh, dist.ProcessGroup):
         pp_group = mesh
     else:
@@ -164,9 +169,60 @@ def resolve_mesh(mesh: object | None) -> Where:
         return Where(False, 0, 1)
     world_size = dist.get_world_size(pp_group)
     if world_size == 1:
-        return Where(False, 0, 1, dp_group=dp_group, dp_mesh=dp_mesh, tp_size=tp_size)
+        return Where(False, 0, 1, None, dp_group, dp_mesh, tp_size, tp_group)
     rank = dist.get_rank(pp_group)
-    return Where(True, rank, world_size, pp_group, dp_group, dp_mesh, tp_size)
+    return Where(True, rank, world_size, pp_group, dp_group, dp_mesh, tp_size, tp_group)
+
+
+def check_same_pipeline(
+    where: Where, schedule: Schedule, stages: Sequence[Stage], timeout: float
+) -> None:
+    """Refuse, on every process, a pipeline whose schedule or cut differs from its peers'.
+
+    The replicas ("dp") and the tensor-parallel peers ("tp") of a pipeline must run the
+    same schedule on the same cut: tensor-parallel peers that do not would pair up
+    the collectives of different layers and microbatches, silently.  Each process
+    posts a digest of its schedule and stage sizes in the store and compares its
+    peers' (within ``timeout`` seconds).
+    """
+    groups = [g for g in (where.pp_group, where.dp_group, where.tp_group) if g is not None]
+    if where.dp_group is None and where.tp_group is None:
+        return
+    import torch.distributed as dist
+
+    from zeropipe.base._compat import rendezvous_store
+
+    peers = sorted({r for g in groups for r in dist.get_process_group_ranks(g)})  # type: ignore[arg-type]
+    if len(peers) < 2:
+        return
+    me, store = dist.get_rank(), rendezvous_store()
+    sizes = [sum(p.numel() for p in st.module.parameters()) for st in stages]
+    what = (
+        f"{schedule.name!r} on {schedule.num_ranks} rank(s), {schedule.microbatches} "
+        f"microbatch(es), stages of {sizes} parameters"
+    )
+    digest = hashlib.blake2b((schedule.to_text() + repr(sizes)).encode(), digest_size=8).hexdigest()
+    n = store.add(f"zeropipe/plans{me}", 1)  # the n-th pipeline of every process is this one
+    store.set(f"zeropipe/plan{n}/{me}", json.dumps([digest, what]))
+    keys = [f"zeropipe/plan{n}/{r}" for r in peers]
+    try:
+        store.wait(keys, datetime.timedelta(seconds=timeout))
+    except Exception as exc:
+        raise PipelineError(
+            f"process {me}: its replicas and tensor-parallel peers (processes {peers}) did not "
+            f"all build the pipeline within {timeout:g} s ({type(exc).__name__}); build it on "
+            f"every process"
+        ) from exc
+    for r in peers:
+        theirs, their_what = json.loads(store.get(f"zeropipe/plan{n}/{r}"))
+        if theirs != digest:
+            raise PipelineError(
+                f"process {me} builds {what}, but process {r} builds {their_what} (or the "
+                f"same with another order of actions): the pipeline ranks, replicas and "
+                f"tensor-parallel peers of one job must run the same schedule on the same "
+                f"cut; plan once for every process (zeropipe.auto_plan broadcasts process "
+                f"0's plan) or pass the same schedule and balance everywhere"
+            )
 
 
 def replica_reducer(

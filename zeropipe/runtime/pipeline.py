@@ -35,6 +35,7 @@ from zeropipe.core.ir import Kind, Schedule
 from zeropipe.core.simulate import Event, Timeline
 from zeropipe.runtime.assembly import (
     build_stages,
+    check_same_pipeline,
     check_stages,
     compute_device,
     distributed_transport,
@@ -174,6 +175,7 @@ class Pipeline:
                 f"the weights would be both sharded and offloaded; use one or the other"
             )
         self.all_stages = build_stages(stages, self.schedule.num_stages, balance)
+        check_same_pipeline(where, self.schedule, self.all_stages, self.options.timeout)
         self.deps = Dependencies(self.schedule)
         self.graph = Graph(self.schedule, self.deps)
         self.fused_weights = fused_weights(self.schedule)

@@ -57,7 +57,7 @@ def _replicas_only() -> Any:
     return init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("pp", "dp"))
 
 
-def _outcome(make: Callable[[], object]) -> str:
+def outcome(make: Callable[[], object]) -> str:
     """What building something says: its PipelineError's message, or "accepted"."""
     try:
         make()
@@ -246,7 +246,7 @@ def _fsdp_refusals(mesh: Any) -> list[str]:
         lambda: Pipeline(mlp(), offload_weights(generate("1f1b", PP, 2)), loss_fn=F.mse_loss,
                          mesh=mesh, options=RuntimeOptions(device="cpu", dp_shard=True)),
     ):  # fmt: skip
-        messages.append(_outcome(make))
+        messages.append(outcome(make))
     return messages
 
 
@@ -351,7 +351,7 @@ def _refusals(mesh: Any) -> list[str]:
         lambda: Pipeline(mlp(), "1f1b", microbatches=2, loss_fn=F.mse_loss, mesh="global"),
         lambda: Pipeline(mlp(), "1f1b", microbatches=2, loss_fn=F.mse_loss, mesh=object()),
     ):
-        messages.append(_outcome(make))
+        messages.append(outcome(make))
     return messages
 
 

@@ -27,8 +27,6 @@ Models (float64, no dropout: a mask drawn on a shard is not the plain model's):
 from __future__ import annotations
 
 import functools
-import traceback
-from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -36,8 +34,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from tests.runtime.dist_cases import guard, supported
+from tests.runtime.dp_cases import outcome
 from zeropipe.core.costs import CostModel
-from zeropipe.core.errors import PipelineError, ScheduleError
 from zeropipe.core.fit import checkpoint, offload, offload_weights
 from zeropipe.core.schedules import GENERATORS, generate
 from zeropipe.planning.plan import auto_plan
@@ -142,23 +141,6 @@ def parallel_model(kind: str, tp_mesh: Any) -> nn.Sequential:
     return model
 
 
-def guard(fn: Callable[[], Any]) -> Any:
-    try:
-        return fn()
-    except Exception:
-        return {"crashed": traceback.format_exc()}
-
-
-def supported(name: str, m: int) -> bool:
-    try:
-        generate(name, PP, m)
-    except ScheduleError as err:
-        if err.rule != "unsupported":
-            raise
-        return False
-    return True
-
-
 def whole_grads(model: nn.Module) -> dict[str, Tensor]:
     """This rank's gradients, each whole (a DTensor gathered over its mesh)."""
     out = {}
@@ -229,8 +211,8 @@ def _two_steps(mesh: Any, kind: str, name: str, variant: str,
 
 def grid() -> list[tuple[str, str, str]]:
     """(model, schedule, variant) of the gradient cases."""
-    out = [("tp", name, "plain") for name in sorted(GENERATORS) if supported(name, M)]
-    out += [("sp", name, "plain") for name in sorted(GENERATORS) if supported(name, M)]
+    out = [("tp", name, "plain") for name in sorted(GENERATORS) if supported(name, PP, M)]
+    out += [("sp", name, "plain") for name in sorted(GENERATORS) if supported(name, PP, M)]
     out += [("chain", name, "plain") for name in ("1f1b", "zbv", "interleaved-zb")]
     out += [
         (kind, name, "recompute")
@@ -255,15 +237,6 @@ def _clip_case(mesh: Any) -> dict[str, Any]:
     return out
 
 
-def _outcome(make: Callable[[], object]) -> str:
-    """What building or running something says: its PipelineError's message, or "accepted"."""
-    try:
-        make()
-    except PipelineError as err:
-        return str(err)
-    return "accepted"
-
-
 def _refusals(mesh: Any) -> dict[str, str]:
     """Weight offload of DTensor parameters; a stage returning a DTensor across a boundary."""
 
@@ -278,8 +251,8 @@ def _refusals(mesh: Any) -> dict[str, str]:
                  microbatches=M, mesh=mesh, options=OPTIONS)  # fmt: skip
 
     return {
-        "different_schedules": _outcome(different_schedules),
-        "weight_offload": _outcome(
+        "different_schedules": outcome(different_schedules),
+        "weight_offload": outcome(
             lambda: Pipeline(
                 parallel_model("tp", mesh["tp"]),
                 offload_weights(generate("1f1b", PP, M)),
@@ -288,7 +261,7 @@ def _refusals(mesh: Any) -> dict[str, str]:
                 options=OPTIONS,
             )
         ),
-        "dtensor_boundary": _outcome(dtensor_boundary),
+        "dtensor_boundary": outcome(dtensor_boundary),
     }
 
 

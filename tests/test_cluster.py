@@ -11,7 +11,8 @@ import pytest
 from zeropipe.core.build import build_schedule
 from zeropipe.core.costs import CostModel, StageCost
 from zeropipe.core.errors import ScheduleError
-from zeropipe.core.schedules import generate
+from zeropipe.core.ir import Schedule
+from zeropipe.core.schedules import GENERATORS, generate
 from zeropipe.core.simulate import simulate
 from zeropipe.planning.cluster import (
     Candidate,
@@ -279,3 +280,131 @@ def test_spec_costs_price_offload_and_shard_the_optimizer_over_dp() -> None:
         assert p.OFFLOAD == p.RELOAD == pytest.approx(p.act / gpu.host_bandwidth)
         assert p.OFFLOAD > 0
     assert plain.unit == "bytes" and plain.dp == 8 and plain.meta["time_unit"] == "s"
+
+
+# -- tensor parallelism ---------------------------------------------------------------------
+def tp_factory(comm: float = 0.3) -> CostFactory:
+    """``factory()`` with each stage on ``tp`` GPUs: times, activations and weights divided
+    by tp, plus ``comm`` seconds of collectives per layer and microbatch sample each way."""
+    plain = factory()
+
+    def costs_for(c: Config) -> CostModel:
+        base = plain(replace(c, tp=1))
+        extra = comm * LAYERS / c.stages * c.microbatch_size if c.tp > 1 else 0.0
+        stages = tuple(
+            replace(s.scaled(1 / c.tp), F=s.F / c.tp + extra, I=s.I / c.tp + extra)
+            for s in base.stages
+        )
+        return replace(base, stages=stages)
+
+    return costs_for
+
+
+def test_layouts_are_every_pp_dp_tp_the_options_allow() -> None:
+    from zeropipe.planning.cluster import layouts
+
+    every = layouts(8, 8, tp_options=(1, 2, 4))
+    assert all(pp * dp * tp == 8 for pp, dp, tp in every)
+    assert len(every) == 4 + 3 + 2  # divisors of 8, 4 and 2
+    assert layouts(8, 2, tp_options=(1,)) == [(1, 8, 1), (2, 4, 1)]  # pp <= layers
+    assert layouts(8, 8, pp_options=[2], dp_options=[2], tp_options=(1, 2, 4)) == [(2, 2, 2)]
+    assert layouts(8, 8, tp_options=(3,)) == []
+
+
+def test_the_search_prices_tp_and_keeps_pp_x_dp_x_tp_at_the_gpus() -> None:
+    # Without memory pressure tensor parallelism only adds collectives: tp 1 wins; with
+    # 130 bytes (weights 800 / pp / tp) only pp x tp >= 8 fits, and tp saves the bubble.
+    free = run(costs_for=tp_factory(comm=0.05), tp_options=(1, 2, 4), top=60)
+    assert {c.tp for c in free.candidates} >= {1, 2} and free.best is not None
+    assert free.best.tp == 1
+    for c in free.candidates:
+        assert c.pp * c.dp * c.tp == 8 and c.dp * c.microbatch_size * c.microbatches == 16
+    tight = run(costs_for=tp_factory(comm=0.0), tp_options=(1, 2, 4, 8), memory=130.0, top=40)
+    fitting = [c for c in tight.candidates if c.fits]
+    assert fitting and all(c.pp * c.tp >= 8 for c in fitting)
+    assert tight.best is not None and tight.best.tp > 1
+    # Restricted: only what the options allow.
+    only = run(costs_for=tp_factory(), tp_options=(2,), pp_options=[2], top=40)
+    assert {(c.pp, c.dp, c.tp) for c in only.candidates} == {(2, 2, 2)}
+    with pytest.raises(ScheduleError, match="no pp x dp x tp = 8"):
+        run(costs_for=tp_factory(), tp_options=(3,))
+    with pytest.raises(ScheduleError, match="tp options must be whole numbers >= 1"):
+        run(costs_for=tp_factory(), tp_options=(0, 1))
+
+
+def test_a_measured_cost_model_refuses_tp_and_an_old_candidate_has_tp_1() -> None:
+    base = factory()(Config(2, 1, 1, 4, 2))
+    with pytest.raises(ScheduleError, match="cannot price tp 2"):
+        fixed_costs(base)(Config(2, 1, 1, 4, 2, tp=2))
+    c = run(top=1).candidates[0]
+    old = {k: v for k, v in c.to_dict().items() if k != "tp"}
+    assert Candidate.from_dict(old).tp == 1 and Candidate.from_dict(c.to_dict()) == c
+
+
+def test_spec_costs_give_each_config_its_tp() -> None:
+    from zeropipe.planning.cluster import spec_costs
+    from zeropipe.planning.specs import load_hardware, load_model
+
+    model, gpu = load_model("llama-3-8b"), load_hardware("h100-sxm")
+    costs_for = spec_costs(model, gpu, seq=1024, sequence_parallel=False, grad_bytes=2.0)
+    one, four = costs_for(Config(4, 2, 1, 8, 4)), costs_for(Config(4, 2, 1, 8, 4, tp=4))
+    assert four.meta["tp"] == 4 and four.meta["sequence_parallel"] is False
+    assert sum(s.weights for s in four.stages) < sum(s.weights for s in one.stages) / 3.9
+    assert one.stages[1].reduced_bytes == pytest.approx(one.stages[1].weights / 18 * 2)
+
+
+# -- memory plans at scale -------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(GENERATORS))
+def test_recompute_rewrites_as_checkpoint_does(name: str) -> None:
+    from zeropipe.core.fit import checkpoint
+    from zeropipe.planning.plan_memory import recompute
+
+    for p, m, v in ((2, 4, 2), (4, 8, 2), (3, 9, 1), (4, 12, 3)):
+        try:
+            s = generate(name, p, m, v)
+        except ScheduleError:
+            continue
+        for which in (None, lambda st, i: (st + i) % 3 == 0):
+            fast, slow = recompute(s, which), checkpoint(s, which)
+            assert fast.actions == slow.actions and set(fast.overlaps) == set(slow.overlaps)
+    lowered = build_schedule("1f1b", ranks=2, microbatches=4)  # not plain: checkpoint's way
+    assert recompute(lowered).actions == checkpoint(lowered).actions
+
+
+@pytest.mark.parametrize("name", sorted(set(GENERATORS) - {"auto"}))
+def test_the_offload_floor_is_within_two_inputs_of_the_rewrite(name: str) -> None:
+    from zeropipe.core.fit import checkpoint, offload
+    from zeropipe.planning.plan_memory import offload_floor, peaks
+
+    costs_for = factory(act_w=3.0)
+    for p, m, v in ((2, 4, 2), (4, 8, 2), (4, 12, 1)):
+        try:
+            s = generate(name, p, m, v)
+        except ScheduleError:
+            continue
+        costs = costs_for(Config(p, 1, 1, m, s.num_stages, recompute=True))
+        slack = 2 * max(c.ckpt for c in costs.stages)
+        floor, true = offload_floor(s, costs), peaks(offload(checkpoint(s)), costs)
+        for low, high in zip(floor, true, strict=True):
+            assert low <= high + 1e-9 and high <= low + slack + 1e-9
+
+
+def test_an_offload_plan_is_rewritten_when_it_is_run() -> None:
+    from zeropipe.core.fit import checkpoint, offload
+    from zeropipe.planning.plan_memory import offload_floor, plan_memory
+
+    costs_for = factory()
+    s = generate("gpipe", 4, 16)  # holds every microbatch: only offload fits it
+    natural = costs_for(Config(4, 1, 1, 16, 4))
+    ckpt = costs_for(Config(4, 1, 1, 16, 4, recompute=True))
+    limit = max(offload_floor(s, ckpt)) + 2 * max(c.ckpt for c in ckpt.stages)
+    plan = plan_memory(s, natural, ckpt, limit)
+    assert plan.fits and plan.plan == "recompute + offload all" and plan.offloaded
+    assert plan.schedule is s and plan.final().actions == offload(checkpoint(s)).actions
+    assert max(peaks_of(plan.final(), ckpt)) <= limit
+
+
+def peaks_of(schedule: Schedule, costs: CostModel) -> list[float]:
+    from zeropipe.planning.plan_memory import peaks
+
+    return peaks(schedule, costs)

@@ -39,6 +39,8 @@ TORCH_FREE_PLANNING = (
     "zeropipe.planning.cluster",
     "zeropipe.planning.cluster_costs",
     "zeropipe.planning.plan_memory",
+    "zeropipe.planning.step_bound",
+    "zeropipe.planning.tensor_parallel",
 )
 # The package's __init__ is the public surface: it may name anything (lazily for torch).
 TOP = "zeropipe"

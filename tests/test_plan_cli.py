@@ -47,16 +47,19 @@ def test_cluster_mode_prints_a_ranked_table_and_round_trips_json(
     assert "matmuls at 60% of peak" in out
     rows = _rows(out)
     assert [r[0] for r in rows] == ["1", "2", "3", "4"]
-    steps = [float(r[8]) for r in rows]
+    steps = [float(r[9]) for r in rows]
     assert steps == sorted(steps)
     assert "configurations simulated" in out and "pruned (a lower bound" in out
+    assert "tensor parallel tp in {1,2,4,8} inside a node, sequence parallel" in out
     data = json.loads(path.read_text())
     cands = candidates_from_json(data)
     assert len(cands) == 4 and cands[0].step_time == pytest.approx(steps[0], rel=1e-3)
     assert [c.to_dict() for c in cands] == data["candidates"]
     assert {c.schedule for c in cands} <= {"1f1b", "zbv"}
-    for c in cands:
-        assert c.pp * c.dp == 16 and c.dp * c.microbatch_size * c.microbatches == 32
+    for c, r in zip(cands, rows, strict=True):
+        assert c.pp * c.dp * c.tp == 16 and c.dp * c.microbatch_size * c.microbatches == 32
+        assert [r[1], r[2], r[3]] == [str(c.pp), str(c.dp), str(c.tp)]
+    assert all("tp" in row for row in data["candidates"])
 
 
 def test_unfused_attention_with_dropout_plans_slower_steps_and_says_so(
@@ -67,7 +70,7 @@ def test_unfused_attention_with_dropout_plans_slower_steps_and_says_so(
     code, unfused, _ = run(capsys, *SMALL, "--top", "1", "--attention", "unfused", "--dropout")
     assert code == 0 and "unfused attention, dropout, " in unfused
     # The score matrices' passes through memory make the best step slower.
-    assert float(_rows(unfused)[0][8]) > float(_rows(flash)[0][8])
+    assert float(_rows(unfused)[0][9]) > float(_rows(flash)[0][9])
 
 
 def test_progress_goes_to_stderr_only(capsys: pytest.CaptureFixture[str]) -> None:
@@ -125,7 +128,14 @@ def test_costs_mode_with_a_limit_nothing_fits(
         (("--gpu", "tpu-v9"), "unknown GPU 'tpu-v9'; known: a100-40gb"),
         (("--model", "nope-1b"), "unknown model 'nope-1b'"),
         (("--gpus", "12"), "--gpus 12 is not a whole number of h100-sxm nodes"),
-        (("--gpus", "64", "--global-batch", "1"), "no configuration to price"),
+        (("--gpus", "64", "--global-batch", "1", "--tp", "1"), "no configuration to price"),
+        (("--tp", "3"), "--tp 3 does not divide --gpus 16"),
+        (("--tp", "16", "--gpus", "32"), "--tp 16 is more than the 8 GPUs of a h100-sxm node"),
+        (("--tp", "6", "--gpus", "48"), "does not divide the 8 GPUs of a node"),
+        (("--tp", "0"), "argument --tp: expected integers >= 1"),
+        (("--pp", "1,0"), "argument --pp: expected integers >= 1"),
+        (("--dp", "3"), "--dp 3 does not divide --gpus 16"),
+        (("--pp", "64", "--gpus", "64"), "--pp 64: deeper than the model's 32 blocks"),
         (("--memory", "1"), "no configuration fits the memory limit"),
         (("--schedules", "1f1b,bogus"), "unknown schedule(s) bogus"),
         (("--ranks", "2"), "--ranks and --microbatches go with --costs"),
@@ -152,7 +162,54 @@ def test_missing_flags_are_named(capsys: pytest.CaptureFixture[str], tmp_path: P
     assert code == 2 and "--costs needs --ranks R and --microbatches M" in err
     code, _, err = run(capsys, "plan", "--costs", "x.json", "--gpus", "8")
     assert code == 2 and "drop --gpus" in err
+    code, _, err = run(capsys, "plan", "--costs", "x.json", "--tp", "2", "--ranks", "2")
+    assert code == 2 and "drop --tp" in err
 
 
 def test_config_chunks() -> None:
     assert Config(4, 2, 1, 8, 8).chunks == 2
+
+
+def test_tp_pp_dp_lists_restrict_the_search(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    path = tmp_path / "plan.json"
+    argv = (*SMALL, "--top", "20", "--tp", "2,4", "--pp", "2,4", "--json", str(path))
+    code, out, _ = run(capsys, *argv)
+    assert code == 0 and "tensor parallel tp in {2,4} inside a node" in out
+    cands = candidates_from_json(json.loads(path.read_text()))
+    assert cands and {c.tp for c in cands} <= {2, 4} and {c.pp for c in cands} <= {2, 4}
+    assert {c.tp for c in cands} == {2, 4}  # both kept: neither is pruned away entirely
+    for c in cands:
+        assert c.pp * c.dp * c.tp == 16
+    code, out, _ = run(capsys, *SMALL, "--top", "5", "--tp", "4", "--pp", "2", "--dp", "2")
+    assert code == 0 and {tuple(r[1:4]) for r in _rows(out)} == {("2", "2", "4")}
+
+
+def test_sequence_parallelism_lowers_memory_not_time(capsys: pytest.CaptureFixture[str]) -> None:
+    fixed = (*SMALL, "--top", "1", "--tp", "4", "--pp", "2", "--dp", "2", "--schedules", "1f1b")
+    fixed += ("--microbatch-sizes", "2")
+    code, with_sp, _ = run(capsys, *fixed)
+    assert code == 0
+    code, without, _ = run(capsys, *fixed, "--no-sequence-parallel")
+    assert code == 0 and "no sequence parallelism" in without
+    (a,), (b,) = _rows(with_sp), _rows(without)
+    # The same collective bytes (reduce-scatter + all-gather against all-reduce); the
+    # norms, residual stream and dropout masks are cut along the sequence: less memory
+    # and less memory-bound work.
+    assert float(a[9]) <= float(b[9])
+    assert float(a[13]) < float(b[13])
+
+
+def test_tp_across_nodes_is_priced_on_the_network(capsys: pytest.CaptureFixture[str]) -> None:
+    def one(gpus: int, tp: int, *more: str) -> float:
+        argv = ("plan", "--model", "llama-3-8b", "--gpu", "h100-sxm", "--seq", "2048",
+                "--global-batch", "2", "--gpus", str(gpus), "--tp", str(tp), "--pp", "1",
+                "--dp", "1", "--microbatch-sizes", "2", "--schedules", "1f1b", "--quiet")  # fmt: skip
+        code, out, _ = run(capsys, *argv, *more)
+        assert code == 0, out
+        assert f"tensor parallel tp in {{{tp}}}" in out
+        return float(_rows(out)[0][9])
+
+    # Twice the GPUs, but every block's collectives on a link 9x slower: a slower step.
+    assert one(16, 16, "--tp-across-nodes") > one(8, 8)

@@ -230,3 +230,108 @@ def test_a_spec_model_simulates_and_round_trips_as_json() -> None:
     )
     assert 0.1 < mfu < 0.6  # under the 0.6 efficiency: there is a bubble
     assert math.isfinite(max(timeline.peak_memory))
+
+
+# -- tensor parallelism --------------------------------------------------------------------
+GPT = ModelSpec("gpt", layers=2, hidden=64, heads=4, kv_heads=4, ffn=256, vocab=100, gated=False)
+
+
+def _middle(hw: HardwareSpec, **run: Any) -> StagePrice:
+    """The middle of three stages, holding both blocks: no embedding, no head."""
+    return price_stages(GPT, hw, stages=3, seq=32, microbatch_size=2, blocks=[0, 2, 0], **run)[1]
+
+
+def test_tensor_parallelism_cuts_a_blocks_work_and_adds_its_collectives() -> None:
+    from dataclasses import replace
+
+    from zeropipe.planning.tensor_parallel import TP_LINK_EFFICIENCY, matmul_share
+
+    t, h, n = 64, 64, GPT.layer_params() - 2 * 64
+    compute_only = replace(TINY_GPU, memory_bandwidth=math.inf)  # no memory-bound time
+    one, two = _middle(compute_only), _middle(compute_only, tp=2)
+    share = matmul_share(h, 2)
+    assert share == pytest.approx((32 / 160) / (64 / 192))
+    # Two all-reduces of the block's t x h activation forward, two in I, none in W: a ring
+    # of 2 GPUs, 2 steps of half the bytes, at the link's efficiency.
+    ring = 2 * TINY_GPU.intra_latency + t * h * 2 / (TINY_GPU.intra_bandwidth * TP_LINK_EFFICIENCY)
+    f2, i2, w2 = two.F, two.I, two.W
+    assert w2 == pytest.approx(one.W / (2 * share))
+    assert f2 == pytest.approx(one.F / (2 * share) + 2 * 2 * ring)
+    assert i2 == pytest.approx(one.I / (2 * share) + 2 * 2 * ring)
+    assert f2 == two.R  # a recomputed forward repeats its collectives
+    # One GPU's weights: half of every linear, the norms whole.
+    assert two.params == 2 * (n // 2 + 2 * h) and one.params == 2 * (n + 2 * h)
+    assert two.weights == two.params * 18 and two.grad_bytes == two.params * 4
+    assert two.boundary_bytes == one.boundary_bytes / 2
+
+
+def test_sequence_parallelism_decides_what_activations_tp_divides() -> None:
+    one = _middle(TINY_GPU, dropout=True)
+    sp = _middle(TINY_GPU, tp=2, dropout=True)
+    plain = _middle(TINY_GPU, tp=2, dropout=True, sequence_parallel=False)
+    # With sequence parallelism every activation is cut; without, the norms' inputs and
+    # outputs (4 h) and the dropout masks (2 one-byte h) outside the region are whole.
+    assert sp.act == pytest.approx(one.act / 2)
+    outside = 2 * 64 * (4 * 64 * 2 + 2 * 64)  # two blocks of t = 64 tokens
+    assert plain.act == pytest.approx(one.act / 2 + outside / 2)
+    assert sp.ckpt == one.ckpt / 2 and plain.ckpt == one.ckpt
+    assert sp.act_w <= sp.act and plain.act_w <= plain.act
+    assert plain.F > sp.F  # the memory-bound work outside the region is whole too
+    assert plain.weights == sp.weights and plain.W == sp.W
+
+
+def test_tp_the_model_or_node_cannot_take_is_refused_naming_the_fix() -> None:
+    with pytest.raises(ScheduleError, match="tp 3 does not divide the 4 GPUs of a node"):
+        price_stages(GPT, TINY_GPU, stages=1, seq=32, tp=3)
+    with pytest.raises(ScheduleError, match=r"must divide the attention heads \(4\)"):
+        price_stages(GPT, TINY_GPU, stages=1, seq=32, tp=8, tp_across_nodes=True)
+    odd = ModelSpec("odd", layers=2, hidden=96, heads=6, kv_heads=3, ffn=192, vocab=10)
+    with pytest.raises(ScheduleError, match="key/value heads"):
+        price_stages(odd, TINY_GPU, stages=1, seq=32, tp=2)
+    with pytest.raises(ScheduleError, match="tp = 0"):
+        costs_from_spec(GPT, TINY_GPU, stages=1, seq=32, tp=0)
+
+
+def test_key_value_heads_fewer_than_tp_are_copied() -> None:
+    gqa = ModelSpec("gqa", layers=2, hidden=64, heads=8, kv_heads=2, ffn=128, vocab=10)
+    (four,) = price_stages(gqa, TINY_GPU, stages=1, seq=8, tp=4, blocks=[2])
+    (one,) = price_stages(gqa, TINY_GPU, stages=1, seq=8, blocks=[2])
+    h, d, kv = 64, 64, gqa.kv_dim
+    # Per GPU: a quarter of q, the output projection and the FFN, but one whole k and v
+    # head (kv / 2 wide): the two kv heads cannot be cut four ways.
+    block = h * d // 4 + 2 * h * kv // 2 + d * h // 4 + 3 * h * 128 // 4 + 2 * h
+    head_and_embedding = 2 * 10 * h // 4 + h
+    assert four.params == 2 * block + head_and_embedding
+    assert four.params > one.params / 4
+
+
+def test_tp_across_nodes_runs_its_collectives_on_the_network() -> None:
+    from dataclasses import replace
+
+    compute_only = replace(TINY_GPU, memory_bandwidth=math.inf)
+    inside = _middle(compute_only, tp=4)
+    across = _middle(compute_only, tp=4, tp_across_nodes=True)
+    assert across == inside  # 4 GPUs fit the node: the flag only allows more
+    wide = _middle(compute_only, tp=4, tp_across_nodes=True)
+    wide8 = price_stages(
+        ModelSpec("g", layers=2, hidden=64, heads=8, kv_heads=8, ffn=256, vocab=100),
+        compute_only, stages=3, seq=32, microbatch_size=2, blocks=[0, 2, 0], tp=8,
+        tp_across_nodes=True,
+    )[1]  # fmt: skip
+    # 8 GPUs on 4-GPU nodes: the ring's steps go at the network's 1e9, not the node's 1e10.
+    assert wide8.F - wide8.W > 5 * (wide.F - wide.W)
+
+
+def test_ranks_are_laid_out_tp_innermost() -> None:
+    from zeropipe.planning.specs import pipeline_crosses_nodes, replicas_cross_nodes
+
+    assert not pipeline_crosses_nodes(2, 1, 8, tp=4) and pipeline_crosses_nodes(2, 1, 8, tp=8)
+    assert not replicas_cross_nodes(2, 8, tp=4) and replicas_cross_nodes(2, 8, tp=8)
+    assert replicas_cross_nodes(3, 8, tp=2)  # 6 of 8: the next group straddles two nodes
+    gpu = load_hardware("a100-80gb")
+    costs = costs_from_spec("llama-2-7b", gpu, stages=2, seq=1024, dp=2, tp=4)
+    assert costs.bandwidth == gpu.inter_bandwidth and costs.dp_bandwidth == gpu.intra_bandwidth
+    assert costs.meta["tp"] == 4 and costs.meta["sequence_parallel"] is True
+    plain = costs_from_spec("llama-2-7b", gpu, stages=2, seq=1024, dp=2)
+    off = costs_from_spec("llama-2-7b", gpu, stages=2, seq=1024, dp=2, sequence_parallel=False)
+    assert plain == off and plain.meta["sequence_parallel"] is False  # tp 1: nothing to cut

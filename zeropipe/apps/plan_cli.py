@@ -4,8 +4,9 @@ Two modes, one table:
 
 * ``--model CONFIG --gpus N --gpu KIND --seq S --global-batch G``: price the model from
   its spec and the accelerator's datasheet (:mod:`zeropipe.planning.specs`) for every pipeline
-  depth, data-parallel degree, microbatch size, chunking and schedule
-  (:func:`zeropipe.planning.cluster.search`).
+  depth, data-parallel degree, tensor-parallel degree (inside a node), microbatch size,
+  chunking and schedule (:func:`zeropipe.planning.cluster.search`); ``--pp``, ``--dp`` and
+  ``--tp`` fix or restrict a dimension.
 * ``--costs COSTS.json --ranks R --microbatches M``: one pipeline whose costs were
   measured (``zeropipe profile --out``, ``zeropipe bench --costs-out``); rank the
   schedules for it, each with the measured layers cut where its own simulated step is
@@ -30,16 +31,27 @@ from zeropipe.core import render
 from zeropipe.core.costs import CostModel
 from zeropipe.core.errors import ScheduleError, ZeropipeError
 from zeropipe.core.schedules import GENERATORS
-from zeropipe.planning.cluster import Candidate, GiB, Ranking, fixed_costs, schedule_cut, search
+from zeropipe.planning.cluster import (
+    Candidate,
+    GiB,
+    Ranking,
+    divisors,
+    fixed_costs,
+    schedule_cut,
+    search,
+)
 from zeropipe.planning.cluster import spec_costs as spec_cost_factory
 from zeropipe.planning.specs import (
     ATTENTION_KINDS,
     DEFAULT_EFFICIENCY,
     DEFAULT_STATE_BYTES,
+    HardwareSpec,
+    ModelSpec,
     hardware_names,
     load_hardware,
     load_model,
 )
+from zeropipe.planning.tensor_parallel import check_tp
 
 __all__ = ["add_arguments", "run_cli"]
 
@@ -65,10 +77,11 @@ def _int_list(text: str) -> list[int]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
-        "Rank pipeline depth (pp), data-parallel degree (dp), microbatch size, chunks, "
-        "schedule and recompute/offload plan by simulated step time, and say whether each "
-        "fits in memory. With --model/--gpus/--gpu the costs come from the model's shape "
-        "and the GPU's datasheet; with --costs from a measured cost model (one pipeline)."
+        "Rank pipeline depth (pp), data-parallel degree (dp), tensor-parallel degree (tp), "
+        "microbatch size, chunks, schedule and recompute/offload plan by simulated step "
+        "time, and say whether each fits in memory. With --model/--gpus/--gpu the costs "
+        "come from the model's shape and the GPU's datasheet; with --costs from a measured "
+        "cost model (one pipeline)."
     )
     spec = parser.add_argument_group("cluster mode")
     spec.add_argument(
@@ -103,6 +116,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[1, 2, 4, 8],
         metavar="LIST",
         help="sequences per microbatch to try (default 1,2,4,8)",
+    )
+    for flag, what, default in (
+        ("--pp", "pipeline depths", "every divisor of the GPUs up to the layers"),
+        ("--dp", "data-parallel degrees", "whatever the GPUs leave"),
+        ("--tp", "tensor-parallel degrees", "every divisor of a node's GPUs"),
+    ):
+        spec.add_argument(
+            flag,
+            type=_int_list,
+            metavar="LIST",
+            help=f"comma-separated {what} to consider, one to fix it (default: {default}); "
+            "pp x dp x tp = --gpus",
+        )
+    spec.add_argument(
+        "--sequence-parallel",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with tp > 1, cut the norms, dropout and residual stream along the sequence "
+        "too (Korthikanti et al.): the same collective bytes, activations divided by tp "
+        "(default: on; --no-sequence-parallel as Megatron-LM ran before it)",
+    )
+    spec.add_argument(
+        "--tp-across-nodes",
+        action="store_true",
+        help="allow a --tp that does not divide a node's GPUs; its collectives are then "
+        "priced on the network (default: tensor parallelism stays inside a node)",
     )
     spec.add_argument(
         "--shard-optimizer",
@@ -172,7 +211,8 @@ def _progress(args: argparse.Namespace) -> Any:
 
 def run_cli(args: argparse.Namespace) -> int:
     if args.costs:
-        given = [f for f in ("model", "gpus", "gpu", "seq", "global_batch") if getattr(args, f)]
+        cluster_only = ("model", "gpus", "gpu", "seq", "global_batch", "pp", "dp", "tp")
+        given = [f for f in (*cluster_only, "tp_across_nodes") if getattr(args, f)]
         if given:
             flags = ", ".join("--" + f.replace("_", "-") for f in given)
             raise ZeropipeError(f"--costs plans one measured pipeline: drop {flags}")
@@ -205,7 +245,8 @@ def run_cli(args: argparse.Namespace) -> int:
         print(f"wrote ranking: {args.json}")
     if args.plot and best is not None and best.timeline is not None:
         title = (
-            f"{best.schedule}, pp {best.pp} x dp {best.dp}, mbs {best.microbatch_size}, "
+            f"{best.schedule}, pp {best.pp} x dp {best.dp} x tp {best.tp}, "
+            f"mbs {best.microbatch_size}, "
             f"{best.microbatches} microbatches, memory plan {best.memory_plan}"
         )
         print(f"wrote plot: {render.render_png(best.timeline, args.plot, title)}")
@@ -213,9 +254,10 @@ def run_cli(args: argparse.Namespace) -> int:
         # The table above says what each would need; the exit code says it failed.
         raise ZeropipeError(
             f"no configuration fits the memory limit; the best one ({best.schedule}, pp "
-            f"{best.pp} x dp {best.dp}, mbs {best.microbatch_size}) is {best.memory_plan}. "
-            f"Use more GPUs (a deeper pipeline holds fewer weights per GPU), a GPU with "
-            f"more memory, or shorter sequences" + ("" if args.costs else ", or check --memory")
+            f"{best.pp} x dp {best.dp} x tp {best.tp}, mbs {best.microbatch_size}) is "
+            f"{best.memory_plan}. Use more GPUs (a deeper pipeline or more tensor "
+            f"parallelism holds fewer weights per GPU), a GPU with more memory, or shorter "
+            f"sequences" + ("" if args.costs else ", or check --memory, --tp and --shard-optimizer")
         )
     return 0
 
@@ -233,6 +275,26 @@ def _run_cluster(args: argparse.Namespace) -> tuple[list[str], Ranking, str]:
         )
     memory = args.memory * GiB if args.memory else hw.memory
     tokens = args.global_batch * args.seq
+    tp_options = _tp_options(args, model, hw)
+    for flag in ("pp", "dp"):
+        bad = [v for v in getattr(args, flag) or () if args.gpus % v]
+        if bad:
+            raise ZeropipeError(
+                f"--{flag} {','.join(map(str, bad))} does not divide --gpus {args.gpus}: "
+                f"pp x dp x tp = gpus; give divisors of {args.gpus}"
+            )
+    if args.pp and max(args.pp) > model.layers:
+        raise ZeropipeError(
+            f"--pp {max(args.pp)}: deeper than the model's {model.layers} blocks; give at "
+            f"most {model.layers}"
+        )
+    sp = args.sequence_parallel
+    tp_text = "1" if tp_options == [1] else ",".join(map(str, tp_options))
+    tensor = (
+        f"tensor parallel tp in {{{tp_text}}}"
+        + ("" if args.tp_across_nodes else " inside a node")
+        + (", sequence parallel" if sp else ", no sequence parallelism")
+    )
     header = [
         f"model: {model.name}, {model.params() / 1e9:.1f}B parameters, {model.layers} blocks, "
         f"hidden {model.hidden}",
@@ -251,8 +313,8 @@ def _run_cluster(args: argparse.Namespace) -> tuple[list[str], Ranking, str]:
             else f"{DEFAULT_STATE_BYTES:g} bytes of weight/gradient/Adam state per parameter "
             f"(no optimizer sharding)"
         )
-        + f", offload at {hw.host_bandwidth / 1e9:.0f} GB/s to host; ranks laid out dp "
-        f"innermost",
+        + f", offload at {hw.host_bandwidth / 1e9:.0f} GB/s to host; {tensor}; ranks laid "
+        f"out tp innermost, then dp",
     ]
     ranking = search(
         gpus=args.gpus,
@@ -267,6 +329,8 @@ def _run_cluster(args: argparse.Namespace) -> tuple[list[str], Ranking, str]:
             shard_optimizer=args.shard_optimizer,
             attention=args.attention,
             dropout=args.dropout,
+            sequence_parallel=sp,
+            tp_across_nodes=args.tp_across_nodes,
         ),
         memory=memory,
         schedules=_schedules(args),
@@ -277,8 +341,48 @@ def _run_cluster(args: argparse.Namespace) -> tuple[list[str], Ranking, str]:
         progress=_progress(args),
         top=args.top,
         chunks=args.chunks,
+        pp_options=args.pp,
+        dp_options=args.dp,
+        tp_options=tp_options,
     )
     return header, ranking, "bytes"
+
+
+def _tp_options(args: argparse.Namespace, model: ModelSpec, hw: HardwareSpec) -> list[int]:
+    """The tensor-parallel degrees to search: --tp's, each checked (a bad one is an error
+    naming the fix), or every divisor of a node's GPUs that the model and --gpus take."""
+    node = hw.gpus_per_node
+    if args.tp is None:
+        out = []
+        for tp in divisors(node):
+            try:
+                check_tp(tp, heads=model.heads, kv_heads=model.kv_heads, ffn=model.ffn,
+                         gpus_per_node=node)  # fmt: skip
+            except ScheduleError:
+                continue
+            if args.gpus % tp == 0:
+                out.append(tp)
+        return out
+    for tp in args.tp:
+        if args.gpus % tp:
+            raise ZeropipeError(
+                f"--tp {tp} does not divide --gpus {args.gpus}: pp x dp x tp = gpus; give a "
+                f"divisor of {args.gpus}"
+            )
+        if tp > node and not args.tp_across_nodes:
+            raise ZeropipeError(
+                f"--tp {tp} is more than the {node} GPUs of a {hw.name} node: tensor "
+                f"parallelism runs collectives on every block, on the node's link; give at most "
+                f"{node} (one of {','.join(map(str, divisors(node)))}), or add --tp-across-nodes "
+                f"to price it on the network"
+            )
+        try:
+            check_tp(tp, heads=model.heads, kv_heads=model.kv_heads, ffn=model.ffn,
+                     gpus_per_node=node, cross_node=args.tp_across_nodes, model=model.name)  # fmt: skip
+        except ScheduleError as exc:
+            fix = "" if args.tp_across_nodes or node % tp == 0 else " (or add --tp-across-nodes)"
+            raise ZeropipeError(f"--tp {tp}: {exc}{fix}") from None
+    return sorted(set(args.tp))
 
 
 def _run_measured(args: argparse.Namespace) -> tuple[list[str], Ranking, str]:
@@ -339,15 +443,16 @@ def _num(value: float, fmt: str) -> str:
 
 
 def format_table(candidates: Sequence[Candidate], *, unit: str, cluster: bool = True) -> str:
-    """The ranking as an aligned text table; ``cluster=False`` drops dp, mbs and the
+    """The ranking as an aligned text table; ``cluster=False`` drops dp, tp, mbs and the
     throughput columns a measured single pipeline does not know."""
     memory_title = "peak GiB" if unit == "bytes" else f"peak ({unit})"
-    titles = ["#", "pp", "dp", "mbs", "m", "chunks", "schedule", "memory plan", "step s"]
+    titles = ["#", "pp", "dp", "tp", "mbs", "m", "chunks", "schedule", "memory plan", "step s"]
     titles += ["tokens/s", "MFU", "bubble", memory_title, "fits"]
     rows = []
     for n, c in enumerate(candidates, 1):
         peak = c.peak_memory / GiB if unit == "bytes" else c.peak_memory
-        row = [str(n), str(c.pp), str(c.dp), str(c.microbatch_size), str(c.microbatches)]
+        row = [str(n), str(c.pp), str(c.dp), str(c.tp), str(c.microbatch_size)]
+        row += [str(c.microbatches)]
         row += [str(c.chunks), c.schedule, c.memory_plan, f"{c.step_time:.4g}"]
         row += [_num(c.tokens_per_second, ",.0f"), _num(100 * c.mfu, ".1f") + "%"]
         row += [f"{c.bubble:.1%}", f"{peak:.3g}" if unit == "bytes" else f"{peak:.4g}"]
@@ -355,11 +460,11 @@ def format_table(candidates: Sequence[Candidate], *, unit: str, cluster: bool = 
         rows.append(row)
     drop: set[int] = set()
     if not cluster:
-        drop = {2, 3, 9, 10} if all(math.isnan(c.mfu) for c in candidates) else {2, 3}
+        drop = {2, 3, 4, 10, 11} if all(math.isnan(c.mfu) for c in candidates) else {2, 3, 4}
     keep = [i for i in range(len(titles)) if i not in drop]
     table = [[titles[i] for i in keep]] + [[r[i].replace("-%", "-") for i in keep] for r in rows]
     widths = [max(len(r[i]) for r in table) for i in range(len(keep))]
-    left = {keep.index(i) for i in (6, 7) if i in keep}  # text columns
+    left = {keep.index(i) for i in (7, 8) if i in keep}  # text columns
     lines = []
     for r in table:
         pairs = enumerate(zip(r, widths, strict=True))

@@ -1,15 +1,18 @@
 """Plan a training run at cluster scale: which pipeline depth, data-parallel degree,
-microbatch size, chunks, schedule and memory plan give the shortest simulated step.
+tensor-parallel degree, microbatch size, chunks, schedule and memory plan give the
+shortest simulated step.
 
 For ``gpus`` accelerators and a model of ``layers`` layers, :func:`search` enumerates::
 
-    pp    a divisor of gpus, pp <= layers        dp   = gpus / pp
+    tp    each of tp_options dividing gpus       (default 1: no tensor parallelism)
+    pp    a divisor of gpus / tp, pp <= layers   dp   = gpus / (pp x tp)
     mbs   global_batch divisible by dp x mbs     m    = global_batch / (dp x mbs)
     schedule x chunks (stages = pp x chunks <= layers), as the generator accepts
 
 prices each configuration with the cost model ``costs_for(config)`` returns (seconds
-and bytes), builds the schedule with :func:`zeropipe.core.build.build_schedule` (with the
-data-parallel gradient all-reduce when dp > 1) and simulates it.  Where the peak
+and bytes; one GPU's, the ``tp`` GPUs of a stage alike), builds the schedule with
+:func:`zeropipe.core.build.build_schedule` (with the data-parallel gradient all-reduce
+when dp > 1) and simulates it.  Where the peak
 memory exceeds the limit, recompute and then activation offload are added
 (:func:`zeropipe.planning.plan_memory.plan_memory`); what still does not fit is ranked after everything that does.
 
@@ -51,6 +54,7 @@ from zeropipe.planning.cluster_costs import (
     spec_costs,
 )
 from zeropipe.planning.plan_memory import GiB, MemoryPlan, plan_memory
+from zeropipe.planning.step_bound import lower_bound
 
 # Config, the cost factories and GiB are re-exported: with search they
 # are what a caller needs.
@@ -63,6 +67,7 @@ __all__ = [
     "ScheduleCosts",
     "divisors",
     "fixed_costs",
+    "layouts",
     "lower_bound",
     "schedule_cut",
     "search",
@@ -73,7 +78,8 @@ __all__ = [
 @dataclass(frozen=True)
 class Candidate:
     """One configuration, priced.  Times in seconds, memory in the cost model's unit
-    (bytes for a spec); ``tokens_per_second`` and ``mfu`` are NaN when not known."""
+    (bytes for a spec); ``tokens_per_second`` and ``mfu`` are NaN when not known.
+    ``tp``: GPUs per stage (tensor parallel); pp x dp x tp GPUs in all."""
 
     pp: int
     dp: int
@@ -88,15 +94,17 @@ class Candidate:
     bubble: float
     peak_memory: float
     fits: bool
+    tp: int = 1
     timeline: Timeline | None = field(default=None, compare=False, repr=False)
 
-    def key(self) -> tuple[bool, float, float, int, int, str]:
+    def key(self) -> tuple[bool, float, float, int, int, int, str]:
         """Rank order: fitting first, then the shortest step (ties: less memory)."""
         return (
             not self.fits,
             self.step_time,
             self.peak_memory,
             self.pp,
+            self.tp,
             self.chunks,
             self.schedule,
         )
@@ -109,10 +117,10 @@ class Candidate:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Candidate:
         names = {f.name for f in fields(cls)} - {"timeline"}
-        missing = sorted(names - set(data))
+        missing = sorted(names - set(data) - {"tp"})  # a plan written before tp: tp 1
         if missing:
             raise ScheduleError(f"a plan candidate needs {', '.join(missing)}", rule="syntax")
-        return cls(**{k: data[k] for k in names})
+        return cls(**{k: data[k] for k in names if k in data})
 
 
 @dataclass
@@ -134,65 +142,6 @@ class Ranking:
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
-
-
-# -- the lower bound --------------------------------------------------------------------
-
-
-def lower_bound(
-    costs: CostModel,
-    placement: Sequence[int],
-    microbatches: int,
-    *,
-    split: bool,
-    recomputed: Sequence[int] | None = None,
-) -> float:
-    """A step time no schedule on ``placement`` can beat under ``costs``.
-
-    For each rank: the forward chain that must run before its first action (the
-    cheapest of its stages to reach), plus every compute action it must run
-    (``recomputed[s]`` microbatches of stage ``s`` also recompute), plus what must
-    follow its last action: the all-reduce of a stage (with dp > 1) and, when the
-    schedule does not split backward (``split=False``: its last action is a whole B),
-    the backward chain down to stage 0.  With several stages on a rank, their
-    all-reduces run one after another on its link, the first after one stage's last
-    backward.  The step is at least the largest of these.
-    """
-    n = len(placement)
-    over = costs.overhead
-    c = costs.stages
-    # Backward as the cheapest the schedule may run it: whole, or as I then W (fused).
-    back = [min(s.time(Kind.B), s.I + min(s.W, s.fused_w)) for s in c]
-    hop = [costs.boundary_time(s, s + 1) if placement[s] != placement[s + 1] else 0.0
-           for s in range(n - 1)]  # fmt: skip
-    fwd_before = [0.0] * n  # forward chain to reach stage s
-    bwd_below = [0.0] * n  # whole backwards from stage s down to stage 0
-    for s in range(1, n):
-        fwd_before[s] = fwd_before[s - 1] + c[s - 1].F + over + hop[s - 1]
-        bwd_below[s] = bwd_below[s - 1] + back[s - 1] + over + hop[s - 1]
-    best = 0.0
-    for r in range(max(placement) + 1):
-        mine = [s for s in range(n) if placement[s] == r]
-        if not mine:
-            continue
-        busy = 0.0
-        for s in mine:
-            busy += microbatches * (c[s].F + back[s] + 2 * over)
-            if recomputed is not None:
-                busy += recomputed[s] * (c[s].time(Kind.R) + over)
-        head = min(fwd_before[s] for s in mine)
-        reduce = [costs.reduce_time(s) + over if costs.dp > 1 else 0.0 for s in mine]
-        if split:
-            tail = min(reduce)
-        else:
-            tail = min(max(r_s, bwd_below[s]) for s, r_s in zip(mine, reduce, strict=True))
-        best = max(best, head + busy + tail)
-        if costs.dp > 1 and len(mine) > 1:
-            # The rank's all-reduces share one link, and none starts before some stage of
-            # the rank has run all its own forwards and backwards.
-            first_done = min(microbatches * (c[s].F + back[s] + 2 * over) for s in mine)
-            best = max(best, head + first_done + sum(reduce))
-    return best
 
 
 # -- the search ---------------------------------------------------------------------------
@@ -291,7 +240,7 @@ class _Search:
     def candidate(
         self, config: Config, name: str, sched: Schedule, memory: MemoryPlan, costs: CostModel
     ) -> Candidate:
-        built = build_schedule(memory.schedule, reduce_grad=config.dp > 1)
+        built = build_schedule(memory.final(), reduce_grad=config.dp > 1)
         timeline = simulate(built, costs, graph=Graph(built))
         step = timeline.makespan
         tokens = self.global_batch * self.seq / step if self.seq > 0 and step > 0 else math.nan
@@ -313,6 +262,7 @@ class _Search:
             bubble=timeline.bubble_rate,
             peak_memory=max(timeline.peak_memory),
             fits=memory.fits,
+            tp=config.tp,
             timeline=timeline,
         )
 
@@ -366,23 +316,40 @@ class _Search:
         return self.candidate(stages, "auto", base, memory, costs)
 
 
+def layouts(
+    gpus: int,
+    layers: int,
+    pp_options: Sequence[int] | None = None,
+    dp_options: Sequence[int] | None = None,
+    tp_options: Sequence[int] = (1,),
+) -> list[tuple[int, int, int]]:
+    """Every (pp, dp, tp) with pp x dp x tp = ``gpus`` and pp <= ``layers`` that the
+    options allow (None: any divisor)."""
+    out = []
+    for tp in tp_options:
+        if gpus % tp:
+            continue
+        rest = gpus // tp
+        for pp in pp_options or divisors(rest):
+            dp = rest // pp
+            if pp <= layers and rest % pp == 0 and (dp_options is None or dp in dp_options):
+                out.append((pp, dp, tp))
+    return out
+
+
 def _jobs(
     state: _Search,
     *,
-    gpus: int,
+    grid: Sequence[tuple[int, int, int]],
     layers: int,
     global_batch: int,
     schedules: Sequence[str],
     microbatch_sizes: Sequence[int],
     chunks: Sequence[int],
-    pp_options: Sequence[int] | None,
     count: bool = True,
 ) -> Iterator[_Job]:
-    """Every (configuration, named schedule) the grid holds, with its bound."""
-    for pp in pp_options or divisors(gpus):
-        if pp > layers or gpus % pp:
-            continue
-        dp = gpus // pp
+    """Every (configuration, named schedule) the grid of (pp, dp, tp) holds, with its bound."""
+    for pp, dp, tp in grid:
         for mbs in microbatch_sizes:
             if global_batch % (dp * mbs):
                 continue
@@ -396,7 +363,7 @@ def _jobs(
                     if pp * v > layers:
                         state.ranking.refused += count
                         continue
-                    config = Config(pp, dp, mbs, m, pp * v)
+                    config = Config(pp, dp, mbs, m, pp * v, tp=tp)
                     try:
                         placement, split = state.probe(name, pp, v, m)
                         costs = state.costs(config)
@@ -427,6 +394,8 @@ def search(
     top: int = 10,
     chunks: Sequence[int] = (2,),
     pp_options: Sequence[int] | None = None,
+    dp_options: Sequence[int] | None = None,
+    tp_options: Sequence[int] = (1,),
     prune: bool = True,
     auto_runs: int = 3,
     auto_budget: float = 2.0,
@@ -450,7 +419,11 @@ def search(
         progress: called with a line about every second of work.
         top: how many candidates to return.
         chunks: chunks per rank for generators that take any (interleaved).
-        pp_options: pipeline depths to consider (default: every divisor of ``gpus``).
+        pp_options, dp_options: pipeline depths and data-parallel degrees to consider
+            (default: every one that divides the GPUs).
+        tp_options: tensor-parallel degrees to consider (default 1: none); the cost
+            factory refuses (:class:`ScheduleError`, counted as refused) those the model
+            or the node cannot take.  ``gpus`` = pp x dp x tp.
         prune: False prices every configuration (slow; the ranking is the same).
         costs_for_schedule: when given, each schedule is priced under the cost model
             it returns for it (e.g. :func:`schedule_cut`: its own cut of measured
@@ -478,6 +451,10 @@ def search(
         )
     if not microbatch_sizes or min(microbatch_sizes) < 1:
         raise ScheduleError(f"microbatch sizes must be >= 1, got {list(microbatch_sizes)}")
+    for name, options in (("pp", pp_options), ("dp", dp_options), ("tp", tp_options)):
+        if options is not None and (not options or min(options) < 1):
+            raise ScheduleError(f"{name} options must be whole numbers >= 1, got {options!r}")
+    grid = layouts(gpus, layers, pp_options, dp_options, tp_options)
     limit = math.inf if memory is None else float(memory)
     state = _Search(
         costs_for, limit, flops_per_sample, peak_flops, seq, global_batch, gpus, top, layers,
@@ -487,13 +464,13 @@ def search(
     ranking = state.ranking
     jobs = sorted(
         _jobs(
-            state, gpus=gpus, layers=layers, global_batch=global_batch, schedules=schedules,
-            microbatch_sizes=microbatch_sizes, chunks=chunks, pp_options=pp_options,
+            state, grid=grid, layers=layers, global_batch=global_batch, schedules=schedules,
+            microbatch_sizes=microbatch_sizes, chunks=chunks,
         ),
         key=_Job.order,
     )  # fmt: skip
     if not jobs and "auto" not in schedules:
-        raise ScheduleError(_nothing_to_price(gpus, layers, global_batch, microbatch_sizes))
+        raise ScheduleError(_nothing_to_price(gpus, layers, global_batch, microbatch_sizes, grid))
     last = time.perf_counter()
 
     def report(what: str, done: int, total: int) -> None:
@@ -503,7 +480,11 @@ def search(
             return
         last = now
         best = ranking.best
-        so_far = f"best {best.step_time:.4g} s ({best.schedule}, pp {best.pp})" if best else "-"
+        so_far = (
+            f"best {best.step_time:.4g} s ({best.schedule}, pp {best.pp} tp {best.tp})"
+            if best
+            else "-"
+        )
         progress(
             f"{done}/{total} {what}; {ranking.priced} priced, {ranking.pruned} pruned; {so_far}"
         )
@@ -514,7 +495,11 @@ def search(
             ranking.pruned += len(jobs) - n
             break
         c = job.config
-        report(f"pricing pp {c.pp} dp {c.dp} mbs {c.microbatch_size} {job.schedule}", n, len(jobs))
+        report(
+            f"pricing pp {c.pp} dp {c.dp} tp {c.tp} mbs {c.microbatch_size} {job.schedule}",
+            n,
+            len(jobs),
+        )
         cand = state.price(job) if prune else _price_unpruned(state, job)
         if cand is not None:
             state.add(cand)
@@ -522,15 +507,15 @@ def search(
         # The placements auto chooses among, priced like the named schedules that use them.
         groups: dict[Config, list[_Job]] = {}
         for job in _jobs(
-            state, gpus=gpus, layers=layers, global_batch=global_batch,
+            state, grid=grid, layers=layers, global_batch=global_batch,
             schedules=("1f1b", "interleaved-1f1b", "zbv"), microbatch_sizes=microbatch_sizes,
-            chunks=(2,), pp_options=pp_options, count=False,
+            chunks=(2,), count=False,
         ):  # fmt: skip
             groups.setdefault(replace(job.config, stages=job.config.pp), []).append(job)
         _search_auto(state, groups, prune, auto_runs, auto_budget, report)
     ranking.seconds = time.perf_counter() - start
     if not ranking.candidates:
-        raise ScheduleError(_nothing_to_price(gpus, layers, global_batch, microbatch_sizes))
+        raise ScheduleError(_nothing_to_price(gpus, layers, global_batch, microbatch_sizes, grid))
     return ranking
 
 
@@ -583,12 +568,19 @@ def _search_auto(
         )
 
 
-def _nothing_to_price(gpus: int, layers: int, batch: int, sizes: Sequence[int]) -> str:
-    deepest = max(d for d in divisors(gpus) if d <= layers)
+def _nothing_to_price(
+    gpus: int, layers: int, batch: int, sizes: Sequence[int], grid: Sequence[tuple[int, int, int]]
+) -> str:
+    if not grid:
+        return (
+            f"no configuration to price for {gpus} GPU(s) and {layers} layers: no pp x dp x tp "
+            f"= {gpus} with pp <= {layers} among the pp, dp and tp options given; give options "
+            f"whose product can be {gpus}"
+        )
+    least = min(dp for _, dp, _ in grid)
     return (
         f"no configuration to price for {gpus} GPU(s), {layers} layers and a global batch of "
         f"{batch}: the batch must split into dp replicas x microbatches of size {list(sizes)}, "
-        f"with dp = gpus / pp and pp <= {layers} dividing the GPUs (so dp >= {gpus // deepest}); "
-        f"make the global batch a multiple of {gpus // deepest} x a microbatch size, or use "
-        f"fewer GPUs"
+        f"with dp = gpus / (pp x tp), pp <= {layers} (so dp >= {least} here); make the global "
+        f"batch a multiple of {least} x a microbatch size, or use fewer GPUs"
     )

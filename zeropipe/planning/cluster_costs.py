@@ -13,6 +13,7 @@ from zeropipe.core.errors import ScheduleError
 from zeropipe.core.ir import Kind, Schedule
 from zeropipe.planning.balance import balance, balance_schedule, stage_costs
 from zeropipe.planning.specs import (
+    DEFAULT_GRAD_BYTES,
     DEFAULT_STATE_BYTES,
     HardwareSpec,
     ModelSpec,
@@ -32,6 +33,7 @@ class Config:
     microbatches: int
     stages: int  # pp x chunks: the model is cut into this many stages
     recompute: bool = False  # price R and what a checkpointed forward keeps
+    tp: int = 1  # GPUs per stage (tensor parallel): pp x dp x tp GPUs in all
 
     @property
     def chunks(self) -> int:
@@ -53,6 +55,9 @@ def spec_costs(
     shard_optimizer: bool = False,
     attention: str = "flash",
     dropout: bool = False,
+    sequence_parallel: bool = True,
+    tp_across_nodes: bool = False,
+    grad_bytes: float = DEFAULT_GRAD_BYTES,
 ) -> CostFactory:
     """The cost factory :func:`search` takes, from a model and an accelerator spec:
     :func:`zeropipe.planning.specs.costs_from_spec` for each configuration (the one place the planner
@@ -61,7 +66,10 @@ def spec_costs(
     ``shard_optimizer``: the fp32 master weights and Adam moments (12 of the 18 bytes
     per parameter) are sharded over the data-parallel replicas (ZeRO-1, a distributed
     optimizer), so a rank keeps ``6 + 12 / dp`` bytes per parameter.  ``attention`` and
-    ``dropout``: how the blocks run (:func:`zeropipe.planning.specs.price_stages`).
+    ``dropout``: how the blocks run (:func:`zeropipe.planning.specs.price_stages`).  A
+    configuration's ``tp`` GPUs per stage run with ``sequence_parallel`` or not, inside a
+    node unless ``tp_across_nodes`` (:mod:`zeropipe.planning.tensor_parallel`);
+    ``grad_bytes``: bytes per parameter the gradient all-reduce moves.
     """
 
     def costs_for(config: Config) -> CostModel:
@@ -70,7 +78,9 @@ def spec_costs(
             model, hardware, stages=config.stages, seq=seq,
             microbatch_size=config.microbatch_size, dtype=dtype, efficiency=efficiency,
             recompute=config.recompute, pp=config.pp, dp=config.dp, state_bytes=state,
-            attention=attention, dropout=dropout,
+            attention=attention, dropout=dropout, tp=config.tp,
+            sequence_parallel=sequence_parallel, tp_across_nodes=tp_across_nodes,
+            grad_bytes=grad_bytes,
         )  # fmt: skip
 
     return costs_for
@@ -88,6 +98,11 @@ def fixed_costs(costs: CostModel) -> CostFactory:
     have = len(costs.stages)
 
     def costs_for(config: Config) -> CostModel:
+        if config.tp != 1:
+            raise ScheduleError(
+                f"a measured cost model is one GPU per stage; it cannot price tp {config.tp} "
+                f"(measure the tensor-parallel stages, or plan from specs)"
+            )
         want = config.stages
         if want == have:
             stages = costs.stages

@@ -10,14 +10,24 @@ plans but simulates at every step.  No torch here: this is core.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from zeropipe.core.costs import CostModel, initial_memory, peak_memory
 from zeropipe.core.fit import LimitTooLow, checkpoint, fit_memory, offload
-from zeropipe.core.ir import Kind, Schedule
+from zeropipe.core.ir import Action, Kind, Schedule
 
-__all__ = ["FIT_PAIRS", "GiB", "MemoryPlan", "format_memory", "peaks", "plan_memory", "share_peaks"]
+__all__ = [
+    "FIT_PAIRS",
+    "GiB",
+    "MemoryPlan",
+    "format_memory",
+    "offload_floor",
+    "peaks",
+    "plan_memory",
+    "recompute",
+    "share_peaks",
+]
 
 GiB = float(2**30)
 #: recompute is chosen per rank in steps of 1/_STEPS of its (stage, microbatch) pairs
@@ -35,6 +45,12 @@ class MemoryPlan:
     plan: str
     fits: bool
     recomputed: list[int]  # per stage, microbatches recomputed
+    offloaded: bool = False  # every pair still to be recomputed and offloaded: see final()
+
+    def final(self) -> Schedule:
+        """The schedule to run: ``schedule``, recomputed and offloaded first when
+        ``offloaded`` (a rewrite of seconds at scale, left until a plan is priced)."""
+        return offload(recompute(self.schedule)) if self.offloaded else self.schedule
 
 
 def peaks(schedule: Schedule, costs: CostModel) -> list[float]:
@@ -47,12 +63,46 @@ def _spread(k: int, m: int) -> set[int]:
     return {i for i in range(m) if (i + 1) * k // _STEPS > i * k // _STEPS}
 
 
+_PLAIN = frozenset((Kind.F, Kind.B, Kind.I, Kind.W, Kind.REDUCE_GRAD))
+
+
+def recompute(schedule: Schedule, which: Callable[[int, int], bool] | None = None) -> Schedule:
+    """:func:`zeropipe.core.fit.checkpoint` (``ahead=0``) of the pairs ``which`` chooses
+    (None: all), in one pass when ``schedule`` is plain: compute only, with no R or copy
+    yet.  Each R goes right before its pair's backward (its B, or its I when split), or
+    before the forward overlapped with that backward, as ``checkpoint`` puts them;
+    ``checkpoint`` itself scans a rank's actions for every pair (minutes for 10^5
+    actions).  Other schedules go to it."""
+    if any(a.kind not in _PLAIN for acts in schedule.actions for a in acts):
+        return checkpoint(schedule, which)
+    paired = {second: first for first, second in schedule.overlaps}
+    out = []
+    for acts in schedule.actions:
+        lst: list[Action] = []
+        for a in acts:
+            i = a.microbatch
+            if (
+                a.kind in (Kind.B, Kind.I)
+                and i is not None
+                and (which is None or which(a.stage, i))
+            ):
+                r = Action(Kind.R, a.stage, i)
+                first = paired.get(a)
+                if first is not None and lst and lst[-1] == first:
+                    lst.insert(len(lst) - 1, r)
+                else:
+                    lst.append(r)
+            lst.append(a)
+        out.append(lst)
+    return schedule.replace_actions(out)
+
+
 def _recompute_share(schedule: Schedule, levels: Sequence[int]) -> Schedule:
     m = schedule.microbatches
     chosen = {s: _spread(levels[r], m) for s, r in enumerate(schedule.placement)}
     if not any(chosen.values()):
         return schedule
-    return checkpoint(schedule, lambda s, i: i in chosen[s])
+    return recompute(schedule, lambda s, i: i in chosen[s])
 
 
 def share_peaks(base: Schedule, costs: CostModel, levels: Sequence[int]) -> list[float]:
@@ -81,6 +131,34 @@ def share_peaks(base: Schedule, costs: CostModel, levels: Sequence[int]) -> list
                 level += c.held_change(Kind.R)
                 peak = max(peak, level)
             level += c.held_change(a.kind, checkpointed=ckpt)
+            peak = max(peak, level)
+        out.append(peak)
+    return out
+
+
+def offload_floor(base: Schedule, costs: CostModel) -> list[float]:
+    """Per rank, a peak that ``base`` (compute only) with every microbatch recomputed and
+    offloaded cannot go below, without rewriting it: each forward's kept input, until it
+    is offloaded, and from the reload before its recompute to its backward the whole
+    microbatch's activations, beside what W still waits for.  The rewrite holds at most
+    one reloaded input more (the reload goes one action before its recompute)."""
+    out = []
+    for level, acts in zip(initial_memory(base, costs), base.actions, strict=True):
+        peak = level
+        back: set[tuple[int, int]] = set()
+        for a in acts:
+            i = a.microbatch
+            if i is None or a.kind not in (Kind.F, Kind.B, Kind.I, Kind.W):
+                continue
+            c = costs.stages[a.stage]
+            if a.kind is Kind.F:
+                peak = max(peak, level + c.ckpt)
+                continue
+            if a.kind in (Kind.B, Kind.I) and (a.stage, i) not in back:
+                back.add((a.stage, i))
+                level += c.act
+                peak = max(peak, level)
+            level += c.held_change(a.kind, checkpointed=True)
             peak = max(peak, level)
         out.append(peak)
     return out
@@ -136,15 +214,17 @@ def plan_memory(base: Schedule, natural: CostModel, ckpt: CostModel, limit: floa
         share = sum(counts) / (n * m)
         plan = "recompute all" if share == 1 else f"recompute {share:.0%}"
         return MemoryPlan(sched, plan, True, counts)
-    # Offload moves only what a checkpointed forward keeps: if dropping all of that
-    # from the all-recomputed peak is still over, the (slow) rewrite cannot fit.
-    recomputed = share_peaks(base, ckpt, [_STEPS] * ranks)
-    kept = [m * sum(ckpt.stages[s].ckpt for s in base.stages_of(r)) for r in range(ranks)]
-    hopeless = max(p - k for p, k in zip(recomputed, kept, strict=True))
+    # Offload moves only what a checkpointed forward keeps: if what a rank holds even so
+    # is over, the (slow) rewrite cannot fit.
+    hopeless = max(offload_floor(base, ckpt))
     if hopeless > limit:
         need = format_memory(hopeless, ckpt)
         return MemoryPlan(base, f"over: needs > {need} recomputed+offloaded", False, none)
-    everything = offload(checkpoint(base))
+    # The rewrite holds at most one reloaded input more than the floor, and one input
+    # whose offload waits for the end of an overlapped pair: within that, it fits.
+    if hopeless + 2 * max(c.ckpt for c in ckpt.stages) <= limit:
+        return MemoryPlan(base, "recompute + offload all", True, [m] * n, offloaded=True)
+    everything = offload(recompute(base))
     floor = max(peaks(everything, ckpt))
     if floor <= limit:
         return MemoryPlan(everything, "recompute + offload all", True, [m] * n)

@@ -44,9 +44,13 @@ How a stage is priced (``T`` = tokens per microbatch = microbatch size x sequenc
   without a sharded optimizer keeps them).
 * **Copies to host** (offload, reload) at the ``host_bandwidth`` a pinned copy reaches.
 * **Wires**: a pipeline hop inside a node uses the node's link (NVLink), across
-  nodes the network; see :func:`pipeline_crosses_nodes`.  Data-parallel
-  replicas are the innermost rank dimension, so a group of at most one node's
-  GPUs reduces inside the node.
+  nodes the network; see :func:`pipeline_crosses_nodes`.  Ranks are laid out
+  tensor-parallel innermost, then data-parallel, then pipeline (a ``("pp", "dp",
+  "tp")`` mesh), so a replica group of at most one node's GPUs reduces inside it.
+* **Tensor parallelism** (``tp`` GPUs per block, optionally with sequence
+  parallelism): what it divides, what it adds (two all-reduces of the activation
+  per block forward, two backward) and the narrower matmuls' lower rate are in
+  :mod:`zeropipe.planning.tensor_parallel`; every figure above is then one GPU's.
 
 Nothing here imports torch.
 """
@@ -62,6 +66,13 @@ from typing import Any
 
 from zeropipe.core.costs import CostModel, StageCost
 from zeropipe.core.errors import ScheduleError
+from zeropipe.planning.tensor_parallel import (
+    check_tp,
+    kv_split,
+    matmul_share,
+    ring_allreduce,
+    split,
+)
 
 __all__ = [
     "HardwareSpec",
@@ -270,7 +281,8 @@ def load_hardware(name: str) -> HardwareSpec:
 # -- pricing -------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class StagePrice:
-    """One stage's figures for one microbatch, in seconds and bytes (StageCost's fields)."""
+    """One stage's figures for one microbatch, in seconds and bytes (StageCost's fields),
+    one GPU's (of the ``tp`` a tensor-parallel stage runs on: ``params`` is its share)."""
 
     F: float
     I: float
@@ -327,13 +339,18 @@ def price_stages(
     blocks: list[int] | None = None,
     attention: str = "flash",
     dropout: bool = False,
+    tp: int = 1,
+    sequence_parallel: bool = True,
+    tp_across_nodes: bool = False,
 ) -> list[StagePrice]:
     """Each stage's F, I, W, R times and memory for one microbatch (see the module docstring).
 
     ``blocks`` gives the transformer blocks of each stage (default: the cut whose
     slowest stage is fastest, see :func:`_cut`); the first stage also holds the embedding,
     the last the final norm, output head and loss.  ``attention`` is ``"flash"`` or
-    ``"unfused"``; ``dropout`` prices the dropout layers of training.
+    ``"unfused"``; ``dropout`` prices the dropout layers of training.  ``tp``: each
+    stage runs on ``tp`` GPUs, with ``sequence_parallel`` or not, inside a node unless
+    ``tp_across_nodes`` (:mod:`zeropipe.planning.tensor_parallel`); figures are one GPU's.
     """
     for name, value in (("efficiency", efficiency), ("memory_efficiency", memory_efficiency)):
         if not (0 < value <= 1):
@@ -350,56 +367,70 @@ def price_stages(
             f"{stages} stages for a {model.layers}-layer model: at most layers + 2 "
             f"(a stage each for the embedding and the head); use fewer stages"
         )
-    flop = hardware.peak(dtype) * efficiency  # FLOP/s reached
+    check_tp(tp, heads=model.heads, kv_heads=model.kv_heads, ffn=model.ffn, model=model.name,
+             gpus_per_node=hardware.gpus_per_node, cross_node=tp_across_nodes)  # fmt: skip
+    sp = sequence_parallel
+    flop = hardware.peak(dtype) * efficiency * matmul_share(model.hidden, tp)  # FLOP/s reached
     mem = hardware.memory_bandwidth * memory_efficiency  # bytes/s reached
     e = _DTYPE_BYTES[dtype]
     t = microbatch_size * seq  # tokens
     h, kv, f, d = model.hidden, model.kv_dim, model.ffn, model.dim
-    n = model.layer_params() - 2 * h  # weights in linears (not the norms)
+    # Key/value heads fewer than tp are copied: as if kv_t wide, cut tp ways.
+    kv_t = kv * tp // kv_split(model.kv_heads, tp)
+    n = model.layer_params() - 2 * h + 2 * h * (kv_t - kv)  # weights in linears, over tp GPUs
     ffn_mats = 3 if model.gated else 2
+    ffn_act = 3 * f if model.gated else 2 * f
 
     # One block.  Linears: 2 t n FLOPs each for F, I and W.  Flash attention: 2 t s d
     # forward (causal: half of the 4 t s d of a full square), 2.5x backward.
-    # Elementwise bytes forward: two norms (read + write h each), rotary on q and k,
-    # two residual adds (read 2, write 1), the activation (gated: read 2 f, write f);
-    # backward twice that.
-    elementwise_f = t * e * (4 * h + 2 * (d + kv) + 6 * h + (3 * f if model.gated else 2 * f))
-    elementwise_i = 2 * elementwise_f
-    # Saved for backward: norm inputs and outputs (4 h), q k v (d + 2 kv), attention
-    # output (h-wide), FFN gate/up/product (3 f) or pre/post activation (2 f).
-    block_act = t * e * (5 * h + d + 2 * kv + (3 * f if model.gated else 2 * f))
+    # Elementwise bytes forward: two norms (read + write h each) and two residual adds
+    # (read 2, write 1) outside the tensor-parallel region; rotary on q and k and the
+    # activation (gated: read 2 f, write f) inside it; backward twice that.
+    ew_out, ew_in = t * e * 10.0 * h, t * e * (2.0 * (d + kv_t) + ffn_act)
+    ew_out_i, ew_in_i = 2 * ew_out, 2 * ew_in
+    # Saved for backward: norm inputs and outputs (4 h) outside; q k v (d + 2 kv),
+    # attention output (h-wide), FFN gate/up/product (3 f) or pre/post activation (2 f).
+    act_out, act_in = t * e * 4.0 * h, t * e * (h + d + 2.0 * kv_t + ffn_act)
     if attention == "flash":
         attention_f, attention_i = 2.0 * t * seq * d, 5.0 * t * seq * d
     else:  # the full square; the score matrices' passes through memory (docstring)
         attention_f, attention_i = 4.0 * t * seq * d, 8.0 * t * seq * d
         scores = t * seq * model.heads  # elements of one microbatch's score matrices
         drop = 1 if dropout else 0  # dropout on the probabilities: 2 passes and a mask
-        elementwise_f += scores * ((4 + 2 * drop) * e + drop)
-        elementwise_i += scores * ((7 + 2 * drop) * e + drop)
-        block_act += scores * ((1 + drop) * e + drop)
+        ew_in += scores * ((4 + 2 * drop) * e + drop)
+        ew_in_i += scores * ((7 + 2 * drop) * e + drop)
+        act_in += scores * ((1 + drop) * e + drop)
     if dropout:  # masks after the attention and the FFN: written, read back, kept
-        elementwise_f += 2 * t * h
-        elementwise_i += 2 * t * h
-        block_act += 2 * t * h
-    block_f = (2.0 * t * n + attention_f) / flop + elementwise_f / mem
-    block_i = (2.0 * t * n + attention_i) / flop + elementwise_i / mem
-    block_w = 2.0 * t * n / flop
-    # W needs each linear's input and its output's gradient.
-    linear_in = 2 * h + d + f
-    linear_out = (d + 2 * kv) + h + (ffn_mats - 1) * f + h
-    block_act_w = min(block_act, t * e * (linear_in + linear_out))
+        ew_out += 2 * t * h
+        ew_out_i += 2 * t * h
+        act_out += 2 * t * h
+    elementwise_f = split(ew_out, ew_in, tp, sp)
+    elementwise_i = split(ew_out_i, ew_in_i, tp, sp)
+    block_act = split(act_out, act_in, tp, sp)
+    link_far = tp > hardware.gpus_per_node
+    allreduce = ring_allreduce(
+        t * h * e, tp,
+        hardware.inter_bandwidth if link_far else hardware.intra_bandwidth,
+        hardware.inter_latency if link_far else hardware.intra_latency,
+    )  # fmt: skip
+    block_f = (2.0 * t * n + attention_f) / tp / flop + elementwise_f / mem + 2 * allreduce
+    block_i = (2.0 * t * n + attention_i) / tp / flop + elementwise_i / mem + 2 * allreduce
+    block_w = 2.0 * t * n / tp / flop
+    # W needs each linear's input and its output's gradient: the h-wide ones outside.
+    linear_in_out = d + f + (d + 2 * kv_t) + (ffn_mats - 1) * f  # inside; 4 h outside
+    block_act_w = min(block_act, split(t * e * 4.0 * h, t * e * linear_in_out, tp, sp))
 
-    head_n = model.vocab * h
-    head_f = 2.0 * t * head_n / flop + t * model.vocab * 4 * 2 / mem  # logits + fp32 loss
-    head_i = 2.0 * t * head_n / flop + t * model.vocab * 4 * 3 / mem
-    head_w = 2.0 * t * head_n / flop
-    head_act = t * (e * h + 4 * model.vocab)  # head input, fp32 logits for the loss
+    head_n = model.vocab * h  # vocabulary-parallel: cut tp ways, like the logits
+    head_f = (2.0 * t * head_n / flop + t * model.vocab * 4 * 2 / mem) / tp  # + fp32 loss
+    head_i = (2.0 * t * head_n / flop + t * model.vocab * 4 * 3 / mem) / tp + allreduce
+    head_w = 2.0 * t * head_n / tp / flop
+    head_act = split(t * e * h, t * 4.0 * model.vocab, tp, sp)  # input, fp32 logits
 
-    embed_time = t * h * e * 3 / mem  # the lookup forward, the scatter-add in W
+    embed_time = split(t * h * e * 3, 0.0, tp, sp) / mem  # the lookup, the scatter-add in W
     block_time = block_f + block_i + block_w
     head_time = head_f + head_i + head_w
     if blocks is None:
-        cut = _cut(model.layers, stages, block_time, embed_time, head_time)
+        cut = _cut(model.layers, stages, block_time, embed_time + allreduce, head_time)
     else:
         cut = list(blocks)
     if len(cut) != stages or sum(cut) != model.layers or min(cut) < 0:
@@ -408,49 +439,43 @@ def price_stages(
             f"summing to the model's {model.layers} layers"
         )
 
+    layer_params = n // tp + 2 * h  # one GPU's: its slice of the linears, the norms whole
     out: list[StagePrice] = []
     for s, k in enumerate(cut):
         first, last = s == 0, s == stages - 1
         F, I, W = k * block_f, k * block_i, k * block_w
-        act, act_w, params = k * block_act, k * block_act_w, k * model.layer_params()
+        act, act_w, params = k * block_act, k * block_act_w, k * layer_params
         if first:
-            params += model.vocab * h  # embedding: a lookup forward, a scatter-add in W
-            F += embed_time / 3
+            params += model.vocab * h // tp  # embedding: a lookup forward, a scatter-add in W
+            F += embed_time / 3 + allreduce
             W += embed_time * 2 / 3
         if last:
             F, I, W = F + head_f, I + head_i, W + head_w
-            act, act_w = act + head_act, act_w + t * e * h
-            params += h + (0 if model.tied_embeddings and stages == 1 else head_n)
+            act, act_w = act + head_act, act_w + split(t * e * h, 0.0, tp, sp)
+            params += h + (0 if model.tied_embeddings and stages == 1 else head_n // tp)
+        ckpt = float(split(t * h * e, 0.0, tp, sp) if not first else t * 8)  # its input
         out.append(
             StagePrice(
-                F=F,
-                I=I,
-                W=W,
-                R=F,
-                act=act,
-                act_w=act_w,
-                ckpt=float(t * h * e if not first else t * 8),  # the stage's input
-                weights=params * state_bytes,
-                grad_bytes=params * grad_bytes,
-                boundary_bytes=float(t * h * e),
-                params=params,
-                blocks=k,
+                F=F, I=I, W=W, R=F, act=act, act_w=act_w, ckpt=ckpt,
+                weights=params * state_bytes, grad_bytes=params * grad_bytes,
+                boundary_bytes=float(t * h * e / tp), params=params, blocks=k,
             )
-        )
+        )  # fmt: skip
     return out
 
 
-def pipeline_crosses_nodes(pp: int, dp: int, gpus_per_node: int) -> bool:
-    """Whether some pipeline hop leaves its node, ranks laid out with data parallel
-    innermost (rank = pipeline index x dp + replica index), as torch's DeviceMesh
-    ("pp", "dp") lays them out.  Any crossing hop prices every hop on the network:
-    the slow hop holds the pipeline back."""
-    return pp > 1 and pp * dp > gpus_per_node
+def pipeline_crosses_nodes(pp: int, dp: int, gpus_per_node: int, tp: int = 1) -> bool:
+    """Whether some pipeline hop leaves its node, ranks laid out tensor-parallel
+    innermost, then data-parallel (rank = (pipeline index x dp + replica) x tp + tp
+    index), as a DeviceMesh ("pp", "dp", "tp") lays them out.  Any crossing hop prices
+    every hop on the network: the slow hop holds the pipeline back."""
+    return pp > 1 and pp * dp * tp > gpus_per_node
 
 
-def replicas_cross_nodes(dp: int, gpus_per_node: int) -> bool:
-    """Whether a data-parallel group spans nodes (it is contiguous: see above)."""
-    return dp > gpus_per_node or gpus_per_node % dp != 0
+def replicas_cross_nodes(dp: int, gpus_per_node: int, tp: int = 1) -> bool:
+    """Whether a data-parallel group spans nodes (its ranks are ``tp`` apart, ``dp x tp``
+    contiguous ranks hold it: see above)."""
+    return dp * tp > gpus_per_node or gpus_per_node % (dp * tp) != 0
 
 
 def ring_allreduce_latency(dp: int, latency: float) -> float:
@@ -476,6 +501,9 @@ def costs_from_spec(
     blocks: Sequence[int] | None = None,
     attention: str = "flash",
     dropout: bool = False,
+    tp: int = 1,
+    sequence_parallel: bool = True,
+    tp_across_nodes: bool = False,
 ) -> CostModel:
     """Price a decoder-only transformer on an accelerator from their specs (no profile).
 
@@ -485,7 +513,10 @@ def costs_from_spec(
     (default ``stages``; zbv's ``2p`` stages run on ``p``), with ``dp`` replicas.
     Times are seconds, memory bytes (``unit="bytes"``); how each figure is
     derived is in :mod:`zeropipe.planning.specs`; ``attention`` (``"flash"`` or ``"unfused"``)
-    and ``dropout`` say how the blocks run.  ``recompute`` makes R and ``ckpt``
+    and ``dropout`` say how the blocks run.  Each stage runs on ``tp`` GPUs (tensor
+    parallel, with ``sequence_parallel`` or not; inside a node unless ``tp_across_nodes``:
+    :mod:`zeropipe.planning.tensor_parallel`), and every figure is one GPU's; tp = 1 is
+    plain pipeline and data parallelism.  ``recompute`` makes R and ``ckpt``
     available for :func:`zeropipe.core.fit.checkpoint`; it does not itself
     checkpoint anything.  ``meta`` records the inputs and
     ``flops_per_microbatch`` / ``peak_flops`` for MFU.
@@ -511,6 +542,9 @@ def costs_from_spec(
         blocks=None if blocks is None else list(blocks),
         attention=attention,
         dropout=dropout,
+        tp=tp,
+        sequence_parallel=sequence_parallel,
+        tp_across_nodes=tp_across_nodes,
     )
     costs = tuple(
         StageCost(
@@ -530,8 +564,8 @@ def costs_from_spec(
         )
         for p in priced
     )
-    far = pipeline_crosses_nodes(ranks, dp, hw.gpus_per_node)
-    dp_far = replicas_cross_nodes(dp, hw.gpus_per_node)
+    far = pipeline_crosses_nodes(ranks, dp, hw.gpus_per_node, tp)
+    dp_far = replicas_cross_nodes(dp, hw.gpus_per_node, tp)
     tokens = microbatch_size * seq
     return CostModel(
         costs,
@@ -554,6 +588,8 @@ def costs_from_spec(
             "memory_efficiency": mem_eff,
             "attention": attention,
             "dropout": dropout,
+            "tp": tp,
+            "sequence_parallel": sequence_parallel and tp > 1,
             "blocks": [p.blocks for p in priced],
             "pipeline_link": "network" if far else "node",
             "replica_link": "network" if dp_far else "node",

@@ -325,14 +325,20 @@ def keep_overlaps(schedule: Schedule) -> Schedule:
     if not schedule.overlaps:
         return schedule
     deps = Dependencies(schedule)
-    second_of = dict(schedule.overlaps)
+    # Each rank visits only its own pairs (in the schedule's order of pairs), and finds
+    # positions in a map kept current, not by scanning its list once per pair.
+    owner = {a: r for r, acts in enumerate(schedule.actions) for a in acts}
+    pairs: list[list[tuple[Action, Action]]] = [[] for _ in schedule.actions]
+    for first, second in dict(schedule.overlaps).items():
+        r = owner.get(first)
+        if r is not None and owner.get(second) == r:
+            pairs[r].append((first, second))
     out = []
-    for acts in schedule.actions:
+    for acts, mine in zip(schedule.actions, pairs, strict=True):
         lst = list(acts)
-        for first, second in second_of.items():
-            if first not in lst or second not in lst:
-                continue
-            a, b = lst.index(first), lst.index(second)
+        pos = {x: k for k, x in enumerate(lst)}
+        for first, second in mine:
+            a, b = pos[first], pos[second]
             if b == a + 1 or b < a:
                 continue  # adjacent, or out of order: the validator names the latter
             between = lst[a + 1 : b]
@@ -345,7 +351,9 @@ def keep_overlaps(schedule: Schedule) -> Schedule:
                     after.append(x)
                     needs_first.add(x)
             before = [x for x in between if x not in needs_first]
-            lst[a : b + 1] = [*before, first, second, *after]
+            moved = [*before, first, second, *after]
+            lst[a : b + 1] = moved
+            pos.update((x, k) for k, x in enumerate(moved, start=a))
         out.append(lst)
     return schedule.replace_actions(out)
 

@@ -33,9 +33,8 @@ Each row is predicted twice, with nothing fitted to the row:
 * **the planner's best plan**: :func:`zeropipe.planning.cluster.search` on the row's GPUs
   and batch, under the same cost model, with tp in 1, 2, 4, 8 and 16 (16 crosses a node:
   its collectives priced on the network), microbatch sizes 1, 2, 4, 8 and the row's, the
-  named schedules but ``auto`` (its search is bounded by wall time, so not reproducible),
-  ``dualpipev`` (its overlapped pairs make the schedule tools' bookkeeping take minutes
-  at these sizes) and ``looped-bfs``, chunks 2 and the row's, the A100's 80 GB.
+  named schedules but ``auto`` (its search is bounded by wall time, so not reproducible)
+  and ``looped-bfs``, chunks 2 and the row's, the A100's 80 GB.
 
 Throughput is teraFLOP/s per GPU as the paper counts it: ``96 B s l h^2 (1 + s / (6 h) +
 V / (16 l h))`` FLOPs an iteration (which counts a recomputed forward) over the step time
@@ -93,7 +92,7 @@ SEQ = 2048
 VOCAB = 51200
 GRAD_BYTES = 2.0  # fp16 gradients all-reduced
 TP_OPTIONS = (1, 2, 4, 8, 16)  # 16 crosses an 8-GPU node: priced on the network
-SKIPPED = ("auto", "dualpipev", "looped-bfs")  # not searched here (see the docstring)
+SKIPPED = ("auto", "looped-bfs")  # not searched here (see the docstring)
 
 
 @dataclass(frozen=True)

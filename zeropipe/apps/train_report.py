@@ -37,8 +37,12 @@ __all__ = [
 
 
 def bubble_rate(pipe: Pipeline, elapsed: float, world: int) -> float:
-    """Mean idle share of the step over ranks: 1 - compute time / step time."""
-    busy = sum(e.end - e.start for evs in pipe.last_events for e in evs if e.lane == "compute")
+    """Mean idle share of the step over ranks: 1 - compute time / step time.
+
+    Compute time is each action's work (``Event.work``): the time an action
+    spent blocked for received data is idle, as the simulated bubble counts it.
+    """
+    busy = sum(e.work for evs in pipe.last_events for e in evs if e.lane == "compute")
     # Each process plays one pipeline rank, or (one-process pipelines) all of them.
     ranks = world * (1 if pipe.distributed else pipe.schedule.num_ranks)
     if world > 1:

@@ -14,6 +14,9 @@ The terminal grid scales time to a fixed number of columns::
 Each action starts with its kind letter and, when it has room, its
 microbatch; the rest of its cells repeat the letter ('.' is idle).  Lower
 case marks odd-numbered chunks of a rank so interleaved stages stay apart.
+A measured action's wait for its data (``Event.wait``) is drawn apart from
+its work: '-' in the grid, a hatched grey box in a PNG, a "wait" slice in a
+Chrome trace; like '.', it is idle time in the bubble rates.
 
 matplotlib is optional (``pip install 'zeropipe[plot]'``) and imported only
 when a PNG is drawn, on the Agg backend via an explicit canvas so no pyplot
@@ -35,6 +38,7 @@ from zeropipe.core.simulate import Event, Timeline
 __all__ = [
     "KIND_COLORS",
     "MAX_RANKS",
+    "WAIT_COLOR",
     "draw_timeline",
     "render_png",
     "render_pngs",
@@ -77,6 +81,9 @@ KIND_COLORS: dict[Kind, str] = {
     Kind.RELOAD: "#edc948",
     Kind.REDUCE_GRAD: "#76b7b2",
 }
+
+#: How a measured wait for data is drawn (PNG), apart from any kind's colour.
+WAIT_COLOR = "#d9d9d9"
 
 #: Rank rows the terminal grid draws at most (the JSON summary and traces have all).
 MAX_RANKS = 64
@@ -147,6 +154,8 @@ def render_text(timeline: Timeline, width: int = 100, max_ranks: int = MAX_RANKS
             f"--json / --trace have them all"
         )
     legend = [f"{_LETTERS[k]} {_NAMES[k]}" for k in _LETTERS if k in present]
+    if any(e.wait > 0 for evs in timeline.events[:max_ranks] for e in evs):
+        legend.append("- waiting for data")
     legend.append(". idle")
     if timeline.schedule.chunks_per_rank > 1:
         legend.append("lower case: odd chunk of its rank")
@@ -191,8 +200,11 @@ def _row(
 ) -> str:
     """One lane of one rank: each column shows the event that fills most of it."""
     overlap: list[dict[int, float]] = [{} for _ in range(width)]
+    waits = [0.0] * width  # share of each column spent waiting for data
     for n, e in enumerate(events):
-        lo, hi = (e.start - t0) / cell, (e.end - t0) / cell
+        lo, hi = (e.ready - t0) / cell, (e.end - t0) / cell
+        if e.wait > 0:
+            _spread(waits, (e.start - t0) / cell, lo)
         for col in range(max(0, math.floor(lo)), min(width, math.ceil(hi))):
             part = min(hi, col + 1) - max(lo, col)
             if part > 0:
@@ -212,7 +224,7 @@ def _row(
             free = [c for c in range(first, min(width, first + 3)) if owner[c] is None]
             if free:
                 owner[free[0]] = n
-    out = ["."] * width
+    out = ["-" if w >= 0.5 else "." for w in waits]
     col = 0
     while col < width:
         who = owner[col]
@@ -223,6 +235,12 @@ def _row(
             out[col : col + run] = _label(timeline, events[who], run)
         col += run
     return "".join(out)
+
+
+def _spread(shares: list[float], lo: float, hi: float) -> None:
+    """Add to each column of ``shares`` the part of ``[lo, hi)`` (in columns) over it."""
+    for col in range(max(0, math.floor(lo)), min(len(shares), math.ceil(hi))):
+        shares[col] += max(0.0, min(hi, col + 1) - max(lo, col))
 
 
 def _label(timeline: Timeline, event: Event, cells: int) -> str:
@@ -243,7 +261,9 @@ def to_chrome_trace(timeline: Timeline) -> dict[str, Any]:
 
     One process; one thread per rank and lane (compute, copy, comm, reduce: the
     gradient all-reduces, running beside the compute that follows them), and one
-    "X" (complete) event per action, named by its text (``1F3``).  Measured
+    "X" (complete) event per action, named by its text (``1F3``), from when its
+    data had arrived; a measured wait for that data is an "X" event of its own
+    before it, named ``wait`` (category ``wait``, the action in its args).  Measured
     timelines are in seconds and become microseconds; simulated ones are in
     arbitrary cost units, drawn as 1 unit = 1000 us (``otherData`` says which).
     """
@@ -266,6 +286,19 @@ def to_chrome_trace(timeline: Timeline) -> dict[str, Any]:
         for e in events:
             used.add((rank, e.lane))
             a = e.action
+            if e.wait > 0:
+                trace.append(
+                    {
+                        "ph": "X",
+                        "name": "wait",
+                        "cat": "wait",
+                        "pid": 0,
+                        "tid": _tid(rank, e.lane),
+                        "ts": (e.start - t0) * scale,
+                        "dur": e.wait * scale,
+                        "args": {"rank": rank, "step": e.step, "for": str(a)},
+                    }
+                )
             trace.append(
                 {
                     "ph": "X",
@@ -273,8 +306,8 @@ def to_chrome_trace(timeline: Timeline) -> dict[str, Any]:
                     "cat": a.kind.value,
                     "pid": 0,
                     "tid": _tid(rank, e.lane),
-                    "ts": (e.start - t0) * scale,
-                    "dur": (e.end - e.start) * scale,
+                    "ts": (e.ready - t0) * scale,
+                    "dur": e.work * scale,
                     "args": {
                         "rank": rank,
                         "step": e.step,
@@ -369,6 +402,7 @@ def draw_timeline(ax: Any, timeline: Timeline, title: str | None = None) -> None
     A rank's copy stream (OFFLOAD/RELOAD) is a thin bar under its compute row,
     its gradient all-reduces (REDUCE_GRAD) a thin bar above it; zero-length
     copies and reductions are triangles.  Later chunks of a rank are lighter.
+    A measured action's wait for its data is a hatched grey box before it.
     Boxes wide enough carry their microbatch number.  The title gets the
     makespan and bubble rates.
     """
@@ -386,6 +420,7 @@ def draw_timeline(ax: Any, timeline: Timeline, title: str | None = None) -> None
     fontsize = 7 if timeline.num_ranks <= 8 else 5
     char_px = fontsize * 0.6 * fig.dpi / 72
     present: set[Kind] = set()
+    waited = False
     for rank, events in enumerate(timeline.events):
         top = rank - 0.4 + (0.16 if has_reduce[rank] else 0.0)
         compute_y = (top, rank + (0.16 if has_copy[rank] else 0.4) - top)
@@ -399,7 +434,17 @@ def draw_timeline(ax: Any, timeline: Timeline, title: str | None = None) -> None
             chunk = _chunk(timeline, e)
             color = _lighten(KIND_COLORS[kind], 0.45 * chunk / max(1, chunks - 1))
             y0, h = {"compute": compute_y, "copy": copy_y}.get(e.lane, reduce_y)
-            x, w = e.start - t0, e.end - e.start
+            if e.wait > 0:
+                waited = True
+                ax.broken_barh(
+                    [(e.start - t0, e.wait)],
+                    (y0, h),
+                    facecolors=[WAIT_COLOR],
+                    edgecolors="#8c8c8c",
+                    linewidth=0.3,
+                    hatch="////",
+                )
+            x, w = e.ready - t0, e.work
             if w <= 0:
                 marker = "v" if kind in (Kind.OFFLOAD, Kind.REDUCE_GRAD) else "^"
                 ax.plot(
@@ -448,6 +493,16 @@ def draw_timeline(ax: Any, timeline: Timeline, title: str | None = None) -> None
         for k in KIND_COLORS
         if k in present
     ]
+    if waited:
+        handles.append(
+            Patch(
+                facecolor=WAIT_COLOR,
+                edgecolor="#8c8c8c",
+                linewidth=0.3,
+                hatch="////",
+                label="wait for data",
+            )
+        )
     if chunks > 1:
         handles.append(Patch(facecolor="white", edgecolor="none", label="lighter = later chunk"))
     ax.legend(

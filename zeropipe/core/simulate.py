@@ -43,13 +43,30 @@ __all__ = ["Event", "Timeline", "simulate"]
 
 @dataclass(frozen=True, slots=True)
 class Event:
-    """One action as it ran (or would run): ``[start, end)`` on ``rank``."""
+    """One action as it ran (or would run): ``[start, end)`` on ``rank``.
+
+    ``wait`` is the part of it, from ``start``, that a measured action spent
+    blocked for its data (a received tensor) before computing: the action's
+    work runs ``[ready, end)``, and the wait counts as idle in the bubble rates.
+    Simulated events start when their data is ready, so theirs is 0.
+    """
 
     rank: int
     step: int
     action: Action
     start: float
     end: float
+    wait: float = 0.0
+
+    @property
+    def ready(self) -> float:
+        """When the action's data had arrived and its work began."""
+        return self.start + self.wait
+
+    @property
+    def work(self) -> float:
+        """Time spent working: the event's length less its wait."""
+        return self.end - self.start - self.wait
 
     @property
     def lane(self) -> str:
@@ -93,8 +110,8 @@ class Timeline:
         return self.end - self.start
 
     def busy(self, rank: int) -> float:
-        """Time ``rank`` spends computing (copies and comms overlap it)."""
-        return sum(e.end - e.start for e in self._compute(rank))
+        """Time ``rank`` spends computing (copies and comms overlap it; waits are idle)."""
+        return sum(e.work for e in self._compute(rank))
 
     def reductions(self, rank: int) -> list[Event]:
         """``rank``'s gradient all-reduces (REDUCE_GRAD), each from start to end."""
@@ -107,7 +124,8 @@ class Timeline:
 
     def span(self, rank: int) -> float:
         evs = self._compute(rank)
-        return max(e.end for e in evs) - min(e.start for e in evs) if evs else 0.0
+        # From when its first work began: a wait before it is warm-up, as in a simulated span.
+        return max(e.end for e in evs) - min(e.ready for e in evs) if evs else 0.0
 
     @property
     def bubble_rate(self) -> float:
@@ -294,7 +312,8 @@ def costs_from_timeline(timeline: Timeline) -> CostModel:
     Simulating the schedule under it gives the *planned* timeline to set
     beside the measured one: what the schedule would look like if every
     action took its typical time and nothing else got in the way.  Sends and
-    receives take their median measured post time (``post``).
+    receives take their median measured post time (``post``).  An action's
+    time is its work, without its wait for data (``Event.wait``).
     """
     durations: dict[tuple[int, str], list[float]] = {}
     posts: list[float] = []
@@ -303,7 +322,7 @@ def costs_from_timeline(timeline: Timeline) -> CostModel:
     for evs in timeline.events:
         deferred, size = 0.0, 0  # W deferred into the next one: ~0 each, run with it
         for e in evs:
-            took = e.end - e.start
+            took = e.work  # its wait for data is the schedule's to simulate, not its own
             if e.lane != "compute":
                 if e.action.kind in COMM_KINDS:
                     posts.append(took)

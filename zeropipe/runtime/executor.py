@@ -6,6 +6,8 @@ schedule's dependency graph (so a consumer always finds its data).
 pipeline does.  Both use the same dispatch table.  Event times are raw
 ``time.perf_counter()`` values: on one machine that clock is shared by all
 processes, so events gathered from several ranks line up on one time axis.
+An event's ``wait`` is the time its handler spent blocked for a received
+tensor (:meth:`StepContext.receive`); the timeline counts it as idle.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ def _run(ctx: StepContext, rank: int, step: int, action: Action) -> Event:
     handler = HANDLERS.get(action.kind)
     if handler is None:
         raise PipelineError(f"no handler for action kind {action.kind.value} ({action})")
+    waited = ctx.blocked
     start = time.perf_counter()
     try:
         handler(ctx, action)
@@ -35,7 +38,9 @@ def _run(ctx: StepContext, rank: int, step: int, action: Action) -> Event:
             f"{_who(rank)} failed in {_which_step(ctx)} at action {action} (position {step} of "
             f"its schedule): {type(exc).__name__}: {exc}"
         ) from exc
-    return Event(rank, step, action, start, time.perf_counter())
+    end = time.perf_counter()
+    # The handler's time blocked for received data is the event's wait, not its work.
+    return Event(rank, step, action, start, end, wait=min(ctx.blocked - waited, end - start))
 
 
 def _who(rank: int) -> str:

@@ -101,6 +101,7 @@ class StepContext:
     fused_weights: frozenset[Action] = frozenset()
     pending_weights: dict[int, list[int]] = field(default_factory=dict)  # stage -> microbatches
     waited: dict[Kind, float] = field(default_factory=dict)  # seconds blocked in RECV_F / RECV_B
+    blocked: float = 0.0  # the same, all kinds together: the executor's per-action waits
     # Posts REDUCE_GRAD's all-reduce over the data-parallel group; None: no such group
     # (or one of one process), where a stage's gradients are already the batch's.
     reducer: GradReducer | None = None
@@ -112,7 +113,9 @@ class StepContext:
         """Wait for a posted receive, counting the time blocked."""
         start = time.perf_counter()
         data = self.transport.wait_recv(action)
-        self.waited[action.kind] = self.waited.get(action.kind, 0.0) + time.perf_counter() - start
+        took = time.perf_counter() - start
+        self.waited[action.kind] = self.waited.get(action.kind, 0.0) + took
+        self.blocked += took
         return data
 
     @property

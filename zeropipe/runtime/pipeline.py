@@ -345,6 +345,9 @@ class Pipeline:
     def timeline(self) -> Timeline:
         """The measured timeline of the last step (this process's ranks), in seconds.
 
+        Each event's ``wait`` is the time it spent blocked for received data
+        (``last_waits`` sums them per receive kind); the bubble rates count it as idle.
+
         ``peak_memory`` is per rank, in bytes: saved activations plus resident
         parameters (compare with ``simulate(pipe.schedule, pipe.measured_costs(weights=True))``).
         """

@@ -20,10 +20,16 @@ Tied embeddings stay tied: the last stage's ``lm_head.weight`` *is* the first
 stage's embedding weight, which the pipeline finds on two stages and whose
 gradient it all-reduces when they sit on different ranks.
 
+Padding: a pipeline whose inputs are ``(input_ids, attention_mask)`` (mask
+``[batch, seq]``, 1 = token, 0 = padding) gets stages that take and pass on
+``(hidden, attention_mask)``; each builds the 4-D masks from it as the model
+does, and the last returns the logits only.  Position ids stay ``0..t-1`` in
+padded rows too, as the model computes them (label pads ``-100``).  Without a
+mask only the hidden states cross stages.
+
 transformers is imported here only, and only when a model of it is passed;
-the internals used were checked on transformers 5.23 and need
-``transformers.masking_utils`` (4.53 or later).  A model without attention
-masks from the caller is assumed (labels of ``-100`` mark padding instead).
+the internals used were checked on transformers 5.24 and need
+``transformers.masking_utils`` (4.53 or later).
 """
 
 from __future__ import annotations
@@ -51,7 +57,7 @@ SUPPORTED: dict[str, str] = {
     "Qwen3ForCausalLM": "llama",
     "GPT2LMHeadModel": "gpt2",
 }
-_CHECKED = "checked on transformers 5.23; needs 4.53 or later (transformers.masking_utils)"
+_CHECKED = "checked on transformers 5.24; needs 4.53 or later (transformers.masking_utils)"
 # The stages call the model's submodules (embedding, decoder layers, norm, head) themselves,
 # so these methods of the model and of its inner model never run: a subclass that changes
 # one would be split as its base class.
@@ -195,27 +201,44 @@ class _DecoderStage(nn.Module):
         self.kinds = kinds  # per layer: "full_attention" or "sliding_attention"
         self.first = self.last = False
 
-    def forward(self, *inputs: Tensor) -> Tensor:
-        if len(inputs) != 1 or (self.first and inputs[0].is_floating_point()):
-            got = ", ".join(
-                f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)}" for t in inputs
-            )
-            where = "the first stage" if self.first else "a stage"
-            takes = (
-                "input_ids only (integer token ids [batch, seq])" if self.first else "one tensor"
-            )
-            raise PipelineError(
-                f"{where} of a split Hugging Face model takes {takes}, got {len(inputs)} "
-                f"tensor(s): {got}; attention masks / padding are not supported yet: pack "
-                f"sequences without padding (labels of -100 mark targets to ignore)"
-            )
-        x = inputs[0]
+    def forward(self, *inputs: Tensor) -> Tensor | tuple[Tensor, Tensor]:
+        x, pad = self._unpack(inputs)
         h = self.embed(x) if self.first else x
         if len(self.layers):
             pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
-            masks = {k: _mask(k, self.config, h, pos) for k in set(self.kinds)}
+            masks = {k: _mask(k, self.config, h, pos, pad) for k in set(self.kinds)}
             h = self.run_layers(h, pos, masks)
-        return self.head(h) if self.last else h
+        if self.last:
+            return self.head(h)
+        return h if pad is None else (h, pad)
+
+    def _unpack(self, inputs: tuple[Tensor, ...]) -> tuple[Tensor, Tensor | None]:
+        """``(input_ids | hidden, attention_mask | None)``, checked; a float mask as bool."""
+        x, pad = (inputs[0], inputs[1] if len(inputs) == 2 else None) if inputs else (None, None)
+        if (
+            isinstance(x, Tensor)
+            and len(inputs) in (1, 2)
+            and x.dim() >= 2
+            and x.is_floating_point() != self.first
+            and (pad is None or (isinstance(pad, Tensor) and pad.shape == x.shape[:2]))
+        ):
+            if pad is not None and pad.is_floating_point():
+                pad = pad != 0  # what transformers makes of a 2-D mask; a bool crosses stages
+            return x, pad
+        got = ", ".join(
+            f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)}"
+            if isinstance(t, Tensor)
+            else type(t).__name__
+            for t in inputs
+        )
+        where = "the first stage" if self.first else "a stage"
+        x_name = "input_ids" if self.first else "hidden"
+        takes = "(integer token ids [batch, seq])" if self.first else "(float [batch, seq, dim])"
+        raise PipelineError(
+            f"{where} of a split Hugging Face model takes {x_name} only {takes} or "
+            f"({x_name}, attention_mask [batch, seq]; 1 = token, 0 = padding), got "
+            f"{len(inputs)} tensor(s): {got}"
+        )
 
     def embed(self, ids: Tensor) -> Tensor:
         raise NotImplementedError
@@ -336,23 +359,27 @@ def _hidden(out: object) -> Tensor:
 
 
 # -- masks ------------------------------------------------------------------------------
-def _mask(kind: str, config: Any, h: Tensor, pos: Tensor) -> Any:
-    """The causal mask of ``kind`` for hidden states ``h``, built as the model builds it."""
-    fn, embeds, cache = _mask_fn(kind)
+def _mask(kind: str, config: Any, h: Tensor, pos: Tensor, pad: Tensor | None = None) -> Any:
+    """The causal mask of ``kind`` for hidden states ``h`` and the padding mask ``pad``
+    (``[batch, seq]``, 1 = token, 0 = padding, or None), built as the model builds it."""
+    fn, embeds, cache, cache_position = _mask_fn(kind)
     kwargs: dict[str, Any] = {
         "config": config,
         embeds: h,
-        "attention_mask": None,
-        "past_key_values": None,
+        "attention_mask": pad,
+        cache: None,
         "position_ids": pos,
     }
-    if cache:  # transformers 4.x takes the cache positions too
+    if cache_position:  # older releases take the cache positions too
         kwargs["cache_position"] = pos[0]
     return fn(**kwargs)
 
 
 @functools.cache
-def _mask_fn(kind: str) -> tuple[Callable[..., Any], str, bool]:
+def _mask_fn(kind: str) -> tuple[Callable[..., Any], str, str, bool]:
+    """The mask function, the names of its embeddings and cache arguments (``input_embeds``
+    and ``past_key_values`` in older releases, renamed since: the old cache name is deprecated
+    in 5.24), and whether it takes ``cache_position`` (older releases)."""
     try:
         from transformers import masking_utils
     except ImportError:
@@ -366,7 +393,8 @@ def _mask_fn(kind: str) -> tuple[Callable[..., Any], str, bool]:
         raise PipelineError(f"transformers {_version()} lacks masking_utils.{name}; {_CHECKED}")
     params = inspect.signature(fn).parameters
     embeds = "inputs_embeds" if "inputs_embeds" in params else "input_embeds"
-    return fn, embeds, "cache_position" in params
+    cache = "cache" if "cache" in params else "past_key_values"
+    return fn, embeds, cache, "cache_position" in params
 
 
 def _version() -> str:

@@ -485,22 +485,16 @@ def _run_train(args: argparse.Namespace) -> int:
 
 # -- zeropipe export ----------------------------------------------------------------------
 def _add_export_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "checkpoint",
-        metavar="CHECKPOINT_DIR",
-        help="a checkpoint folder (step-NNNNNN), a checkpoints folder (its 'latest' is read) "
-        "or a 'zeropipe train' --out folder",
-    )
-    parser.add_argument("out", metavar="OUT.safetensors", help="the file to write")
+    from zeropipe.apps import hf_folder  # imports torch: only for this command
+
+    hf_folder.add_export_arguments(parser)
 
 
 def _run_export(args: argparse.Namespace) -> int:
-    """Write a checkpoint's model as one safetensors file (its state_dict keys; no processes)."""
-    from zeropipe.apps import train_state  # imports torch: only for this command
+    """Write a checkpoint's model as a Hugging Face folder (or one safetensors file)."""
+    from zeropipe.apps import hf_folder
 
-    folder, count = train_state.export_safetensors(Path(args.checkpoint), Path(args.out))
-    print(f"wrote {args.out}: {count} tensors from {folder}")
-    return 0
+    return hf_folder.run_export(args)
 
 
 # -- zeropipe plan -----------------------------------------------------------------------

@@ -17,6 +17,15 @@ of a (pp, dp, tp) mesh -- and leaves in ``--out``::
     timeline.png       the planned (simulated) and measured timelines of one step
     trace.json         Chrome trace of that measured step (opens in Perfetto)
     loss.png           the loss curve
+    tensorboard/       with --log tensorboard: loss, eval loss, tokens/s, bubble per step
+    wandb/             with --log wandb: the same, as an offline wandb run
+
+An ``--out`` that already holds a run (metrics.jsonl or checkpoints/) is
+refused unless ``--resume`` continues it or ``--overwrite`` replaces it
+(removing only the files above).  ``--config FILE.toml`` gives the flags'
+settings from a file, the flags on the command line overriding it; rank 0
+prints the layout, the model's size and, resumed, the checkpoint it continues
+from, then a progress line with an ETA (:mod:`zeropipe.apps.train_log`).
 
 (:mod:`zeropipe.apps.train_report` measures, prints and draws what a run reports.)
 
@@ -45,7 +54,6 @@ and :func:`train` raises one line naming the step.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import signal
@@ -58,7 +66,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zeropipe.apps import train_report, train_resume, train_state
+from zeropipe.apps import train_log, train_report, train_resume, train_state
 from zeropipe.apps.data import Corpus
 from zeropipe.apps.train_config import TrainConfig
 from zeropipe.apps.train_resume import check_resume
@@ -67,6 +75,7 @@ from zeropipe.apps.train_setup import (
     build_model,
     load_corpus,
     loss_fn,
+    model_size,
 )
 from zeropipe.base.storage import local_tensor
 from zeropipe.core.errors import PipelineError, ZeropipeError
@@ -87,7 +96,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     :class:`ZeropipeError` naming the step.
     """
     cfg.check()
-    _check_out(cfg.out)
+    train_log.check_loggers(cfg.log)
+    _check_out(cfg)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun
         from zeropipe.runtime.launch import init_from_env
 
@@ -140,15 +150,26 @@ def layout(cfg: TrainConfig) -> str:
 
 
 def _announce(cfg: TrainConfig) -> None:
-    """The start-up line: what trains, on which layout (rank 0 only; not under --quiet)."""
+    """The start-up lines: what trains, on which layout, the model's size, and where a resumed
+    run continues from (rank 0 only; not under --quiet)."""
     if cfg.quiet:
         return
-    resumed = " (resuming)" if cfg.resume else ""
-    print(f"zeropipe train: {cfg.model} on {layout(cfg)}, schedule {cfg.schedule}{resumed}")
+    print(f"zeropipe train: {cfg.model} on {layout(cfg)}, schedule {cfg.schedule}")
+    vocab = load_corpus(cfg).vocab
+    params, nbytes = model_size(cfg, vocab)
+    print(f"zeropipe train: {train_log.model_line(params, nbytes, cfg.seq, vocab)}")
+    if cfg.resume:
+        root = Path(cfg.out) / "checkpoints"
+        step = train_state.latest_step(root)
+        if step is not None:
+            print(f"zeropipe train: resumed from step {step} ({train_state.step_dir(root, step)})")
+    sys.stdout.flush()  # before the ranks' output
 
 
-def _check_out(out: str) -> None:
-    """``--out`` made (if new) and writable here, before any rank trains into it."""
+def _check_out(cfg: TrainConfig) -> None:
+    """``--out`` made (if new) and writable here, before any rank trains into it; a run
+    already in it is refused unless resumed or overwritten (only rank 0 clears it)."""
+    out = cfg.out
     path = Path(out)
     try:
         path.mkdir(parents=True, exist_ok=True)
@@ -158,6 +179,8 @@ def _check_out(out: str) -> None:
         ) from None
     if not os.access(path, os.W_OK | os.X_OK):
         raise ZeropipeError(f"--out {out} is not writable; give a folder you can write")
+    if os.environ.get("RANK", "0") == "0" or not cfg.overwrite:
+        train_log.check_run_dir(out, cfg.resume, cfg.overwrite)
 
 
 def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
@@ -196,15 +219,21 @@ def _train(rank: int, world: int, cfg: TrainConfig, stop: _StopRequest) -> dict[
     )
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=cfg.lr, weight_decay=0.0)
     start = train_resume.resume(ckpt_root, rank, pipe, optimizer, cfg, model) if cfg.resume else 0
+    log: train_log.RunLog | None = None
     if lead:
         out.mkdir(parents=True, exist_ok=True)
         train_resume.trim_metrics(out / "metrics.jsonl", start)
+        sinks = train_log.check_loggers(cfg.log)
+        log = train_log.RunLog(out, sinks, start, train_resume.run_settings(cfg))
     tokens = cfg.batch_size * cfg.seq
     initial_eval = _evaluate(pipe, corpus, cfg)
+    if log is not None:
+        log.eval(start, initial_eval)
+    step_times: list[float] = []  # wall time of each step, checkpoints included: the ETA's
     losses: list[float] = []
     trace_step = min(max(start, cfg.trace_step), cfg.steps - 1)
     measured: Timeline | None = None
-    wall0 = time.perf_counter()
+    wall0 = last = time.perf_counter()
     step = start
     non_finite: dict[str, Any] | None = None  # why and where training stopped short
     stopped_by: int | None = None  # the signal the ranks agreed to stop on
@@ -242,11 +271,14 @@ def _train(rank: int, world: int, cfg: TrainConfig, stop: _StopRequest) -> dict[
         }
         if norm is not None:
             record["grad_norm"] = norm  # before clipping
-        if lead:
-            with open(out / "metrics.jsonl", "a") as fh:
-                fh.write(json.dumps(record) + "\n")
+        if log is not None:
+            log.step(record)
+            now = time.perf_counter()
+            step_times.append(now - last)
+            last = now
             if not cfg.quiet:
-                train_report.progress(record, cfg.steps)
+                eta = train_log.eta(step_times, cfg.steps - step)
+                train_log.progress_with_eta(train_report.progress, record, cfg.steps, eta)
         if step % cfg.checkpoint_every == 0 or step == cfg.steps or stopping:
             # A finite loss can still be followed by an update that overflowed.
             if _agree([int(not _weights_finite(pipe))], world)[0]:
@@ -284,7 +316,10 @@ def _train(rank: int, world: int, cfg: TrainConfig, stop: _StopRequest) -> dict[
         "interrupted": stopped_by,
         "non_finite": non_finite,
     }
-    if lead:
+    if log is not None:
+        if done:
+            log.eval(step, final_eval)
+        log.close()
         if not cfg.quiet:
             print()
         train_report.write_pictures(out, pipe, measured)
@@ -381,8 +416,7 @@ def _mine(pipe: Pipeline, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tenso
 
 def run_cli(args: Any) -> int:
     """Train a small GPT across pipeline ranks (the built-in demo on defaults)."""
-    keys = set(TrainConfig.__dataclass_fields__)
-    given = {k: v for k, v in vars(args).items() if k in keys}
+    given = train_log.settings_from(args, TrainConfig)
     if given.get("model") is None:  # the default, unless a config file names the architecture
         given["model"] = "gpt"
         if given.get("model_config") is not None:

@@ -35,6 +35,7 @@ class TrainConfig:
     schedule: str = "zbv"
     model: str = "gpt"  # or a Hugging Face preset: llama, qwen3, gpt2
     model_config: str | None = None  # a Hugging Face config.json (with model set from it)
+    model_path: str | None = None  # an HF folder (config.json + safetensors): sets the two above
     data: str | None = None  # a UTF-8 text file (bytes as tokens); None: the generated corpus
     ranks: int = 2
     dp: int = 1  # data-parallel replicas of the pipeline
@@ -63,12 +64,18 @@ class TrainConfig:
     timeout: float = 120.0
     trace_step: int = 10  # which step's timeline to keep (clamped to the run)
     quiet: bool = False
+    overwrite: bool = False  # replace the run in --out (else it is refused without --resume)
+    log: str = "jsonl"  # where step metrics go: a comma list of jsonl, tensorboard, wandb
     # The schedule check() built, as text: ranks reuse it instead of rebuilding
     # (with --memory-limit that means re-running fit_memory's search).
     planned: str | None = None
 
     def check(self) -> None:
         """One-line errors for flags that cannot work, before any process starts."""
+        if self.model_path is not None:  # the folder's config.json sets model and model_config
+            from zeropipe.apps.hf_folder import resolve_model_path
+
+            resolve_model_path(self)
         if self.schedule not in GENERATORS:
             raise ZeropipeError(
                 f"unknown schedule {self.schedule!r}; choose one of {', '.join(sorted(GENERATORS))}"
@@ -248,6 +255,13 @@ def add_arguments(parser: Any) -> None:
         "the config, nothing downloaded); --width/--blocks do not apply",
     )
     parser.add_argument(
+        "--model-path",
+        default=None,
+        metavar="DIR",
+        help="a Hugging Face folder (config.json + model.safetensors or its sharded index) to "
+        "train from: each rank loads only its stages' tensors; not with --model/--model-config",
+    )
+    parser.add_argument(
         "--data",
         default=None,
         metavar="FILE",
@@ -362,3 +376,8 @@ def add_arguments(parser: Any) -> None:
         f"this for the ranks to save the step they are in (default {d.timeout:g})",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bar or summary")
+    # Last: it marks the defaults of every flag above, so that --config FILE.toml can tell
+    # the flags given from those left out.
+    from zeropipe.apps.train_log import add_run_arguments
+
+    add_run_arguments(parser, TrainConfig)

@@ -35,6 +35,7 @@ from zeropipe.runtime.checkpoint_folder import FORMAT as DCP_FORMAT
 from zeropipe.runtime.pipeline import Pipeline
 
 __all__ = [
+    "NOT_FLAGS",
     "check_resume",
     "kept_checkpoint",
     "non_finite_message",
@@ -73,16 +74,20 @@ _LAYOUT = ("schedule", "ranks", "tp")
 # Settings that checkpoints recorded under another name: field -> the older key.
 _OLD_KEYS = {"blocks": "layers"}  # --layers counted blocks, and became --blocks
 # TrainConfig fields that the command line does not set (the Python API does).
-_NOT_FLAGS = {"warmup", "heads", "seq", "dropout", "eval_batches", "trace_step", "planned"}
+NOT_FLAGS = {"warmup", "heads", "seq", "dropout", "eval_batches", "trace_step", "planned"}
+
+
+# Fields that say how this invocation runs, not what the run is: not recorded.
+_NOT_SETTINGS = ("out", "resume", "planned", "overwrite", "log")
 
 
 def _flag(name: str) -> str:
-    return f"TrainConfig.{name}" if name in _NOT_FLAGS else "--" + name.replace("_", "-")
+    return f"TrainConfig.{name}" if name in NOT_FLAGS else "--" + name.replace("_", "-")
 
 
 def run_settings(cfg: Any) -> dict[str, Any]:
     """The settings a checkpoint records (JSON): every field but where it lives and the plan."""
-    return {k: v for k, v in asdict(cfg).items() if k not in ("out", "resume", "planned")}
+    return {k: v for k, v in asdict(cfg).items() if k not in _NOT_SETTINGS}
 
 
 def check_resume(cfg: Any, warn: bool = True) -> None:

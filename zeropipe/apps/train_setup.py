@@ -12,7 +12,9 @@ The training loop of :mod:`zeropipe.apps.train` asks this module for
     build_model(cfg, vocab, stages,     the GPT of zeropipe.apps.models.gpt and its cut, or a
                 tp_mesh)                Hugging Face model (zeropipe.apps.models.hf) cut into
                                         stages by zeropipe.adapters.split; and the model;
-                                        tensor-parallel over tp_mesh (--tp) when given
+                                        tensor-parallel over tp_mesh (--tp) when given; with
+                                        --model-path built on meta, each rank loading only
+                                        its stages (zeropipe.apps.hf_folder)
     loss_fn(cfg)                        the loss that model's outputs are scored with
     batch(corpus, cfg, step)            a step's inputs and targets, on --device
 
@@ -362,10 +364,6 @@ def build_model(
             _parallelize(parallelize_gpt, whole, tp_mesh, cfg)
         return whole, cut, whole
     config = _hf_config(cfg, vocab)
-    model = build_hf(config, cfg.seed).to(cfg.device)
-    if tp_mesh is not None:
-        # The whole model, before it is cut: the stages hold its own (now parallel) layers.
-        _parallelize(parallelize, model, tp_mesh, cfg)
     blocks = int(config.num_hidden_layers)
     # The GPT's cut with the embedding and head taken off: a fixed cut (not a measured
     # one), so that a checkpoint's stages fit the same run resumed.
@@ -375,7 +373,34 @@ def build_model(
         cut[-1] -= 1
     else:
         cut = [blocks]
+    model_path = getattr(cfg, "model_path", None)
+    if model_path is not None:
+        # Built on meta and cut; this rank reads only its own stages' tensors.
+        from zeropipe.apps.hf_folder import build_from_folder
+
+        mine = _my_stages(cfg, num_stages)
+        stages, model, _ = build_from_folder(
+            model_path, num_stages, cut, mine, cfg.device, cfg.seed, tp_mesh
+        )
+        return stages, None, model
+    model = build_hf(config, cfg.seed).to(cfg.device)
+    if tp_mesh is not None:
+        # The whole model, before it is cut: the stages hold its own (now parallel) layers.
+        _parallelize(parallelize, model, tp_mesh, cfg)
     return split(model, num_stages, balance=cut), None, model
+
+
+def _my_stages(cfg: ModelSettings, num_stages: int) -> tuple[int, ...] | range:
+    """The stages this process's pipeline rank owns: all of them in one process; else those
+    the planned schedule places on rank // (dp x tp) (the ("pp", "dp", "tp") mesh's order)."""
+    import torch.distributed as dist
+
+    planned = getattr(cfg, "planned", None)
+    if not (dist.is_available() and dist.is_initialized()) or cfg.ranks == 1 or not planned:
+        return range(num_stages)
+    from zeropipe.core.ir import Schedule
+
+    return Schedule.from_text(planned).stages_of(dist.get_rank() // (cfg.dp * cfg.tp))
 
 
 def _parallelize(

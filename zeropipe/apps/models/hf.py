@@ -4,6 +4,9 @@
                                      tied embeddings, sized for 2 CPU ranks
     --model-config FILE.json         any config of a supported architecture
                                      (its "model_type": llama, mistral, qwen2, qwen3, gpt2)
+    --model-path DIR                 a saved HF folder of those: its config.json sets the
+                                     model (as --model-config), its safetensors the weights,
+                                     each rank reading its stages' (zeropipe.apps.hf_folder)
 
 Models are built from configs with ``AutoModelForCausalLM.from_config``: nothing is
 downloaded.  transformers is imported only when one of these is asked for.

@@ -152,8 +152,11 @@ def run(argv: list[str], cwd: Path, what: str) -> subprocess.CompletedProcess[st
 
 
 def run_command(command: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    """A ``zeropipe`` command line, run by this interpreter (``python -m zeropipe``)."""
+    """A ``zeropipe`` command line, run by this interpreter (``python -m zeropipe``), or a
+    ``python examples/...`` one, run by this interpreter too."""
     words = shlex.split(command)
+    if words[0] == "python" and words[1].startswith("examples/"):
+        return run([sys.executable, *words[1:]], cwd, f"`{command}`")
     assert words[0] == "zeropipe", command
     return run([sys.executable, "-m", "zeropipe", *words[1:]], cwd, f"`{command}`")
 
@@ -231,8 +234,9 @@ def to_run() -> list[str]:
 
 def test_every_readme_command_is_run_or_listed_as_not_run() -> None:
     for command in readme_commands():
-        assert command in NOT_RUN or command.startswith("zeropipe "), (
-            f"{command!r}: run it here (a zeropipe command) or add it to NOT_RUN with a reason"
+        assert command in NOT_RUN or command.startswith(("zeropipe ", "python examples/")), (
+            f"{command!r}: run it here (a zeropipe command or an example) or add it to NOT_RUN "
+            f"with a reason"
         )
     stale = [c for c in NOT_RUN if c not in readme_commands()]
     assert not stale, f"NOT_RUN lists commands the README no longer has: {stale}"

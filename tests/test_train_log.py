@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from zeropipe.apps import train_log, train_state
+from zeropipe.apps import train_log, train_report, train_state
 from zeropipe.apps.cli import build_parser, main
 from zeropipe.apps.train_config import TrainConfig
 from zeropipe.core.errors import ZeropipeError
@@ -22,23 +22,24 @@ def test_eta_is_the_remaining_steps_at_the_median_step_time() -> None:
     assert train_log.eta([], 10) == "" and train_log.eta([1.0], 0) == ""
 
 
-def _progress(record: dict[str, Any], total: int) -> None:
-    end = "\r" if sys.stdout.isatty() else "\n"
-    if end == "\n" and record["step"] % 25 and record["step"] != total:
-        return
-    print(f"step {record['step']}/{total}", end=end, flush=True)
+def _record(step: int) -> dict[str, Any]:
+    return {"step": step, "loss": 2.0, "tokens_per_s": 1000.0, "bubble_rate": 0.1,
+            "peak_saved_bytes": 0}  # fmt: skip
 
 
 def test_the_progress_line_gets_the_eta_and_keeps_its_terminal_behaviour(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    train_log.progress_with_eta(_progress, {"step": 25}, 100, "ETA 1m05s")
-    assert capsys.readouterr().out == "step 25/100 | ETA 1m05s\n"
-    train_log.progress_with_eta(_progress, {"step": 3}, 100, "ETA 9s")
+    train_report.progress(_record(25), 100, " | ETA 1m05s")
+    out = capsys.readouterr().out
+    assert "step 25/100" in out and out.endswith(" | ETA 1m05s\n")
+    train_report.progress(_record(3), 100, " | ETA 9s")
     assert capsys.readouterr().out == ""  # not a terminal: every 25th step only
     monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
-    train_log.progress_with_eta(_progress, {"step": 3}, 100, "ETA 9s")
-    assert capsys.readouterr().out == "step 3/100 | ETA 9s\r"
+    train_report.progress(_record(3), 100, " | ETA 9s")
+    assert capsys.readouterr().out.endswith(
+        "step 3/100 | loss 2.000 | 1,000 tok/s | bubble 10% | ETA 9s\r"
+    )
 
 
 def test_model_line_names_parameters_bytes_sequence_and_vocabulary() -> None:

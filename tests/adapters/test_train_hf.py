@@ -43,9 +43,9 @@ def _files(tmp: Path) -> dict[str, str]:
         (["--model-config", "bert.json"], "model_type 'bert' is not one of"),
         (["--model-config", "small_vocab.json"], "set vocab_size >= "),
         (["--model-config", "bad_heads.json"], "transformers refuses it"),
-        (["--data", "missing.txt"], "--data missing.txt: No such file"),
+        (["--data", "missing.txt"], "--data missing.txt does not exist"),
         (["--data", "binary.txt"], "is not UTF-8 text"),
-        (["--data", "tiny.txt"], "give a longer file or a shorter sequence"),
+        (["--data", "tiny.txt"], "give more data or a shorter --seq"),
         (["--model", "llama", "--ranks", "9"], "use fewer ranks or more --blocks"),
     ],
 )

@@ -497,6 +497,20 @@ def _run_export(args: argparse.Namespace) -> int:
     return hf_folder.run_export(args)
 
 
+# -- zeropipe tokenizer -----------------------------------------------------------------
+def _add_tokenizer_arguments(parser: argparse.ArgumentParser) -> None:
+    from zeropipe.apps import tokenizer  # imports HF tokenizers: only for this command
+
+    tokenizer.add_tokenizer_arguments(parser)
+
+
+def _run_tokenizer(args: argparse.Namespace) -> int:
+    """Train a byte-level BPE tokenizer on text, JSON lines or parquet files."""
+    from zeropipe.apps import tokenizer
+
+    return tokenizer.run_tokenizer(args)
+
+
 # -- zeropipe plan -----------------------------------------------------------------------
 def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     from zeropipe.apps import plan_cli  # no torch: specs, search and simulation only
@@ -526,6 +540,7 @@ COMMANDS: dict[str, tuple[AddArguments, Run]] = {
     "train": (_add_train_arguments, _run_train),
     "bench": (_add_bench_arguments, _run_bench),
     "export": (_add_export_arguments, _run_export),
+    "tokenizer": (_add_tokenizer_arguments, _run_tokenizer),
 }
 
 

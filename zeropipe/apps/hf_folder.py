@@ -19,7 +19,8 @@ Out (``zeropipe export CHECKPOINT OUT_DIR``): an HF folder that
 ``AutoModelForCausalLM.from_pretrained(OUT_DIR)`` loads -- ``config.json``,
 ``model.safetensors`` or ``model-0000k-of-0000N.safetensors`` shards with
 ``model.safetensors.index.json`` (``--shard-size``, default 2GB), a tied weight
-written once under the name HF keeps (the embedding), and the tokenizer files of the
+written once under the name HF keeps (the embedding), and the tokenizer the run's
+``--data`` was tokenized with (``--tokenizer``), else the tokenizer files of the
 ``--model-path`` folder when it has them.  The HF config comes from the run's
 settings, which every checkpoint's manifest records (``meta.config``): the
 ``--model-path`` folder's config.json (``--config DIR`` if the folder moved), or the
@@ -343,11 +344,11 @@ def _hf_config_of_run(settings: dict[str, Any], config_dir: str | None) -> tuple
             "this checkpoint is of --model gpt, which is no Hugging Face model; export it to a "
             "file ending in .safetensors"
         )
-    from zeropipe.apps.data import Corpus
     from zeropipe.apps.models.hf import hf_config
+    from zeropipe.apps.token_data import data_vocab
 
-    try:  # as zeropipe.apps.train_setup sizes it: --data's bytes, or the generated corpus
-        vocab = 256 if settings.get("data") else Corpus.generate(seed=settings["seed"]).vocab
+    try:  # as zeropipe.apps.train_setup sizes it
+        vocab = data_vocab(settings.get("data"), settings.get("tokenizer"), settings["seed"])
         config = hf_config(
             settings["model"],
             vocab=vocab,
@@ -440,9 +441,14 @@ def export_hf_folder(
                 "weight_map": {k: n for n, s in zip(names, shards, strict=True) for k in s},
             }
             (tmp / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-        for extra in TOKENIZER_FILES:
-            if config_from is not None and (config_from / extra).is_file():
-                shutil.copy2(config_from / extra, tmp / extra)
+        if settings.get("tokenizer") and settings.get("data"):  # the one the run trained with
+            from zeropipe.apps.tokenizer import TextTokenizer
+
+            TextTokenizer.load(settings["tokenizer"]).save(tmp)
+        else:
+            for extra in TOKENIZER_FILES:
+                if config_from is not None and (config_from / extra).is_file():
+                    shutil.copy2(config_from / extra, tmp / extra)
         for p in tmp.iterdir():  # safetensors writes 0600; a folder to share reads as others do
             os.chmod(p, 0o644)
         old = out.parent / f".{out.name}.old-{os.getpid()}"

@@ -6,7 +6,8 @@ words and the run's first line prints it), trains the GPT of
 :mod:`zeropipe.apps.models.gpt` (``--model gpt``, the default) or a Hugging Face
 model of :mod:`zeropipe.apps.models.hf` cut by :func:`zeropipe.adapters.split.split`
 (``--model llama|qwen3|gpt2``, ``--model-config FILE.json``) on the generated
-corpus of :mod:`zeropipe.apps.data` (or the bytes of ``--data FILE``) under the
+corpus of :mod:`zeropipe.apps.data` (or ``--data``'s documents, tokenized and packed by
+:mod:`zeropipe.apps.token_data`, held-out windows scored every ``--eval-every`` steps) under the
 chosen schedule -- :mod:`zeropipe.apps.train_setup` builds the model, its cut, its
 loss and its batches; with ``--tp`` > 1 it is tensor-parallel over the "tp" dimension
 of a (pp, dp, tp) mesh -- and leaves in ``--out``::
@@ -68,6 +69,7 @@ import torch.distributed as dist
 
 from zeropipe.apps import train_log, train_report, train_resume, train_state
 from zeropipe.apps.data import Corpus
+from zeropipe.apps.token_data import TokenData
 from zeropipe.apps.train_config import TrainConfig
 from zeropipe.apps.train_resume import check_resume
 from zeropipe.apps.train_setup import (
@@ -155,9 +157,11 @@ def _announce(cfg: TrainConfig) -> None:
     if cfg.quiet:
         return
     print(f"zeropipe train: {cfg.model} on {layout(cfg)}, schedule {cfg.schedule}")
-    vocab = load_corpus(cfg).vocab
-    params, nbytes = model_size(cfg, vocab)
-    print(f"zeropipe train: {train_log.model_line(params, nbytes, cfg.seq, vocab)}")
+    corpus = load_corpus(cfg)
+    params, nbytes = model_size(cfg, corpus.vocab)
+    print(f"zeropipe train: {train_log.model_line(params, nbytes, cfg.seq, corpus.vocab)}")
+    if isinstance(corpus, TokenData):
+        print(f"zeropipe train: {corpus.describe()}")
     if cfg.resume:
         root = Path(cfg.out) / "checkpoints"
         step = train_state.latest_step(root)
@@ -278,7 +282,13 @@ def _train(rank: int, world: int, cfg: TrainConfig, stop: _StopRequest) -> dict[
             last = now
             if not cfg.quiet:
                 eta = train_log.eta(step_times, cfg.steps - step)
-                train_log.progress_with_eta(train_report.progress, record, cfg.steps, eta)
+                train_report.progress(record, cfg.steps, f" | {eta}" if eta else "")
+        if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps and not stopping:
+            held_out = _evaluate(pipe, corpus, cfg)  # every rank: the eval runs the pipeline
+            if log is not None:
+                log.eval(step, held_out)
+                if not cfg.quiet:
+                    train_report.eval_line(step, held_out)
         if step % cfg.checkpoint_every == 0 or step == cfg.steps or stopping:
             # A finite loss can still be followed by an update that overflowed.
             if _agree([int(not _weights_finite(pipe))], world)[0]:
@@ -376,7 +386,7 @@ def _weights_finite(pipe: Pipeline) -> bool:
     return all(bool(torch.isfinite(local_tensor(p)).all()) for p in pipe.parameters())
 
 
-def _evaluate(pipe: Pipeline, corpus: Corpus, cfg: TrainConfig) -> float:
+def _evaluate(pipe: Pipeline, corpus: Corpus | TokenData, cfg: TrainConfig) -> float:
     total = 0.0
     for k in range(cfg.eval_batches):
         x, y = _mine(pipe, *batch(corpus, cfg, k, "val"))

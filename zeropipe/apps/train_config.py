@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,7 +37,10 @@ class TrainConfig:
     model: str = "gpt"  # or a Hugging Face preset: llama, qwen3, gpt2
     model_config: str | None = None  # a Hugging Face config.json (with model set from it)
     model_path: str | None = None  # an HF folder (config.json + safetensors): sets the two above
-    data: str | None = None  # a UTF-8 text file (bytes as tokens); None: the generated corpus
+    data: str | None = None  # .txt/.jsonl/.parquet files or folders (comma list); None: generated
+    tokenizer: str | None = None  # a tokenizer.json or its folder; default: --model-path's
+    text_field: str = "text"  # the field of a .jsonl / .parquet row that holds the text
+    data_cache: str | None = None  # where tokenized data is kept; None: ~/.cache/zeropipe/tokens
     ranks: int = 2
     dp: int = 1  # data-parallel replicas of the pipeline
     tp: int = 1  # tensor-parallel processes per pipeline rank: ranks x dp x tp processes
@@ -61,6 +65,7 @@ class TrainConfig:
     resume: bool = False
     checkpoint_every: int = 50
     eval_batches: int = 4
+    eval_every: int = 0  # steps between eval losses (0: at the start and the end only)
     timeout: float = 120.0
     trace_step: int = 10  # which step's timeline to keep (clamped to the run)
     quiet: bool = False
@@ -76,6 +81,11 @@ class TrainConfig:
             from zeropipe.apps.hf_folder import resolve_model_path
 
             resolve_model_path(self)
+            folder_tokenizer = Path(self.model_path) / "tokenizer.json"
+            if self.tokenizer is None and self.data is not None and folder_tokenizer.is_file():
+                self.tokenizer = self.model_path  # the model's own, unless another is named
+        if self.tokenizer is not None:  # as the checkpoint records it, for export
+            self.tokenizer = str(Path(self.tokenizer).absolute())
         if self.schedule not in GENERATORS:
             raise ZeropipeError(
                 f"unknown schedule {self.schedule!r}; choose one of {', '.join(sorted(GENERATORS))}"
@@ -119,6 +129,13 @@ class TrainConfig:
 
     def _check_numbers(self) -> None:
         """The flags that only the ranks would otherwise trip over, each alike."""
+        if self.seq < 2:
+            raise ZeropipeError(f"--seq must be >= 2 (tokens per sequence), got {self.seq}")
+        if self.eval_every < 0 or self.eval_batches < 1:
+            raise ZeropipeError(
+                f"--eval-every must be >= 0 (0: at the start and end only) and --eval-batches "
+                f">= 1, got {self.eval_every} and {self.eval_batches}"
+            )
         if self.checkpoint_every < 1:
             raise ZeropipeError(
                 f"--checkpoint-every must be >= 1 (steps between checkpoints), "
@@ -264,9 +281,35 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument(
         "--data",
         default=None,
-        metavar="FILE",
-        help="train on a UTF-8 text file, its bytes as tokens (last tenth held out for the "
-        "eval loss); default: a generated corpus",
+        metavar="PATHS",
+        help="train on .txt, .jsonl or .parquet files, or folders of them (a comma list): "
+        "tokenized once into a memory-mapped cache, packed into --seq tokens with an "
+        "end-of-text token between documents, the last tenth of the windows held out for "
+        "the eval loss; without a tokenizer a document's UTF-8 bytes are its tokens; "
+        "default: a generated corpus",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="DIR|FILE",
+        help="a tokenizer.json (or its folder) for --data; default: --model-path's, if it has "
+        "one (make one with 'zeropipe tokenizer')",
+    )
+    parser.add_argument(
+        "--text-field",
+        default=d.text_field,
+        metavar="NAME",
+        help=f"the field of a .jsonl / .parquet row that holds its text (default {d.text_field})",
+    )
+    parser.add_argument(
+        "--data-cache",
+        default=None,
+        metavar="DIR",
+        help="where --data's tokens are cached (default $ZEROPIPE_CACHE or "
+        "~/.cache/zeropipe/tokens)",
+    )
+    parser.add_argument(
+        "--seq", type=int, default=d.seq, help=f"tokens per sequence (default {d.seq})"
     )
     parser.add_argument(
         "--ranks", type=int, default=d.ranks, help=f"pipeline ranks = processes (default {d.ranks})"
@@ -360,13 +403,28 @@ def add_arguments(parser: Any) -> None:
         "--resume",
         action="store_true",
         help="continue from the newest complete checkpoint in --out, after checking its files' "
-        "sha256; --microbatches, --batch-size, --seed, --lr, --width and --blocks must be "
-        "those it was saved with, while --ranks, --dp, --tp and --schedule (the layout), --steps "
-        "(above the checkpoint's step, to extend the run), --checkpoint-every, --timeout, --quiet, --device and the memory "
-        "flags (--group-w, --recompute, --offload, --memory-limit) may change",
+        "sha256; --data, --tokenizer, --seq, --microbatches, --batch-size, --seed, --lr, "
+        "--width and --blocks must be those it was saved with, while --ranks, --dp, --tp and "
+        "--schedule (the layout), --steps (above the checkpoint's step, to extend the run), "
+        "--checkpoint-every, --eval-every, --timeout, --quiet, --device and the memory flags "
+        "(--group-w, --recompute, --offload, --memory-limit) may change",
     )
     parser.add_argument(
         "--checkpoint-every", type=int, default=d.checkpoint_every, help="steps between checkpoints"
+    )
+    parser.add_argument(
+        "--eval-every",
+        type=int,
+        default=d.eval_every,
+        metavar="STEPS",
+        help="steps between eval losses on the held-out data (default 0: at the start and "
+        "the end only)",
+    )
+    parser.add_argument(
+        "--eval-batches",
+        type=int,
+        default=d.eval_batches,
+        help=f"held-out batches each eval loss averages (default {d.eval_batches})",
     )
     parser.add_argument(
         "--timeout",

@@ -7,8 +7,6 @@ metrics go, and its settings file.
                                            is missing
     model_line(params, nbytes, seq, vocab) the start-up line of the model's size
     eta(step_times, remaining)             "ETA 1m05s": remaining steps x median step time
-    progress_with_eta(...)                 the progress line of zeropipe.apps.train_report,
-                                           with the ETA appended
     RunLog(out, sinks, start, settings)    one step's metrics to metrics.jsonl, TensorBoard
                                            (<out>/tensorboard) and wandb (offline, <out>/wandb)
     add_run_arguments(parser, config_type) --overwrite, --log, --config
@@ -25,14 +23,12 @@ import argparse
 import dataclasses
 import difflib
 import importlib
-import io
 import json
 import os
 import shutil
 import statistics
 import sys
-from collections.abc import Callable, Mapping, Sequence
-from contextlib import redirect_stdout
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +45,6 @@ __all__ = [
     "eta",
     "format_duration",
     "model_line",
-    "progress_with_eta",
     "settings_from",
 ]
 
@@ -161,34 +156,6 @@ def eta(step_times: Sequence[float], remaining: int) -> str:
     if not step_times or remaining <= 0:
         return ""
     return f"ETA {format_duration(remaining * statistics.median(step_times))}"
-
-
-class _Capture(io.StringIO):
-    """stdout as the progress line sees it: captured, but a terminal if stdout is one."""
-
-    def __init__(self, tty: bool) -> None:
-        super().__init__()
-        self._tty = tty
-
-    def isatty(self) -> bool:
-        return self._tty
-
-
-def progress_with_eta(
-    progress: Callable[[dict[str, Any], int], object],
-    record: dict[str, Any],
-    total: int,
-    eta_text: str,
-) -> None:
-    """Print ``progress(record, total)``'s line (if it prints one) with `` | ETA ...`` added."""
-    buf = _Capture(sys.stdout.isatty())
-    with redirect_stdout(buf):
-        progress(record, total)
-    text = buf.getvalue()
-    if not text:
-        return
-    line, end = text.rstrip("\r\n"), text[len(text.rstrip("\r\n")) :]
-    print(line + (f" | {eta_text}" if eta_text else ""), end=end, flush=True)
 
 
 class RunLog:

@@ -113,19 +113,27 @@ def _loss_png(out: Path) -> None:
     fig.savefig(out / "loss.png", dpi=110)
 
 
-def progress(record: dict[str, Any], total: int) -> None:
+def progress(record: dict[str, Any], total: int, suffix: str = "") -> None:
+    """The progress line of a step (``suffix`` at its end): redrawn in place on a terminal,
+    else one line every 25 steps and at the last."""
     width = 24
     done = int(width * record["step"] / total)
     peak = record["peak_saved_bytes"]
     mem = f" | peak {peak / 2**20:.1f} MiB" if peak else ""
     line = (
         f"[{'#' * done}{'.' * (width - done)}] step {record['step']}/{total} | loss {record['loss']:.3f} | "
-        f"{record['tokens_per_s']:,.0f} tok/s | bubble {record['bubble_rate']:.0%}{mem}"
+        f"{record['tokens_per_s']:,.0f} tok/s | bubble {record['bubble_rate']:.0%}{mem}{suffix}"
     )
     end = "\r" if sys.stdout.isatty() else "\n"
     if end == "\n" and record["step"] % 25 and record["step"] != total:
         return
     print(line, end=end, flush=True)
+
+
+def eval_line(step: int, loss: float) -> None:
+    """The held-out loss after ``step`` steps, on a line of its own (below a redrawn bar)."""
+    below_bar = "\n" if sys.stdout.isatty() else ""
+    print(f"{below_bar}eval loss {loss:.3f} after step {step}", flush=True)
 
 
 def print_summary(summary: dict[str, Any], out: Path) -> None:

@@ -57,6 +57,8 @@ _MUST_MATCH = (
     "model",
     "model_config",
     "data",
+    "tokenizer",
+    "text_field",
     "microbatches",
     "batch_size",
     "seed",
@@ -74,7 +76,7 @@ _LAYOUT = ("schedule", "ranks", "tp")
 # Settings that checkpoints recorded under another name: field -> the older key.
 _OLD_KEYS = {"blocks": "layers"}  # --layers counted blocks, and became --blocks
 # TrainConfig fields that the command line does not set (the Python API does).
-NOT_FLAGS = {"warmup", "heads", "seq", "dropout", "eval_batches", "trace_step", "planned"}
+NOT_FLAGS = {"warmup", "heads", "dropout", "trace_step", "planned"}
 
 
 # Fields that say how this invocation runs, not what the run is: not recorded.

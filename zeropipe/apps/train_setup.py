@@ -4,7 +4,9 @@ The training loop of :mod:`zeropipe.apps.train` asks this module for
 
     check_model(cfg)                    one-line errors for --model / --model-config, and for
                                         a model or rank count this machine cannot hold
-    load_corpus(cfg)                    the generated corpus, or the bytes of --data FILE
+    load_corpus(cfg)                    the generated corpus, or --data's documents tokenized
+                                        (--tokenizer, or their bytes) and packed into --seq
+                                        (zeropipe.apps.token_data)
     model_layers(cfg, vocab)            the layers a schedule's stages are cut from
     describe_layers(cfg, vocab)         those layers counted and named, for messages
     model_size(cfg, vocab)              its parameters and their bytes, without building it
@@ -29,6 +31,7 @@ import os
 import resource
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -52,6 +55,7 @@ from zeropipe.apps.models.hf import (
     hf_config,
     with_blocks,
 )
+from zeropipe.apps.token_data import TokenData, data_vocab
 from zeropipe.core.errors import ZeropipeError
 from zeropipe.planning.balance import even_cut
 
@@ -62,6 +66,7 @@ __all__ = [
     "batch",
     "build_model",
     "check_model",
+    "data_cache",
     "describe_layers",
     "load_corpus",
     "loss_fn",
@@ -81,6 +86,10 @@ class ModelSettings(Protocol):
     model: str  # gpt, or a Hugging Face preset / a --model-config file's model_type
     model_config: str | None
     data: str | None
+    tokenizer: str | None
+    text_field: str
+    data_cache: str | None
+    quiet: bool
     batch_size: int
     seq: int
     width: int
@@ -179,9 +188,7 @@ def _gib(n: float) -> str:
 
 
 def _vocab(cfg: ModelSettings) -> int:
-    # A --data file's tokens are its bytes (Corpus.vocab: 256), so it need not be read here;
-    # the generated corpus is quick to make.
-    return 256 if cfg.data is not None else load_corpus(cfg).vocab
+    return data_vocab(cfg.data, cfg.tokenizer, cfg.seed)
 
 
 def model_size(cfg: ModelSettings, vocab: int) -> tuple[int, int]:
@@ -278,11 +285,38 @@ def _check_machine(cfg: ModelSettings) -> None:
     )
 
 
-def load_corpus(cfg: ModelSettings) -> Corpus:
-    """The training text: ``--data``'s bytes, or the generated corpus."""
-    if cfg.data is not None:
-        return Corpus.from_file(cfg.data, cfg.seq)
-    return Corpus.generate(seed=cfg.seed)
+def load_corpus(cfg: ModelSettings) -> Corpus | TokenData:
+    """The training tokens: ``--data`` tokenized (once: later calls read the cache) and
+    packed into ``--seq``, or the generated corpus."""
+    if cfg.data is None:
+        if cfg.tokenizer is not None:
+            raise ZeropipeError(
+                "--tokenizer tokenizes --data, and no --data is given (the generated corpus "
+                "has its own characters as tokens); give --data FILES or leave --tokenizer out"
+            )
+        return Corpus.generate(seed=cfg.seed)
+    from zeropipe.apps.tokenizer import TextTokenizer
+
+    tokenizer = TextTokenizer.load(cfg.tokenizer) if cfg.tokenizer is not None else None
+    return TokenData.build(
+        [p for p in cfg.data.split(",") if p.strip()],
+        tokenizer=tokenizer,
+        seq=cfg.seq,
+        cache_dir=data_cache(cfg.data_cache),
+        text_field=cfg.text_field,
+        progress=None if cfg.quiet else print,
+    )
+
+
+def data_cache(given: str | None) -> Path:
+    """``--data-cache``, else ``$ZEROPIPE_CACHE``, else ``~/.cache/zeropipe/tokens`` (under
+    ``$XDG_CACHE_HOME`` when set)."""
+    if given:
+        return Path(given)
+    if os.environ.get("ZEROPIPE_CACHE"):
+        return Path(os.environ["ZEROPIPE_CACHE"])
+    home = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(home) / "zeropipe" / "tokens"
 
 
 def _hf_config(cfg: ModelSettings, vocab: int) -> Any:
@@ -418,7 +452,7 @@ def loss_fn(cfg: ModelSettings) -> Callable[..., Any]:
 
 
 def batch(
-    corpus: Corpus, cfg: ModelSettings, step: int, split_name: str = "train"
+    corpus: Corpus | TokenData, cfg: ModelSettings, step: int, split_name: str = "train"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs and targets: next tokens for the GPT; HF models take labels = inputs and shift."""
     x, y = corpus.batch(step, cfg.batch_size, cfg.seq, seed=cfg.seed, split=split_name)

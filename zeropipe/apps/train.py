@@ -12,7 +12,8 @@ chosen schedule -- :mod:`zeropipe.apps.train_setup` builds the model, its cut, i
 loss and its batches; with ``--tp`` > 1 it is tensor-parallel over the "tp" dimension
 of a (pp, dp, tp) mesh -- and leaves in ``--out``::
 
-    metrics.jsonl      one JSON object per step: step, loss, tokens_per_s, ...
+    metrics.jsonl      one JSON object per step: step, loss, tokens_per_s, ... (and
+                       eval_loss every --eval-every steps)
     checkpoints/       the last complete checkpoints, in torch's distributed checkpoint
                        format (see zeropipe.apps.train_state and zeropipe.apps.train_resume)
     timeline.png       the planned (simulated) and measured timelines of one step
@@ -275,6 +276,8 @@ def _train(rank: int, world: int, cfg: TrainConfig, stop: _StopRequest) -> dict[
         }
         if norm is not None:
             record["grad_norm"] = norm  # before clipping
+        if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps and not stopping:
+            record["eval_loss"] = _evaluate(pipe, corpus, cfg)  # every rank runs the pipeline
         if log is not None:
             log.step(record)
             now = time.perf_counter()
@@ -283,12 +286,8 @@ def _train(rank: int, world: int, cfg: TrainConfig, stop: _StopRequest) -> dict[
             if not cfg.quiet:
                 eta = train_log.eta(step_times, cfg.steps - step)
                 train_report.progress(record, cfg.steps, f" | {eta}" if eta else "")
-        if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps and not stopping:
-            held_out = _evaluate(pipe, corpus, cfg)  # every rank: the eval runs the pipeline
-            if log is not None:
-                log.eval(step, held_out)
-                if not cfg.quiet:
-                    train_report.eval_line(step, held_out)
+                if "eval_loss" in record:
+                    train_report.eval_line(step, record["eval_loss"])
         if step % cfg.checkpoint_every == 0 or step == cfg.steps or stopping:
             # A finite loss can still be followed by an update that overflowed.
             if _agree([int(not _weights_finite(pipe))], world)[0]:

@@ -193,8 +193,12 @@ class RunLog:
         scalars = {
             f"train/{k}": float(v)
             for k, v in record.items()
-            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)
+            if k not in ("step", "eval_loss")
+            and isinstance(v, (int, float))
+            and not isinstance(v, bool)
         }
+        if "eval_loss" in record:  # --eval-every: the held-out loss, with the final one
+            scalars["eval/loss"] = float(record["eval_loss"])
         self._scalars(scalars, int(record["step"]))
 
     def eval(self, step: int, loss: float) -> None:

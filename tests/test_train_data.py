@@ -13,12 +13,12 @@ import pytest
 
 pytest.importorskip("tokenizers")
 
-from zeropipe.apps.data import Corpus  # noqa: E402
-from zeropipe.apps.tokenizer import TextTokenizer, train_tokenizer  # noqa: E402
-from zeropipe.apps.train import train  # noqa: E402
-from zeropipe.apps.train_config import TrainConfig  # noqa: E402
-from zeropipe.apps.train_resume import check_resume  # noqa: E402
-from zeropipe.core.errors import ZeropipeError  # noqa: E402
+from zeropipe.apps.data import Corpus
+from zeropipe.apps.tokenizer import TextTokenizer, train_tokenizer
+from zeropipe.apps.train import train
+from zeropipe.apps.train_config import TrainConfig
+from zeropipe.apps.train_resume import check_resume
+from zeropipe.core.errors import ZeropipeError
 
 SMALL = {"width": 32, "blocks": 2, "batch_size": 4, "microbatches": 2, "quiet": True}
 

@@ -276,8 +276,9 @@ def _train(rank: int, world: int, cfg: TrainConfig, stop: _StopRequest) -> dict[
         }
         if norm is not None:
             record["grad_norm"] = norm  # before clipping
+        held_out: float | None = None
         if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps and not stopping:
-            record["eval_loss"] = _evaluate(pipe, corpus, cfg)  # every rank runs the pipeline
+            held_out = record["eval_loss"] = _evaluate(pipe, corpus, cfg)  # on every rank
         if log is not None:
             log.step(record)
             now = time.perf_counter()
@@ -286,8 +287,8 @@ def _train(rank: int, world: int, cfg: TrainConfig, stop: _StopRequest) -> dict[
             if not cfg.quiet:
                 eta = train_log.eta(step_times, cfg.steps - step)
                 train_report.progress(record, cfg.steps, f" | {eta}" if eta else "")
-                if "eval_loss" in record:
-                    train_report.eval_line(step, record["eval_loss"])
+                if held_out is not None:
+                    train_report.eval_line(step, held_out)
         if step % cfg.checkpoint_every == 0 or step == cfg.steps or stopping:
             # A finite loss can still be followed by an update that overflowed.
             if _agree([int(not _weights_finite(pipe))], world)[0]:

@@ -1,23 +1,20 @@
-"""A corpus generated deterministically (no downloads), or read from a text file, and
-batches addressed by step.
+"""A corpus generated deterministically (no downloads), and batches addressed by step.
 
 The text is a small synthetic language -- sentences from a fixed grammar with
 agreement and a few long-range patterns -- so a small model's loss falls
-visibly within a minute.  ``Corpus.from_file`` reads a UTF-8 text file as bytes (a
-vocabulary of 256, no tokenizer to download); its last tenth is held out for evaluation.  ``Corpus.batch(step)`` depends only on (seed, step),
-so resuming at step N reads exactly the batches an uninterrupted run would.
+visibly within a minute.  Its tokens are its characters; its last tenth is held out
+for evaluation.  ``Corpus.batch(step)`` depends only on (seed, step), so resuming at
+step N reads exactly the batches an uninterrupted run would.  (``--data`` files are
+:mod:`zeropipe.apps.token_data`'s.)
 """
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import Tensor
-
-from zeropipe.core.errors import ZeropipeError
 
 __all__ = ["Corpus"]
 
@@ -54,31 +51,10 @@ def _sentence(rng: random.Random) -> str:
 
 @dataclass
 class Corpus:
-    """Character-level tokens of the generated text, or the bytes of a file (``alphabet`` "")."""
+    """Character-level tokens of the generated text, ids into ``alphabet``."""
 
     tokens: Tensor
     alphabet: str
-
-    @classmethod
-    def from_file(cls, path: str, seq: int) -> Corpus:
-        """The bytes of the UTF-8 text file ``path``; enough of them for windows of ``seq``."""
-        try:
-            raw = Path(path).read_bytes()
-        except OSError as exc:
-            raise ZeropipeError(f"--data {path}: {exc.strerror or exc}") from None
-        try:
-            raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise ZeropipeError(
-                f"--data {path} is not UTF-8 text (byte {exc.start}); give a text file"
-            ) from None
-        need = 10 * (seq + 2)  # the held-out tenth must hold one window and its targets
-        if len(raw) < need:
-            raise ZeropipeError(
-                f"--data {path} has {len(raw)} bytes; windows of {seq} tokens need at least "
-                f"{need}: give a longer file or a shorter sequence"
-            )
-        return cls(torch.tensor(list(raw), dtype=torch.long), "")
 
     @classmethod
     def generate(cls, chars: int = 200_000, seed: int = 0) -> Corpus:
@@ -95,7 +71,7 @@ class Corpus:
 
     @property
     def vocab(self) -> int:
-        return len(self.alphabet) if self.alphabet else 256
+        return len(self.alphabet)
 
     def batch(
         self, step: int, batch_size: int, seq: int, seed: int = 0, split: str = "train"
@@ -110,6 +86,4 @@ class Corpus:
         return x, y
 
     def decode(self, ids: Tensor) -> str:
-        if not self.alphabet:
-            return bytes(ids.tolist()).decode("utf-8", errors="replace")
         return "".join(self.alphabet[i] for i in ids.tolist())

@@ -21,9 +21,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from zeropipe.core.ir import Action, Kind
+from zeropipe.core.lower import lower
 from zeropipe.core.render import render_text, to_chrome_trace
 from zeropipe.core.schedules.registry import generate
-from zeropipe.core.simulate import Event, Timeline, costs_from_timeline
+from zeropipe.core.simulate import Event, Timeline, costs_from_timeline, simulate, transfer_latency
 
 SLEEP = 0.15  # seconds rank 0's stage sleeps in each forward
 
@@ -54,7 +55,11 @@ def _delayed(rank: int, world: int) -> dict[str, Any]:
     elapsed = time.perf_counter() - start
     timeline = pipe.timeline()
     events = [(str(e.action), e.start, e.end, e.wait) for e in timeline.events[rank]]
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, timeline.events[rank])
+    whole = Timeline(pipe.schedule, every, peak_memory=[], memory_unit="bytes", measured=True)
     return {
+        "latency": transfer_latency(whole),
         "events": events,
         "busy": timeline.busy(rank),
         "last_waits": {k.value: v for k, v in pipe.last_waits.items()},
@@ -84,6 +89,52 @@ def test_the_consuming_forward_waits_and_then_works_briefly(
     for name, start, end, wait in delayed[0]["events"]:
         if name.startswith("0F"):
             assert wait == 0.0 and end - start >= SLEEP * 0.9, (name, wait, end - start)
+
+
+def test_the_latency_is_from_the_send_to_the_waiting_consumer(
+    delayed: list[dict[str, Any]],
+) -> None:
+    # Rank 1's forwards waited for rank 0's sleeping stage: their data was ready soon after
+    # rank 0 sent it (loopback), far sooner than the sleep, and not before it was sent.
+    assert 0.0 <= delayed[0]["latency"] < SLEEP / 4
+    assert delayed[0]["latency"] == delayed[1]["latency"]
+
+
+def _lowered_timeline(gap: float, skew: float = 0.0) -> Timeline:
+    """1f1b on 2 ranks, lowered: rank 1's first forward waits for rank 0's first send and
+    is ready ``gap`` after it; rank 1's clock is ``skew`` behind."""
+    schedule = lower(generate("1f1b", 2, 2))
+    sends: dict[str, float] = {}
+    events: list[list[Event]] = [[], []]
+    t = 0.0
+    for k, a in enumerate(schedule.actions[0]):
+        events[0].append(Event(0, k, a, t, t + 1.0))
+        sends[str(a)] = t + 1.0
+        t += 1.0
+    t = 0.0
+    for k, a in enumerate(schedule.actions[1]):
+        wait = 0.0
+        if str(a) == "1F0":
+            wait = max(0.0, sends["0SEND_F0"] + gap - t)
+        events[1].append(Event(1, k, a, t - skew, t + wait + 1.0 - skew, wait=wait))
+        t += wait + 1.0
+    return Timeline(schedule, events, peak_memory=[], memory_unit="bytes", measured=True)
+
+
+def test_transfer_latency_pairs_a_waiting_consumer_with_its_send() -> None:
+    timeline = _lowered_timeline(gap=0.25)
+    assert transfer_latency(timeline) == pytest.approx(0.25)
+    costs = costs_from_timeline(timeline)
+    assert costs.latency == pytest.approx(0.25)
+    # The planned timeline pays it: rank 1's first forward starts 0.25 after the send.
+    planned = simulate(timeline.schedule, costs)
+    f0 = next(e for e in planned.events[1] if str(e.action) == "1F0")
+    send = next(e for e in planned.events[0] if str(e.action) == "0SEND_F0")
+    assert f0.start >= send.end + 0.25 - 1e-9
+    # Clocks that are not shared (ranks on two machines) give negative gaps: no latency.
+    assert transfer_latency(_lowered_timeline(gap=0.25, skew=5.0)) == 0.0
+    # Nobody waited: nothing measured.
+    assert transfer_latency(_measured_with_a_wait()) == 0.0
 
 
 def test_the_waits_add_up_to_what_the_receives_blocked(delayed: list[dict[str, Any]]) -> None:

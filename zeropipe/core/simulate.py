@@ -313,7 +313,8 @@ def costs_from_timeline(timeline: Timeline) -> CostModel:
     beside the measured one: what the schedule would look like if every
     action took its typical time and nothing else got in the way.  Sends and
     receives take their median measured post time (``post``).  An action's
-    time is its work, without its wait for data (``Event.wait``).
+    time is its work, without its wait for data (``Event.wait``).  A transfer
+    takes the median measured latency (:func:`transfer_latency`).
     """
     durations: dict[tuple[int, str], list[float]] = {}
     posts: list[float] = []
@@ -361,5 +362,39 @@ def costs_from_timeline(timeline: Timeline) -> CostModel:
     return CostModel(
         tuple(stages),
         post=median(posts) if posts else 0.0,
+        latency=transfer_latency(timeline),
         meta={"source": "measured medians", "time_unit": "s"},
     )
+
+
+# A consumer's data comes from this send: F(s) from SEND_F(s-1), I/B(s) from SEND_B(s+1).
+_FED_BY = {Kind.F: (Kind.SEND_F, -1), Kind.I: (Kind.SEND_B, 1), Kind.B: (Kind.SEND_B, 1)}
+
+
+def transfer_latency(timeline: Timeline) -> float:
+    """The median time from a send's post to its data being ready for the consumer that
+    waited for it, over the measured transfers a consumer waited for (0 if none did).
+
+    A consumer that waited saw the data the moment it landed, so its ``ready``
+    less the send's end is the transfer's latency; one that did not wait only
+    bounds it.  The times of different ranks are compared, which holds on one
+    machine (one clock); where most differences come out negative the clocks
+    are not shared, and the latency is taken as 0.
+    """
+    sent: dict[tuple[Kind, int, int | None], float] = {}
+    for evs in timeline.events:
+        for e in evs:
+            if e.action.kind in (Kind.SEND_F, Kind.SEND_B):
+                sent[(e.action.kind, e.action.stage, e.action.microbatch)] = e.end
+    gaps = []
+    for evs in timeline.events:
+        for e in evs:
+            fed_by = _FED_BY.get(e.action.kind)
+            if fed_by is None or e.wait <= 0:
+                continue
+            end = sent.get((fed_by[0], e.action.stage + fed_by[1], e.action.microbatch))
+            if end is not None:
+                gaps.append(e.ready - end)
+    if not gaps or 2 * sum(g < 0 for g in gaps) > len(gaps):
+        return 0.0
+    return median(max(g, 0.0) for g in gaps)

@@ -173,6 +173,25 @@ def test_train_two_ranks_then_export_loads_in_transformers(
     assert _reference(out).config.num_hidden_layers == 4
 
 
+@pytest.mark.parametrize("kind", ["qwen3", "gpt2"])
+def test_trained_qwen3_and_gpt2_export_with_the_pipeline_eval_loss(
+    folders: dict[str, Path], tmp_path: Path, kind: str
+) -> None:
+    from zeropipe.apps.train import train
+    from zeropipe.apps.train_config import TrainConfig
+
+    cfg = TrainConfig(
+        model_path=str(folders[kind]), ranks=2, steps=3, batch_size=8, microbatches=4, seq=16,
+        schedule="1f1b", out=str(tmp_path / "run"), quiet=True, lr=1e-2, warmup=1,
+    )  # fmt: skip
+    summary = train(cfg)
+    out = tmp_path / "exported"
+    assert main(["export", str(tmp_path / "run"), str(out)]) == 0
+    after = _hf_eval_loss(_reference(out), cfg)
+    assert after == pytest.approx(summary["final_eval_loss"], rel=1e-5)
+    assert after != pytest.approx(_hf_eval_loss(_reference(folders[kind]), cfg), rel=1e-3)
+
+
 _MEASURE = """
 import json, sys, torch
 from zeropipe.apps import hf_folder

@@ -231,7 +231,7 @@ def _train(rank: int, world: int, cfg: TrainConfig, stop: _StopRequest) -> dict[
         sinks = train_log.check_loggers(cfg.log)
         log = train_log.RunLog(out, sinks, start, train_resume.run_settings(cfg))
     tokens = cfg.batch_size * cfg.seq
-    initial_eval = _evaluate(pipe, corpus, cfg)
+    initial_eval = _evaluate(pipe, [model, *stages], corpus, cfg)
     if log is not None:
         log.eval(start, initial_eval)
     step_times: list[float] = []  # wall time of each step, checkpoints included: the ETA's
@@ -278,7 +278,9 @@ def _train(rank: int, world: int, cfg: TrainConfig, stop: _StopRequest) -> dict[
             record["grad_norm"] = norm  # before clipping
         held_out: float | None = None
         if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps and not stopping:
-            held_out = record["eval_loss"] = _evaluate(pipe, corpus, cfg)  # on every rank
+            held_out = record["eval_loss"] = _evaluate(
+                pipe, [model, *stages], corpus, cfg
+            )  # on every rank
         if log is not None:
             log.step(record)
             now = time.perf_counter()
@@ -309,7 +311,7 @@ def _train(rank: int, world: int, cfg: TrainConfig, stop: _StopRequest) -> dict[
             break
     # Skipped after a stop: whoever stopped the run is waiting for it to end.
     done = non_finite is None and stopped_by is None
-    final_eval = _evaluate(pipe, corpus, cfg) if done else math.nan
+    final_eval = _evaluate(pipe, [model, *stages], corpus, cfg) if done else math.nan
     summary = {
         "model": cfg.model,
         "schedule": cfg.schedule,
@@ -386,14 +388,26 @@ def _weights_finite(pipe: Pipeline) -> bool:
     return all(bool(torch.isfinite(local_tensor(p)).all()) for p in pipe.parameters())
 
 
-def _evaluate(pipe: Pipeline, corpus: Corpus | TokenData, cfg: TrainConfig) -> float:
+def _evaluate(
+    pipe: Pipeline, modules: list[torch.nn.Module], corpus: Corpus | TokenData, cfg: TrainConfig
+) -> float:
+    """The mean loss of ``--eval-batches`` held-out batches, ``modules`` (the model and its
+    stages) in eval mode: no dropout, so the eval loss is the model's, as
+    ``from_pretrained(...).eval()`` scores it."""
     total = 0.0
-    for k in range(cfg.eval_batches):
-        x, y = _mine(pipe, *batch(corpus, cfg, k, "val"))
-        loss = pipe.eval_step(x, y)
-        if not isinstance(loss, torch.Tensor):
-            raise PipelineError("evaluation produced no loss")
-        total += loss.item()
+    modes = [m.training for m in modules]
+    for m in modules:
+        m.eval()
+    try:
+        for k in range(cfg.eval_batches):
+            x, y = _mine(pipe, *batch(corpus, cfg, k, "val"))
+            loss = pipe.eval_step(x, y)
+            if not isinstance(loss, torch.Tensor):
+                raise PipelineError("evaluation produced no loss")
+            total += loss.item()
+    finally:
+        for m, mode in zip(modules, modes, strict=True):
+            m.train(mode)
     return total / cfg.eval_batches
 
 

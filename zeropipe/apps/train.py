@@ -334,7 +334,8 @@ def _train(rank: int, world: int, cfg: TrainConfig, stop: _StopRequest) -> dict[
         log.close()
         if not cfg.quiet:
             print()
-        train_report.write_pictures(out, pipe, measured)
+        summary["trace"] = train_report.write_pictures(out, pipe, measured)
+        summary["trace_step"] = trace_step
         if not cfg.quiet and non_finite is None:  # train() reports a non-finite stop
             train_report.print_summary(summary, out)
     return summary

@@ -70,12 +70,23 @@ def gather_timeline(pipe: Pipeline, world: int) -> Timeline:
     return Timeline(pipe.schedule, events, peak_memory=[], memory_unit="bytes", measured=True)
 
 
-def write_pictures(out: Path, pipe: Pipeline, measured: Timeline | None) -> None:
+def write_pictures(out: Path, pipe: Pipeline, measured: Timeline | None) -> dict[str, Any] | None:
+    """trace.json, timeline.png and loss.png; returns the traced step's figures (None if no
+    step was traced): its measured and planned bubble, the costs planned with and the
+    measured timeline."""
     from zeropipe.core import render
 
+    trace: dict[str, Any] | None = None
     if measured is not None:
         render.write_chrome_trace(measured, out / "trace.json")
-        planned = simulate(pipe.schedule, costs_from_timeline(measured))
+        costs = costs_from_timeline(measured)
+        planned = simulate(pipe.schedule, costs)
+        trace = {
+            "measured_bubble": measured.bubble_rate,
+            "planned_bubble": planned.bubble_rate,
+            "costs": costs,
+            "timeline": measured,
+        }
         try:
             render.render_pngs(
                 [planned, measured],
@@ -85,6 +96,7 @@ def write_pictures(out: Path, pipe: Pipeline, measured: Timeline | None) -> None
         except ZeropipeError as exc:
             print(f"zeropipe: note: {exc}", file=sys.stderr)
     _loss_png(out)
+    return trace
 
 
 def _loss_png(out: Path) -> None:
@@ -136,6 +148,18 @@ def eval_line(step: int, loss: float) -> None:
     print(f"{below_bar}eval loss {loss:.3f} after step {step}", flush=True)
 
 
+def _bubble_row(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    trace = summary.get("trace")
+    if not trace:
+        return []
+    return [
+        (
+            f"bubble of step {summary['trace_step'] + 1}",
+            f"{trace['measured_bubble']:.1%} (planned {trace['planned_bubble']:.1%})",
+        )
+    ]
+
+
 def print_summary(summary: dict[str, Any], out: Path) -> None:
     rows = [
         ("model", summary["model"]),
@@ -153,6 +177,7 @@ def print_summary(summary: dict[str, Any], out: Path) -> None:
             f"{summary['initial_eval_loss']:.3f} -> {summary['final_eval_loss']:.3f}",
         ),
         ("final train loss", f"{summary['final_train_loss']:.3f}"),
+        *_bubble_row(summary),
         ("wall time", f"{summary['wall_s']:.1f} s"),
         ("outputs", str(out)),
     ]

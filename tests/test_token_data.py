@@ -233,7 +233,7 @@ def test_progress_lines_while_tokenizing(tmp_path: Path, monkeypatch: pytest.Mon
 def test_refusals(tmp_path: Path) -> None:
     txt = tmp_path / "a.txt"
     txt.write_text("tiny")
-    with pytest.raises(ZeropipeError, match=r"1 window\(s\) of 4 tokens.*shorter --seq"):
+    with pytest.raises(ZeropipeError, match=r"1 window of 4 tokens.*shorter --seq"):
         _build([txt], tmp_path, seq=4)  # 6 tokens: one window
     txt.write_text("x" * 30)
     with pytest.raises(ZeropipeError, match="no text"):

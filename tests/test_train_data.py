@@ -50,6 +50,9 @@ def test_a_tokenized_jsonl_trains_with_eval_every_and_resumes_only_on_the_same_t
     )  # fmt: skip
     summary = train(cfg)
     assert summary["final_eval_loss"] < summary["initial_eval_loss"]
+    trace = summary["trace"]  # the traced step, as run and as planned (the summary's row)
+    assert 0.0 <= trace["measured_bubble"] < 1.0 and 0.0 <= trace["planned_bubble"] < 1.0
+    assert trace["costs"].latency >= 0.0
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     # --eval-every 2: steps 2 and 4 carry the held-out loss (6, the last, is the summary's).

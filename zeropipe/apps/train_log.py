@@ -176,7 +176,11 @@ class RunLog:
 
             # Resumed after step ``start``: the stopped run's later steps are redone.
             purge = start + 1 if start else None
-            self._tb = SummaryWriter(log_dir=str(out / "tensorboard"), purge_step=purge)
+            # Flushed every few seconds (torch's default is two minutes): a run that crashes
+            # keeps its curve up to then.
+            self._tb = SummaryWriter(
+                log_dir=str(out / "tensorboard"), purge_step=purge, flush_secs=5
+            )
         if "wandb" in sinks:
             os.environ["WANDB_MODE"] = "offline"  # nothing leaves the machine
             wandb = importlib.import_module("wandb")

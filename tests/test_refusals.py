@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,7 @@ from zeropipe.apps import train_setup
 from zeropipe.apps.cli import main
 from zeropipe.apps.models.gpt import GPTConfig, gpt
 from zeropipe.apps.train_config import TrainConfig
-from zeropipe.core.errors import PipelineError, ScheduleError
+from zeropipe.core.errors import PipelineError, ScheduleError, ZeropipeError
 
 from .gradcheck import batch_for, mlp, reference
 
@@ -336,3 +337,28 @@ def test_a_folder_named_like_a_generator_is_not_a_schedule_file(
     monkeypatch.chdir(tmp_path)
     assert main(["simulate", "--schedule", "1f1b", "--ranks", "2", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["schedule"] == "1f1b"
+
+
+def test_a_model_path_run_is_sized_by_each_rank_s_share(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--model-path builds on meta and materialises a rank's own stages: the memory check
+    counts a 1/ranks share of the model per rank, not the whole model in every rank."""
+    pytest.importorskip("transformers")
+    size = {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 16}
+    size |= {"num_attention_heads": 8, "num_key_value_heads": 8, "vocab_size": 32000}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "llama", **size}))
+    cfg = TrainConfig(model="llama", model_config=str(path), ranks=4, seq=16)
+    _, model = train_setup.model_size(cfg, vocab=40)
+    # Room for the launcher and 4 ranks, the model once and its gradients and AdamW state
+    # (3x), with half a model to spare: not for 4 whole models.
+    free = int(1.1 * (5 * train_setup.PROCESS_BYTES + 4.5 * model))
+    monkeypatch.setattr(train_setup, "available_memory", lambda: free, raising=False)
+    with pytest.raises(ZeropipeError, match="built whole in each of 4 processes"):
+        train_setup.check_model(cfg)
+    train_setup.check_model(replace(cfg, model_path=str(tmp_path)))  # a share each: fits
+    tight = int(1.1 * (5 * train_setup.PROCESS_BYTES + 3.5 * model))
+    monkeypatch.setattr(train_setup, "available_memory", lambda: tight, raising=False)
+    with pytest.raises(ZeropipeError, match=r"shared out among 4 pipeline ranks.*more memory"):
+        train_setup.check_model(replace(cfg, model_path=str(tmp_path)))

@@ -85,6 +85,7 @@ class ModelSettings(Protocol):
 
     model: str  # gpt, or a Hugging Face preset / a --model-config file's model_type
     model_config: str | None
+    model_path: str | None  # a Hugging Face folder: built on meta, each rank its own stages
     data: str | None
     tokenizer: str | None
     text_field: str
@@ -250,10 +251,12 @@ def _check_machine(cfg: ModelSettings) -> None:
     if free is None:
         return
     count, model = model_size(cfg, vocab)
-    # Every rank builds the whole model (its state_dict names the checkpoint's keys); the
-    # gradients and AdamW's two moments of one replica's stages add up to the model three
-    # times (shared out among a tensor-parallel group, which holds one copy between them,
-    # less what stays replicated), on the host unless the stages run on an accelerator.
+    # Every rank builds the whole model (its state_dict names the checkpoint's keys) -- with
+    # --model-path on the meta device, materialising only its own stages, about a
+    # 1/ranks share; the gradients and AdamW's two moments of one replica's stages add up
+    # to the model three times (shared out among a tensor-parallel group, which holds one
+    # copy between them, less what stays replicated), on the host unless the stages run
+    # on an accelerator.
     state = 3 * model if torch.device(cfg.device).type == "cpu" else 0
 
     def need(ranks: int) -> int:
@@ -262,7 +265,8 @@ def _check_machine(cfg: ModelSettings) -> None:
         # A tenth more for what is not counted: activations, transport buffers, allocator
         # slack.  A 1-rank GPT of 200 blocks peaks at 1.26x the rest, so the estimate stays
         # below what a run takes, and a refusal is never of a run that would have fitted.
-        built = (procs - (procs > 1)) * model
+        each = model // ranks if cfg.model_path is not None else model
+        built = (procs - (procs > 1)) * each
         return int(1.1 * (procs * PROCESS_BYTES + built + cfg.dp * state))
 
     if need(cfg.ranks) <= free:
@@ -277,9 +281,13 @@ def _check_machine(cfg: ModelSettings) -> None:
         smaller = "fewer --blocks or a smaller --width"
     fix = f"use --ranks {fits} or fewer, or {smaller}" if fits else f"use {smaller}"
     each = f"each of {world} processes" if world > 1 else "its one process"
+    built = f"built whole in {each}"
+    if cfg.model_path is not None:  # the checkpoint's size is what it is
+        fix = "train it on an accelerator (--device) or a machine with more memory"
+        built = f"its stages shared out among {cfg.ranks} pipeline ranks"
     raise ZeropipeError(
         f"{asked} needs about {_gib(need(cfg.ranks))} of memory (a model of "
-        f"{count / 1e6:,.0f}M parameters, {_gib(model)}, built whole in {each}, plus its "
+        f"{count / 1e6:,.0f}M parameters, {_gib(model)}, {built}, plus its "
         f"gradients, AdamW state and a tenth for activations) but this machine has "
         f"{_gib(free)} available; {fix}"
     )

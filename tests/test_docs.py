@@ -63,6 +63,14 @@ SHORTENED = {
     # The default 300 steps take about a minute; 2 steps run every part (spawn, schedule,
     # steps, checkpoint, pictures) in a few seconds.
     "zeropipe train": "zeropipe train --steps 2",
+    # The walkthrough's runs: a third of their steps still train the base and let the
+    # fine-tuning's eval loss fall (asserted), in a third of the time.
+    "zeropipe train --model llama --tokenizer walk/tokenizer --data walk/corpus.txt --seq 64 "
+    "--steps 60 --out walk/base-run": "zeropipe train --model llama --tokenizer walk/tokenizer "
+    "--data walk/corpus.txt --seq 64 --steps 20 --out walk/base-run",
+    "zeropipe train --model-path walk/base --data walk/docs.jsonl --seq 64 --steps 100 "
+    "--eval-every 25 --out walk/tuned-run": "zeropipe train --model-path walk/base --data "
+    "walk/docs.jsonl --seq 64 --steps 30 --eval-every 10 --out walk/tuned-run",
 }
 
 
@@ -236,6 +244,9 @@ def test_every_readme_command_is_run_or_listed_as_not_run() -> None:
         )
     stale = [c for c in NOT_RUN if c not in readme_commands()]
     assert not stale, f"NOT_RUN lists commands the README no longer has: {stale}"
+    final = INSTALL[0].rsplit("&&", 1)[1].strip()
+    unknown = [c for c in SHORTENED if c not in readme_commands() and c != final]
+    assert not unknown, f"SHORTENED names commands the README does not have: {unknown}"
 
 
 @pytest.fixture(scope="module")

@@ -179,7 +179,7 @@ def test_a_second_build_reads_the_cache(tmp_path: Path) -> None:
     # Another seq packs the same cached tokens.
     assert _build([jl], tmp_path, tokenizer=tok, seq=7).cached and tok.encoded == 5
     names = sorted(p.suffix for p in (tmp_path / "cache").iterdir())
-    assert names == [".json", ".tokens"], "no temporary file is left behind"
+    assert names == [".json", ".lock", ".tokens"], "no temporary file is left behind"
     meta = json.loads(first.path.with_suffix(".json").read_text())
     assert meta["n_tokens"] == 105 and meta["documents"] == 5 and meta["eos"] == 0
     assert meta["dtype"] == "int32" and meta["sources"][0][0] == str(jl.resolve())
@@ -302,5 +302,8 @@ def test_two_builds_at_once_leave_one_whole_cache(tmp_path: Path) -> None:
     for t in threads:
         t.join()
     assert len(built) == 2 and torch.equal(built[0].tokens, built[1].tokens)
-    assert sorted(p.suffix for p in (tmp_path / "cache").iterdir()) == [".json", ".tokens"]
+    # One tokenized, the other waited for the lock and read the cache.
+    assert sorted(b.cached for b in built) == [False, True]
+    files = sorted(p.suffix for p in (tmp_path / "cache").iterdir())
+    assert files == [".json", ".lock", ".tokens"]
     assert _build([jl], tmp_path, tokenizer=CharTokenizer()).cached

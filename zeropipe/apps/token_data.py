@@ -41,7 +41,8 @@ Cache
     size and modification time, the tokenizer's digest and the text field -- not ``seq``,
     so a new window length reuses the tokens.  Tokens are written as they are made (memory
     stays bounded for inputs larger than it) into a temporary file that is renamed into
-    place, so two processes building at once cannot leave a torn file.  A token file whose
+    place, so no reader sees a torn file; and a lock (``<key>.lock``) lets one process
+    tokenize while the others started beside it wait and read its cache.  A token file whose
     size does not match its json is rebuilt.  Reading maps the file (``torch.from_file``):
     a batch touches only its windows' pages.
 """
@@ -56,6 +57,7 @@ import tempfile
 import time
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from os import PathLike
 from pathlib import Path
 from typing import Any, Protocol
@@ -110,6 +112,24 @@ def _count(n: float) -> str:
     if n >= 1e6:
         return f"{n / 1e6:.1f}M"
     return f"{int(n):,}"
+
+
+@contextmanager
+def _exclusive(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``path`` (made if missing) for the block: ``flock``, which
+    the kernel drops if the holder dies.  Where there is no ``fcntl`` (Windows), no lock:
+    the atomic renames still keep the cache whole, at the cost of tokenizing twice."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(path, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def _plural(n: int, word: str) -> str:
@@ -305,21 +325,24 @@ class TokenData:
             ) from None
         key = _key(sources, digest, text_field)
         tokens_path, meta_path = cache / f"{key}.tokens", cache / f"{key}.json"
-        meta = _load_meta(meta_path, tokens_path, dtype_name, progress)
-        cached = meta is not None
-        if meta is None:
-            meta = _tokenize(
-                files, iter_documents, text_field, tokenizer, dtype_name, tokens_path, progress
-            )
-            if _sources(files) != sources:
-                # The tokens may mix old and new text; the key names only one of them.
-                tokens_path.unlink(missing_ok=True)
-                raise ZeropipeError(
-                    "a data file changed while it was being tokenized: run again once the "
-                    "data stop changing"
+        # One process tokenizes; the others (torchrun's ranks, started together) wait for
+        # it and read its cache.
+        with _exclusive(cache / f"{key}.lock"):
+            meta = _load_meta(meta_path, tokens_path, dtype_name, progress)
+            cached = meta is not None
+            if meta is None:
+                meta = _tokenize(
+                    files, iter_documents, text_field, tokenizer, dtype_name, tokens_path, progress
                 )
-            meta.update(vocab=vocab, sources=sources, tokenizer=digest, text_field=text_field)
-            _write_json(meta_path, meta)
+                if _sources(files) != sources:
+                    # The tokens may mix old and new text; the key names only one of them.
+                    tokens_path.unlink(missing_ok=True)
+                    raise ZeropipeError(
+                        "a data file changed while it was being tokenized: run again once the "
+                        "data stop changing"
+                    )
+                meta.update(vocab=vocab, sources=sources, tokenizer=digest, text_field=text_field)
+                _write_json(meta_path, meta)
         n = int(meta["n_tokens"])
         if n == 0:
             raise ZeropipeError(

@@ -289,3 +289,13 @@ def test_every_module_opens_with_a_docstring() -> None:
         m for m, path in MODULES.items() if not ast.get_docstring(ast.parse(path.read_text()))
     ]
     assert not missing, missing
+
+
+def test_the_tokenizer_command_runs_without_torch(tmp_path: Path) -> None:
+    pytest.importorskip("tokenizers")
+    (tmp_path / "d.txt").write_text("the cat sees a warm bed. " * 200)
+    proc = _without_torch(
+        ["tokenizer", "--data", "d.txt", "--vocab", "300", "--out", "t"], tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "t" / "tokenizer.json").is_file()

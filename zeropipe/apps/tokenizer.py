@@ -433,7 +433,8 @@ class _Reader:
         if now - self._last >= _PROGRESS_EVERY_S:
             self._last = now
             self._say(
-                f"zeropipe tokenizer: {self.documents:,} documents read "
+                f"zeropipe tokenizer: {self.documents:,} "
+                f"document{'s' * (self.documents != 1)} read "
                 f"({self.chars / 1e6:,.1f} M characters)"
             )
         return text

@@ -197,8 +197,10 @@ import json, sys, torch
 from zeropipe.apps import hf_folder
 
 def rss():
+    # Anonymous memory: what the process allocated.  Its resident file pages (shared
+    # libraries paged in on first use, a fresh venv's the most) are shared and evictable.
     for line in open("/proc/self/status"):
-        if line.startswith("VmRSS:"):
+        if line.startswith("RssAnon:"):
             return int(line.split()[1]) * 1024
 
 torch.set_num_threads(1)

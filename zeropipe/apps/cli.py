@@ -499,7 +499,7 @@ def _run_export(args: argparse.Namespace) -> int:
 
 # -- zeropipe tokenizer -----------------------------------------------------------------
 def _add_tokenizer_arguments(parser: argparse.ArgumentParser) -> None:
-    from zeropipe.apps import tokenizer  # imports HF tokenizers: only for this command
+    from zeropipe.apps import tokenizer  # no torch: the command runs without it
 
     tokenizer.add_tokenizer_arguments(parser)
 

@@ -240,9 +240,6 @@ def _fsdp_refusals(mesh: Any) -> list[str]:
     for make in (
         lambda: Pipeline(mlp(), build_schedule("1f1b", ranks=2, microbatches=2),
                          loss_fn=F.mse_loss, mesh="local", options=RuntimeOptions(dp_shard=True)),
-        lambda: Pipeline(mlp(), build_schedule("1f1b", ranks=2, microbatches=2),
-                         loss_fn=F.mse_loss, mesh=_replicas_only(),
-                         options=RuntimeOptions(dp_shard=True)),
         lambda: Pipeline(mlp(), offload_weights(generate("1f1b", PP, 2)), loss_fn=F.mse_loss,
                          mesh=mesh, options=RuntimeOptions(device="cpu", dp_shard=True)),
     ):  # fmt: skip
@@ -333,6 +330,25 @@ def _local_case(rank: int) -> dict[str, Any]:
     return {"loss": loss.item(), "grads": _owned_grads(model), "dp_size": pipe.dp_size}
 
 
+def _local_shard_case(rank: int) -> dict[str, Any]:
+    """dp_shard=True, every process a replica running a whole 2-rank pipeline locally (dp = 4):
+    the embedding tied to the head is used by stages of both pipeline ranks, all in this process."""
+    model = token_model()
+    canonical = _canonical_names(model)
+    x, y = batch_for(model, batch=2 * 2 * WORLD)
+    pipe = Pipeline(
+        model,
+        build_schedule("1f1b", ranks=2, microbatches=2),
+        loss_fn=token_loss,
+        mesh=_replicas_only(),
+        options=replace(OPTIONS, dp_shard=True),
+    )
+    xs, ys = torch.tensor_split(x, WORLD)[rank], torch.tensor_split(y, WORLD)[rank]
+    loss = pipe.step(xs, ys)
+    units = len(pipe.sharded.units) if pipe.sharded is not None else 0
+    return {"loss": loss.item(), "grads": _full_grads(model, canonical), "units": units}
+
+
 def _timeline_case(mesh: Any, dp: int) -> dict[str, Any]:
     """1f1b on a wider MLP: this rank's measured events of the second step, as (action, start,
     end) on the perf_counter clock every process on the machine shares."""
@@ -369,6 +385,7 @@ def cases(rank: int, world: int) -> dict[str, Any]:
     out["clip"] = guard(lambda: _clip_case(mesh, dp))
     out["accumulate"] = guard(lambda: _accumulate_case(mesh, dp))
     out["local"] = guard(lambda: _local_case(rank))
+    out["local_shard"] = guard(lambda: _local_shard_case(rank))
     out["timeline"] = guard(lambda: _timeline_case(mesh, dp))
     out["refusals"] = guard(lambda: _refusals(mesh))
     out["fsdp"] = {

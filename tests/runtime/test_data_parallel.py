@@ -244,18 +244,30 @@ def test_dp_shard_on_2x2_matches_the_global_batch_float64(name: str) -> None:
         _check_steps(results, "fsdp", key)
 
 
-def test_dp_shard_without_a_dp_group_on_the_local_executor_or_with_weight_offload_is_refused() -> (
-    None
-):
+def test_dp_shard_without_a_dp_group_or_with_weight_offload_is_refused() -> None:
     for out in dp_cases.results():
         no_crash(out["fsdp_refusals"], "fsdp_refusals")
-        no_group, local, offload = out["fsdp_refusals"]
-        for message in (no_group, local):
-            assert (
-                "RuntimeOptions(dp_shard=True) shards the stages over a data-parallel group"
-                in message
-            )
+        no_group, offload = out["fsdp_refusals"]
+        assert (
+            "RuntimeOptions(dp_shard=True) shards the stages over a data-parallel group" in no_group
+        ), no_group
         assert "dp_shard=True with weight OFFLOAD/RELOAD" in offload, offload
+
+
+def test_dp_shard_with_a_pp_dimension_of_one_process_matches_the_global_batch() -> None:
+    """A mesh ("pp", "dp") = (1, 4): each process plays both pipeline ranks, sharded over "dp";
+    the embedding tied to the head (stages of both ranks) is one FSDP unit, reduced once."""
+    model = token_model()
+    x, y = dp_cases.batch_for(model, batch=2 * 2 * dp_cases.WORLD)
+    loss = token_loss(model(x), y)
+    loss.backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    for rank, out in enumerate(dp_cases.results()):
+        no_crash(out["local_shard"], f"local_shard on rank {rank}")
+        assert abs(out["local_shard"]["loss"] - loss.item()) <= 1e-10
+        assert out["local_shard"]["units"] == 1  # the tie joins both stages
+        worst = assert_same_gradients(as_params(out["local_shard"]["grads"]), ref)
+        assert worst <= 1e-10, (rank, worst)
 
 
 @pytest.mark.parametrize("name", ["1f1b", "zbv"])

@@ -175,3 +175,13 @@ def test_pp2_dp2_tp2_with_fsdp_or_replicas_matches_the_global_batch(key: str) ->
     norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
     for out in results:
         assert out["grads"][key]["clip"] == pytest.approx(norm.item(), rel=1e-12), out
+
+
+@pytest.mark.parametrize("key", [f"{n}/ranks={r}" for n, r in tp_cases.PP1_GRID])
+def test_pp1_dp2_tp2_with_fsdp_matches_the_global_batch(key: str) -> None:
+    """A "pp" dimension of one process: the pipeline runs in each process, sharded over "dp"."""
+    results = [{**out["pp1"], "pp": 0} for out in tp_cases.results()]
+    assert sorted((o["dp"], o["tp"]) for o in results) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    _check(results, key, rows=2 * tp_cases.M * tp_cases.DP)
+    placements = results[0]["grads"][key]["placements"]
+    assert "(Shard(dim=0), Shard(dim=1))" in placements, placements  # FSDP2 over TP: 2-D

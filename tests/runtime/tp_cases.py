@@ -4,7 +4,9 @@ One launch of 4 processes on a ("pp", "tp") = (2, 2) gloo mesh (``results``,
 cached for the test session) runs every case and returns, per rank, losses
 and the whole gradients (``full_tensor()`` of each DTensor gradient) of the
 parameters its stages own; test_tensor_parallel.py compares them, in the
-test process, with the plain, unparallel model.  Every process builds the
+test process, with the plain, unparallel model (the same 4 processes also
+form a ("pp", "dp", "tp") = (1, 2, 2) mesh: dp_shard under one process's
+pipeline, ``_pp1_cases``).  Every process builds the
 whole model and makes it tensor-parallel over ``mesh["tp"]`` as a user
 would, with torch's ``parallelize_module``; the pipeline runs its rank's
 stages.  A second launch of 8 processes on ("pp", "dp", "tp") = (2, 2, 2)
@@ -36,6 +38,7 @@ from torch import Tensor, nn
 
 from tests.runtime.dist_cases import guard, supported
 from tests.runtime.dp_cases import outcome
+from zeropipe.core.build import build_schedule
 from zeropipe.core.costs import CostModel
 from zeropipe.core.fit import checkpoint, offload, offload_weights
 from zeropipe.core.schedules import GENERATORS, generate
@@ -265,6 +268,43 @@ def _refusals(mesh: Any) -> dict[str, str]:
     }
 
 
+def _pp1_case(mesh: Any, name: str, ranks: int) -> dict[str, Any]:
+    """dp_shard=True on ("pp", "dp", "tp") = (1, 2, 2): this process plays every pipeline rank
+    of ``name`` built for ``ranks``; two steps on this replica's half of the global batch."""
+    model = parallel_model("tp", mesh["tp"])
+    x, y = batch(2 * M * DP)
+    dp = mesh.get_local_rank("dp")
+    xs, ys = torch.tensor_split(x, DP)[dp], torch.tensor_split(y, DP)[dp]
+    schedule = build_schedule(name, ranks=ranks, microbatches=M)
+    pipe = Pipeline(model, schedule, loss_fn, mesh=mesh, options=replace(OPTIONS, dp_shard=True))
+    steps = []
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        loss = pipe.step(xs, ys)
+        steps.append({"loss": loss.item(), "grads": whole_grads(model)})
+    placements = sorted(
+        {str(tuple(p.placements)) for p in pipe.parameters() if hasattr(p, "placements")}
+    )
+    return {"steps": steps, "placements": placements}
+
+
+def _pp1_cases() -> dict[str, Any]:
+    """The same 4 processes as a (1, 2, 2) mesh: FSDP2 x TP under one process's pipeline."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1, DP, TP), mesh_dim_names=("pp", "dp", "tp"))
+    out: dict[str, Any] = {d: mesh.get_local_rank(d) for d in ("dp", "tp")}
+    out["grads"] = {
+        f"{name}/ranks={ranks}": guard(functools.partial(_pp1_case, mesh, name, ranks))
+        for name, ranks in PP1_GRID
+    }
+    return out
+
+
+# a one-rank V (both stages of a rank in one FSDP unit) and two pipeline ranks in one process
+PP1_GRID = (("zbv", 1), ("1f1b", 2))
+
+
 def cases(rank: int, world: int) -> dict[str, Any]:
     """Everything the 4-process launch runs (per rank: its results)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -281,6 +321,7 @@ def cases(rank: int, world: int) -> dict[str, Any]:
     )  # fmt: skip
     out["clip"] = guard(lambda: _clip_case(mesh))
     out["refusals"] = guard(lambda: _refusals(mesh))
+    out["pp1"] = _pp1_cases()
     return out
 
 

@@ -37,10 +37,14 @@ data-parallel endpoint (``set_custom_all_gather`` / ``set_custom_reduce_scatter`
 and waited on within ``RuntimeOptions.timeout``, watching for failed peers, like
 every other collective of a step: a replica that fails ends its peers' waits.
 
-Parameters used by several stages of this rank (a V placement's tied
+Parameters used by several stages of this process (a V placement's tied
 embedding) must be one FSDP parameter: those stages are sharded together,
-as one unit (``fully_shard`` on a container of their modules), reduced at
-the REDUCE_GRAD that comes last among them.
+as one unit (``fully_shard`` on a container of their modules), reduced once
+the REDUCE_GRAD of every one of them has run.
+
+A pipeline group of one process (a mesh whose "pp" dimension is 1) plays
+every pipeline rank in this process: its stages are all here, and so is the
+whole gradient of a parameter tied across ranks (nothing to sum over "pp").
 """
 
 from __future__ import annotations
@@ -71,9 +75,9 @@ class ShardedReducer(GradReducer):
 
     Args:
         replicas: the data-parallel group (its ranks hold the shards).
-        schedule: the schedule (which REDUCE_GRAD comes last for a unit).
-        rank: this process's pipeline rank.
-        stages: the stages this process runs.
+        schedule: the schedule (each stage needs a REDUCE_GRAD on its rank).
+        stages: the stages this process runs (of one pipeline rank, or of every
+            rank when this process plays them all).
         shared: parameters used by stages on several pipeline ranks, in the
             order every pipeline rank lists them (before sharding).
         sum_over_pp: sums tensors in place over the pipeline group.
@@ -87,7 +91,6 @@ class ShardedReducer(GradReducer):
         self,
         replicas: Replicas,
         schedule: Schedule,
-        rank: int,
         stages: Mapping[int, Stage],
         shared: Sequence[nn.Parameter],
         sum_over_pp: Callable[[list[Tensor]], None],
@@ -122,10 +125,12 @@ class ShardedReducer(GradReducer):
             for name, p in stage.module.named_parameters(remove_duplicate=False):
                 if id(p) in index:
                     where.setdefault(index[id(p)], (stage.module, name))
-        order = reduction_order(schedule, rank, stages)
+        for r in sorted({schedule.placement[s] for s in stages}):
+            reduction_order(schedule, r, [s for s in stages if schedule.placement[s] == r])
         self.units: list[nn.Module] = []
         self.unit_of: dict[int, nn.Module] = {}
-        self.reduced_at: dict[int, int] = {}  # unit index -> the stage whose REDUCE_GRAD runs it
+        self.unit_stages: dict[int, frozenset[int]] = {}  # unit index -> its stages
+        self.waiting: dict[int, set[int]] = {}  # this step: unit -> stages not yet at REDUCE_GRAD
         for group in _connected(stages):
             unit = _Unit([stages[s].module for s in group])
             fully_shard(unit, mesh=dp_mesh, reshard_after_forward=False)
@@ -138,7 +143,7 @@ class ShardedReducer(GradReducer):
             self.units.append(unit)
             for s in group:
                 self.unit_of[s] = unit
-            self.reduced_at[k] = max(group, key=order.index)
+            self.unit_stages[k] = frozenset(group)
         self.shared_params: list[nn.Parameter | None] = [
             None if k not in where else where[k][0].get_parameter(where[k][1])
             for k in range(len(shared))
@@ -153,6 +158,7 @@ class ShardedReducer(GradReducer):
 
     def unshard(self) -> None:
         """Gather the full parameters of every stage of this rank (start of a step)."""
+        self.waiting = {k: set(group) for k, group in self.unit_stages.items()}
         for unit in self.units:
             unit.set_requires_gradient_sync(False)  # type: ignore[operator]
             unit.set_reshard_after_backward(False)  # type: ignore[operator]
@@ -168,8 +174,9 @@ class ShardedReducer(GradReducer):
         unit = self.unit_of.get(stage)
         if unit is None:
             raise PipelineError(f"REDUCE_GRAD of stage {stage}: this rank does not run it")
-        k = self.units.index(unit)
-        if self.reduced_at[k] != stage:  # its unit is reduced at a later stage's REDUCE_GRAD
+        waiting = self.waiting.get(self.units.index(unit), set())
+        waiting.discard(stage)
+        if waiting:  # a unit is reduced once, when the last of its stages' gradients is final
             return
         unit.set_requires_gradient_sync(True)  # type: ignore[operator]
         unit.set_reshard_after_backward(True)  # type: ignore[operator]

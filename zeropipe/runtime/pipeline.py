@@ -49,6 +49,7 @@ from zeropipe.runtime.assembly import (
     split_params,
 )
 from zeropipe.runtime.batch import forward_only, split_step, step_signature
+from zeropipe.runtime.batch_norm import DeferredNorms
 from zeropipe.runtime.data_parallel import Replicas, reductions_as_run
 from zeropipe.runtime.executor import run_local, run_rank
 from zeropipe.runtime.fsdp import ShardedReducer
@@ -147,11 +148,10 @@ class Pipeline:
         self.distributed, self.rank, world = where.distributed, where.rank, where.world
         # The data-parallel replicas, when there are several.
         self.replicas: Replicas | None = replicas_for(where.dp_group, self.options.timeout)
-        if dp_shard and (self.replicas is None or not self.distributed):
+        if dp_shard and self.replicas is None:
             raise PipelineError(
                 "RuntimeOptions(dp_shard=True) shards the stages over a data-parallel group: pass "
-                "mesh= a DeviceMesh with a 'dp' dimension of more than one rank, and run one "
-                "process per pipeline rank"
+                "mesh= a DeviceMesh with a 'dp' dimension of more than one rank"
             )
         try:
             self.schedule = build_schedule(
@@ -185,6 +185,8 @@ class Pipeline:
             else range(self.schedule.num_stages)
         )
         self.stages = {s: self.all_stages[s] for s in mine}
+        # Deferred BatchNorms update their running statistics once per step (batch_norm.py).
+        self.norms = DeferredNorms({s: stage.module for s, stage in self.stages.items()})
         self.device = compute_device(
             self.options.device, self.distributed, process_group, self.stages
         )
@@ -238,9 +240,9 @@ class Pipeline:
             self.sharded = ShardedReducer(
                 self.replicas,
                 self.schedule,
-                self.rank,
                 self.stages,
-                self.shared,
+                # In one process playing every pipeline rank a tied parameter is whole here.
+                self.shared if self.distributed else [],
                 self.transport.reduce_shared,
                 self.device or next((p.device for p in self.parameters()), torch.device("cpu")),
                 where.dp_mesh,
@@ -463,7 +465,7 @@ class Pipeline:
         if self.sharded is not None:
             self.sharded.unshard()
         try:
-            with preserved_rng(ctx.device):
+            with preserved_rng(ctx.device), self.norms.step():
                 if self.distributed:
                     mine = run_rank(ctx, schedule, self.rank)
                     self.last_events = [

@@ -266,7 +266,9 @@ def named_ranks(
 ) -> int | None:
     """The rank count a named schedule is built for: the world, or stages / chunks.
 
-    None for a :class:`~zeropipe.core.ir.Schedule`, which has its own.
+    None for a :class:`~zeropipe.core.ir.Schedule`, which has its own.  In one process,
+    a name of several chunks per rank given just one rank's stages is refused: a
+    pipeline of one rank is said with a built schedule, never guessed.
     """
     if not isinstance(name, str):
         return None
@@ -299,6 +301,14 @@ def named_ranks(
             f"{len(stages)} stage modules cannot be spread as {v} chunk(s) per rank; build "
             f"the schedule with zeropipe.build_schedule({name!r}, ranks=..., chunks=..., "
             f"microbatches={microbatches})"
+        )
+    if v > 1 and len(stages) == v:
+        # Whoever cut a model into 2 stages for zbv meant 2 ranks, not a pipeline of one.
+        shape = " (a V)" if name in ("zbv", "dualpipev") else ""
+        raise PipelineError(
+            f"{name} holds {v} stages per rank{shape}; {v} stages make 1 rank: split into "
+            f"{2 * v} stages for 2 ranks, or pass zeropipe.build_schedule({name!r}, ranks=1, "
+            f"microbatches={microbatches}) to say you mean one rank"
         )
     return len(stages) // v
 

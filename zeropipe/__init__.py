@@ -25,6 +25,7 @@ __all__ = [
     "GENERATORS",
     "Action",
     "CostModel",
+    "DeferredBatchNorm",
     "Kind",
     "Pipeline",
     "PipelineError",
@@ -38,6 +39,7 @@ __all__ = [
     "auto_plan",
     "build_schedule",
     "causal_lm_loss",
+    "deferred_batch_norm",
     "generate",
     "init_from_env",
     "is_recomputing",
@@ -69,6 +71,8 @@ _LAZY = {
     "causal_lm_loss": "zeropipe.adapters.loss",
     "save_checkpoint": "zeropipe.runtime.checkpoint",
     "load_checkpoint": "zeropipe.runtime.checkpoint",
+    "DeferredBatchNorm": "zeropipe.runtime.batch_norm",
+    "deferred_batch_norm": "zeropipe.runtime.batch_norm",
 }
 
 

@@ -139,6 +139,10 @@ def test_costs_mode_with_a_limit_nothing_fits(
         (("--memory", "1"), "no configuration fits the memory limit"),
         (("--schedules", "1f1b,bogus"), "unknown schedule(s) bogus"),
         (("--ranks", "2"), "--ranks and --microbatches go with --costs"),
+        # A share of the peak above 1 was refused config by config, then blamed on the batch.
+        (("--efficiency", "1.01"), "argument --efficiency: must be in (0, 1], got 1.01"),
+        (("--efficiency", "5"), "argument --efficiency: must be in (0, 1], got 5"),
+        (("--efficiency", "0"), "argument --efficiency: must be in (0, 1], got 0"),
     ],
 )
 def test_bad_input_is_one_line(

@@ -8,7 +8,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["int_at_least", "positive_float", "refuse_renamed"]
+__all__ = ["int_at_least", "positive_float", "refuse_renamed", "share"]
 
 
 def int_at_least(low: int) -> Callable[[str], int]:
@@ -35,6 +35,18 @@ def positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if not (value > 0 and math.isfinite(value)):
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def share(text: str) -> float:
+    """A share of something, in (0, 1]: a number above 1 is not a share, and is a usage
+    error here rather than a refusal of every configuration later."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value <= 1:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
     return value
 
 

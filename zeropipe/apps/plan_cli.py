@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from zeropipe.apps.cli_args import int_at_least, positive_float
+from zeropipe.apps.cli_args import int_at_least, positive_float, share
 from zeropipe.core import render
 from zeropipe.core.costs import CostModel
 from zeropipe.core.errors import ScheduleError, ZeropipeError
@@ -98,9 +98,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     spec.add_argument("--dtype", default="bf16", help="compute dtype (default bf16)")
     spec.add_argument(
         "--efficiency",
-        type=positive_float,
+        type=share,
         metavar="E",
-        help=f"share of the GPU's dense peak a matmul reaches (default {DEFAULT_EFFICIENCY})",
+        help=f"share of the GPU's dense peak a matmul reaches, in (0, 1] (default "
+        f"{DEFAULT_EFFICIENCY})",
     )
     spec.add_argument(
         "--attention",

@@ -137,15 +137,14 @@ class DeferredBatchNorm(nn.Module):
             affine,
         )
         self.dims = dims
-        like = {"device": device, "dtype": dtype}
         if affine:
-            self.weight = nn.Parameter(torch.ones(num_features, **like))
-            self.bias = nn.Parameter(torch.zeros(num_features, **like))
+            self.weight = nn.Parameter(torch.ones(num_features, device=device, dtype=dtype))
+            self.bias = nn.Parameter(torch.zeros(num_features, device=device, dtype=dtype))
         else:  # registered as None, as nn.BatchNorm does
             self.register_parameter("weight", None)
             self.register_parameter("bias", None)
-        self.register_buffer("running_mean", torch.zeros(num_features, **like))
-        self.register_buffer("running_var", torch.ones(num_features, **like))
+        self.register_buffer("running_mean", torch.zeros(num_features, device=device, dtype=dtype))
+        self.register_buffer("running_var", torch.ones(num_features, device=device, dtype=dtype))
         self.register_buffer(
             "num_batches_tracked", torch.zeros((), dtype=torch.long, device=device)
         )
@@ -153,7 +152,9 @@ class DeferredBatchNorm(nn.Module):
         self.pending: _Moments | None = None
 
     @classmethod
-    def from_batch_norm(cls, bn: nn.Module) -> DeferredBatchNorm:
+    def from_batch_norm(
+        cls, bn: nn.BatchNorm1d | nn.BatchNorm2d | nn.BatchNorm3d
+    ) -> DeferredBatchNorm:
         """The deferred form of ``bn`` (an ``nn.BatchNorm1d/2d/3d``), sharing its tensors.
 
         The same parameter and buffer objects (an optimizer built on ``bn``'s
@@ -161,7 +162,8 @@ class DeferredBatchNorm(nn.Module):
         training mode.
         """
         dims = _DIMS.get(type(bn))
-        if dims is None or not getattr(bn, "track_running_stats", False):
+        mean, var, count = bn.running_mean, bn.running_var, bn.num_batches_tracked
+        if dims is None or mean is None or var is None or count is None:
             raise PipelineError(
                 f"DeferredBatchNorm.from_batch_norm takes an nn.BatchNorm1d/2d/3d that tracks "
                 f"running statistics, got {type(bn).__name__}"
@@ -169,8 +171,7 @@ class DeferredBatchNorm(nn.Module):
             )
         new = cls(bn.num_features, bn.eps, bn.momentum, bn.affine, dims=dims, device="meta")
         new.weight, new.bias = bn.weight, bn.bias
-        new.running_mean, new.running_var = bn.running_mean, bn.running_var
-        new.num_batches_tracked = bn.num_batches_tracked
+        new.running_mean, new.running_var, new.num_batches_tracked = mean, var, count
         new.train(bn.training)
         return new
 
@@ -260,7 +261,11 @@ def _converted(module: nn.Module, done: dict[int, nn.Module]) -> nn.Module:
     if id(module) in done:
         return done[id(module)]
     new = module
-    if type(module) in _DIMS and getattr(module, "track_running_stats", False):
+    if (
+        isinstance(module, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d))
+        and type(module) in _DIMS
+        and module.track_running_stats
+    ):
         new = DeferredBatchNorm.from_batch_norm(module)
     else:
         for name, child in list(module.named_children()):
@@ -287,12 +292,13 @@ class DeferredNorms:
                 if isinstance(m, DeferredBatchNorm):
                     found.setdefault(id(m), m)
                 elif isinstance(m, _PLAIN) and m.training and m.track_running_stats:
-                    plain.append(f"stage {s} {name or '(the stage)'}: {type(m).__name__}")
+                    where = f"{name!r} of stage {s}" if name else f"stage {s}"
+                    plain.append(f"{type(m).__name__} {where}")
         self.norms = list(found.values())
         if plain:
             more = f" (and {len(plain) - 1} more)" if len(plain) > 1 else ""
             warnings.warn(
-                f"{plain[0]}{more} is a BatchNorm in training mode: in a pipeline it normalises "
+                f"{plain[0]}{more} is in training mode: in a pipeline a BatchNorm normalises "
                 f"each microbatch by its own statistics and updates running_mean/running_var "
                 f"once per microbatch (num_batches_tracked grows by the microbatch count each "
                 f"step); zeropipe.deferred_batch_norm(model) before building the Pipeline "

@@ -198,7 +198,7 @@ class DeferredBatchNorm(nn.Module):
                 factor,
                 self.eps,
             )
-        if not is_recomputing():  # F counted this microbatch already
+        if not is_recomputing():  # an R: its F counted this microbatch already
             dtype = torch.promote_types(x.dtype, self.running_mean.dtype)
             self.pending.add(x, dtype)
         return F.batch_norm(x, None, None, self.weight, self.bias, True, 0.0, self.eps)

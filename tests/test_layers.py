@@ -35,6 +35,7 @@ LAYERS: tuple[str, ...] = ("core", "base", "autograd", "runtime", "planning", "a
 TORCH_FREE_PLANNING = (
     "zeropipe.planning",
     "zeropipe.planning.specs",
+    "zeropipe.planning.hf_config",
     "zeropipe.planning.balance",
     "zeropipe.planning.cluster",
     "zeropipe.planning.cluster_costs",

@@ -87,11 +87,80 @@ def test_a_gpt2_config_reads_as_a_plain_ffn_with_tied_embeddings(tmp_path: Path)
     assert spec.params() == counted
 
 
-def test_mixture_of_experts_and_unknown_names_are_refused(tmp_path: Path) -> None:
+LLAMA_CONFIG = {
+    "model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 8,
+    "num_key_value_heads": 2, "intermediate_size": 160, "vocab_size": 1000,
+}  # fmt: skip
+
+
+def _refusal(tmp_path: Path, **changes: Any) -> str:
+    """The one-line refusal of LLAMA_CONFIG with ``changes`` (None: the key removed)."""
+    config = {**LLAMA_CONFIG, **changes}
+    path = tmp_path / "model" / "config.json"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
+    with pytest.raises(ScheduleError) as info:
+        load_model(str(path.parent))
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(f"{path}: "), message
+    return message
+
+
+def test_a_config_without_torch_or_transformers_reads(tmp_path: Path) -> None:
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({"num_local_experts": 8, "hidden_size": 8}))
-    with pytest.raises(ScheduleError, match="mixture of experts"):
-        load_model(str(path))
+    path.write_text(json.dumps(LLAMA_CONFIG))
+    spec = load_model(str(path))
+    assert (spec.layers, spec.hidden, spec.kv_heads, spec.ffn, spec.gated) == (2, 64, 2, 160, True)
+
+
+def test_bad_sizes_are_named_with_their_values_and_file(tmp_path: Path) -> None:
+    # They were "missing fields" of a model named after its folder.
+    message = _refusal(tmp_path, hidden_size=0, num_hidden_layers=-2)
+    assert "num_hidden_layers = -2, hidden_size = 0: must be whole numbers >= 1" in message
+    assert "intermediate_size" not in message  # only what is wrong
+    assert "num_key_value_heads = 'two'" in _refusal(tmp_path, num_key_value_heads="two")
+    assert "vocab_size = 1.5" in _refusal(tmp_path, vocab_size=1.5)
+    assert "head_dim = 0" in _refusal(tmp_path, head_dim=0)
+    message = _refusal(tmp_path, vocab_size=None, num_attention_heads=None)
+    assert "no num_attention_heads (or n_head), vocab_size" in message
+
+
+@pytest.mark.parametrize(
+    ("model_type", "what"),
+    [
+        ("bert", "model_type 'bert' is an encoder"),
+        ("roberta", "model_type 'roberta' is an encoder"),
+        ("t5", "model_type 't5' is an encoder-decoder"),
+        ("bart", "model_type 'bart' is an encoder-decoder"),
+        ("mamba", "model_type 'mamba' is not a decoder-only transformer the planner knows"),
+    ],
+)
+def test_model_types_other_than_known_decoders_are_refused(
+    tmp_path: Path, model_type: str, what: str
+) -> None:
+    # A BERT config was priced as a decoder without a word.
+    message = _refusal(tmp_path, model_type=model_type)
+    assert what in message and "llama" in message and "gpt2" in message, message
+    assert "model_type" in _refusal(tmp_path, model_type=None)
+
+
+@pytest.mark.parametrize(
+    ("key", "experts", "model_type"),
+    [
+        ("n_routed_experts", 256, "deepseek_v3"),  # was priced as a dense model
+        ("num_local_experts", 8, "mixtral"),
+        ("num_experts", 60, "qwen2_moe"),
+    ],
+)
+def test_mixture_of_experts_configs_are_refused(
+    tmp_path: Path, key: str, experts: int, model_type: str
+) -> None:
+    message = _refusal(tmp_path, model_type=model_type, **{key: experts})
+    assert f"model_type {model_type!r}: mixture-of-experts configs are not priced yet " in message
+    assert f"({experts} experts)" in message
+
+
+def test_unknown_names_are_refused() -> None:
     with pytest.raises(ScheduleError, match="llama-3-8b"):
         load_model("no-such-model")
     with pytest.raises(ScheduleError, match="h100-sxm"):

@@ -7,7 +7,8 @@ turns the figures into a cost model (seconds and bytes).
 
 The shipped specs are plain JSON beside this module (``spec_data/``); each
 entry says where its numbers come from.  A model can also be read from a
-Hugging Face ``config.json``.
+Hugging Face ``config.json`` of a known decoder-only type
+(:mod:`zeropipe.planning.hf_config`).
 
 How a stage is priced (``T`` = tokens per microbatch = microbatch size x sequence):
 
@@ -66,6 +67,7 @@ from typing import Any
 
 from zeropipe.core.costs import CostModel, StageCost
 from zeropipe.core.errors import ScheduleError
+from zeropipe.planning.hf_config import read_hf_config, spec_fields
 from zeropipe.planning.tensor_parallel import (
     check_tp,
     kv_split,
@@ -91,8 +93,6 @@ __all__ = [
 
 _DATA = Path(__file__).with_name("spec_data")
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
-#: models whose FFN is gated (SwiGLU/GeGLU: three matrices); others have two
-_GATED_TYPES = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3"}
 
 DEFAULT_EFFICIENCY = 0.6  # share of the dense peak a large bf16 matmul reaches
 DEFAULT_MEMORY_EFFICIENCY = 0.7  # share of the memory bandwidth elementwise kernels reach
@@ -167,40 +167,9 @@ class ModelSpec:
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any], name: str = "") -> ModelSpec:
-        """Read a Hugging Face ``config.json`` (Llama-, Mistral-, Qwen-, Gemma-, GPT-2-like)."""
-        if config.get("num_local_experts") or config.get("num_experts"):
-            raise ScheduleError(
-                f"model {name!r} is a mixture of experts; its cost cannot be priced from the "
-                f"dense formulas here (give a dense model, or profile it: zeropipe profile)"
-            )
-
-        def get(*keys: str) -> Any:
-            return next((config[k] for k in keys if config.get(k) is not None), None)
-
-        try:
-            hidden = int(get("hidden_size", "n_embd"))
-            heads = int(get("num_attention_heads", "n_head"))
-            kind = str(config.get("model_type", ""))
-            head_dim = get("head_dim")
-            return cls(
-                name=name or kind or "model",
-                layers=int(get("num_hidden_layers", "n_layer")),
-                hidden=hidden,
-                heads=heads,
-                kv_heads=int(get("num_key_value_heads") or heads),
-                ffn=int(get("intermediate_size", "n_inner") or 4 * hidden),
-                vocab=int(get("vocab_size")),
-                tied_embeddings=bool(config.get("tie_word_embeddings", kind == "gpt2")),
-                gated=kind in _GATED_TYPES,
-                head_dim=None if head_dim is None else int(head_dim),
-                source="Hugging Face config",
-            )
-        except (TypeError, ValueError):
-            raise ScheduleError(
-                f"cannot read model {name!r} from its config: it needs num_hidden_layers, "
-                f"hidden_size, num_attention_heads, intermediate_size and vocab_size "
-                f"(or GPT-2's n_layer, n_embd, n_head)"
-            ) from None
+        """Read a Hugging Face ``config.json``'s contents (a known decoder-only type:
+        :data:`zeropipe.planning.hf_config.DECODER_TYPES`); anything else is refused."""
+        return cls(**spec_fields(config, where=f"config of model {name!r}", name=name))
 
 
 @dataclass(frozen=True)
@@ -260,13 +229,11 @@ def load_model(name_or_path: str) -> ModelSpec:
             f"unknown model {name_or_path!r}: give a Hugging Face config.json (file or folder) "
             f"or one of {', '.join(model_names())}"
         )
+    shape = read_hf_config(path)
     try:
-        config = json.loads(path.read_text())
-    except ValueError as exc:
-        raise ScheduleError(f"{path} is not valid JSON: {exc}") from None
-    if not isinstance(config, dict):
-        raise ScheduleError(f"{path} is not a model config (expected a JSON object)")
-    return ModelSpec.from_hf_config(config, name=path.parent.name or path.stem)
+        return ModelSpec(**shape)
+    except ScheduleError as exc:  # a shape that cannot be (heads and kv_heads, ...)
+        raise ScheduleError(f"{path}: {exc}") from None
 
 
 def load_hardware(name: str) -> HardwareSpec:

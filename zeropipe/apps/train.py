@@ -22,9 +22,11 @@ of a (pp, dp, tp) mesh -- and leaves in ``--out``::
     tensorboard/       with --log tensorboard: loss, eval loss, tokens/s, bubble per step
     wandb/             with --log wandb: the same, as an offline wandb run
 
-An ``--out`` that already holds a run (metrics.jsonl or checkpoints/) is
-refused unless ``--resume`` continues it or ``--overwrite`` replaces it
-(removing only the files above).  ``--config FILE.toml`` gives the flags'
+The launcher holds ``--out``'s lock (:mod:`zeropipe.apps.run_lock`) for the
+whole run, so a second run on the same folder is refused at once.  An ``--out``
+that already holds a run (metrics.jsonl or checkpoints/) is refused unless
+``--resume`` continues it or ``--overwrite`` replaces it (removing only the
+files above).  ``--config FILE.toml`` gives the flags'
 settings from a file, the flags on the command line overriding it; rank 0
 prints the layout, the model's size and, resumed, the checkpoint it continues
 from, then a progress line with an ETA (:mod:`zeropipe.apps.train_log`).
@@ -56,6 +58,7 @@ and :func:`train` raises one line naming the step.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
@@ -68,7 +71,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zeropipe.apps import train_log, train_report, train_resume, train_state
+from zeropipe.apps import run_lock, train_log, train_report, train_resume, train_state
 from zeropipe.apps.data import Corpus
 from zeropipe.apps.token_data import TokenData
 from zeropipe.apps.train_config import TrainConfig
@@ -100,7 +103,21 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     """
     cfg.check()
     train_log.check_loggers(cfg.log)
-    _check_out(cfg)
+    _make_out(cfg)
+    # The run folder is this run's from the first moment: a second run on it is refused
+    # before either reads or writes anything there (under torchrun, RANK 0 holds it).
+    owner = os.environ.get("RANK", "0") == "0"
+    with run_lock.claim_run_dir(cfg.out) if owner else contextlib.nullcontext():
+        if owner or not cfg.overwrite:
+            train_log.check_run_dir(cfg.out, cfg.resume, cfg.overwrite)
+        summary = _launch(cfg)
+    if summary.get("non_finite") is not None:
+        raise ZeropipeError(train_resume.non_finite_message(summary["non_finite"], cfg))
+    return summary
+
+
+def _launch(cfg: TrainConfig) -> dict[str, Any]:
+    """The ranks started (by torchrun, in this process, or spawned) and rank 0's summary."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun
         from zeropipe.runtime.launch import init_from_env
 
@@ -136,8 +153,6 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             stop_wait=2 * cfg.timeout,
         )
         summary = results[0]
-    if summary.get("non_finite") is not None:
-        raise ZeropipeError(train_resume.non_finite_message(summary["non_finite"], cfg))
     return summary
 
 
@@ -171,9 +186,8 @@ def _announce(cfg: TrainConfig) -> None:
     sys.stdout.flush()  # before the ranks' output
 
 
-def _check_out(cfg: TrainConfig) -> None:
-    """``--out`` made (if new) and writable here, before any rank trains into it; a run
-    already in it is refused unless resumed or overwritten (only rank 0 clears it)."""
+def _make_out(cfg: TrainConfig) -> None:
+    """``--out`` made (if new) and writable here, before any rank trains into it."""
     out = cfg.out
     path = Path(out)
     try:
@@ -184,8 +198,6 @@ def _check_out(cfg: TrainConfig) -> None:
         ) from None
     if not os.access(path, os.W_OK | os.X_OK):
         raise ZeropipeError(f"--out {out} is not writable; give a folder you can write")
-    if os.environ.get("RANK", "0") == "0" or not cfg.overwrite:
-        train_log.check_run_dir(out, cfg.resume, cfg.overwrite)
 
 
 def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:

@@ -180,27 +180,28 @@ def test_export_without_safetensors_names_the_extra_to_install(
 ) -> None:
     import sys
 
-    _dcp_checkpoint(tmp_path, 2)
+    _dcp_checkpoint(tmp_path / "ckpt", 2)
     monkeypatch.setitem(sys.modules, "safetensors.torch", None)  # import fails
     with pytest.raises(ZeropipeError, match=r"pip install 'zeropipe\[hf\]'"):
-        train_state.export_safetensors(tmp_path, tmp_path / "m.safetensors")
+        train_state.export_safetensors(tmp_path / "ckpt", tmp_path / "m.safetensors")
     assert not (tmp_path / "m.safetensors").exists()
 
 
 def test_export_refuses_an_older_per_rank_checkpoint(tmp_path: Path) -> None:
-    _checkpoint(tmp_path, 2, ranks=1)
+    _checkpoint(tmp_path / "ckpt", 2, ranks=1)
     with pytest.raises(CheckpointError, match="has format 1, not 2"):
-        train_state.export_safetensors(tmp_path, tmp_path / "m.safetensors")
+        train_state.export_safetensors(tmp_path / "ckpt", tmp_path / "m.safetensors")
 
 
 def test_export_to_a_folder_or_under_a_file_is_one_line_naming_the_path(tmp_path: Path) -> None:
-    _dcp_checkpoint(tmp_path, 2)
+    _dcp_checkpoint(tmp_path / "ckpt", 2)
+    (tmp_path / "folder").mkdir()
     with pytest.raises(ZeropipeError, match=r"cannot export to .*: it is a folder; name the file"):
-        train_state.export_safetensors(tmp_path, tmp_path)
+        train_state.export_safetensors(tmp_path / "ckpt", tmp_path / "folder")
     # root can write into any folder whatever its mode; nothing can be made under a file
     (tmp_path / "file").write_text("not a folder\n")
     with pytest.raises(ZeropipeError, match=r"/file is a file, not a folder") as caught:
-        train_state.export_safetensors(tmp_path, tmp_path / "file" / "m.safetensors")
+        train_state.export_safetensors(tmp_path / "ckpt", tmp_path / "file" / "m.safetensors")
     assert "\n" not in str(caught.value)
 
 
@@ -209,13 +210,13 @@ def test_export_over_a_0600_file_gets_the_permissions_of_a_new_file(tmp_path: Pa
 
     import safetensors.torch
 
-    _dcp_checkpoint(tmp_path, 2)
+    _dcp_checkpoint(tmp_path / "ckpt", 2)
     out = tmp_path / "m.safetensors"
     out.write_bytes(b"an earlier export")
     out.chmod(0o600)
     umask = os.umask(0o027)
     try:
-        train_state.export_safetensors(tmp_path, out)
+        train_state.export_safetensors(tmp_path / "ckpt", out, force=True)
     finally:
         os.umask(umask)
     assert out.stat().st_mode & 0o777 == 0o640  # 0666 less the umask, not safetensors' 0600
@@ -228,7 +229,7 @@ def test_a_failed_export_leaves_the_earlier_file_whole(
     import safetensors.torch
     from safetensors import SafetensorError
 
-    _dcp_checkpoint(tmp_path, 2)
+    _dcp_checkpoint(tmp_path / "ckpt", 2)
     out = tmp_path / "m.safetensors"
     out.write_bytes(b"an earlier export")
 
@@ -238,6 +239,6 @@ def test_a_failed_export_leaves_the_earlier_file_whole(
 
     monkeypatch.setattr(safetensors.torch, "save_file", disk_full)
     with pytest.raises(ZeropipeError, match=r"cannot export to .*m\.safetensors: .*No space left"):
-        train_state.export_safetensors(tmp_path, out)
+        train_state.export_safetensors(tmp_path / "ckpt", out, force=True)
     assert out.read_bytes() == b"an earlier export"
     assert sorted(p.name for p in tmp_path.iterdir() if "safetensors" in p.name) == [out.name]

@@ -25,9 +25,11 @@ written once under the name HF keeps (the embedding), and the tokenizer the run'
 settings, which every checkpoint's manifest records (``meta.config``): the
 ``--model-path`` folder's config.json (``--config DIR`` if the folder moved), or the
 preset / ``--model-config`` rebuilt from those settings.  The folder is written beside
-OUT_DIR and renamed onto it; an existing non-empty OUT_DIR is refused without
-``--force``.  An OUT ending in ``.safetensors`` keeps the older export: one file of
-every state_dict key.
+OUT_DIR and renamed onto it.  Export never writes over what it did not write
+(:mod:`zeropipe.apps.export_target`): a run, checkpoints or checkpoint folder is refused,
+an existing non-empty OUT_DIR needs ``--force``, which replaces only export's own files
+in it.  An OUT ending in ``.safetensors`` keeps the older export: one file of every
+state_dict key (an existing file replaced only with ``--force``).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from zeropipe.apps import export_target
 from zeropipe.apps.models.hf import ARCHITECTURES, build_hf
 from zeropipe.core.errors import ZeropipeError
 
@@ -136,16 +139,34 @@ def weight_map(folder: str | os.PathLike[str]) -> dict[str, str]:
         missing = sorted({f for f in found.values() if not (folder / f).exists()})
         if missing:
             raise ZeropipeError(f"{folder / INDEX} names shard(s) {missing} that are not there")
+        for shard in sorted(set(found.values())):  # each header read, before any rank starts
+            _safetensors_keys(folder / shard)
         return found
     if (folder / SINGLE).exists():
-        from safetensors import safe_open
-
-        with safe_open(str(folder / SINGLE), framework="pt") as fh:
-            return {str(k): SINGLE for k in fh.keys()}  # noqa: SIM118 (not a dict)
+        return {k: SINGLE for k in _safetensors_keys(folder / SINGLE)}
     raise ZeropipeError(
         f"--model-path {folder} has neither {SINGLE} nor {INDEX}; save the model with "
         f"save_pretrained (safetensors)"
     )
+
+
+def _safetensors_keys(path: Path) -> list[str]:
+    """The tensor names in a safetensors file; a torn or foreign file refused in one line.
+
+    Opening reads the header and checks it against the file's length, so a file
+    cut short or not safetensors at all is caught here, not as a rank's traceback.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            return [str(k) for k in fh.keys()]  # noqa: SIM118 (not a dict)
+    except (SafetensorError, OSError) as exc:
+        why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ZeropipeError(
+            f"{path} is not a readable safetensors file ({why}); copy it again or re-save "
+            f"the model with save_pretrained"
+        ) from None
 
 
 def build_from_folder(
@@ -303,7 +324,11 @@ def add_export_arguments(parser: Any) -> None:
         "model-0000k-of-0000N.safetensors and model.safetensors.index.json",
     )
     parser.add_argument(
-        "--force", action="store_true", help="replace an existing non-empty OUT_DIR"
+        "--force",
+        action="store_true",
+        help="replace export's own files (config.json, model*.safetensors, tokenizer files) "
+        "in an existing OUT_DIR, keeping the rest, or an existing .safetensors file; a run or "
+        "checkpoint folder is refused even so",
     )
     parser.add_argument(
         "--config",
@@ -320,7 +345,7 @@ def run_export(args: Any) -> int:
     if out.suffix == ".safetensors":
         from zeropipe.apps import train_state
 
-        folder, count = train_state.export_safetensors(Path(args.checkpoint), out)
+        folder, count = train_state.export_safetensors(Path(args.checkpoint), out, args.force)
         print(f"wrote {out}: {count} tensors from {folder}")
         return 0
     folder, files = export_hf_folder(
@@ -399,11 +424,8 @@ def export_hf_folder(
     from zeropipe.apps import train_state
     from zeropipe.runtime.checkpoint import consolidated_state_dict
 
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
-        raise ZeropipeError(
-            f"{out} exists and is not an empty folder; give another OUT_DIR or --force"
-        )
     folder = train_state.checkpoint_folder(source)
+    export_target.check_target(out, folder, force, folder_form=True)
     try:
         manifest = json.loads((folder / train_state.MANIFEST).read_text())
     except (OSError, ValueError) as exc:
@@ -451,12 +473,7 @@ def export_hf_folder(
                     shutil.copy2(config_from / extra, tmp / extra)
         for p in tmp.iterdir():  # safetensors writes 0600; a folder to share reads as others do
             os.chmod(p, 0o644)
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        if out.exists():
-            out.rename(old)
-        tmp.rename(out)
-        if old.exists():
-            shutil.rmtree(old) if old.is_dir() else old.unlink()
+        export_target.install(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return folder, sorted(p.name for p in out.iterdir())

@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from zeropipe.apps.export_target import check_target
 from zeropipe.core.errors import ZeropipeError
 from zeropipe.runtime.checkpoint import consolidated_state_dict, is_lead, save_checkpoint
 from zeropipe.runtime.checkpoint_folder import FORMAT as DCP_FORMAT
@@ -216,7 +217,7 @@ def checkpoint_folder(source: Path) -> Path:
     )
 
 
-def export_safetensors(source: Path, out: Path) -> tuple[Path, int]:
+def export_safetensors(source: Path, out: Path, force: bool = False) -> tuple[Path, int]:
     """Write the model of the DCP checkpoint ``source`` (see :func:`checkpoint_folder`) to one
     safetensors file ``out``; return the folder read and the number of tensors written.
 
@@ -226,21 +227,19 @@ def export_safetensors(source: Path, out: Path) -> tuple[Path, int]:
     loads it strictly; the copies are equal, and loading into a model whose
     weights are tied leaves them tied.  Needs no process group.
 
-    ``out`` is written to a temporary file beside it and renamed over it, so a
-    failed export leaves an existing ``out`` as it was; it gets the permissions
-    a new file gets (0666 less the umask), not safetensors' 0600.
+    An existing ``out`` is replaced only with ``force``, and never one in a run's
+    checkpoints (:func:`zeropipe.apps.export_target.check_target`).  ``out`` is
+    written to a temporary file beside it and renamed over it, so a failed export
+    leaves an existing ``out`` as it was; it gets the permissions a new file gets
+    (0666 less the umask), not safetensors' 0600.
     """
-    if out.is_dir():
-        raise ZeropipeError(
-            f"cannot export to {out}: it is a folder; name the file to write, "
-            f"e.g. {out / 'model.safetensors'}"
-        )
     above = next((p for p in out.parents if p.exists()), None)
     if above is not None and not above.is_dir():
         raise ZeropipeError(
             f"cannot export to {out}: {above} is a file, not a folder; name a file in a folder"
         )
     folder = checkpoint_folder(source)
+    check_target(out, folder, force, folder_form=False)
     try:
         from safetensors import SafetensorError
         from safetensors.torch import save_file

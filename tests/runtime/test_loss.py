@@ -392,6 +392,19 @@ def _distributed(rank: int, world: int) -> dict[str, Any]:
         out["refused"] = None
     except PipelineError as exc:
         out["refused"] = str(exc)
+    # A scalar loss_fn returning a sum: only the last stage's rank computes (and probes) it.
+    summed = Pipeline(
+        lm_model(),
+        "1f1b",
+        loss_fn=lambda o, t: F.cross_entropy(o, t, reduction="sum"),
+        microbatches=m,
+        options=RuntimeOptions(timeout=10.0),
+    )
+    try:
+        summed.step(*batch_for(token_model(layers=2, vocab=11), batch=batch, seq=3))
+        out["sum_refused"] = None
+    except PipelineError as exc:
+        out["sum_refused"] = str(exc)
     return out
 
 
@@ -423,3 +436,5 @@ def test_two_ranks_over_gloo_give_the_whole_batch_loss_and_gradients() -> None:
     # The last stage's rank finds the miscount; the other rank ends with its message too.
     for r in results:
         assert r["refused"] is not None and "loss_fn counted" in r["refused"], r["refused"]
+        refused = r["sum_refused"]
+        assert refused is not None and "returns a sum over its microbatch's rows" in refused

@@ -7,13 +7,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
+import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 import zeropipe
+from tests.gradcheck import assert_same_gradients, mlp, reference
 from zeropipe import Pipeline, build_schedule
 from zeropipe.core.errors import PipelineError
+from zeropipe.runtime.loss import LossContract
 
 
 def _linears(n: int) -> list[nn.Module]:
@@ -40,3 +45,132 @@ def test_one_v_rank_said_with_a_built_schedule_and_two_ranks_from_four_stages_st
     two = Pipeline(zeropipe.split(nn.Sequential(*_linears(4)), 4), "zbv", F.mse_loss,
                    microbatches=4)  # fmt: skip
     assert two.schedule.num_ranks == 2
+
+
+# -- a plain loss_fn returning a sum over its rows -------------------------------------------
+M = 4  # microbatches of 2 rows
+
+
+def _batch(classes: bool = False) -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2 * M, 8, generator=g, dtype=torch.float64)
+    if classes:
+        return x, torch.randint(0, 8, (2 * M,), generator=g)
+    return x, torch.randn(2 * M, 8, generator=g, dtype=torch.float64)
+
+
+def _pipe(loss_fn: Callable[[Tensor, Tensor], Tensor], model: nn.Sequential) -> Pipeline:
+    return Pipeline(model, build_schedule("1f1b", ranks=2, microbatches=M), loss_fn)
+
+
+def _squares(out: Tensor, target: Tensor) -> Tensor:
+    return ((out - target) ** 2).sum()
+
+
+class _Counted:
+    """A loss_fn that counts its calls."""
+
+    def __init__(self, fn: Callable[[Tensor, Tensor], Tensor]) -> None:
+        self.fn, self.calls = fn, 0
+
+    def __call__(self, out: Tensor, target: Tensor) -> Tensor:
+        self.calls += 1
+        return self.fn(out, target)
+
+
+@pytest.mark.parametrize(
+    ("loss_fn", "name"),
+    [(_squares, "_squares"), (lambda o, t: F.mse_loss(o, t, reduction="sum"), "<lambda>")],
+    ids=["function", "lambda"],
+)
+def test_a_loss_fn_returning_a_sum_over_its_rows_is_refused_at_the_first_step(
+    loss_fn: Callable[[Tensor, Tensor], Tensor], name: str
+) -> None:
+    model = mlp(layers=4)
+    pipe = _pipe(loss_fn, model)
+    with pytest.raises(PipelineError) as err:
+        pipe.step(*_batch())
+    message = str(err.value)
+    assert "\n" not in message
+    assert f"loss_fn {name} returns a sum over its microbatch's rows" in message, message
+    assert "return the mean" in message and "reduction = 'sum'" in message, message
+    assert "Pipeline(loss_count=...)" in message
+    assert all(p.grad is None for p in model.parameters())  # the failed step left no gradient
+
+
+class _SquaresModule(nn.Module):
+    """The same sum, declared: a module whose reduction is "sum" is weighted 1 per microbatch."""
+
+    reduction = "sum"
+
+    def forward(self, out: Tensor, target: Tensor) -> Tensor:
+        return _squares(out, target)
+
+
+def test_a_sum_declared_by_a_module_with_reduction_sum_is_the_batchs_sum() -> None:
+    model = mlp(layers=4)
+    x, y = _batch()
+    ref_loss, ref = reference(model, x, y, _squares, M)
+    loss = _pipe(_SquaresModule(), model).step(x, y)
+    assert abs(loss.item() - ref_loss.item()) <= 1e-10
+    assert assert_same_gradients(model.named_parameters(), ref) <= 1e-10
+
+
+@pytest.mark.parametrize("kind", ["mse", "cross_entropy"])
+def test_mean_losses_pass_the_probe_once_and_stay_exact(kind: str) -> None:
+    mean = F.mse_loss if kind == "mse" else (lambda o, t: F.cross_entropy(o, t))
+    model = mlp(layers=4)
+    x, y = _batch(classes=kind == "cross_entropy")
+    ref_loss, ref = reference(model, x, y, mean, M)
+    counted = _Counted(mean)
+    pipe = _pipe(counted, model)
+    assert pipe.loss is not None and pipe.loss.probes_left > 0
+    for step in range(2):
+        model.zero_grad(set_to_none=True)
+        loss = pipe.step(x, y)
+        assert abs(loss.item() - ref_loss.item()) <= 1e-10, step
+        assert assert_same_gradients(model.named_parameters(), ref) <= 1e-10
+    # one call per microbatch and step, and the two halves of the first microbatch, once
+    assert counted.calls == 2 * M + 2, counted.calls
+    assert pipe.loss.probes_left == 0
+
+
+def test_a_zero_loss_cannot_tell_sum_from_mean_and_passes_probed_a_few_times() -> None:
+    counted = _Counted(lambda o, t: (o * 0).sum())
+    pipe = _pipe(counted, mlp(layers=4))
+    assert pipe.loss is not None
+    probes = pipe.loss.probes_left
+    for _ in range(2):
+        assert pipe.step(*_batch()).item() == 0.0
+    # each microbatch probed while the probes could not tell, up to their number
+    assert pipe.loss.probes_left == max(probes - M, 0)
+    assert counted.calls == 2 * M + 2 * min(probes, M), counted.calls
+
+
+def test_microbatches_of_one_row_are_not_probed() -> None:
+    pipe = Pipeline(mlp(layers=4), build_schedule("1f1b", ranks=2, microbatches=2), _squares)
+    x, y = _batch()
+    pipe.step(x[:2], y[:2])  # one row per microbatch: a sum over it is its mean
+    assert pipe.loss is not None and pipe.loss.probes_left > 0
+    with pytest.raises(PipelineError, match="returns a sum over its microbatch's rows"):
+        pipe.step(x, y)  # the first microbatch of two rows is probed
+
+
+def test_the_probe_leaves_the_rng_state_and_the_graph_as_it_found_them() -> None:
+    """A loss drawing random numbers (the probe cannot tell it: it passes): the RNG state after
+    the probe is the one before, and the output's gradient is the whole loss's only."""
+
+    def noisy(out: Tensor, target: Tensor) -> Tensor:
+        return F.mse_loss(F.dropout(out, 0.5, training=True), target)
+
+    contract = LossContract(noisy)
+    x, y = _batch()
+    out = x.clone().requires_grad_(True)
+    whole = noisy(out, y)
+    state = torch.random.get_rng_state()
+    contract.probe_mean(noisy, out, y, whole)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert contract.probes_left == LossContract(noisy).probes_left - 1  # probed: no answer
+    (alone,) = torch.autograd.grad(whole, out, retain_graph=True)
+    whole.backward()
+    assert out.grad is not None and torch.equal(out.grad, alone)

@@ -48,7 +48,12 @@ mean over no items, 0/0) beside one whose loss is finite -- the whole batch's
 mean would be finite.  Every
 microbatch nan is the whole batch's nan, and passes.  Other ignored targets
 (another ignore_index, a mask) that leave every microbatch something to count
-cannot be seen, and are weighted by rows.  Anything else this module cannot
+cannot be seen, and are weighted by rows.  A scalar that is a *sum* over the
+microbatch's rows would be weighted as a mean, the step scaled by the rows: the
+first microbatch of two rows or more is probed (:meth:`LossContract.probe_mean`,
+``loss_fn`` on each half of the rows, without grad, the RNG state restored) and
+a sum is refused, naming the fix (a mean, a module with ``reduction = "sum"``,
+or ``(loss_sum, count)``).  Anything else this module cannot
 make exact (``reduction="none"``, a mean-reduced module it does not know) is
 refused too, saying what to pass instead.
 """
@@ -68,6 +73,7 @@ from torch import Tensor, nn
 
 from zeropipe.base.device import autocast
 from zeropipe.core.errors import PipelineError
+from zeropipe.runtime.rng import preserved_rng
 
 __all__ = ["LossContract", "LossCountFn", "LossFn", "StepLoss"]
 
@@ -109,6 +115,9 @@ _IGNORE_INDEX = -100
 _SIGNED = (torch.int8, torch.int16, torch.int32, torch.int64)
 
 Weighting = Literal["items", "sum", "count", "rows"]
+# How many microbatches a scalar loss_fn is probed on, at most, while the probes cannot tell
+# a sum from a mean (a zero loss): each costs two calls of loss_fn on half a microbatch.
+_PROBES = 4
 
 
 class LossContract:
@@ -147,6 +156,39 @@ class LossContract:
         self.loss_count = loss_count
         self.autocast = autocast
         self.weighting = _weighting(loss_fn, loss_count)
+        # A scalar loss_fn is probed on the first microbatches it sees (two rows or more)
+        # until one tells a mean from a sum; a probe that cannot tell counts down.
+        self.probes_left = _PROBES if self.weighting == "rows" else 0
+
+    def probe_mean(
+        self, fn: LossFn, output: Tensor | tuple[Tensor, ...], target: Tensor, whole: Tensor
+    ) -> None:
+        """Refuse a scalar ``loss_fn`` that returns a sum over its rows: weighted by rows as
+        a mean, it would scale the step's loss and gradients by the microbatch's rows.
+
+        ``whole`` is ``fn(output, target)``; ``fn`` is run again on each half of the rows,
+        without grad, on detached outputs, with the RNG state restored, so nothing the
+        step computes changes.  Refused when ``whole`` is the halves' sum and not their
+        mean weighted by rows; a loss that is neither (a mask, a batch-level term) or
+        both (a zero loss) passes.
+        """
+        outputs = output if isinstance(output, tuple) else (output,)
+        rows = target.shape[0] if target.dim() > 0 else 0
+        if rows < 2 or not all(isinstance(t, Tensor) and t.shape[:1] == (rows,) for t in outputs):
+            return  # no two halves to compare, or target and output not cut alike: not a probe
+        verdict = _sum_or_mean(fn, output, target, whole, self.autocast)
+        self.probes_left = 0 if verdict is not None else self.probes_left - 1
+        if verdict != "sum":
+            return
+        name = getattr(fn, "__name__", type(fn).__name__)
+        raise PipelineError(
+            f"loss_fn {name} returns a sum over its microbatch's rows (its value on the whole "
+            f"microbatch is the sum of its values on each half), but a function returning a "
+            f"scalar is weighted by rows as a mean, so the step's loss and gradients would be "
+            f"scaled by the rows; return the mean (reduction='mean'), or say it is a sum: "
+            f"an nn.Module with reduction = 'sum' (the step's loss is then the batch's sum), "
+            f"or (loss_sum, count) with Pipeline(loss_count=...)"
+        )
 
     def for_step(
         self,
@@ -241,6 +283,8 @@ class StepLoss:
             if self.ignored:
                 _refuse_ignored(self.fn)
             self._check_mean(result, output, i)
+            if contract.probes_left > 0:
+                contract.probe_mean(self.fn, output, target, result)
         return result
 
     def _check_mean(self, result: Tensor, output: object, i: int) -> None:
@@ -307,6 +351,45 @@ class StepLoss:
                 f"{expected:g}; they must agree (the weights were taken from loss_count)"
             )
         return result[0]
+
+
+def _sum_or_mean(
+    fn: LossFn,
+    output: Tensor | tuple[Tensor, ...],
+    target: Tensor,
+    whole: Tensor,
+    dtype: torch.dtype | None,
+) -> Literal["sum", "mean"] | None:
+    """Whether ``fn``'s value on a microbatch (``whole``, of two rows or more, its outputs' and
+    target's dim 0) is the sum or the row-weighted mean of its values on the two halves of
+    the rows; None when it cannot tell (or is neither)."""
+    outputs = output if isinstance(output, tuple) else (output,)
+    rows = target.shape[0]
+    first = rows // 2
+    halves = []
+    device = outputs[0].device
+    try:
+        # The probe must leave no trace: no graph, no RNG drawn, the caller's outputs intact.
+        with torch.no_grad(), preserved_rng(device), autocast(device, dtype):
+            for part in (slice(0, first), slice(first, rows)):
+                cut = tuple(t.detach()[part] for t in outputs)
+                value = fn(cut if isinstance(output, tuple) else cut[0], target[part])
+                if not isinstance(value, Tensor) or value.numel() != 1:
+                    return None
+                halves.append(float(value.detach().float().item()))
+    except Exception:  # a loss that cannot take half its rows goes unprobed, not refused
+        return None
+    a, b, got = halves[0], halves[1], float(whole.detach().float().item())
+    summed, mean = a + b, (first * a + (rows - first) * b) / rows
+    if not all(math.isfinite(v) for v in (a, b, got)):
+        return None
+    # Loose enough for a loss computed in reduced precision, far tighter than the factor
+    # of about ``rows`` / 2 between a sum and a mean.
+    tol = 1e-3 * max(abs(summed), abs(mean), abs(got), 1e-12)
+    near_sum, near_mean = abs(got - summed) <= tol, abs(got - mean) <= tol
+    if near_sum == near_mean:
+        return None
+    return "sum" if near_sum else "mean"
 
 
 def _self_counting(loss_fn: LossFn) -> tuple[LossFn, LossCountFn] | None:

@@ -125,6 +125,25 @@ def test_model_path_flag_errors(folders: dict[str, Path], tmp_path: Path, capsys
         hf_folder.weight_map(folders["llama"].parent)
 
 
+@pytest.mark.parametrize("kind", ["llama", "sharded"])
+def test_a_torn_or_foreign_safetensors_is_one_line(
+    folders: dict[str, Path], tmp_path: Path, capsys: Any, kind: str
+) -> None:
+    import shutil
+
+    folder = tmp_path / kind
+    shutil.copytree(folders[kind], folder)
+    victim = sorted(folder.glob("model*.safetensors"))[-1]
+    whole = victim.read_bytes()
+    out = ["--steps", "1", "--out", str(tmp_path / "run")]  # nothing is trained: refused
+    for torn in (whole[:-100], whole[: len(whole) // 2], b"garbage"):  # cut short, foreign
+        victim.write_bytes(torn)
+        code = main(["train", "--model-path", str(folder), *out])
+        err = capsys.readouterr().err
+        assert code == 2 and err.count("\n") == 1, err
+        assert f"{victim} is not a readable safetensors file (Error while deserializing" in err
+
+
 def _hf_eval_loss(model: Any, cfg: Any) -> float:
     from zeropipe.apps.train_setup import batch, load_corpus
 

@@ -8,7 +8,8 @@ either.  The choices, each deliberate:
 Tokens
     The documents come from ``zeropipe.apps.tokenizer.iter_documents``: a ``.txt`` file is
     one document, a ``.jsonl`` / ``.json`` / ``.parquet`` row is one (its ``text_field``).
-    Empty documents are skipped.  With a tokenizer every document is its ids followed by the
+    Empty documents are skipped; data none of whose documents holds more than whitespace is
+    refused, naming the files.  With a tokenizer every document is its ids followed by the
     tokenizer's end-of-text id (a tokenizer without one is refused: nothing would tell the
     model where one document ends).  Without a tokenizer every document is its UTF-8 bytes
     (a vocabulary of 256) followed by ``"\\n\\n"``, the separator a reader of plain text
@@ -43,7 +44,9 @@ Cache
     stays bounded for inputs larger than it) into a temporary file that is renamed into
     place, so no reader sees a torn file; and a lock (``<key>.lock``) lets one process
     tokenize while the others started beside it wait and read its cache.  A token file whose
-    size does not match its json is rebuilt.  Reading maps the file (``torch.from_file``):
+    size does not match its json is rebuilt.  The json also holds the token file's sha256, which
+    a checkpoint records (:meth:`TokenData.record`) so that a resume on data changed at the
+    same paths is refused.  Reading maps the file (``torch.from_file``):
     a batch touches only its windows' pages.
 """
 
@@ -67,10 +70,11 @@ from torch import Tensor
 
 from zeropipe.core.errors import ZeropipeError
 
-__all__ = ["TokenData", "data_vocab"]
+__all__ = ["TokenData", "changed_files", "data_vocab"]
 
 # Bump when the token file or its json changes meaning: old caches then miss, not mislead.
-_FORMAT = 1
+# 2: the json holds the token file's sha256 (what a checkpoint records of its data).
+_FORMAT = 2
 _BYTES_SEPARATOR = b"\n\n"
 # Documents handed to the tokenizer at once: big enough for its batching to pay, small
 # enough that a large input streams through.
@@ -151,6 +155,34 @@ def _sources(files: list[Path]) -> list[list[Any]]:
         st = Path(f).stat()
         out.append([str(Path(f).resolve()), st.st_size, st.st_mtime_ns])
     return out
+
+
+class _Counted:
+    """The documents passed through, counted: all of them, and those holding text."""
+
+    def __init__(self, docs: Iterable[str], has_text: Callable[[str], bool]) -> None:
+        self._docs = docs
+        self._has_text = has_text
+        self.documents = self.with_text = 0
+
+    def __iter__(self) -> Iterator[str]:
+        for doc in self._docs:
+            self.documents += 1
+            self.with_text += self._has_text(doc)
+            yield doc
+
+
+class _Hashed:
+    """A binary file whose bytes are hashed as they are written: the token stream's sha256,
+    which a checkpoint records to tell its data from data changed at the same path."""
+
+    def __init__(self, out: Any) -> None:
+        self._out = out
+        self.sha256 = hashlib.sha256()
+
+    def write(self, data: bytes) -> None:
+        self.sha256.update(data)
+        self._out.write(data)
 
 
 def _chunks(docs: Iterable[str], size: int) -> Iterator[list[str]]:
@@ -248,6 +280,27 @@ def _readers() -> tuple[Callable[..., list[Path]], Callable[..., Iterator[str]]]
     return data_files, iter_documents
 
 
+def changed_files(then: Sequence[Sequence[Any]], now: Sequence[Sequence[Any]]) -> list[str]:
+    """How the data files differ between two :attr:`TokenData.sources` lists, one phrase a
+    file: added, gone, or its size or modification time changed."""
+    before = {str(p): (int(size), int(mtime)) for p, size, mtime in then}
+    after = {str(p): (int(size), int(mtime)) for p, size, mtime in now}
+    told = []
+    for path in dict.fromkeys([*before, *after]):
+        if path not in after:
+            told.append(f"{path} is gone")
+        elif path not in before:
+            told.append(f"{path} was added")
+        elif before[path] != after[path]:
+            (size0, _), (size1, mtime1) = before[path], after[path]
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(mtime1 / 1e9))
+            what = (
+                f"{size0:,} -> {size1:,} bytes" if size0 != size1 else f"same size, modified {when}"
+            )
+            told.append(f"{path} changed ({what})")
+    return told
+
+
 class TokenData:
     """Documents tokenized once into a memory-mapped token file, packed into windows of
     ``seq`` tokens.  Made by :meth:`build`; see the module docstring for the rules."""
@@ -273,6 +326,8 @@ class TokenData:
         self.path = path
         self.cached = cached
         self.tokenizer = tokenizer
+        self.sources: list[list[Any]] = []  # (path, size, mtime_ns) of each file read
+        self.sha256 = ""  # of the token file: the data as tokenized
         n = int(tokens.numel())
         self.windows = max(0, (n - 1) // seq)
         self.val_windows = max(1, round(eval_fraction * self.windows))
@@ -344,16 +399,10 @@ class TokenData:
                 meta.update(vocab=vocab, sources=sources, tokenizer=digest, text_field=text_field)
                 _write_json(meta_path, meta)
         n = int(meta["n_tokens"])
-        if n == 0:
-            raise ZeropipeError(
-                f"no text in {len(files)} file(s) ({', '.join(str(f) for f in files[:3])}"
-                f"{', ...' if len(files) > 3 else ''}): a .jsonl/.json/.parquet row's text is "
-                f"read from its {text_field!r} field; give --text-field if it is another"
-            )
         tokens = torch.from_file(
             str(tokens_path), shared=False, size=n, dtype=_DTYPES[dtype_name][0]
         )
-        return cls(
+        made = cls(
             tokens=tokens,
             seq=seq,
             vocab=vocab,
@@ -364,6 +413,13 @@ class TokenData:
             eval_fraction=eval_fraction,
             tokenizer=tokenizer,
         )
+        made.sources, made.sha256 = sources, str(meta["sha256"])
+        return made
+
+    def record(self) -> dict[str, Any]:
+        """What a checkpoint keeps of its data, to refuse a resume on other data at the same
+        paths: each file's path, size and mtime, the token count and the tokens' sha256."""
+        return {"sources": self.sources, "tokens": int(self.tokens.numel()), "sha256": self.sha256}
 
     def batch(
         self, step: int, batch_size: int, seq: int, seed: int = 0, split: str = "train"
@@ -457,17 +513,19 @@ def _tokenize(
     say: Callable[[str], None] | None,
 ) -> dict[str, Any]:
     """Write the token file (through a temporary file renamed into place); its json fields."""
+    from zeropipe.apps.tokenizer import has_text, no_text_message
+
     progress = _Progress(say)
+    docs = _Counted(iter_documents(files, text_field=text_field), has_text)
     fd, tmp = tempfile.mkstemp(dir=tokens_path.parent, prefix=tokens_path.stem, suffix=".tmp")
     try:
-        with os.fdopen(fd, "wb", buffering=1 << 20) as out:
+        with os.fdopen(fd, "wb", buffering=1 << 20) as raw:
+            out = _Hashed(raw)
             n_tokens, documents = _write_tokens(
-                out,
-                iter_documents(files, text_field=text_field),
-                tokenizer,
-                _DTYPES[dtype_name][1],
-                progress,
+                out, docs, tokenizer, _DTYPES[dtype_name][1], progress
             )
+        if not docs.with_text:  # nothing to learn from, and no cache of it is kept
+            raise ZeropipeError(no_text_message(files, text_field, docs.documents))
         os.replace(tmp, tokens_path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -482,6 +540,7 @@ def _tokenize(
         "documents": documents,
         "eos": eos,
         "separator": list(_BYTES_SEPARATOR) if tokenizer is None else [eos],
+        "sha256": out.sha256.hexdigest(),
     }
 
 

@@ -5,6 +5,9 @@
                                    file a .txt, .jsonl / .json or .parquet, missing ones named
     iter_documents(paths, field)   their documents, one at a time: a whole .txt file, a JSON
                                    line's ``field``, a parquet row's ``field`` column
+    has_text(doc), no_text_message(files, field, documents)
+                                   whether a document holds text (not only whitespace), and
+                                   the one line that refuses data none of whose documents do
     train_tokenizer(files, vocab, out)
                                    a byte-level BPE (GPT-2's scheme: any UTF-8 encodes, nothing
                                    is unknown) with ``<|endoftext|>`` as id 0 and end of
@@ -40,7 +43,9 @@ __all__ = [
     "TextTokenizer",
     "add_tokenizer_arguments",
     "data_files",
+    "has_text",
     "iter_documents",
+    "no_text_message",
     "run_tokenizer",
     "train_tokenizer",
 ]
@@ -133,6 +138,28 @@ def iter_documents(
             yield from _json_documents(path, text_field)
         else:
             yield _read_text(path)
+
+
+def has_text(doc: str) -> bool:
+    """Whether a document holds anything but whitespace (``isspace`` copies nothing)."""
+    return bool(doc) and not doc.isspace()
+
+
+def no_text_message(files: Sequence[Path], text_field: str, documents: int) -> str:
+    """Why ``files``, which gave ``documents`` documents (rows and plain files alike) none of
+    which :func:`has_text`, cannot be trained on: a plain file is empty or whitespace, a
+    .jsonl / .json / .parquet file has no rows or its rows' ``text_field`` is empty."""
+    names = ", ".join(str(f) for f in files[:3]) + (", ..." if len(files) > 3 else "")
+    holds = f"--data {names} {'holds' if len(files) == 1 else 'hold'} no text"
+    plain = sum(Path(f).suffix.lower() not in (".jsonl", ".json", ".parquet") for f in files)
+    if plain == len(files):
+        return f"{holds} (empty or only whitespace); give a file with text"
+    if documents <= plain:  # not one row in the row files
+        return f"{holds}: no rows (empty, or only blank lines); give a file with rows of text"
+    return (
+        f"{holds}: every row's {text_field!r} field is empty or whitespace; give --text-field "
+        f"if the text is in another field"
+    )
 
 
 def _read_text(path: Path) -> str:
@@ -379,8 +406,8 @@ def train_tokenizer(
     )
     reader = _Reader(iter_documents(paths, text_field), say, started)
     tokenizer.train_from_iterator(reader, trainer=trainer)
-    if reader.documents == 0:
-        raise ZeropipeError(f"--data {', '.join(map(str, files))} holds no documents")
+    if reader.with_text == 0:  # else a tokenizer of the bare byte alphabet, learnt from nothing
+        raise ZeropipeError(no_text_message(paths, text_field, reader.documents))
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -418,6 +445,7 @@ class _Reader:
         self._say = say
         self._last = started
         self.documents = 0
+        self.with_text = 0  # documents that hold more than whitespace
         self.chars = 0
 
     def __iter__(self) -> Iterator[str]:
@@ -428,6 +456,7 @@ class _Reader:
         # and ends the training at once.
         text = next(self._documents)
         self.documents += 1
+        self.with_text += has_text(text)
         self.chars += len(text)
         now = time.monotonic()
         if now - self._last >= _PROGRESS_EVERY_S:

@@ -19,6 +19,7 @@ from zeropipe.apps.train_setup import (
     describe_layers,
     load_corpus,
     model_layers,
+    more_layers,
 )
 from zeropipe.core import fit
 from zeropipe.core.build import build_schedule
@@ -119,11 +120,10 @@ class TrainConfig:
         schedule = self.build_schedule()
         vocab = load_corpus(self).vocab
         if schedule.num_stages > model_layers(self, vocab):
-            more = "num_hidden_layers in --model-config" if self.model_config else "--blocks"
             raise ZeropipeError(
                 f"--ranks {self.ranks} with {self.schedule} needs {schedule.num_stages} stages "
                 f"but the model has {describe_layers(self, vocab)}, and a stage needs a layer; "
-                f"use fewer ranks or more {more}"
+                f"{more_layers(self)}"
             )
         self.planned = schedule.to_text()
 
@@ -404,7 +404,7 @@ def add_arguments(parser: Any) -> None:
         action="store_true",
         help="continue from the newest complete checkpoint in --out, after checking its files' "
         "sha256; --data, --tokenizer, --seq, --microbatches, --batch-size, --seed, --lr, "
-        "--width and --blocks must be those it was saved with, while --ranks, --dp, --tp and "
+        "--width and --blocks must be those it was saved with (and --data's files unchanged), while --ranks, --dp, --tp and "
         "--schedule (the layout), --steps (above the checkpoint's step, to extend the run), "
         "--checkpoint-every, --eval-every, --timeout, --quiet, --device and the memory flags "
         "(--group-w, --recompute, --offload, --memory-limit) may change",

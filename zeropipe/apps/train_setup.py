@@ -9,8 +9,10 @@ The training loop of :mod:`zeropipe.apps.train` asks this module for
                                         (zeropipe.apps.token_data)
     model_layers(cfg, vocab)            the layers a schedule's stages are cut from
     describe_layers(cfg, vocab)         those layers counted and named, for messages
+    more_layers(cfg)                    "use fewer ranks or more --blocks", in the flags given
     model_size(cfg, vocab)              its parameters and their bytes, without building it
     available_memory(), process_limit() what this machine can hold and start (check_model's)
+    batch_bytes(cfg, vocab)             a floor under the memory a step's batch takes here
     build_model(cfg, vocab, stages,     the GPT of zeropipe.apps.models.gpt and its cut, or a
                 tp_mesh)                Hugging Face model (zeropipe.apps.models.hf) cut into
                                         stages by zeropipe.adapters.split; and the model;
@@ -64,6 +66,7 @@ __all__ = [
     "ModelSettings",
     "available_memory",
     "batch",
+    "batch_bytes",
     "build_model",
     "check_model",
     "data_cache",
@@ -72,6 +75,7 @@ __all__ = [
     "loss_fn",
     "model_layers",
     "model_size",
+    "more_layers",
     "process_limit",
 ]
 
@@ -100,6 +104,10 @@ class ModelSettings(Protocol):
     device: str
     seed: int
     ranks: int  # pipeline ranks (--ranks)
+    microbatches: int  # per replica (--microbatches)
+    recompute: str | None  # stages recomputed (--recompute)
+    offload: str | None  # stages whose activations are offloaded (--offload)
+    memory_limit: float | None  # per-rank activation limit (--memory-limit)
     dp: int  # replicas of the pipeline (--dp)
     tp: int  # tensor-parallel processes per pipeline rank (--tp): ranks x dp x tp processes
 
@@ -241,12 +249,43 @@ def _check_machine(cfg: ModelSettings) -> None:
     vocab = _vocab(cfg)
     layers = model_layers(cfg, vocab)
     if cfg.ranks > layers:  # every schedule has at least one stage per rank
-        more = "num_hidden_layers in --model-config" if cfg.model_config else "--blocks"
         raise ZeropipeError(
             f"--ranks {cfg.ranks} needs at least {cfg.ranks} stages but the model has "
-            f"{describe_layers(cfg, vocab)}, and a stage needs a layer; use fewer ranks "
-            f"or more {more} (at most {layers} ranks for this model)"
+            f"{describe_layers(cfg, vocab)}, and a stage needs a layer; {more_layers(cfg)} "
+            f"(at most {layers} ranks for this model)"
         )
+    _check_memory(cfg, vocab, asked, world)
+
+
+def batch_bytes(cfg: ModelSettings, vocab: int) -> int:
+    """A floor under the memory one step's batch takes on this host, summed over every process.
+
+    Each rank process holds the whole batch's token ids (int64 inputs and targets), and
+    activations on the CPU: every schedule keeps at least one microbatch's activations at
+    every stage at once (the first microbatch's, until its backward reaches the first stage),
+    measured at 17 to 42 floats a token per block (the reference GPT and the Hugging Face
+    presets, float32) and 1.4 to 8.5 per token per vocabulary entry (the logits and their
+    softmax): counted as 16 and 1.  With --recompute, --offload or --memory-limit a stage's
+    activations may be recomputed or moved: one block's are counted.
+    """
+    tokens = cfg.batch_size * cfg.seq
+    procs = cfg.ranks * cfg.dp * cfg.tp
+    ids = procs * tokens * (16 if cfg.model == "gpt" else 8)  # an HF model's targets are x
+    if torch.device(cfg.device).type != "cpu":  # activations live on the accelerator
+        return ids
+    if cfg.model == "gpt":
+        width, logits = cfg.width, vocab
+    else:
+        config = _hf_config(cfg, vocab)
+        width, logits = int(config.hidden_size), int(config.vocab_size)
+    lean = cfg.recompute is not None or cfg.offload is not None or cfg.memory_limit is not None
+    blocks = 1 if lean else _blocks(cfg, vocab)
+    microbatch = -(-tokens // cfg.microbatches)  # every replica's microbatch, together
+    return ids + microbatch * 4 * (16 * width * blocks + logits)
+
+
+def _check_memory(cfg: ModelSettings, vocab: int, asked: str, world: int) -> None:
+    """Refuse a run whose model, optimizer state and batch cannot fit this machine's memory."""
     free = available_memory()
     if free is None:
         return
@@ -258,19 +297,22 @@ def _check_machine(cfg: ModelSettings) -> None:
     # copy between them, less what stays replicated), on the host unless the stages run
     # on an accelerator.
     state = 3 * model if torch.device(cfg.device).type == "cpu" else 0
+    per_batch = batch_bytes(cfg, vocab)
 
-    def need(ranks: int) -> int:
+    def need(ranks: int, batch: int = per_batch) -> int:
         procs = ranks * cfg.dp * cfg.tp
         procs += procs > 1  # and the launcher
-        # A tenth more for what is not counted: activations, transport buffers, allocator
-        # slack.  A 1-rank GPT of 200 blocks peaks at 1.26x the rest, so the estimate stays
-        # below what a run takes, and a refusal is never of a run that would have fitted.
+        # A tenth more for what is not counted: transport buffers, allocator slack.  A
+        # 1-rank GPT of 200 blocks peaks at 1.26x the rest, so the estimate stays below
+        # what a run takes, and a refusal is never of a run that would have fitted.
         each = model // ranks if cfg.model_path is not None else model
         built = (procs - (procs > 1)) * each
-        return int(1.1 * (procs * PROCESS_BYTES + built + cfg.dp * state))
+        return int(1.1 * (procs * PROCESS_BYTES + built + cfg.dp * state + batch))
 
     if need(cfg.ranks) <= free:
         return
+    if need(cfg.ranks, 0) <= free:  # the model fits: the batch is what does not
+        _refuse_batch(cfg, need(cfg.ranks, 0), per_batch, free)
     fits = max((r for r in range(1, cfg.ranks) if need(r) <= free), default=0)
     if cfg.model_config is not None:
         smaller = (
@@ -288,7 +330,24 @@ def _check_machine(cfg: ModelSettings) -> None:
     raise ZeropipeError(
         f"{asked} needs about {_gib(need(cfg.ranks))} of memory (a model of "
         f"{count / 1e6:,.0f}M parameters, {_gib(model)}, {built}, plus its "
-        f"gradients, AdamW state and a tenth for activations) but this machine has "
+        f"gradients, AdamW state, a batch's activations and a tenth more) but this machine "
+        f"has {_gib(free)} available; {fix}"
+    )
+
+
+def _refuse_batch(cfg: ModelSettings, rest: int, per_batch: int, free: int) -> None:
+    """The one line for a batch too big for the memory the model leaves."""
+    room = free / 1.1 - rest / 1.1  # what the batch may take, the tenth's slack kept
+    largest = int(cfg.batch_size * room / per_batch) if room > 0 else 0
+    fix = (
+        f"use --batch-size {largest} or less (or more --microbatches)"
+        if largest >= max(cfg.microbatches * cfg.dp, 1)
+        else "use a smaller --batch-size or --seq"
+    )
+    raise ZeropipeError(
+        f"--batch-size {cfg.batch_size} of --seq {cfg.seq} tokens needs at least "
+        f"{_gib(1.1 * per_batch)} of memory for its token ids and activations, on top of "
+        f"the {_gib(rest)} the model and the processes take, but this machine has "
         f"{_gib(free)} available; {fix}"
     )
 
@@ -329,15 +388,44 @@ def data_cache(given: str | None) -> Path:
 
 def _hf_config(cfg: ModelSettings, vocab: int) -> Any:
     """The transformers config of ``--model`` / ``--model-config`` for ``vocab`` tokens."""
-    return hf_config(
+    folder = getattr(cfg, "model_path", None)
+    config = hf_config(
         cfg.model,
-        vocab=vocab,
+        vocab=vocab if folder is None else 1,  # a folder's sizes are checked below, in its words
         width=cfg.width,
         blocks=cfg.blocks,
         heads=cfg.heads,
-        seq=cfg.seq,
+        seq=cfg.seq if folder is None else 1,
         dropout=cfg.dropout,
         config_file=cfg.model_config,
+    )
+    if folder is not None:
+        _check_folder_fits(config, folder, vocab, cfg)
+    return config
+
+
+def _check_folder_fits(config: Any, folder: str, vocab: int, cfg: ModelSettings) -> None:
+    """A trained model's vocabulary and position table are fixed: --seq and the tokenizer must
+    fit them (told in the flags given: --model-path, --seq, --tokenizer)."""
+    key = "n_positions" if getattr(config, "n_positions", None) else "max_position_embeddings"
+    positions = getattr(config, key, None)
+    if positions is not None and int(positions) < cfg.seq:
+        raise ZeropipeError(
+            f"--seq {cfg.seq} is beyond the model's position table ({int(positions)}, {key} "
+            f"in {Path(folder) / 'config.json'}); give --seq {int(positions)} or less"
+        )
+    n_vocab = int(config.vocab_size)
+    if n_vocab >= vocab:
+        return
+    if cfg.tokenizer is None:
+        raise ZeropipeError(
+            f"--data without a tokenizer is read as bytes (256 token ids) but the model at "
+            f"{folder} has a vocabulary of {n_vocab}; give --tokenizer, the one the model was "
+            f"trained with"
+        )
+    raise ZeropipeError(
+        f"the tokenizer {cfg.tokenizer} has {vocab} tokens but the model at {folder} has a "
+        f"vocabulary of {n_vocab}; use the tokenizer the model was trained with"
     )
 
 
@@ -356,6 +444,15 @@ def model_layers(cfg: ModelSettings, vocab: int) -> int:
     """
     blocks = _blocks(cfg, vocab)
     return gpt_layers(blocks) if cfg.model == "gpt" else blocks + 2
+
+
+def more_layers(cfg: ModelSettings) -> str:
+    """How a refusal for too few layers ends: fewer ranks, or the setting that adds layers as
+    the user gives it (a --model-path model's layers are its own)."""
+    if cfg.model_path is not None:
+        return f"use fewer ranks (the model at {cfg.model_path} has the layers it was trained with)"
+    more = "num_hidden_layers in --model-config" if cfg.model_config else "--blocks"
+    return f"use fewer ranks or more {more}"
 
 
 def describe_layers(cfg: ModelSettings, vocab: int) -> str:

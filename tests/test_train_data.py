@@ -54,10 +54,13 @@ def test_a_tokenized_jsonl_trains_with_eval_every_and_resumes_only_on_the_same_t
     assert 0.0 <= trace["measured_bubble"] < 1.0 and 0.0 <= trace["planned_bubble"] < 1.0
     assert trace["costs"].latency >= 0.0
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
-    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
-    # --eval-every 2: steps 2 and 4 carry the held-out loss (6, the last, is the summary's).
-    assert [r["step"] for r in rows if "eval_loss" in r] == [2, 4]
-    assert rows[3]["eval_loss"] < summary["initial_eval_loss"]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 5, 6]
+    # --eval-every 2: steps 2 and 4 carry the held-out loss, and so do the start (a row of
+    # its own) and the last step (the summary's).
+    assert [r["step"] for r in rows if "eval_loss" in r] == [0, 2, 4, 6]
+    assert rows[0]["eval_loss"] == summary["initial_eval_loss"]
+    assert rows[6]["eval_loss"] == summary["final_eval_loss"]
+    assert rows[4]["eval_loss"] < summary["initial_eval_loss"]
     vocab = TextTokenizer.load(files["tok"]).vocab
     cached = list((tmp_path / "cache").glob("*.tokens"))
     assert len(cached) == 1  # tokenized once: by the launcher, read by both ranks

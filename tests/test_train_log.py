@@ -118,6 +118,7 @@ def test_bad_config_files_are_one_line_errors(tmp_path: Path, text: str, needle:
 # -- through the command line: one run, refused, resumed with its config, overwritten ------
 def _losses(out: Path) -> list[float]:
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "loss" in r]  # not the start's eval row
     assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
     return [r["loss"] for r in rows]
 

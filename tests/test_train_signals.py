@@ -112,8 +112,11 @@ def test_ctrl_c_saves_the_last_step_on_every_rank_and_resume_goes_on(tmp_path: P
     # The checkpoint loads, here on one rank: the run goes on from it.
     summary = train(TrainConfig(**SMALL, ranks=1, steps=step + 2, out=str(tmp_path), resume=True))
     assert summary["steps_run"] == 2 and summary["last_step"] == step + 2
-    rows = (tmp_path / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(r)["step"] for r in rows] == list(range(1, step + 3))
+    rows = [json.loads(r) for r in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    # The start's eval (0), the steps, and the resumed run's start eval at the step it went
+    # on from: the stopped run had no end eval.
+    assert [r["step"] for r in rows] == [0, *range(1, step + 1), step, step + 1, step + 2]
+    assert "eval_loss" not in rows[step] and "eval_loss" in rows[step + 1]
 
 
 def test_sigterm_to_the_launcher_alone_stops_the_replicas_saved_with_143(

@@ -13,12 +13,13 @@ loss and its batches; with ``--tp`` > 1 it is tensor-parallel over the "tp" dime
 of a (pp, dp, tp) mesh -- and leaves in ``--out``::
 
     metrics.jsonl      one JSON object per step: step, loss, tokens_per_s, ... (and
-                       eval_loss every --eval-every steps)
+                       eval_loss every --eval-every steps and at the last); the eval loss
+                       at the start is a row of its own, {"step": 0, "eval_loss": ...}
     checkpoints/       the last complete checkpoints, in torch's distributed checkpoint
                        format (see zeropipe.apps.train_state and zeropipe.apps.train_resume)
     timeline.png       the planned (simulated) and measured timelines of one step
     trace.json         Chrome trace of that measured step (opens in Perfetto)
-    loss.png           the loss curve
+    loss.png           the training loss curve, and the eval losses on it
     tensorboard/       with --log tensorboard: loss, eval loss, tokens/s, bubble per step
     wandb/             with --log wandb: the same, as an offline wandb run
 
@@ -237,15 +238,18 @@ def _train(rank: int, world: int, cfg: TrainConfig, stop: _StopRequest) -> dict[
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=cfg.lr, weight_decay=0.0)
     start = train_resume.resume(ckpt_root, rank, pipe, optimizer, cfg, model) if cfg.resume else 0
     log: train_log.RunLog | None = None
+    scored = False  # metrics.jsonl holds the eval loss at ``start`` already
     if lead:
         out.mkdir(parents=True, exist_ok=True)
-        train_resume.trim_metrics(out / "metrics.jsonl", start)
+        scored = train_resume.trim_metrics(out / "metrics.jsonl", start)
         sinks = train_log.check_loggers(cfg.log)
         log = train_log.RunLog(out, sinks, start, train_resume.run_settings(cfg))
     tokens = cfg.batch_size * cfg.seq
+    # What the checkpoints record of the data: a resume on changed files is refused.
+    data = corpus.record() if isinstance(corpus, TokenData) else None
     initial_eval = _evaluate(pipe, [model, *stages], corpus, cfg)
-    if log is not None:
-        log.eval(start, initial_eval)
+    if log is not None and not scored:  # a row of its own: no step trained yet
+        log.step({"step": start, "eval_loss": initial_eval})
     step_times: list[float] = []  # wall time of each step, checkpoints included: the ETA's
     losses: list[float] = []
     trace_step = min(max(start, cfg.trace_step), cfg.steps - 1)
@@ -254,6 +258,7 @@ def _train(rank: int, world: int, cfg: TrainConfig, stop: _StopRequest) -> dict[
     step = start
     non_finite: dict[str, Any] | None = None  # why and where training stopped short
     stopped_by: int | None = None  # the signal the ranks agreed to stop on
+    held_out: float | None = None  # the last eval loss in the loop: the end eval at the last step
     while step < cfg.steps:
         for group in optimizer.param_groups:  # linear warm-up: no early loss spikes
             group["lr"] = cfg.lr * min(1.0, (step + 1) / cfg.warmup)
@@ -288,8 +293,9 @@ def _train(rank: int, world: int, cfg: TrainConfig, stop: _StopRequest) -> dict[
         }
         if norm is not None:
             record["grad_norm"] = norm  # before clipping
-        held_out: float | None = None
-        if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps and not stopping:
+        held_out = None
+        every = cfg.eval_every and step % cfg.eval_every == 0
+        if (every or step == cfg.steps) and not stopping:  # the last step's is the end eval
             held_out = record["eval_loss"] = _evaluate(
                 pipe, [model, *stages], corpus, cfg
             )  # on every rank
@@ -301,14 +307,14 @@ def _train(rank: int, world: int, cfg: TrainConfig, stop: _StopRequest) -> dict[
             if not cfg.quiet:
                 eta = train_log.eta(step_times, cfg.steps - step)
                 train_report.progress(record, cfg.steps, f" | {eta}" if eta else "")
-                if held_out is not None:
+                if held_out is not None and step < cfg.steps:  # the summary gives the last
                     train_report.eval_line(step, held_out)
         if step % cfg.checkpoint_every == 0 or step == cfg.steps or stopping:
             # A finite loss can still be followed by an update that overflowed.
             if _agree([int(not _weights_finite(pipe))], world)[0]:
                 non_finite = {"what": "weights", "step": step, "loss": value}
                 break
-            train_resume.save(ckpt_root, step, pipe, optimizer, cfg, model)
+            train_resume.save(ckpt_root, step, pipe, optimizer, cfg, model, data)
         if stopping:
             stopped_by = stopping
             if lead:
@@ -321,9 +327,10 @@ def _train(rank: int, world: int, cfg: TrainConfig, stop: _StopRequest) -> dict[
                     flush=True,
                 )
             break
-    # Skipped after a stop: whoever stopped the run is waiting for it to end.
+    # None after a stop (whoever stopped the run is waiting for it to end) or a non-finite
+    # step: the summary says there was no end eval.
     done = non_finite is None and stopped_by is None
-    final_eval = _evaluate(pipe, [model, *stages], corpus, cfg) if done else math.nan
+    final_eval = held_out if done else None
     summary = {
         "model": cfg.model,
         "schedule": cfg.schedule,
@@ -341,8 +348,6 @@ def _train(rank: int, world: int, cfg: TrainConfig, stop: _StopRequest) -> dict[
         "non_finite": non_finite,
     }
     if log is not None:
-        if done:
-            log.eval(step, final_eval)
         log.close()
         if not cfg.quiet:
             print()

@@ -10,11 +10,13 @@
     write_pictures(out, pipe, measured)     trace.json and timeline.png of the measured step
                                             (beside the one simulated from its action times),
                                             and loss.png from metrics.jsonl
+    loss_series(rows)                       the training and eval curves loss.png draws
 """
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -29,6 +31,7 @@ from zeropipe.runtime.pipeline import Pipeline
 __all__ = [
     "bubble_rate",
     "gather_timeline",
+    "loss_series",
     "peak_bytes",
     "print_summary",
     "progress",
@@ -99,6 +102,19 @@ def write_pictures(out: Path, pipe: Pipeline, measured: Timeline | None) -> dict
     return trace
 
 
+def loss_series(rows: list[dict[str, Any]]) -> dict[str, tuple[list[int], list[float]]]:
+    """metrics.jsonl's rows as the curves loss.png draws: ``"train"``, the training loss of
+    each step, and ``"eval"``, the held-out loss where a row carries one (at the start, every
+    ``--eval-every`` steps and at the end).  A resumed run's eval at the step it went on from
+    is drawn once."""
+    train_pts = {int(r["step"]): float(r["loss"]) for r in rows if "loss" in r}
+    eval_pts = {int(r["step"]): float(r["eval_loss"]) for r in rows if "eval_loss" in r}
+    return {
+        "train": (sorted(train_pts), [train_pts[s] for s in sorted(train_pts)]),
+        "eval": (sorted(eval_pts), [eval_pts[s] for s in sorted(eval_pts)]),
+    }
+
+
 def _loss_png(out: Path) -> None:
     path = out / "metrics.jsonl"
     if not path.exists():  # the first step's loss was non-finite: nothing to draw
@@ -113,12 +129,16 @@ def _loss_png(out: Path) -> None:
             file=sys.stderr,
         )
         return
+    series = loss_series(rows)
     fig = Figure(figsize=(7, 4))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], lw=1.2)
+    ax.plot(*series["train"], lw=1.2, label="training loss")
+    if series["eval"][0]:
+        ax.plot(*series["eval"], "o-", lw=1.2, ms=4, label="eval loss (held out)")
+        ax.legend()
     ax.set_xlabel("step")
-    ax.set_ylabel("training loss (cross-entropy)")
+    ax.set_ylabel("loss (cross-entropy)")
     ax.set_title("zeropipe train: loss")
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -160,6 +180,18 @@ def _bubble_row(summary: dict[str, Any]) -> list[tuple[str, str]]:
     ]
 
 
+def _eval_row(summary: dict[str, Any]) -> tuple[str, str]:
+    """The eval losses at the start and the end; a run stopped before its end eval says so
+    (no made-up end value)."""
+    start, end = summary["initial_eval_loss"], summary.get("final_eval_loss")
+    if end is None or not math.isfinite(end):
+        return (
+            "eval loss",
+            f"{start:.3f} at start; no end eval (stopped at step {summary['last_step']})",
+        )
+    return ("eval loss (start -> end)", f"{start:.3f} -> {end:.3f}")
+
+
 def print_summary(summary: dict[str, Any], out: Path) -> None:
     rows = [
         ("model", summary["model"]),
@@ -172,10 +204,7 @@ def print_summary(summary: dict[str, Any], out: Path) -> None:
         *([("data-parallel replicas", summary["dp"])] if summary["dp"] > 1 else []),
         *([("tensor parallel", summary["tp"])] if summary.get("tp", 1) > 1 else []),
         ("steps run", summary["steps_run"]),
-        (
-            "eval loss (start -> end)",
-            f"{summary['initial_eval_loss']:.3f} -> {summary['final_eval_loss']:.3f}",
-        ),
+        _eval_row(summary),
         ("final train loss", f"{summary['final_train_loss']:.3f}"),
         *_bubble_row(summary),
         ("wall time", f"{summary['wall_s']:.1f} s"),

@@ -1,7 +1,8 @@
 """How ``zeropipe train`` saves its state and resumes from it, on the same or another layout.
 
     check_resume(cfg)             before any rank starts: the checkpoint verifies, and
-                                  was saved by this run (model, data, optimisation)
+                                  was saved by this run (model, data -- also the files'
+                                  contents at the same paths --, optimisation)
     save(root, step, ...)         every rank: a DCP checkpoint (zeropipe.apps.train_state)
     resume(root, ...) -> step     every rank: load what its stages need now; the step
 
@@ -28,6 +29,8 @@ from typing import Any
 import torch
 
 from zeropipe.apps import train_state
+from zeropipe.apps.token_data import TokenData, changed_files
+from zeropipe.apps.train_setup import load_corpus
 from zeropipe.apps.train_state import CheckpointError
 from zeropipe.core.errors import ZeropipeError
 from zeropipe.runtime.checkpoint import load_checkpoint
@@ -120,32 +123,86 @@ def check_resume(cfg: Any, warn: bool = True) -> None:
         )
     default = type(cfg)()
     layout_free = manifest.format == DCP_FORMAT
+    told, fix = _model_source(cfg, saved)
+    # --model-path sets --model, --model-config and (with --data) --tokenizer: a different
+    # folder is told as the folder, not as flags the user never gave.
+    implied = ("model", "model_config", "tokenizer") if told else ()
     differ = []
     for name in _MUST_MATCH + (() if layout_free else _LAYOUT):
         key = name if name in saved else _OLD_KEYS.get(name, name)
         now, then = getattr(cfg, name), saved.get(key, getattr(default, name))
-        if now != then:
+        if now != then and not (name in implied and _implied(name, cfg, saved)):
             differ.append((_flag(name), now, then))
-    if not differ:
+    if not differ and not told:
         _check_steps(root, manifest.step, cfg)
+        _check_data(cfg, manifest.meta.get("data"), train_state.step_dir(root, manifest.step))
         return
-    told = ", ".join(
-        f"{flag} {now} differs from the checkpoint's {then}" for flag, now, then in differ
-    )
-    fix = " ".join(
+    told += [f"{flag} {now} differs from the checkpoint's {then}" for flag, now, then in differ]
+    fix += [
         f"{flag}={then}"
         if flag.startswith("TrainConfig")
         else (f"no {flag}" if then is None else f"{flag} {then}")
         for flag, _, then in differ
-    )
+    ]
     layout = (
         " (a checkpoint in the older per-rank format resumes only on the layout that saved it)"
         if {"--schedule", "--ranks", "--tp"} & {flag for flag, _, _ in differ}
         else ""
     )
     raise ZeropipeError(
-        f"--resume: {told}{layout}; pass {fix} or start a new --out "
+        f"--resume: {', '.join(told)}{layout}; pass {' '.join(fix)} or start a new --out "
         f"(checkpoint {train_state.step_dir(root, manifest.step)})"
+    )
+
+
+def _model_source(cfg: Any, saved: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """Where the model came from, told in the flags given, when --model-path differs from the
+    checkpoint's: (what differs, the flags to pass); two empty lists when it does not."""
+    then_path, now_path = saved.get("model_path"), getattr(cfg, "model_path", None)
+    if then_path == now_path:
+        return [], []
+    if then_path is not None:
+        return [f"this run was trained from --model-path {then_path}"], [
+            f"--model-path {then_path}"
+        ]
+    then = (
+        f"--model-config {saved['model_config']}"
+        if saved.get("model_config")
+        else f"--model {saved.get('model', 'gpt')}"
+    )
+    return [f"this run was trained from {then}, not from --model-path {now_path}"], [
+        f"{then} without --model-path"
+    ]
+
+
+def _implied(name: str, cfg: Any, saved: dict[str, Any]) -> bool:
+    """Whether a differing setting is one --model-path set (on either side), not one given."""
+    if name != "tokenizer":
+        return True
+    # The tokenizer differs only as the folders' own tokenizers do.
+    paths = (saved.get("model_path"), getattr(cfg, "model_path", None))
+    return saved.get("tokenizer") in paths and cfg.tokenizer in paths
+
+
+def _check_data(cfg: Any, record: Any, folder: Path) -> None:
+    """The --data files at the same paths hold what the run was trained on: grown, cut or
+    rewritten, their batches and held-out windows would move under the resumed run."""
+    if cfg.data is None or not isinstance(record, dict) or "sha256" not in record:
+        return  # the generated corpus, or a checkpoint from before its data was recorded
+    now = load_corpus(cfg)
+    if not isinstance(now, TokenData) or now.sha256 == record["sha256"]:
+        return
+    told = changed_files(record.get("sources", []), now.sources)
+    what = (
+        "; ".join(told)
+        if told
+        else "its files are unchanged but their tokens differ (was the --tokenizer rewritten?)"
+    )
+    raise ZeropipeError(
+        f"--resume: --data changed since checkpoint {folder} was saved: {what} "
+        f"({record.get('tokens', 0):,} tokens then, {now.tokens.numel():,} now), which would "
+        f"move the batches and the held-out windows; restore the data, or start a new run "
+        f"with another --out (or --overwrite)"
     )
 
 
@@ -177,12 +234,15 @@ def save(
     optimizer: torch.optim.Optimizer,
     cfg: Any,
     model: torch.nn.Module,
+    data: dict[str, Any] | None = None,
 ) -> None:
-    """The checkpoint of ``step`` (every rank calls it); ``latest`` moves once it is complete."""
+    """The checkpoint of ``step`` (every rank calls it); ``latest`` moves once it is complete.
+    ``data``: what the run trains on (:meth:`TokenData.record`), checked on resume."""
     extra = {"step": step, "samples": step * cfg.batch_size, "rng": torch.get_rng_state()}
-    train_state.save_step(
-        root, step, pipe, optimizer, extra=extra, meta={"config": run_settings(cfg)}, model=model
-    )
+    meta: dict[str, Any] = {"config": run_settings(cfg)}
+    if data is not None:
+        meta["data"] = data
+    train_state.save_step(root, step, pipe, optimizer, extra=extra, meta=meta, model=model)
 
 
 def resume(
@@ -260,16 +320,16 @@ def non_finite_message(event: dict[str, Any], cfg: Any) -> str:
     )
 
 
-def trim_metrics(path: Path, start: int) -> None:
-    """On resume, drop metrics of steps after the checkpoint (they will be redone)."""
+def trim_metrics(path: Path, start: int) -> bool:
+    """On resume, drop metrics of steps after the checkpoint (they will be redone); whether
+    a row kept holds the eval loss at step ``start`` (a run that ended there scored it)."""
     if not path.exists():
-        return
+        return False
     if start == 0:
         path.unlink()
-        return
-    keep = [
-        line
-        for line in path.read_text().splitlines()
-        if line.strip() and json.loads(line)["step"] <= start
-    ]
-    path.write_text("".join(line + "\n" for line in keep))
+        return False
+    rows = [line for line in path.read_text().splitlines() if line.strip()]
+    keep = [(line, json.loads(line)) for line in rows]
+    keep = [(line, row) for line, row in keep if row["step"] <= start]
+    path.write_text("".join(line + "\n" for line, _ in keep))
+    return any(row["step"] == start and "eval_loss" in row for _, row in keep)

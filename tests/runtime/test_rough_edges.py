@@ -7,7 +7,13 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -174,3 +180,76 @@ def test_the_probe_leaves_the_rng_state_and_the_graph_as_it_found_them() -> None
     (alone,) = torch.autograd.grad(whole, out, retain_graph=True)
     whole.backward()
     assert out.grad is not None and torch.equal(out.grad, alone)
+
+
+# -- Ctrl-C while zeropipe.launch starts its ranks -------------------------------------------
+_LAUNCHER = """
+import sys, time
+import zeropipe
+
+def work(rank, world):
+    time.sleep(60)
+
+if __name__ == "__main__":
+    try:
+        zeropipe.launch(work, 2, stop_wait=20)
+    except KeyboardInterrupt:  # what a script does with the launch's KeyboardInterrupt
+        sys.exit(130)
+"""
+
+
+def _starting_ranks(pid: int) -> int:
+    """How many of ``pid``'s children are Python processes running multiprocessing's start-up."""
+    with open(f"/proc/{pid}/task/{pid}/children") as fh:
+        children = fh.read().split()
+    running = 0
+    for child in children:
+        try:
+            with open(f"/proc/{child}/cmdline", "rb") as fh:
+                running += b"spawn_main" in fh.read()
+        except OSError:  # ended already
+            pass
+    return running
+
+
+@pytest.mark.skipif(
+    not os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children"),
+    reason="needs Linux /proc to see the ranks start",
+)
+def test_ctrl_c_while_the_ranks_start_ends_them_quietly_with_one_line(tmp_path: Path) -> None:
+    """SIGINT to the process group (a terminal's Ctrl-C) as soon as both ranks exist, while
+    they import torch: every process ends promptly, no traceback, zeropipe's one line."""
+    script = tmp_path / "launcher.py"
+    script.write_text(_LAUNCHER)
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    proc = subprocess.Popen(
+        [sys.executable, str(script)],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        start_new_session=True,  # its own process group, as a terminal's foreground job
+        # and SIGINT at its default, as there (a background shell's test run ignores it)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        env=env,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while _starting_ranks(proc.pid) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, "the ranks never started"
+            time.sleep(0.01)
+        # Past the interpreter's own start (its SIGINT handler installed), inside the imports
+        # of torch, which take seconds.
+        time.sleep(0.3)
+        os.killpg(proc.pid, signal.SIGINT)
+        sent = time.monotonic()
+        _, err = proc.communicate(timeout=15)
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("zeropipe: SIGINT: waiting up to"), err
+    assert proc.returncode == 130, (proc.returncode, err)
+    assert took < 10, took

@@ -30,6 +30,9 @@ line).  Stopping it::
                          usual; ranks that it ends make the launch raise
                          KeyboardInterrupt
     a second signal   -> every rank is killed at once; KeyboardInterrupt
+    while ranks start -> they start deaf to SIGINT (their imports would end in
+                         tracebacks) and, once listening, end quietly, before
+                         `fn` runs, on a stop that came meanwhile
 
 A SIGINT that the launcher ignores (a background job of a non-interactive
 shell, under POSIX) stays ignored, here and, inherited, in the ranks.  The
@@ -56,7 +59,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -75,6 +78,9 @@ __all__ = ["SAME_STOP_S", "init_from_env", "launch"]
 # or a shell relaying a signal to the group delivers it twice at once, and reading that as
 # "send it again to end them at once" would kill the ranks before they save.
 SAME_STOP_S = 0.3
+# Set in the rendezvous store when the launcher passes a stop on: a rank that was still
+# starting, deaf to SIGINT, reads it once it listens again.
+_STOP_KEY = "zeropipe/stop"
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>: the signal a process gets when its parent ends
 
 
@@ -118,25 +124,26 @@ def launch(
     procs: list[Any] = []
     conns: list[Connection] = []
     lifelines: list[Connection] = []
-    stop = _StopSignals(procs, stop_wait)
+    stop = _StopSignals(procs, stop_wait, store)
     try:
-        for rank in range(nprocs):
-            reader, writer = ctx.Pipe(duplex=False)
-            # Never written to: the child's end reads EOF once this process has ended.
-            watched, lifeline = ctx.Pipe(duplex=False)
-            proc = ctx.Process(
-                target=_child,
-                args=(rank, nprocs, store.port, backend, timeout, threads, fn, args, writer),
-                kwargs={"parent": os.getpid(), "lifeline": watched},
-                name=f"zeropipe-rank{rank}",
-                daemon=True,
-            )
-            proc.start()
-            writer.close()
-            watched.close()
-            procs.append(proc)
-            conns.append(reader)
-            lifelines.append(lifeline)
+        with _deaf_to_sigint() as deaf:
+            for rank in range(nprocs):
+                reader, writer = ctx.Pipe(duplex=False)
+                # Never written to: the child's end reads EOF once this process has ended.
+                watched, lifeline = ctx.Pipe(duplex=False)
+                proc = ctx.Process(
+                    target=_child,
+                    args=(rank, nprocs, store.port, backend, timeout, threads, fn, args, writer),
+                    kwargs={"parent": os.getpid(), "lifeline": watched, "deaf": deaf},
+                    name=f"zeropipe-rank{rank}",
+                    daemon=True,
+                )
+                proc.start()
+                writer.close()
+                watched.close()
+                procs.append(proc)
+                conns.append(reader)
+                lifelines.append(lifeline)
         return _watch(procs, conns, store, timeout, grace, stop)
     finally:
         stop.restore()
@@ -369,9 +376,10 @@ class _StopSignals:
     once rather than when the next rank reports.
     """
 
-    def __init__(self, procs: list[Any], wait_s: float) -> None:
+    def __init__(self, procs: list[Any], wait_s: float, store: Any = None) -> None:
         self.procs = procs  # filled as they start: a signal reaches those started
         self.wait_s = wait_s
+        self.store = store  # told of the stop, for ranks still starting (_deaf_to_sigint)
         self.signum: int | None = None
         self.name = ""
         self.at: float | None = None
@@ -392,6 +400,9 @@ class _StopSignals:
             raise KeyboardInterrupt  # again: end every rank now (launch's finally kills them)
         self.signum, self.at = signum, time.monotonic()
         self.name = signal.Signals(signum).name
+        if self.store is not None:  # before the ranks are signalled: see _deaf_to_sigint
+            with contextlib.suppress(Exception):
+                self.store.set(_STOP_KEY, self.name)
         for proc in self.procs:
             # A terminal's Ctrl-C has reached the ranks already; a second one is harmless
             # to a rank that stops on it, and a SIGTERM sent to the launcher alone is not.
@@ -423,6 +434,39 @@ class _StopSignals:
                 os.close(fd)
 
 
+@contextlib.contextmanager
+def _deaf_to_sigint() -> Iterator[bool]:
+    """Start the ranks deaf to SIGINT; yields whether they are (each then hears it again).
+
+    A rank's first seconds (its interpreter, the main module, torch) run before
+    :func:`_child` can catch anything, and a Ctrl-C there would end each rank with a
+    traceback of the import it interrupted.  A rank inherits an ignored SIGINT, not a
+    blocked one (the mask is reset at exec), so SIGINT is ignored here while the ranks
+    start, milliseconds, and blocked in this thread meanwhile, so that a Ctrl-C that
+    this thread takes waits (Linux keeps a blocked signal pending even while ignored);
+    one that another thread of this process takes then is lost.  Each rank restores it first thing and then reads :data:`_STOP_KEY`, which
+    :class:`_StopSignals` writes before passing a stop on: a stop it missed while deaf
+    ends it there, quietly.  Not from another thread (signal handlers are the main
+    thread's), nor where SIGINT is ignored already (it stays so, in the ranks too).
+    """
+    if threading.current_thread() is not threading.main_thread() or not hasattr(
+        signal, "pthread_sigmask"
+    ):
+        yield False
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    if previous in (signal.SIG_IGN, None):  # ignored, or a handler Python did not install
+        yield False
+        return
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield True
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
 # -- the child side ----------------------------------------------------------------
 def _child(
     rank: int,
@@ -437,9 +481,14 @@ def _child(
     *,
     parent: int,
     lifeline: Connection,
+    deaf: bool = False,
 ) -> None:
+    """One rank.  ``deaf``: it started ignoring SIGINT (:func:`_deaf_to_sigint`); it hears
+    it again here, and a stop that came meanwhile ends it, quietly, before ``fn`` runs."""
     code = 0
     try:
+        if deaf:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         _end_with_parent(parent, lifeline)
         torch.set_num_threads(threads)
         os.environ.update(
@@ -452,6 +501,8 @@ def _child(
         if backend == "nccl":
             _compat.bind_device(rank)
         store = dist.TCPStore("127.0.0.1", port, world, False, timedelta(seconds=timeout))
+        if deaf and store.check([_STOP_KEY]):  # written before the stop was passed on
+            raise KeyboardInterrupt
         dist.init_process_group(
             backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout)
         )

@@ -343,3 +343,81 @@ def test_costs_too_large_to_add_up_end_in_one_line(capsys) -> None:
     assert code == 2 and out == ""
     [line] = err.splitlines()
     assert line.startswith("zeropipe: error: the simulated times add up past the largest float")
+
+
+def _two_stage_costs(tmp_path: Path) -> Path:
+    path = tmp_path / "costs.json"  # as `zeropipe profile --stages 2 --out costs.json` writes
+    path.write_text(CostModel.uniform(2).to_json())
+    return path
+
+
+@pytest.mark.parametrize(
+    ("argv", "hint"),
+    [
+        # zbv holds two stages per rank: a 2-stage file fits one rank.
+        (["--schedule", "zbv", "--ranks", "2"], "give --ranks 1 (zbv: 2 chunk(s) per rank)"),
+        (["--ranks", "2"], "give --ranks 1 (zbv: 2 chunk(s) per rank)"),  # zbv is the default
+        (["--schedule", "1f1b", "--ranks", "4"], "give --ranks 2 (1f1b: 1 chunk(s) per rank)"),
+        (["--schedule", "interleaved-1f1b", "--ranks", "2", "--chunks", "3"], "give --chunks 1"),
+    ],
+)
+def test_a_cost_file_of_other_stages_names_the_flags_that_fit(
+    tmp_path: Path, capsys, argv: list[str], hint: str
+) -> None:
+    path = _two_stage_costs(tmp_path)
+    code, out, err = run(capsys, "simulate", "--costs", str(path), *argv)
+    assert code == 2 and out == ""
+    [line] = err.splitlines()
+    assert line.startswith(f"zeropipe: error: cost file {path} has 2 stage(s) but ")
+    assert hint in line, line
+    assert "stages = ranks x chunks" in line and "zeropipe profile --stages" in line, line
+    assert run(capsys, "simulate", "--costs", str(path), "--ranks", "1")[0] == 0  # the hint works
+
+
+def test_a_schedule_file_against_a_cost_file_of_other_stages(tmp_path: Path, capsys) -> None:
+    schedule = tmp_path / "s.txt"
+    schedule.write_text(generate("1f1b", 4, 4).to_text())
+    path = _two_stage_costs(tmp_path)
+    code, _, err = run(capsys, "simulate", "--schedule", str(schedule), "--costs", str(path))
+    assert code == 2
+    assert f"{schedule} has 4" in err and "zeropipe profile --stages 4" in err, err
+
+
+@pytest.mark.parametrize(
+    ("argv", "size"),
+    [
+        (["--ranks", "100000", "--microbatches", "100000"], "6e+10 actions"),  # zbv: 2 chunks
+        (["--schedule", "1f1b", "--ranks", "3000", "--microbatches", "3000"], "2.7e+07 actions"),
+        (["--schedule", "auto", "--ranks", "512", "--microbatches", "512"], "1.6e+06 actions"),
+    ],
+)
+def test_a_size_that_would_run_for_ages_is_refused_up_front(
+    capsys, argv: list[str], size: str
+) -> None:
+    code, out, err = run(capsys, "simulate", *argv)
+    assert code == 2 and out == ""
+    [line] = err.splitlines()
+    assert size in line and "would take ~" in line and "--force" in line, line
+
+
+def test_the_size_limit_keeps_the_benchmarked_sizes(capsys) -> None:
+    # benchmarks/schedule_speed.py's largest case, and auto's: within the limit, not run here.
+    assert cli.simulate_actions("zbv", 128, 1024, None) <= cli.SIMULATE_LIMIT
+    assert cli.simulate_actions("auto", 64, 256, None) <= cli.AUTO_LIMIT
+    code, out, _ = run(capsys, "simulate", "--ranks", "16", "--microbatches", "32", "--width", "40")
+    assert code == 0 and "makespan" in out
+
+
+def test_force_runs_a_size_over_the_limit(monkeypatch, capsys) -> None:
+    monkeypatch.setattr(cli, "SIMULATE_LIMIT", 10)
+    argv = ["simulate", "--schedule", "1f1b", "--ranks", "2", "--microbatches", "4"]
+    assert run(capsys, *argv)[0] == 2
+    code, out, _ = run(capsys, *argv, "--force", "--width", "40")
+    assert code == 0 and "makespan" in out
+
+
+def test_version(capsys) -> None:
+    from importlib.metadata import version
+
+    code, out, _ = run(capsys, "--version")
+    assert code == 0 and out == f"zeropipe {version('zeropipe')}\n"

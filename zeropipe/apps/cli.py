@@ -21,7 +21,13 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from zeropipe.apps.cli_args import int_at_least, positive_float, refuse_renamed
+from zeropipe.apps.cli_args import (
+    ACTION_BYTES,
+    int_at_least,
+    positive_float,
+    refuse_renamed,
+    refuse_too_big,
+)
 from zeropipe.core import render
 from zeropipe.core.costs import CostModel
 from zeropipe.core.errors import ScheduleError, ZeropipeError
@@ -31,11 +37,29 @@ from zeropipe.core.schedules import GENERATORS, generate
 from zeropipe.core.simulate import simulate
 from zeropipe.core.validate import validate
 
-__all__ = ["COMMANDS", "build_parser", "main"]
+__all__ = [
+    "AUTO_LIMIT",
+    "COMMANDS",
+    "SIMULATE_LIMIT",
+    "build_parser",
+    "main",
+    "simulate_actions",
+]
 
 _PROG = "zeropipe"
 _DEFAULT_RANKS = 4
 _DEFAULT_MICROBATCHES = 8
+
+# How big a schedule `simulate` builds without --force.  A named schedule is generated,
+# validated, simulated and drawn at about 60,000 actions a second (zbv, 128 ranks, 1024
+# microbatches: 786,432 actions in 11.7 s on a 2-core VM, 2026-11-28); auto searches
+# candidates, about 4,500 actions of the largest one a second (64 ranks, 256
+# microbatches: 98,304 actions, 21 s, 275 MB).  Each limit is about half a minute.
+SIMULATE_RATE = 60_000.0
+SIMULATE_LIMIT = 2_000_000
+AUTO_RATE = 4_500.0
+AUTO_BYTES = 2_800
+AUTO_LIMIT = 150_000
 
 
 class _Parser(argparse.ArgumentParser):
@@ -145,19 +169,27 @@ def _add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="COLUMNS",
         help="columns of the time axis in the grid (default: fit the terminal)",
     )
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="build a schedule even when its size would take more than about half a minute "
+        f"(more than {SIMULATE_LIMIT:,} actions; with auto, {AUTO_LIMIT:,})",
+    )
 
 
 def _run_simulate(args: argparse.Namespace) -> int:
     """Validate and simulate a schedule; print its timeline, or write a PNG / Chrome trace."""
     explanation = None
+    if not args.force:
+        _refuse_too_big(args)
     if _is_auto(args.schedule):
         schedule, costs, explanation = _search(args)
     else:
         schedule = _load_schedule(args)
-        costs = None
+        costs = _load_costs(args.costs, schedule)
+        _check_cost_stages(args, costs, schedule)
     if args.lower:
         schedule = lower(schedule)
-    costs = costs or _load_costs(args.costs, schedule)
     graph = validate(schedule, memory_limit=args.memory_limit, costs=costs)
     timeline = simulate(schedule, costs, graph=graph)
     written: dict[str, str] = {}
@@ -194,6 +226,66 @@ def _run_simulate(args: argparse.Namespace) -> int:
     for what, path in written.items():
         print(f"wrote {what}: {path}")
     return 0
+
+
+def simulate_actions(name: str, ranks: int, microbatches: int, chunks: int | None) -> int:
+    """About how many actions ``--schedule NAME`` builds, before building it: F, I and W per
+    stage and microbatch (a B schedule has two); for auto, its largest candidate's (chunks
+    up to ``chunks``, default 2)."""
+    return 3 * ranks * _chunks(name, chunks) * microbatches
+
+
+def _chunks(name: str, chunks: int | None) -> int:
+    gen = GENERATORS.get(name)
+    return chunks or (gen.default_chunks if gen is not None else 2)  # auto: up to 2
+
+
+def _refuse_too_big(args: argparse.Namespace) -> None:
+    """A named or auto schedule whose size would run for more than about half a minute is
+    refused before anything is built; a schedule file is as big as it is."""
+    name = args.schedule or _default_schedule()
+    auto = _is_auto(name)
+    if not auto and (name not in GENERATORS or Path(name).is_file()):
+        return
+    ranks = args.ranks or _DEFAULT_RANKS
+    microbatches = args.microbatches or _DEFAULT_MICROBATCHES
+    refuse_too_big(
+        simulate_actions(name, ranks, microbatches, args.chunks),
+        AUTO_LIMIT if auto else SIMULATE_LIMIT,
+        rate=AUTO_RATE if auto else SIMULATE_RATE,
+        action_bytes=AUTO_BYTES if auto else ACTION_BYTES,
+        what=f"--schedule {name} on --ranks {ranks} x {_chunks(name, args.chunks)} chunk(s) x "
+        f"--microbatches "
+        f"{microbatches}" + (" (its largest candidate)" if auto else ""),
+        fix="give fewer --ranks or --microbatches",
+    )
+
+
+def _check_cost_stages(args: argparse.Namespace, costs: CostModel, schedule: Schedule) -> None:
+    """A cost file made for another stage count fails naming the flags that would fit it
+    (zbv holds two stages per rank: a 2-stage file is zbv on one rank)."""
+    have, want = len(costs.stages), schedule.num_stages
+    if not args.costs or not Path(args.costs).is_file() or have == want:
+        return
+    ranks, chunks = schedule.num_ranks, schedule.chunks_per_rank
+    name = args.schedule or _default_schedule()
+    fixes = []
+    if name in GENERATORS and not Path(name).is_file():
+        gen = GENERATORS[name]
+        if have % chunks == 0:
+            fixes.append(f"give --ranks {have // chunks} ({name}: {chunks} chunk(s) per rank)")
+        if gen.takes_chunks and have % ranks == 0:
+            fixes.append(f"give --chunks {have // ranks}")
+        if chunks > 1 and not gen.takes_chunks:
+            fixes.append(f"--schedule 1f1b --ranks {have} (one stage per rank)")
+        where = f"--schedule {name} on {ranks} rank(s)"
+    else:
+        where = str(name)
+    fixes.append(f"profile {want} stages: zeropipe profile --stages {want} --out FILE")
+    raise ZeropipeError(
+        f"cost file {args.costs} has {have} stage(s) but {where} has {want} ({chunks} "
+        f"chunk(s) per rank; stages = ranks x chunks): {'; or '.join(fixes)}"
+    )
 
 
 def _is_auto(name: str | None) -> bool:
@@ -404,6 +496,17 @@ COMMANDS: dict[str, tuple[AddArguments, Run]] = {
 }
 
 
+def _version() -> str:
+    """The installed distribution's version; from a source tree that is not installed, the
+    package's own ``__version__`` (the package is loaded already: this module is in it)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(_PROG)
+    except PackageNotFoundError:
+        return str(getattr(sys.modules.get("zeropipe"), "__version__", "unknown"))
+
+
 def build_parser(commands: Iterable[str] | None = None) -> argparse.ArgumentParser:
     """The parser; ``commands`` limits which subcommands get their arguments (default: all)."""
     wanted = set(COMMANDS) if commands is None else set(commands)
@@ -411,6 +514,7 @@ def build_parser(commands: Iterable[str] | None = None) -> argparse.ArgumentPars
         prog=_PROG,
         description="Pipeline-parallel schedules as data: list, validate, simulate, draw, train.",
     )
+    parser.add_argument("--version", action="version", version=f"{_PROG} {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (add_arguments, run) in COMMANDS.items():
         summary = (run.__doc__ or "").strip().splitlines()[0] if run.__doc__ else ""

@@ -86,7 +86,8 @@ class Pipeline:
             (:func:`zeropipe.split` cuts supported models).
         schedule: a :class:`~zeropipe.core.ir.Schedule` (run exactly as given) or a
             generator name, built with ``microbatches`` and one rank per process of
-            the pipeline's group (in one process: ``len(stages) / chunks``); for
+            the pipeline's group (in one process: ``len(stages) / chunks``, and not
+            one rank of several chunks, which a built schedule says); for
             other ranks, chunks or grouped W, :func:`zeropipe.build_schedule` it;
             :func:`zeropipe.auto_plan` searches one for the model.
         loss_fn: ``loss_fn(output, target)``, called per microbatch, such that the

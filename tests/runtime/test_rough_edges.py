@@ -192,7 +192,7 @@ def work(rank, world):
 
 if __name__ == "__main__":
     try:
-        zeropipe.launch(work, 2, stop_wait=20)
+        zeropipe.launch(work, 2, stop_wait=30)
     except KeyboardInterrupt:  # what a script does with the launch's KeyboardInterrupt
         sys.exit(130)
 """
@@ -243,7 +243,7 @@ def test_ctrl_c_while_the_ranks_start_ends_them_quietly_with_one_line(tmp_path: 
         time.sleep(0.3)
         os.killpg(proc.pid, signal.SIGINT)
         sent = time.monotonic()
-        _, err = proc.communicate(timeout=15)
+        _, err = proc.communicate(timeout=40)
         took = time.monotonic() - sent
     finally:
         if proc.poll() is None:
@@ -252,4 +252,5 @@ def test_ctrl_c_while_the_ranks_start_ends_them_quietly_with_one_line(tmp_path: 
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("zeropipe: SIGINT: waiting up to"), err
     assert proc.returncode == 130, (proc.returncode, err)
-    assert took < 10, took
+    # the ranks' start-up (seconds, on a loaded machine), not the launcher's 30 s stop_wait
+    assert took < 15, took

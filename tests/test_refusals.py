@@ -180,6 +180,8 @@ def _loss_raising_at(k: int | None) -> tuple[list[int], object]:
     calls = [0]
 
     def loss(out: Tensor, target: Tensor) -> Tensor:
+        if out.shape[0] < 2:  # the mean probe's halves of a microbatch (see runtime/loss.py)
+            return F.mse_loss(out, target)
         calls[0] += 1
         if k is not None and calls[0] - 1 == k:
             raise RuntimeError(f"the loss of microbatch {k} raises")

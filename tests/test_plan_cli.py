@@ -217,3 +217,63 @@ def test_tp_across_nodes_is_priced_on_the_network(capsys: pytest.CaptureFixture[
 
     # Twice the GPUs, but every block's collectives on a link 9x slower: a slower step.
     assert one(16, 16, "--tp-across-nodes") > one(8, 8)
+
+
+def test_a_measured_plan_that_would_run_for_minutes_is_refused(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    argv = ("plan", "--costs", str(_cost_file(tmp_path)), "--ranks", "2")
+    code, out, err = run(capsys, *argv, "--microbatches", "100000", "--quiet")
+    assert code == 2 and out == ""
+    [line] = err.splitlines()
+    assert "9 schedule(s) of 2 rank(s) x up to 2 chunk(s) x 100000 microbatches" in line
+    assert "about 1.1e+07 actions, which would take ~" in line and "--force" in line, line
+
+
+def test_a_cluster_plan_whose_largest_schedule_is_huge_is_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ("plan", "--model", "llama-3-8b", "--gpus", "8", "--gpu", "h100-sxm", "--seq", "4096")
+    code, out, err = run(capsys, *argv, "--global-batch", "1000000")
+    assert code == 2 and out == ""
+    [line] = err.splitlines()
+    assert "pp 8 x dp 1 x tp 1 at microbatch size 1" in line and "4.8e+07 actions" in line, line
+
+
+class _Searched(Exception):
+    pass
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [  # the README's and docs' plans
+        ("llama-3-8b", "64", "4096", "256"),
+        ("llama-3-70b", "1024", "4096", "1024"),
+        ("llama-3.1-405b", "8192", "8192", "2048"),
+    ],
+)
+def test_the_documented_plans_are_within_the_size_limit(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], argv: tuple[str, ...]
+) -> None:
+    from zeropipe.apps import plan_cli
+
+    def searched(**_: object) -> None:
+        raise _Searched  # the size check let it through; the search itself is not run here
+
+    monkeypatch.setattr(plan_cli, "search", searched)
+    model, gpus, seq, batch = argv
+    with pytest.raises(_Searched):
+        cli.main(["plan", "--model", model, "--gpus", gpus, "--gpu", "h100-sxm", "--seq", seq,
+                  "--global-batch", batch])  # fmt: skip
+
+
+def test_force_plans_past_the_size_limit(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from zeropipe.apps import plan_cli
+
+    monkeypatch.setattr(plan_cli, "PLAN_LIMIT", 10)
+    argv = ("plan", "--costs", str(_cost_file(tmp_path)), "--ranks", "2", "--microbatches", "4")
+    assert run(capsys, *argv, "--quiet")[0] == 2
+    code, out, _ = run(capsys, *argv, "--quiet", "--force", "--schedules", "1f1b")
+    assert code == 0 and "1f1b" in out

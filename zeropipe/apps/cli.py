@@ -23,6 +23,8 @@ from typing import Any, NoReturn
 
 from zeropipe.apps.cli_args import (
     ACTION_BYTES,
+    ACTIONS_PER_SECOND,
+    SCHEDULE_LIMIT,
     int_at_least,
     positive_float,
     refuse_renamed,
@@ -50,13 +52,10 @@ _PROG = "zeropipe"
 _DEFAULT_RANKS = 4
 _DEFAULT_MICROBATCHES = 8
 
-# How big a schedule `simulate` builds without --force.  A named schedule is generated,
-# validated, simulated and drawn at about 60,000 actions a second (zbv, 128 ranks, 1024
-# microbatches: 786,432 actions in 11.7 s on a 2-core VM, 2026-11-28); auto searches
-# candidates, about 4,500 actions of the largest one a second (64 ranks, 256
-# microbatches: 98,304 actions, 21 s, 275 MB).  Each limit is about half a minute.
-SIMULATE_RATE = 60_000.0
-SIMULATE_LIMIT = 2_000_000
+# How big a schedule `simulate` builds without --force, about half a minute: a named one
+# at cli_args.ACTIONS_PER_SECOND; auto searches candidates, about 4,500 actions of the
+# largest one a second (64 ranks, 256 microbatches: 98,304 actions, 21 s, 275 MB).
+SIMULATE_LIMIT = SCHEDULE_LIMIT
 AUTO_RATE = 4_500.0
 AUTO_BYTES = 2_800
 AUTO_LIMIT = 150_000
@@ -252,7 +251,7 @@ def _refuse_too_big(args: argparse.Namespace) -> None:
     refuse_too_big(
         simulate_actions(name, ranks, microbatches, args.chunks),
         AUTO_LIMIT if auto else SIMULATE_LIMIT,
-        rate=AUTO_RATE if auto else SIMULATE_RATE,
+        rate=AUTO_RATE if auto else ACTIONS_PER_SECOND,
         action_bytes=AUTO_BYTES if auto else ACTION_BYTES,
         what=f"--schedule {name} on --ranks {ranks} x {_chunks(name, args.chunks)} chunk(s) x "
         f"--microbatches "

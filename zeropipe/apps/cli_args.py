@@ -12,7 +12,9 @@ from typing import Any
 from zeropipe.core.errors import ZeropipeError
 
 __all__ = [
+    "ACTIONS_PER_SECOND",
     "ACTION_BYTES",
+    "SCHEDULE_LIMIT",
     "int_at_least",
     "positive_float",
     "refuse_renamed",
@@ -20,10 +22,13 @@ __all__ = [
     "share",
 ]
 
-#: memory one action of a schedule holds while it is generated, validated and simulated:
-#: `zeropipe simulate --schedule zbv --ranks 128 --microbatches 1024` (786,432 actions)
-#: peaked at 574 MB, in 11.7 s, on a 2-core VM, 2026-11-28
+# What one action of a named schedule costs to generate, validate, simulate and draw:
+# `zeropipe simulate --schedule zbv --ranks 128 --microbatches 1024` (786,432 actions)
+# took 11.7 s and peaked at 574 MB on a 2-core VM, 2026-11-28.
 ACTION_BYTES = 730
+ACTIONS_PER_SECOND = 60_000.0
+#: the largest schedule built without --force: about half a minute
+SCHEDULE_LIMIT = 2_000_000
 
 
 def int_at_least(low: int) -> Callable[[str], int]:

@@ -26,7 +26,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from zeropipe.apps.cli_args import int_at_least, positive_float, share
+from zeropipe.apps.cli_args import (
+    ACTION_BYTES,
+    int_at_least,
+    positive_float,
+    refuse_too_big,
+    share,
+)
 from zeropipe.core import render
 from zeropipe.core.costs import CostModel
 from zeropipe.core.errors import ScheduleError, ZeropipeError
@@ -37,6 +43,7 @@ from zeropipe.planning.cluster import (
     Ranking,
     divisors,
     fixed_costs,
+    layouts,
     schedule_cut,
     search,
 )
@@ -57,6 +64,18 @@ __all__ = ["add_arguments", "run_cli"]
 
 #: looped-bfs holds every microbatch's activations of a chunk at once: never a contender
 _SKIPPED_BY_DEFAULT = ("looped-bfs",)
+
+# How much a plan simulates without --force.  With --costs every schedule is priced (each
+# at several cuts), at about 20,000 actions a second (2 ranks, 4,000 microbatches, nine
+# schedules: ~430,000 actions in 22 s on a 2-core VM, 2026-11-28): about a minute in all.
+# From specs the search prunes by bounds, so the work follows the largest configuration's
+# schedule more than the count of schedules: about 14,000 of its actions a second
+# (llama-3-8b on 8 GPUs, global batch 40,000: pp 8 x 2 chunks x 40,000 microbatches,
+# ~1.9 million actions, 139 s, 1 GB); about half a minute.
+PLAN_RATE = 20_000.0
+PLAN_LIMIT = 1_200_000
+CLUSTER_RATE = 14_000.0
+CLUSTER_LIMIT = 400_000
 
 
 def _default_schedules() -> list[str]:
@@ -187,6 +206,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quiet", action="store_true", help="no progress lines on stderr while searching"
     )
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help=f"search even when the largest configuration's schedules would take more than "
+        f"about a minute (more than {PLAN_LIMIT:,} actions)",
+    )
 
 
 def _schedules(args: argparse.Namespace) -> list[str]:
@@ -202,6 +227,36 @@ def _schedules(args: argparse.Namespace) -> list[str]:
             f"known: {', '.join(sorted(GENERATORS))}"
         )
     return names
+
+
+def _refuse_too_big(
+    args: argparse.Namespace, schedules: Sequence[str], pp: int, microbatches: int, what: str
+) -> None:
+    """Refuse up front a pipeline of ``pp`` ranks and ``microbatches`` (up to the most chunks
+    of --chunks and zbv's 2) that would take minutes to simulate: with --costs all
+    ``schedules`` of it, from specs its one largest schedule (see CLUSTER_LIMIT)."""
+    if args.force:
+        return
+    chunks = max([*args.chunks, 2])
+    size = f"{pp} rank(s) x up to {chunks} chunk(s) x {microbatches} microbatches"
+    one = 3.0 * pp * chunks * microbatches
+    if args.costs:
+        refuse_too_big(
+            one * len(schedules),
+            PLAN_LIMIT,
+            rate=PLAN_RATE,
+            action_bytes=ACTION_BYTES / len(schedules),  # one schedule is held at a time
+            what=f"{what}: {len(schedules)} schedule(s) of {size}",
+            fix="give fewer --microbatches or --ranks, or fewer --schedules",
+        )
+    else:
+        refuse_too_big(
+            one,
+            CLUSTER_LIMIT,
+            rate=CLUSTER_RATE,
+            what=f"{what}: a schedule of {size}",
+            fix="give a smaller --global-batch or larger --microbatch-sizes, or fix --pp / --dp",
+        )
 
 
 def _progress(args: argparse.Namespace) -> Any:
@@ -317,6 +372,19 @@ def _run_cluster(args: argparse.Namespace) -> tuple[list[str], Ranking, str]:
         + f", offload at {hw.host_bandwidth / 1e9:.0f} GB/s to host; {tensor}; ranks laid "
         f"out tp innermost, then dp",
     ]
+    schedules = _schedules(args)
+    mbs = min(args.microbatch_sizes)
+    pp, dp, tp = max(
+        layouts(args.gpus, model.layers, args.pp, args.dp, tp_options) or [(1, 1, 1)],
+        key=lambda layout: layout[0] * math.ceil(args.global_batch / (layout[1] * mbs)),
+    )
+    _refuse_too_big(
+        args,
+        schedules,
+        pp,
+        math.ceil(args.global_batch / (dp * mbs)),
+        f"the largest configuration, pp {pp} x dp {dp} x tp {tp} at microbatch size {mbs}",
+    )
     ranking = search(
         gpus=args.gpus,
         layers=model.layers,
@@ -334,7 +402,7 @@ def _run_cluster(args: argparse.Namespace) -> tuple[list[str], Ranking, str]:
             tp_across_nodes=args.tp_across_nodes,
         ),
         memory=memory,
-        schedules=_schedules(args),
+        schedules=schedules,
         microbatch_sizes=args.microbatch_sizes,
         flops_per_sample=model.flops_per_token(args.seq) * args.seq,
         peak_flops=peak,
@@ -415,6 +483,8 @@ def _run_measured(args: argparse.Namespace) -> tuple[list[str], Ranking, str]:
             f"--ranks {args.ranks} does not go with the {len(costs.stages)} stage(s) of "
             f"{path}: give a divisor of the stage count (ranks holding several stages)"
         )
+    schedules = _schedules(args)
+    _refuse_too_big(args, schedules, args.ranks, args.microbatches, f"--costs {path}")
     ranking = search(
         gpus=args.ranks,
         layers=max(len(costs.stages), 2 * args.ranks),
@@ -422,7 +492,7 @@ def _run_measured(args: argparse.Namespace) -> tuple[list[str], Ranking, str]:
         costs_for=fixed_costs(costs),
         costs_for_schedule=schedule_cut(costs),
         memory=memory,
-        schedules=_schedules(args),
+        schedules=schedules,
         microbatch_sizes=[mbs],
         flops_per_sample=flops / mbs,
         peak_flops=float(meta.get("peak_flops", 0.0)),

@@ -444,9 +444,9 @@ def _deaf_to_sigint() -> Iterator[bool]:
     blocked one (the mask is reset at exec), so SIGINT is ignored here while the ranks
     start, milliseconds, and blocked in this thread meanwhile, so that a Ctrl-C that
     this thread takes waits (Linux keeps a blocked signal pending even while ignored);
-    one that another thread of this process takes then is lost.  Each rank restores it first thing and then reads :data:`_STOP_KEY`, which
-    :class:`_StopSignals` writes before passing a stop on: a stop it missed while deaf
-    ends it there, quietly.  Not from another thread (signal handlers are the main
+    one that another thread of this process takes then is lost.  Each rank restores it
+    first thing and then reads :data:`_STOP_KEY`, which :class:`_StopSignals` writes
+    before passing a stop on: a stop it missed while deaf ends it there, quietly.  Not from another thread (signal handlers are the main
     thread's), nor where SIGINT is ignored already (it stays so, in the ranks too).
     """
     if threading.current_thread() is not threading.main_thread() or not hasattr(

@@ -242,3 +242,26 @@ def test_a_failed_export_leaves_the_earlier_file_whole(
         train_state.export_safetensors(tmp_path / "ckpt", out, force=True)
     assert out.read_bytes() == b"an earlier export"
     assert sorted(p.name for p in tmp_path.iterdir() if "safetensors" in p.name) == [out.name]
+
+
+def test_pruning_removes_only_the_runs_own_step_folders(tmp_path: Path) -> None:
+    for name in (
+        "step-000001",
+        "step-000002",
+        "step-000003",
+        "step-000002-keep",
+        "step-000050.bak",
+    ):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "data").write_text(name)
+    train_state.point_latest(tmp_path, 3, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "latest", "step-000002", "step-000002-keep", "step-000003", "step-000050.bak",
+    ]  # fmt: skip
+    # by number, not by name: step-1000000 is newer than step-999999
+    for step in (999999, 1000000):
+        train_state.step_dir(tmp_path, step).mkdir()
+    train_state.point_latest(tmp_path, 1000000, keep=1)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step-")) == [
+        "step-000002-keep", "step-000050.bak", "step-1000000",
+    ]  # fmt: skip

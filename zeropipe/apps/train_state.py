@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -166,10 +167,15 @@ def publish(
 
 
 def point_latest(root: Path, step: int, keep: int = 2) -> None:
-    """Point ``latest`` at the complete checkpoint of ``step``; remove all but the ``keep`` newest."""
+    """Point ``latest`` at the complete checkpoint of ``step``; remove all but the ``keep`` newest.
+
+    Only folders named as :func:`step_dir` names them are the run's to remove: a user's
+    ``step-000002-keep`` or ``step-000050.bak`` beside them stays.
+    """
     folder = step_dir(root, step)
     _atomic_write(root / "latest", _text_writer(folder.name))
-    steps = sorted(p for p in root.glob("step-*") if p.is_dir())
+    ours = (p for p in root.iterdir() if p.is_dir() and re.fullmatch(r"step-\d{6,}", p.name))
+    steps = sorted(ours, key=lambda p: int(p.name[5:]))
     for old in steps[:-keep] if keep > 0 else []:
         if old != folder:
             shutil.rmtree(old, ignore_errors=True)

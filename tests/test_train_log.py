@@ -181,3 +181,64 @@ def test_a_run_in_out_is_refused_then_resumed_with_its_config_or_overwritten(
         "step-000001",
         "step-000002",
     ]
+
+
+def _files(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+def test_overwrite_removes_only_what_zeropipe_wrote(tmp_path: Path) -> None:
+    run = tmp_path
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    (run / "checkpoints" / "step-000002").mkdir(parents=True)
+    (run / "checkpoints" / "latest").write_text("step-000002\n")
+    (run / "checkpoints" / "step-000002-keep").mkdir()  # the user's copy
+    (run / "tensorboard").mkdir()
+    (run / "tensorboard" / "events.out.tfevents.1.vm.2.0").write_text("x")
+    (run / "tensorboard" / "my-notes.md").write_text("mine")
+    (run / "wandb" / "offline-run-20261128_010203-abc").mkdir(parents=True)
+    (run / "wandb" / "latest-run").symlink_to("offline-run-20261128_010203-abc")
+    (run / "loss.png").write_text("x")
+    (run / "notes.txt").write_text("mine")
+    train_log.check_run_dir(run, resume=False, overwrite=True)
+    assert _files(run) == [
+        "checkpoints", "checkpoints/step-000002-keep", "notes.txt", "tensorboard",
+        "tensorboard/my-notes.md",
+    ]  # fmt: skip
+
+
+def test_a_checkpoints_folder_of_another_program_is_never_touched(tmp_path: Path) -> None:
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "my_model.pt").write_text("weights")
+    (tmp_path / "tensorboard").mkdir()
+    (tmp_path / "tensorboard" / "events.out.tfevents.1").write_text("x")
+    before = _files(tmp_path)
+    for overwrite in (False, True):
+        with pytest.raises(
+            ZeropipeError, match=r"has a checkpoints/ folder that is not zeropipe's"
+        ):
+            train_log.check_run_dir(tmp_path, resume=False, overwrite=overwrite)
+    assert _files(tmp_path) == before
+
+
+def test_an_out_in_a_checkpoint_folder_is_refused(tmp_path: Path) -> None:
+    ckpts = tmp_path / "run" / "checkpoints"
+    (ckpts / "step-000002").mkdir(parents=True)
+    (ckpts / "latest").write_text("step-000002\n")
+    (ckpts / "step-000002" / "manifest.json").write_text('{"format": 2, "files": {}}\n')
+    for out, words in (
+        (ckpts, "is /"),
+        (ckpts / "step-000002", "is /"),
+        (ckpts / "step-000002" / "nested", "is inside /"),
+        (ckpts / "mine", "is inside /"),
+    ):
+        for flags in ((False, False), (False, True), (True, False)):
+            with pytest.raises(ZeropipeError, match=r"a zeropipe checkpoint folder") as caught:
+                train_log.check_run_dir(out, *flags)
+            assert words in str(caught.value)
+    # files that merely share the names are not checkpoints
+    other = tmp_path / "web"
+    other.mkdir()
+    (other / "latest").write_text("v2\n")
+    (other / "manifest.json").write_text('{"name": "app"}\n')
+    train_log.check_run_dir(other / "run", resume=False, overwrite=False)

@@ -5,6 +5,7 @@
                         read or any run folder / checkpoints folder; an existing file
                         without ``--force``; for the folder form, a file where the folder
                         goes, or a non-empty folder without ``--force``
+    checkpoint_home(path) the checkpoint or checkpoints folder ``path`` is or sits in, if any
     is_export_file(name)  the names the folder form writes (config, weights, index,
                         tokenizer files): the only ones ``--force`` replaces or removes
     install(tmp, out)   move a finished export folder ``tmp`` onto ``out``: renamed whole
@@ -19,6 +20,7 @@ its manifest.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -27,7 +29,7 @@ from pathlib import Path
 from zeropipe.apps.run_lock import LOCK_FILE
 from zeropipe.core.errors import ZeropipeError
 
-__all__ = ["EXPORT_FILES", "check_target", "install", "is_export_file"]
+__all__ = ["EXPORT_FILES", "check_target", "checkpoint_home", "install", "is_export_file"]
 
 EXPORT_FILES = (
     "config.json",
@@ -42,10 +44,10 @@ EXPORT_FILES = (
     "generation_config.json",
 )
 _SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
-# What marks a folder as a run's (zeropipe train's --out), a checkpoints folder or a
-# checkpoint; export writes into none of them, nor anywhere inside the last two.
+# What marks a folder as a run's (zeropipe train's --out); a checkpoints folder or a
+# checkpoint is told by :func:`_checkpoint_marks`.  Export writes into none of them, nor
+# anywhere inside the last two.
 _RUN_MARKS = ("metrics.jsonl", "checkpoints", LOCK_FILE)
-_CHECKPOINT_MARKS = ("latest", "manifest.json")
 
 
 def is_export_file(name: str) -> bool:
@@ -68,7 +70,28 @@ def _protected(source: Path) -> list[tuple[Path, str, bool]]:
 
 
 def _checkpoint_marks(folder: Path) -> list[str]:
-    return [m for m in _CHECKPOINT_MARKS if (folder / m).is_file()]
+    """Which of ``latest`` (naming a step folder) and a zeropipe ``manifest.json`` (its
+    format and files) ``folder`` holds: both names are common, their contents are not."""
+    found = []
+    try:
+        latest = folder / "latest"
+        small = latest.is_file() and latest.stat().st_size < 64
+        if small and re.fullmatch(r"step-\d{6,}", latest.read_text().strip()):
+            found.append("latest")
+        manifest = folder / "manifest.json"
+        if manifest.is_file():
+            record = json.loads(manifest.read_text())
+            if isinstance(record, dict) and {"format", "files"} <= record.keys():
+                found.append("manifest.json")
+    except (OSError, ValueError):
+        pass  # unreadable: not one we can recognise as a checkpoint's
+    return found
+
+
+def checkpoint_home(path: Path) -> Path | None:
+    """The checkpoint or checkpoints folder ``path`` is or sits inside (resolved), or None."""
+    resolved = path.absolute().resolve()
+    return next((p for p in (resolved, *resolved.parents) if _checkpoint_marks(p)), None)
 
 
 def _refuse_runs(out: Path, target: Path, source: Path) -> None:
@@ -95,13 +118,12 @@ def _refuse_runs(out: Path, target: Path, source: Path) -> None:
                 f"({', '.join(marks)}); export never writes into one, even with --force; "
                 f"give another path{hint}"
             )
-    for above in target.parents:
-        marks = _checkpoint_marks(above)
-        if marks:
-            raise ZeropipeError(
-                f"cannot export to {out}: it is inside {above}, a checkpoint folder "
-                f"({', '.join(marks)}); give a path outside it"
-            )
+    home = checkpoint_home(target.parent)
+    if home is not None:
+        raise ZeropipeError(
+            f"cannot export to {out}: it is inside {home}, a checkpoint folder "
+            f"({', '.join(_checkpoint_marks(home))}); give a path outside it"
+        )
 
 
 def check_target(out: Path, source: Path, force: bool, folder_form: bool) -> None:

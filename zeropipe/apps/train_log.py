@@ -20,11 +20,13 @@ given with its default value.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import difflib
 import importlib
 import json
 import os
+import re
 import shutil
 import statistics
 import sys
@@ -32,12 +34,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from zeropipe.apps.export_target import checkpoint_home
 from zeropipe.apps.train_resume import NOT_FLAGS
 from zeropipe.core.errors import ZeropipeError
 
 __all__ = [
     "LOGGERS",
     "RUN_FILES",
+    "RUN_FOLDERS",
     "RunLog",
     "add_run_arguments",
     "check_loggers",
@@ -48,18 +52,21 @@ __all__ = [
     "settings_from",
 ]
 
-# What zeropipe train writes in --out: what --overwrite removes, and nothing else.
-RUN_FILES = (
-    "metrics.jsonl",
-    "checkpoints",
-    "timeline.png",
-    "loss.png",
-    "trace.json",
-    "tensorboard",
-    "wandb",
-)
-# A folder holding one of these holds a run: it is continued or replaced, never mixed into.
-_RUN_MARKS = ("metrics.jsonl", "checkpoints")
+# What zeropipe train writes in --out.  --overwrite removes these files, and in these
+# folders only the entries whose names zeropipe's writers give them (the folder itself
+# only once nothing else is left in it): never anything of the user's.
+RUN_FILES = ("metrics.jsonl", "timeline.png", "loss.png", "trace.json")
+RUN_FOLDERS: dict[str, tuple[str, ...]] = {
+    "checkpoints": (
+        r"latest",
+        r"step-\d{6,}",
+        r"\.step-\d{6,}\.(partial|old)",
+        r"\.latest\.tmp-\d+",
+    ),
+    "tensorboard": (r"events\.out\.tfevents\..*",),
+    "wandb": (r"offline-run-.*", r"run-.*", r"latest-run", r"debug.*\.log"),
+}
+
 
 # --log's sinks: name -> (module that must import, the pip line that installs it).
 LOGGERS: dict[str, tuple[str, str] | None] = {
@@ -69,29 +76,75 @@ LOGGERS: dict[str, tuple[str, str] | None] = {
 }
 
 
+def _ours(folder: str, name: str) -> bool:
+    return any(re.fullmatch(pattern, name) for pattern in RUN_FOLDERS[folder])
+
+
+def _run_marks(path: Path) -> list[str]:
+    """What in ``path`` says a zeropipe run is there: its metrics, or a checkpoints folder of
+    zeropipe's (``latest``, or a ``step-NNNNNN`` folder)."""
+    found = ["metrics.jsonl"] if (path / "metrics.jsonl").exists() else []
+    ckpts = path / "checkpoints"
+    if ckpts.is_dir() and any(_ours("checkpoints", p.name) for p in ckpts.iterdir()):
+        found.append("checkpoints/")
+    return found
+
+
+def _refuse_foreign_places(out: str | Path, path: Path) -> None:
+    """An --out in a checkpoint or checkpoints folder (its run would delete it with its own
+    pruning, or mix into it), or whose checkpoints/ is another program's."""
+    home = checkpoint_home(path)
+    if home is not None:
+        raise ZeropipeError(
+            f"--out {out} is {'' if home == path.absolute().resolve() else 'inside '}{home}, a "
+            f"zeropipe checkpoint folder; give an --out outside it"
+        )
+    ckpts = path / "checkpoints"
+    if ckpts.exists() and not ckpts.is_dir():
+        raise ZeropipeError(f"--out {out} has a file named checkpoints; give another --out")
+    foreign = sorted(p.name for p in ckpts.iterdir()) if ckpts.is_dir() else []
+    if foreign and not any(_ours("checkpoints", name) for name in foreign):
+        raise ZeropipeError(
+            f"--out {out} has a checkpoints/ folder that is not zeropipe's (it holds "
+            f"{', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}); give another --out"
+        )
+
+
 def check_run_dir(out: str | Path, resume: bool, overwrite: bool) -> None:
     """Refuse (one line) a ``--out`` that holds a run, unless it is resumed or overwritten;
-    with ``overwrite``, remove the run's own files (:data:`RUN_FILES`) and nothing else."""
+    with ``overwrite``, remove the run's own files (see :data:`RUN_FOLDERS`) and nothing
+    else.  An ``--out`` in a checkpoint folder, or whose checkpoints/ is not zeropipe's, is
+    refused whatever the flags."""
     if resume and overwrite:
         raise ZeropipeError(
             "--resume continues the run in --out and --overwrite replaces it; pass one of them"
         )
     path = Path(out)
-    found = [name for name in _RUN_MARKS if (path / name).exists()]
+    _refuse_foreign_places(out, path)
+    found = _run_marks(path)
     if not found or resume:
         return
     if not overwrite:
-        held = " and ".join(f + ("/" if (path / f).is_dir() else "") for f in found)
         raise ZeropipeError(
-            f"--out {out} already holds a run ({held}); pass --resume to continue it or "
-            f"--overwrite to replace it, or give another --out"
+            f"--out {out} already holds a run ({' and '.join(found)}); pass --resume to "
+            f"continue it or --overwrite to replace it, or give another --out"
         )
     for name in RUN_FILES:
-        target = path / name
-        if target.is_dir() and not target.is_symlink():
-            shutil.rmtree(target)
-        elif target.exists() or target.is_symlink():
-            target.unlink()
+        if (path / name).is_file() or (path / name).is_symlink():
+            (path / name).unlink()
+    for folder in RUN_FOLDERS:
+        here = path / folder
+        if not here.is_dir() or here.is_symlink():
+            continue
+        for entry in here.iterdir():
+            if not _ours(folder, entry.name):
+                continue
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+        with contextlib.suppress(OSError):  # kept where something of the user's is left
+            here.rmdir()
 
 
 def check_loggers(spec: str) -> list[str]:
@@ -244,8 +297,8 @@ def add_run_arguments(parser: Any, config_type: type) -> None:
     parser.add_argument(
         "--overwrite",
         action="store_true",
-        help="replace the run in --out (its metrics.jsonl, checkpoints/, pictures, trace, "
-        "tensorboard/ and wandb/; nothing else) instead of refusing it",
+        help="replace the run in --out (its metrics.jsonl, pictures, trace, and what it wrote "
+        "in checkpoints/, tensorboard/ and wandb/; nothing else) instead of refusing it",
     )
     parser.add_argument(
         "--log",

@@ -26,8 +26,9 @@ of a (pp, dp, tp) mesh -- and leaves in ``--out``::
 The launcher holds ``--out``'s lock (:mod:`zeropipe.apps.run_lock`) for the
 whole run, so a second run on the same folder is refused at once.  An ``--out``
 that already holds a run (metrics.jsonl or checkpoints/) is refused unless
-``--resume`` continues it or ``--overwrite`` replaces it (removing only the
-files above).  ``--config FILE.toml`` gives the flags'
+``--resume`` continues it or ``--overwrite`` replaces it (removing only what a
+run writes: the files above, and in its folders only entries of their names);
+an ``--out`` inside a checkpoint folder is refused.  ``--config FILE.toml`` gives the flags'
 settings from a file, the flags on the command line overriding it; rank 0
 prints the layout, the model's size and, resumed, the checkpoint it continues
 from, then a progress line with an ETA (:mod:`zeropipe.apps.train_log`).

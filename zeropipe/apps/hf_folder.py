@@ -38,6 +38,7 @@ import json
 import os
 import re
 import shutil
+import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -296,11 +297,12 @@ def _recompute_buffers(stages: Sequence[nn.Module], device: str | torch.device) 
 # -- out: zeropipe export ---------------------------------------------------------------
 def _size(text: str) -> int:
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B?|B)?\s*", text, re.IGNORECASE)
-    if m is None or float(m.group(1)) <= 0:
-        raise ZeropipeError(f"--shard-size {text!r}: give bytes, e.g. 2GB, 500MB or 1000000")
-    unit = (m.group(2) or "B").upper().rstrip("B") or "B"
+    unit = "B" if m is None else (m.group(2) or "B").upper().rstrip("B") or "B"
     scale = {"B": 1, "K": 10**3, "M": 10**6, "G": 10**9, "KI": 2**10, "MI": 2**20, "GI": 2**30}
-    return int(float(m.group(1)) * scale[unit])
+    size = 0 if m is None else int(float(m.group(1)) * scale[unit])
+    if size < 1:  # 0.0000001 too: less than a byte
+        raise ZeropipeError(f"--shard-size {text!r}: give bytes, e.g. 2GB, 500MB or 1000000")
+    return size
 
 
 def add_export_arguments(parser: Any) -> None:
@@ -319,8 +321,8 @@ def add_export_arguments(parser: Any) -> None:
     )
     parser.add_argument(
         "--shard-size",
-        default="2GB",
-        help="largest safetensors shard (default 2GB); more tensors than that: "
+        default=None,
+        help="largest safetensors shard of an OUT_DIR (default 2GB); more tensors than that: "
         "model-0000k-of-0000N.safetensors and model.safetensors.index.json",
     )
     parser.add_argument(
@@ -341,19 +343,29 @@ def add_export_arguments(parser: Any) -> None:
 
 def run_export(args: Any) -> int:
     """``zeropipe export``: an HF folder, or one safetensors file for an OUT ending so."""
-    out = Path(args.out)
-    if out.suffix == ".safetensors":
-        from zeropipe.apps import train_state
+    from zeropipe.apps import train_state
 
-        folder, count = train_state.export_safetensors(Path(args.checkpoint), out, args.force)
+    out = Path(args.out)
+    shard_bytes = _size("2GB" if args.shard_size is None else args.shard_size)
+    single = out.suffix == ".safetensors"
+    if single and args.shard_size is not None:
+        raise ZeropipeError(
+            "--shard-size splits a folder OUT_DIR's safetensors; a .safetensors OUT is one "
+            "file: leave --shard-size out, or name a folder to write a sharded one"
+        )
+    notes: list[str] = []
+    source = train_state.checkpoint_folder(Path(args.checkpoint), notes.append)
+    for why in notes:
+        print(
+            f"zeropipe export: {why}; exporting {source.name}, the newest complete checkpoint",
+            file=sys.stderr,
+        )
+    if single:
+        folder, count = train_state.export_safetensors(source, out, args.force)
         print(f"wrote {out}: {count} tensors from {folder}")
         return 0
     folder, files = export_hf_folder(
-        Path(args.checkpoint),
-        out,
-        shard_bytes=_size(args.shard_size),
-        force=args.force,
-        config_dir=args.config,
+        source, out, shard_bytes=shard_bytes, force=args.force, config_dir=args.config
     )
     print(f"wrote {out}: {', '.join(files)} from {folder}")
     return 0

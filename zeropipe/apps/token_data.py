@@ -70,7 +70,7 @@ from torch import Tensor
 
 from zeropipe.core.errors import ZeropipeError
 
-__all__ = ["TokenData", "changed_files", "data_vocab"]
+__all__ = ["TokenData", "changed_files", "data_paths", "data_vocab"]
 
 # Bump when the token file or its json changes meaning: old caches then miss, not mislead.
 # 2: the json holds the token file's sha256 (what a checkpoint records of its data).
@@ -278,6 +278,24 @@ def _readers() -> tuple[Callable[..., list[Path]], Callable[..., Iterator[str]]]
     from zeropipe.apps.tokenizer import data_files, iter_documents
 
     return data_files, iter_documents
+
+
+def data_paths(spec: str) -> list[str]:
+    """``zeropipe train --data``'s paths: the whole value when it names a file or folder that
+    exists (a name may hold a comma), else its comma-separated pieces; a piece that does not
+    exist is refused in one line that says the value was read as a comma list."""
+    if Path(spec).exists():
+        return [spec]
+    pieces = [p for p in spec.split(",") if p.strip()]
+    if len(pieces) > 1:
+        for piece in pieces:
+            if not Path(piece).exists():
+                raise ZeropipeError(
+                    f"--data {piece} does not exist: --data is a comma-separated list, and "
+                    f"{spec!r} was read as {len(pieces)} paths (no file or folder is named "
+                    f"{spec!r} either); give existing files or folders, separated by commas"
+                )
+    return pieces
 
 
 def changed_files(then: Sequence[Sequence[Any]], now: Sequence[Sequence[Any]]) -> list[str]:

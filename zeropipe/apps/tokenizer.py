@@ -382,6 +382,7 @@ def train_tokenizer(
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ZeropipeError(f"--out {out} is a file; give a folder")
+    _check_out_beside(out, files)
     if (out / _TOKENIZER).exists() and not force:
         raise ZeropipeError(
             f"--out {out} already holds a {_TOKENIZER}; give another folder or --force"
@@ -435,6 +436,24 @@ def train_tokenizer(
         f"{time.monotonic() - started:.1f} s"
     )
     return result
+
+
+def _check_out_beside(out: Path, files: Sequence[str | os.PathLike[str]]) -> None:
+    """Refuse an ``out`` that is, or is inside, a --data folder: the next training on that
+    folder would read the tokenizer's own .json files as documents, and fail on them."""
+    where = out.resolve()
+    for given in files:
+        folder = Path(given)
+        if not folder.is_dir():
+            continue
+        inside = folder.resolve()
+        if where == inside or inside in where.parents:
+            relation = "is" if where == inside else "is inside"
+            raise ZeropipeError(
+                f"--out {out} {relation} the --data folder {folder}: the tokenizer's files "
+                f"would be read as documents the next time {folder} is read; give another "
+                f"--out, outside it"
+            )
 
 
 class _Reader:

@@ -21,6 +21,7 @@ The settings come as any dataclass with the fields of
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -104,7 +105,15 @@ def check_resume(cfg: Any, warn: bool = True) -> None:
     with a warning on stderr (``warn``).
     """
     root = Path(cfg.out) / "checkpoints"
-    manifest = train_state.verify(root)
+    step, why = train_state.newest_complete(root)
+    if why is not None and warn:
+        print(
+            f"zeropipe: {why}; resuming from {train_state.step_dir(root, step or 0).name}, "
+            f"the newest complete checkpoint",
+            file=sys.stderr,
+        )
+    manifest = train_state.verify(root, step)
+    _metric_rows(Path(cfg.out) / "metrics.jsonl")  # a bad row is refused before any rank starts
     if manifest is None:
         if warn:
             print(
@@ -218,13 +227,20 @@ def _check_steps(root: Path, step: int | None, cfg: Any) -> None:
 def kept_checkpoint(cfg: Any) -> str:
     """What a run that ended early left to resume from, in words."""
     root = Path(cfg.out) / "checkpoints"
-    latest = train_state.latest_step(root)
-    if latest is None:
+    kept = _kept(root, "names")
+    if kept is None:
         return f"no checkpoint was saved in {root}"
-    return (
-        f"{root / 'latest'} names {train_state.step_dir(root, latest).name}; run the same "
-        f"command with --resume to go on from it"
-    )
+    return f"{kept}; run the same command with --resume to go on from it"
+
+
+def _kept(root: Path, names: str) -> str | None:
+    """Which checkpoint a resume would start from, in words: the one ``latest`` ``names``,
+    or the newest complete one where ``latest`` is gone; None when there is none."""
+    latest, why = train_state.newest_complete(root)
+    if latest is None:
+        return None
+    folder = train_state.step_dir(root, latest).name
+    return f"{root / 'latest'} {names} {folder}" if why is None else f"{why}: {folder} is kept"
 
 
 def save(
@@ -308,12 +324,7 @@ def non_finite_message(event: dict[str, Any], cfg: Any) -> str:
             f"the weights became non-finite in the update of step {step} "
             f"(its loss, {event['loss']:.4g}, was still finite)"
         )
-    latest = train_state.latest_step(root)
-    kept = (
-        f"{root / 'latest'} still names {train_state.step_dir(root, latest).name}"
-        if latest is not None
-        else f"no checkpoint was saved in {root}"
-    )
+    kept = _kept(root, "still names") or f"no checkpoint was saved in {root}"
     return (
         f"{what}; stopped without saving it: {kept}. Resuming would repeat it (resume is "
         f"exact): lower --lr (it is {cfg.lr:g}) and start a new --out"
@@ -322,14 +333,62 @@ def non_finite_message(event: dict[str, Any], cfg: Any) -> str:
 
 def trim_metrics(path: Path, start: int) -> bool:
     """On resume, drop metrics of steps after the checkpoint (they will be redone); whether
-    a row kept holds the eval loss at step ``start`` (a run that ended there scored it)."""
+    a row kept holds the eval loss at step ``start`` (a run that ended there scored it).
+
+    A torn last line (a run killed, or a disk filled, while writing it) is dropped with a
+    note on stderr; a bad line before it is refused (:func:`_metric_rows`).  The file is
+    rewritten whole or not at all, so a kill here loses no row.
+    """
     if not path.exists():
         return False
     if start == 0:
         path.unlink()
         return False
-    rows = [line for line in path.read_text().splitlines() if line.strip()]
-    keep = [(line, json.loads(line)) for line in rows]
-    keep = [(line, row) for line, row in keep if row["step"] <= start]
-    path.write_text("".join(line + "\n" for line, _ in keep))
+    rows, torn = _metric_rows(path)
+    if torn is not None:
+        print(
+            f"zeropipe train: dropped the torn last line of {path} (line {torn}: cut short "
+            f"as a killed run or a full disk leaves it)",
+            file=sys.stderr,
+        )
+    keep = [(line, row) for line, row in rows if row["step"] <= start]
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_bytes(b"".join(line + b"\n" for line, _ in keep))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return any(row["step"] == start and "eval_loss" in row for _, row in keep)
+
+
+def _metric_rows(path: Path) -> tuple[list[tuple[bytes, dict[str, Any]]], int | None]:
+    """metrics.jsonl's rows (each line as written, and read), and the number of its last
+    line when that line is torn (not a row: left out).  A line before it that is not a row
+    did not come from a crash: a :class:`ZeropipeError` names it."""
+    if not path.exists():
+        return [], None
+    numbered = [(n, line) for n, line in enumerate(path.read_bytes().split(b"\n"), 1)]
+    numbered = [(n, line) for n, line in numbered if line.strip()]
+    rows = []
+    for i, (number, line) in enumerate(numbered):
+        row = _metric_row(line)
+        if row is not None:
+            rows.append((line, row))
+        elif i == len(numbered) - 1:
+            return rows, number
+        else:
+            raise ZeropipeError(
+                f"--resume: {path}, line {number} is not a metrics row (a JSON object with an "
+                f"integer step), and only a last line is torn by a crash; remove that line, or "
+                f"start the run over with --overwrite"
+            )
+    return rows, None
+
+
+def _metric_row(line: bytes) -> dict[str, Any] | None:
+    try:
+        row = json.loads(line.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return None
+    step = row.get("step") if isinstance(row, dict) else None
+    return row if isinstance(step, int) and not isinstance(step, bool) else None

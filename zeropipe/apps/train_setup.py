@@ -57,7 +57,7 @@ from zeropipe.apps.models.hf import (
     hf_config,
     with_blocks,
 )
-from zeropipe.apps.token_data import TokenData, data_vocab
+from zeropipe.apps.token_data import TokenData, data_paths, data_vocab
 from zeropipe.core.errors import ZeropipeError
 from zeropipe.planning.balance import even_cut
 
@@ -366,7 +366,7 @@ def load_corpus(cfg: ModelSettings) -> Corpus | TokenData:
 
     tokenizer = TextTokenizer.load(cfg.tokenizer) if cfg.tokenizer is not None else None
     return TokenData.build(
-        [p for p in cfg.data.split(",") if p.strip()],
+        data_paths(cfg.data),
         tokenizer=tokenizer,
         seq=cfg.seq,
         cache_dir=data_cache(cfg.data_cache),

@@ -60,6 +60,7 @@ __all__ = [
     "export_safetensors",
     "latest_step",
     "load_rank",
+    "newest_complete",
     "point_latest",
     "publish",
     "read_manifest",
@@ -209,14 +210,19 @@ def save_step(
         point_latest(root, step, keep)
 
 
-def checkpoint_folder(source: Path) -> Path:
-    """The DCP checkpoint folder ``source`` names: itself (it has a manifest), the one
-    ``source/latest`` names, or the one ``source/checkpoints/latest`` names (a train --out)."""
+def checkpoint_folder(source: Path, note: Callable[[str], None] | None = None) -> Path:
+    """The DCP checkpoint folder ``source`` names: itself (it has a manifest), the newest
+    complete one of ``source`` or of ``source/checkpoints`` (a train --out) -- the one their
+    ``latest`` names, or, without it, the one :func:`newest_complete` finds, which ``note``
+    is told why (e.g. "DIR/latest is missing")."""
     if (source / MANIFEST).exists():
         return source
     for root in (source, source / "checkpoints"):
-        if (root / "latest").exists():
-            return step_dir(root, _resolve(root, None))
+        if (root / "latest").exists() or _step_folders(root):
+            step, why = newest_complete(root)
+            if why is not None and note is not None:
+                note(why)
+            return step_dir(root, _resolve(root, step))
     raise CheckpointError(
         f"{source} is not a checkpoint: it has no {MANIFEST}, no 'latest' and no "
         f"checkpoints/latest; give a step-NNNNNN folder, a checkpoints folder or a train --out"
@@ -283,22 +289,62 @@ def export_safetensors(source: Path, out: Path, force: bool = False) -> tuple[Pa
 
 
 def latest_step(root: Path) -> int | None:
-    """The step of the newest complete checkpoint, or None if there is none."""
+    """The step of the newest complete checkpoint (:func:`newest_complete`), or None if
+    there is none."""
+    return newest_complete(root)[0]
+
+
+def newest_complete(root: Path) -> tuple[int | None, str | None]:
+    """The step of the newest complete checkpoint in ``root``, and why it is not the one
+    ``latest`` names (None when it is).
+
+    ``latest`` is written last, so it names the newest complete checkpoint; when it is
+    missing (deleted, or lost with a disk) or names a folder that is gone, the newest
+    step-NNNNNN folder whose files verify against its manifest is the one instead.
+    ``(None, None)``: neither.  A dangling name with no folder to take instead is returned
+    as it is, so that reading it says the folder is gone.
+    """
     pointer = root / "latest"
-    if not pointer.exists():
-        return None
-    name = pointer.read_text().strip()
-    try:
-        return int(name.removeprefix("step-"))
-    except ValueError:
-        raise CheckpointError(f"{pointer} names {name!r}, not a step-NNNNNN folder") from None
+    named = None
+    if pointer.exists():
+        name = pointer.read_text().strip()
+        try:
+            named = int(name.removeprefix("step-"))
+        except ValueError:
+            raise CheckpointError(f"{pointer} names {name!r}, not a step-NNNNNN folder") from None
+        if step_dir(root, named).is_dir():
+            return named, None
+    found = next((step for step in _step_folders(root) if _intact(root, step)), None)
+    if found is None:
+        return named, None
+    why = (
+        "is missing"
+        if named is None
+        else f"names {step_dir(root, named).name}, which does not exist"
+    )
+    return found, f"{pointer} {why}"
+
+
+def _step_folders(root: Path) -> list[int]:
+    """The steps of the folders in ``root`` named as :func:`step_dir` names them, newest
+    first (a ``step-2`` or ``step-000002.bak`` is someone else's)."""
+    steps = []
+    for path in root.glob("step-*"):
+        digits = path.name.removeprefix("step-")
+        canonical = digits.isascii() and digits.isdigit()
+        if canonical and path.name == step_dir(root, int(digits)).name and path.is_dir():
+            steps.append(int(digits))
+    return sorted(steps, reverse=True)
 
 
 def _resolve(root: Path, step: int | None) -> int:
     if step is None:
         step = latest_step(root)
         if step is None:
-            raise CheckpointError(f"no checkpoint to resume from in {root} (no 'latest' file)")
+            raise CheckpointError(
+                f"no checkpoint to resume from in {root} (no 'latest' file, and no "
+                f"step-NNNNNN folder in it verifies)"
+            )
     return step
 
 

@@ -112,7 +112,7 @@ def check_resume(cfg: Any, warn: bool = True) -> None:
             f"the newest complete checkpoint",
             file=sys.stderr,
         )
-    manifest = train_state.verify(root, step)
+    manifest = train_state.verify(root)  # the same checkpoint: newest_complete decides both
     _metric_rows(Path(cfg.out) / "metrics.jsonl")  # a bad row is refused before any rank starts
     if manifest is None:
         if warn:

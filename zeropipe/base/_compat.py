@@ -44,6 +44,10 @@ What is private, and why zeropipe needs it:
 ``AllGather``, ``ReduceScatter``   collectives (not exported publicly): the
                                    pipeline posts them itself, so a failed
                                    peer ends the wait within its time limit
+``OptimizedModule._orig_mod``      the module ``torch.compile(module)`` wraps:
+                                   a compiled stage's submodules are named on
+                                   it (layer seeding), its forward still runs
+                                   compiled
 ``ProcessGroup.send`` / ``.recv``  public, but the low-level call beneath
                                    ``dist.isend`` / ``dist.irecv`` (a list of
                                    tensors, the peer as a rank of the group):
@@ -94,6 +98,7 @@ __all__ = [
     "thread_sequence_nr",
     "top_saved_tensors_hooks",
     "torch_version_checked",
+    "uncompiled",
 ]
 
 TORCH_VERSIONS_CHECKED: tuple[str, ...] = ("2.13.0",)
@@ -181,6 +186,27 @@ def top_saved_tensors_hooks() -> tuple[Callable[..., Any], Callable[..., Any]] |
         return None
     hooks = fn(True)
     return None if hooks is None else (hooks[0], hooks[1])
+
+
+# --- torch.compile'd modules -----------------------------------------------
+
+
+def uncompiled(module: torch.nn.Module) -> torch.nn.Module:
+    """The module ``torch.compile(module)`` wrapped (itself when it is not a compiled one).
+
+    ``torch.compile`` returns an ``OptimizedModule`` holding the original as its
+    ``_orig_mod`` submodule (so its submodules' names gain an ``_orig_mod.``
+    prefix), as it has since torch 2.0; run on 2.13.  Never imports ``torch._dynamo``
+    (seconds): a module can only have been compiled once it is imported.
+    """
+    frame = sys.modules.get("torch._dynamo.eval_frame")
+    compiled = getattr(frame, "OptimizedModule", None)
+    while compiled is not None and isinstance(module, compiled):
+        inner = module.__dict__.get("_modules", {}).get("_orig_mod")
+        if not isinstance(inner, torch.nn.Module):
+            break
+        module = inner
+    return module
 
 
 # --- accelerator streams ----------------------------------------------------

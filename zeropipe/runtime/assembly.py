@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from zeropipe.autograd.split import prepare_split, split_linears
+from zeropipe.base import _compat
 from zeropipe.base.device import make_current, resolve_device, single_device
 from zeropipe.core.build import check_count
 from zeropipe.core.errors import PipelineError, ScheduleError
@@ -37,6 +38,7 @@ __all__ = [
     "Where",
     "build_stages",
     "check_call",
+    "check_materialised",
     "check_same_pipeline",
     "check_stages",
     "compute_device",
@@ -67,10 +69,17 @@ def prepare_linears(stages: dict[int, Stage], schedule: Schedule) -> None:
     """Record the stages' linears for split backward where the split buys something.
 
     Every linear of a stage whose backward the schedule splits (runs I or W of);
-    on a stage that only runs B, those of at least ``PLAIN_BELOW_BYTES``.
+    on a stage that only runs B, those of at least ``PLAIN_BELOW_BYTES``.  None of a
+    ``torch.compile``'d stage module: dynamo traces a linear's backward when it
+    compiles the forward, so W could defer nothing; its weight gradients come in I.
     """
     split = {a.stage for acts in schedule.actions for a in acts if a.kind in (Kind.I, Kind.W)}
     for s, stage in stages.items():
+        if _compat.uncompiled(stage.module) is not stage.module:
+            # Left plain rather than traced: a recorded linear's forward is an object dynamo
+            # guards on by identity, which recompiles the stage for every layer.
+            stage.linears = ()
+            continue
         prepare_split(stage.module, min_weight_bytes=0 if s in split else PLAIN_BELOW_BYTES)
         stage.linears = split_linears(stage.module, allow_plain=True)
 
@@ -315,6 +324,13 @@ def named_ranks(
 
 def check_stages(stages: object) -> None:
     """Refuse, in one line, a ``stages`` argument that is neither cut nor cuttable."""
+    inner = _compat.uncompiled(stages) if isinstance(stages, nn.Module) else stages
+    if inner is not stages and isinstance(inner, nn.Sequential):  # compiled whole: uncuttable
+        raise PipelineError(
+            "Pipeline got a torch.compile'd nn.Sequential, which it cannot cut into stages: "
+            "compile each stage instead, Pipeline([torch.compile(s) for s in "
+            "zeropipe.split(model, n)], schedule, loss_fn)"
+        )
     if isinstance(stages, nn.Sequential) or (
         isinstance(stages, Sequence | nn.ModuleList) and not isinstance(stages, str)
     ):
@@ -368,6 +384,34 @@ def check_call(args: tuple[object, ...], kwargs: dict[str, object]) -> None:
             f"loss_fn must be callable, got {type(loss_fn).__name__} {loss_fn!r}; the third "
             f"positional argument is loss_fn (microbatches= is a keyword)"
         )
+    if isinstance(loss_fn, type):  # calling a class builds a module, never a loss
+        short = loss_fn.__qualname__
+        where = f"{loss_fn.__module__}.{short}"
+        if getattr(nn, short, None) is loss_fn:  # torch's own, spelt as users import it
+            where, short = f"torch.nn.{short}", f"nn.{short}"
+        raise PipelineError(
+            f"loss_fn is the class {where}, not a loss: pass an instance, {short}()"
+        )
+
+
+def check_materialised(stages: dict[int, Stage]) -> None:
+    """Refuse a stage this process runs whose parameters or buffers are on the meta device.
+
+    Only this process's stages: a rank that builds the model on meta may materialise just
+    its own stages (``zeropipe train --model-path`` does), and the others stay on meta.
+    """
+    for s, stage in sorted(stages.items()):
+        module = _compat.uncompiled(stage.module)
+        named = [("parameter", *p) for p in module.named_parameters()]
+        named += [("buffer", *b) for b in module.named_buffers()]
+        meta = next(((what, name) for what, name, t in named if t.is_meta), None)
+        if meta is not None:
+            raise PipelineError(
+                f"stage {s}'s {meta[0]} {meta[1]!r} is on the meta device (the model was built "
+                f"under torch.device('meta')?), which holds no values to compute with: "
+                f"materialise it first, model.to_empty(device=...) then initialise it "
+                f"(reset_parameters()) or model.load_state_dict(...)"
+            )
 
 
 def build_stages(

@@ -35,6 +35,7 @@ from zeropipe.core.ir import Kind, Schedule
 from zeropipe.core.simulate import Event, Timeline
 from zeropipe.runtime.assembly import (
     build_stages,
+    check_materialised,
     check_same_pipeline,
     check_stages,
     compute_device,
@@ -186,6 +187,7 @@ class Pipeline:
             else range(self.schedule.num_stages)
         )
         self.stages = {s: self.all_stages[s] for s in mine}
+        check_materialised(self.stages)  # only this process's: other ranks' may stay on meta
         # Deferred BatchNorms update their running statistics once per step (batch_norm.py).
         self.norms = DeferredNorms({s: stage.module for s, stage in self.stages.items()})
         self.device = compute_device(

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from zeropipe.autograd.split import WeightGradStash
+from zeropipe.base import _compat
 from zeropipe.base.device import autocast
 from zeropipe.core.errors import PipelineError
 from zeropipe.runtime.rng import seeded
@@ -79,13 +80,20 @@ def seed_layers(module: nn.Module, keys: Mapping[str, int]) -> nn.Module:
     masks do not depend on how the model is cut into stages.  Randomness drawn
     outside the named submodules is still seeded by the stage index.
     """
-    setattr(module, LAYER_KEYS, dict(keys))
+    # On a torch.compile'd module: on the module it wraps, whose submodules the names name.
+    setattr(_compat.uncompiled(module), LAYER_KEYS, dict(keys))
     _keyed_modules(module, -1)  # checked now, where the mistake is made
     return module
 
 
 def _keyed_modules(module: nn.Module, index: int) -> tuple[tuple[int, nn.Module], ...]:
-    """The (layer index, submodule) pairs ``module`` names under ``LAYER_KEYS``, checked."""
+    """The (layer index, submodule) pairs ``module`` names under ``LAYER_KEYS``, checked.
+
+    A ``torch.compile``'d module's names are those of the module it wraps (its own
+    carry an ``_orig_mod.`` prefix); the hooks seeding them fire inside the compiled
+    forward.
+    """
+    module = _compat.uncompiled(module)
     keys: Any = getattr(module, LAYER_KEYS, None)
     if keys is None:
         return ()

@@ -29,12 +29,17 @@ from pathlib import Path
 from zeropipe.apps.run_lock import LOCK_FILE
 from zeropipe.core.errors import ZeropipeError
 
-__all__ = ["EXPORT_FILES", "check_target", "checkpoint_home", "install", "is_export_file"]
+__all__ = [
+    "EXPORT_FILES",
+    "TOKENIZER_FILES",
+    "check_target",
+    "checkpoint_home",
+    "install",
+    "is_export_file",
+]
 
-EXPORT_FILES = (
-    "config.json",
-    "model.safetensors",
-    "model.safetensors.index.json",
+# The tokenizer files a Hugging Face folder may hold, which export copies.
+TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
@@ -42,6 +47,12 @@ EXPORT_FILES = (
     "vocab.json",
     "merges.txt",
     "generation_config.json",
+)
+EXPORT_FILES = (
+    "config.json",
+    "model.safetensors",
+    "model.safetensors.index.json",
+    *TOKENIZER_FILES,
 )
 _SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 # What marks a folder as a run's (zeropipe train's --out); a checkpoints folder or a

@@ -47,12 +47,12 @@ import torch
 from torch import nn
 
 from zeropipe.apps import export_target
+from zeropipe.apps.export_target import TOKENIZER_FILES
 from zeropipe.apps.models.hf import ARCHITECTURES, build_hf
 from zeropipe.core.errors import ZeropipeError
 
 __all__ = [
     "INDEX",
-    "TOKENIZER_FILES",
     "add_export_arguments",
     "build_from_folder",
     "export_hf_folder",
@@ -66,15 +66,6 @@ __all__ = [
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "generation_config.json",
-)
 
 
 # -- in: --model-path -----------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Rough edges a new user met: each one now refused in one line naming the fix, or exact.
 
 - a schedule name of several chunks per rank given one rank's stages (zbv on 2 stages);
-- a plain ``loss_fn`` that returns a sum over its rows, taken for a mean;
+- a plain ``loss_fn`` that returns a sum over its rows, taken for a mean (microbatches of
+  one row included: each is probed with the next);
 - Ctrl-C while ``zeropipe.launch`` starts its ranks (tracebacks instead of one line).
 """
 
@@ -153,13 +154,76 @@ def test_a_zero_loss_cannot_tell_sum_from_mean_and_passes_probed_a_few_times() -
     assert counted.calls == 2 * M + 2 * min(probes, M), counted.calls
 
 
-def test_microbatches_of_one_row_are_not_probed() -> None:
-    pipe = Pipeline(mlp(layers=4), build_schedule("1f1b", ranks=2, microbatches=2), _squares)
+# Microbatches of one row: batch 4 in 4 microbatches, each probed with the next.
+def _one_row_pipe(loss_fn: Callable[[Tensor, Tensor], Tensor], model: nn.Sequential) -> Pipeline:
+    return Pipeline(model, build_schedule("1f1b", ranks=2, microbatches=4), loss_fn)
+
+
+def test_a_sum_over_microbatches_of_one_row_is_refused_probed_on_two_together() -> None:
+    model = mlp(layers=4)
     x, y = _batch()
-    pipe.step(x[:2], y[:2])  # one row per microbatch: a sum over it is its mean
-    assert pipe.loss is not None and pipe.loss.probes_left > 0
-    with pytest.raises(PipelineError, match="returns a sum over its microbatch's rows"):
-        pipe.step(x, y)  # the first microbatch of two rows is probed
+    pipe = _one_row_pipe(lambda o, t: F.mse_loss(o, t, reduction="sum"), model)
+    with pytest.raises(PipelineError) as err:
+        pipe.step(x[:4], y[:4])  # was silently scaled by 1/4: 7.47 for the batch's 29.87
+    message = str(err.value)
+    assert "\n" not in message
+    assert "loss_fn <lambda> returns a sum over its microbatch's rows" in message, message
+    assert "two microbatches together is the sum of theirs alone" in message, message
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_mean_over_microbatches_of_one_row_passes_one_pair_probe_and_stays_exact() -> None:
+    model = mlp(layers=4)
+    x, y = _batch()
+    x, y = x[:4], y[:4]
+    ref_loss, ref = reference(model, x, y, F.mse_loss, 4)
+    counted = _Counted(F.mse_loss)
+    pipe = _one_row_pipe(counted, model)
+    for step in range(2):
+        model.zero_grad(set_to_none=True)
+        loss = pipe.step(x, y)
+        assert abs(loss.item() - ref_loss.item()) <= 1e-10, step
+        assert assert_same_gradients(model.named_parameters(), ref) <= 1e-10
+    # one call per microbatch and step, and one on the first two microbatches together
+    assert counted.calls == 2 * 4 + 1, counted.calls
+    assert pipe.loss is not None and pipe.loss.probes_left == 0
+
+
+def test_pair_probes_that_cannot_tell_are_bounded() -> None:
+    counted = _Counted(lambda o, t: (o * 0).sum())
+    pipe = _one_row_pipe(counted, mlp(layers=4))
+    assert pipe.loss is not None
+    probes = pipe.loss.probes_left
+    x, y = _batch()
+    for _ in range(3):
+        assert pipe.step(x[:4], y[:4]).item() == 0.0
+    # two pairs a step, one call each, until the probes run out
+    assert pipe.loss.probes_left == 0
+    assert counted.calls == 3 * 4 + probes, counted.calls
+
+
+def test_a_one_row_microbatch_pairs_only_with_one_cut_alike() -> None:
+    """Shapes beyond dim 0 that differ cannot be concatenated: no call, no probe used; a pair
+    of tuple outputs is passed to loss_fn as a tuple, as the stage gives it."""
+    calls: list[object] = []
+
+    def summed(out: object, target: Tensor) -> Tensor:
+        calls.append(out)
+        parts = out if isinstance(out, tuple) else (out,)
+        return sum(((o - target) ** 2).sum() for o in parts)  # type: ignore[return-value]
+
+    contract = LossContract(summed)
+    left = contract.probes_left
+    one, two = torch.randn(1, 3), torch.randn(1, 4)
+    value = torch.zeros(())
+    assert not contract.probe_pair(summed, ((one,), one, value), ((two,), two, value))
+    assert calls == [] and contract.probes_left == left
+    a, b, t = torch.randn(1, 3), torch.randn(1, 3), torch.randn(1, 3)
+    kept = ((a, b), t, summed((a, b), t))
+    later = ((b, a), t, summed((b, a), t))
+    with pytest.raises(PipelineError, match="two microbatches together"):
+        contract.probe_pair(summed, kept, later)
+    assert isinstance(calls[-1], tuple) and calls[-1][0].shape == (2, 3)
 
 
 def test_the_probe_leaves_the_rng_state_and_the_graph_as_it_found_them() -> None:

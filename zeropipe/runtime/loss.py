@@ -51,9 +51,10 @@ microbatch nan is the whole batch's nan, and passes.  Other ignored targets
 cannot be seen, and are weighted by rows.  A scalar that is a *sum* over the
 microbatch's rows would be weighted as a mean, the step scaled by the rows: the
 first microbatch of two rows or more is probed (:meth:`LossContract.probe_mean`,
-``loss_fn`` on each half of the rows, without grad, the RNG state restored) and
-a sum is refused, naming the fix (a mean, a module with ``reduction = "sum"``,
-or ``(loss_sum, count)``).  Anything else this module cannot
+``loss_fn`` on each half of the rows, without grad, the RNG state restored), a
+microbatch of one row with the next one (``loss_fn`` once on the two concatenated,
+:meth:`LossContract.probe_pair`), and a sum is refused, naming the fix (a mean, a
+module with ``reduction = "sum"``, or ``(loss_sum, count)``).  Anything else this module cannot
 make exact (``reduction="none"``, a mean-reduced module it does not know) is
 refused too, saying what to pass instead.
 """
@@ -115,8 +116,9 @@ _IGNORE_INDEX = -100
 _SIGNED = (torch.int8, torch.int16, torch.int32, torch.int64)
 
 Weighting = Literal["items", "sum", "count", "rows"]
-# How many microbatches a scalar loss_fn is probed on, at most, while the probes cannot tell
-# a sum from a mean (a zero loss): each costs two calls of loss_fn on half a microbatch.
+Kept = tuple[tuple[Tensor, ...], Tensor, Tensor]  # a probed microbatch's outputs, target, value
+# How many probes a scalar loss_fn gets, at most, while they cannot tell a sum from a mean (a
+# zero loss): each costs two calls of loss_fn on half a microbatch, or one on a pair of them.
 _PROBES = 4
 
 
@@ -156,8 +158,8 @@ class LossContract:
         self.loss_count = loss_count
         self.autocast = autocast
         self.weighting = _weighting(loss_fn, loss_count)
-        # A scalar loss_fn is probed on the first microbatches it sees (two rows or more)
-        # until one tells a mean from a sum; a probe that cannot tell counts down.
+        # A scalar loss_fn is probed on the first microbatches it sees (a one-row one paired
+        # with the next) until one tells a mean from a sum; a probe that cannot tell counts down.
         self.probes_left = _PROBES if self.weighting == "rows" else 0
 
     def probe_mean(
@@ -167,27 +169,65 @@ class LossContract:
         a mean, it would scale the step's loss and gradients by the microbatch's rows.
 
         ``whole`` is ``fn(output, target)``; ``fn`` is run again on each half of the rows,
-        without grad, on detached outputs, with the RNG state restored, so nothing the
-        step computes changes.  Refused when ``whole`` is the halves' sum and not their
-        mean weighted by rows; a loss that is neither (a mask, a batch-level term) or
-        both (a zero loss) passes.
+        without grad, on detached outputs, with the RNG state restored, so nothing the step
+        computes changes.  Refused when ``whole`` is the halves' sum and not their mean
+        weighted by rows; a loss that is neither (a mask, a batch-level term) or both (a
+        zero loss) passes.
         """
-        outputs = output if isinstance(output, tuple) else (output,)
-        rows = target.shape[0] if target.dim() > 0 else 0
-        if rows < 2 or not all(isinstance(t, Tensor) and t.shape[:1] == (rows,) for t in outputs):
+        rows = _rows(output, target)
+        if rows < 2:
             return  # no two halves to compare, or target and output not cut alike: not a probe
-        verdict = _sum_or_mean(fn, output, target, whole, self.autocast)
-        self.probes_left = 0 if verdict is not None else self.probes_left - 1
-        if verdict != "sum":
+        outputs, first, several = _tensors(output), rows // 2, isinstance(output, tuple)
+        values = [
+            _probed(fn, several, tuple(t.detach()[c] for t in outputs), target[c], self.autocast)
+            for c in (slice(0, first), slice(first, rows))
+        ]
+        parts = [(first, values[0]), (rows - first, values[1])]
+        self._judge(fn, parts, float(whole.detach()), "the whole microbatch is the halves' sum")
+
+    def probe_pair(self, fn: LossFn, kept: Kept, later: Kept) -> bool:
+        """As :meth:`probe_mean`, for a microbatch of one row (``kept``: no halves): ``fn``
+        once on it and the ``later`` microbatch concatenated along dim 0, against their own
+        values (each ``(outputs, target, value)``, detached).  False, and nothing run, when
+        their shapes beyond dim 0 (or dtypes) differ."""
+        pairs = [*zip(kept[0], later[0], strict=False), (kept[1], later[1])]
+        if len(kept[0]) != len(later[0]) or any(
+            a.shape[1:] != b.shape[1:] or a.dtype != b.dtype for a, b in pairs
+        ):
+            return False
+        joined = [torch.cat(pair) for pair in pairs]
+        # Outputs as the stage gives them to loss_fn: a tuple only when there are several.
+        got = _probed(fn, len(joined) > 2, tuple(joined[:-1]), joined[-1], self.autocast)
+        parts = [(len(k[1]), float(k[2])) for k in (kept, later)]
+        self._judge(fn, parts, got, "two microbatches together is the sum of theirs alone")
+        return True
+
+    def _judge(
+        self, fn: LossFn, parts: list[tuple[int, float | None]], got: float | None, on: str
+    ) -> None:
+        """Refuse a sum: ``got``, the value on the rows of ``parts`` ((rows, value) each), is
+        their sum and not their mean weighted by rows.  A probe that cannot tell (or sees
+        neither) counts down; one that can ends the probing."""
+        values = [v for _, v in parts if v is not None and math.isfinite(v)]
+        self.probes_left -= 1
+        if got is None or not math.isfinite(got) or len(values) < len(parts):
+            return
+        summed, rows = sum(values), sum(r for r, _ in parts)
+        mean = sum(r * v for (r, _), v in zip(parts, values, strict=True)) / rows
+        # Loose enough for a loss computed in reduced precision, far tighter than the factor
+        # of about ``rows`` / 2 between a sum and a mean.
+        tol = 1e-3 * max(abs(summed), abs(mean), abs(got), 1e-12)
+        near_sum, near_mean = abs(got - summed) <= tol, abs(got - mean) <= tol
+        self.probes_left = 0 if near_sum != near_mean else self.probes_left
+        if not near_sum or near_mean:
             return
         name = getattr(fn, "__name__", type(fn).__name__)
         raise PipelineError(
-            f"loss_fn {name} returns a sum over its microbatch's rows (its value on the whole "
-            f"microbatch is the sum of its values on each half), but a function returning a "
-            f"scalar is weighted by rows as a mean, so the step's loss and gradients would be "
-            f"scaled by the rows; return the mean (reduction='mean'), or say it is a sum: "
-            f"an nn.Module with reduction = 'sum' (the step's loss is then the batch's sum), "
-            f"or (loss_sum, count) with Pipeline(loss_count=...)"
+            f"loss_fn {name} returns a sum over its microbatch's rows (its value on {on}), but "
+            f"a function returning a scalar is weighted by rows as a mean, so the step's loss "
+            f"and gradients would be scaled by the rows; return the mean (reduction='mean'), "
+            f"or say it is a sum: an nn.Module with reduction = 'sum' (the step's loss is then "
+            f"the batch's sum), or (loss_sum, count) with Pipeline(loss_count=...)"
         )
 
     def for_step(
@@ -254,6 +294,8 @@ class StepLoss:
     # A mean weighted by rows whose integer targets hold -100: refused at the first loss,
     # before any backward, once a tuple (which has a message of its own) is ruled out.
     ignored: bool = False
+    # A microbatch of one row awaiting the next, to probe a mean on the two (see _probe).
+    kept: Kept | None = None
 
     def compute(self, output: Tensor | tuple[Tensor, ...], target: Tensor, i: int) -> Tensor:
         """Microbatch ``i``'s loss as the weights expect it: its sum, or its mean for "rows"."""
@@ -284,8 +326,21 @@ class StepLoss:
                 _refuse_ignored(self.fn)
             self._check_mean(result, output, i)
             if contract.probes_left > 0:
-                contract.probe_mean(self.fn, output, target, result)
+                self._probe(output, target, result)
         return result
+
+    def _probe(self, output: Tensor | tuple[Tensor, ...], target: Tensor, value: Tensor) -> None:
+        """Probe a scalar loss_fn (:meth:`LossContract.probe_mean`): a microbatch of one row
+        is kept, detached, and probed with the next one (:meth:`LossContract.probe_pair`)."""
+        kept, self.kept = self.kept, None  # released once probed, whatever comes of it
+        rows, outputs = _rows(output, target), _tensors(output)
+        later = (tuple(t.detach() for t in outputs), target.detach(), value.detach())
+        if kept is not None and rows and self.contract.probe_pair(self.fn, kept, later):
+            return
+        if rows == 1:
+            self.kept = later
+        else:
+            self.contract.probe_mean(self.fn, output, target, value)
 
     def _check_mean(self, result: Tensor, output: object, i: int) -> None:
         """Refuse a mean over no items beside a finite one: the batch's mean would skip it.
@@ -353,43 +408,34 @@ class StepLoss:
         return result[0]
 
 
-def _sum_or_mean(
+def _tensors(output: Tensor | tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    return output if isinstance(output, tuple) else (output,)
+
+
+def _rows(output: Tensor | tuple[Tensor, ...], target: Tensor) -> int:
+    """The rows of a microbatch whose outputs and target are cut alike along dim 0, else 0."""
+    rows = target.shape[0] if target.dim() > 0 else 0
+    alike = all(isinstance(t, Tensor) and t.shape[:1] == (rows,) for t in _tensors(output))
+    return rows if alike else 0
+
+
+def _probed(
     fn: LossFn,
-    output: Tensor | tuple[Tensor, ...],
+    several: bool,
+    outputs: tuple[Tensor, ...],
     target: Tensor,
-    whole: Tensor,
     dtype: torch.dtype | None,
-) -> Literal["sum", "mean"] | None:
-    """Whether ``fn``'s value on a microbatch (``whole``, of two rows or more, its outputs' and
-    target's dim 0) is the sum or the row-weighted mean of its values on the two halves of
-    the rows; None when it cannot tell (or is neither)."""
-    outputs = output if isinstance(output, tuple) else (output,)
-    rows = target.shape[0]
-    first = rows // 2
-    halves = []
+) -> float | None:
+    """``fn``'s value on detached ``outputs`` (a tuple if ``several``) and ``target``, leaving
+    no trace (no graph, no RNG drawn); None when it fails or is no scalar: a loss that
+    cannot take the probe's rows goes unprobed, not refused."""
     device = outputs[0].device
     try:
-        # The probe must leave no trace: no graph, no RNG drawn, the caller's outputs intact.
         with torch.no_grad(), preserved_rng(device), autocast(device, dtype):
-            for part in (slice(0, first), slice(first, rows)):
-                cut = tuple(t.detach()[part] for t in outputs)
-                value = fn(cut if isinstance(output, tuple) else cut[0], target[part])
-                if not isinstance(value, Tensor) or value.numel() != 1:
-                    return None
-                halves.append(float(value.detach().float().item()))
-    except Exception:  # a loss that cannot take half its rows goes unprobed, not refused
+            value = fn(outputs if several else outputs[0], target)
+        return float(value) if isinstance(value, Tensor) and value.numel() == 1 else None
+    except Exception:
         return None
-    a, b, got = halves[0], halves[1], float(whole.detach().float().item())
-    summed, mean = a + b, (first * a + (rows - first) * b) / rows
-    if not all(math.isfinite(v) for v in (a, b, got)):
-        return None
-    # Loose enough for a loss computed in reduced precision, far tighter than the factor
-    # of about ``rows`` / 2 between a sum and a mean.
-    tol = 1e-3 * max(abs(summed), abs(mean), abs(got), 1e-12)
-    near_sum, near_mean = abs(got - summed) <= tol, abs(got - mean) <= tol
-    if near_sum == near_mean:
-        return None
-    return "sum" if near_sum else "mean"
 
 
 def _self_counting(loss_fn: LossFn) -> tuple[LossFn, LossCountFn] | None:

@@ -17,6 +17,7 @@ from tests.gradcheck import assert_same_gradients, assert_same_loss, batch_for, 
 from zeropipe import Pipeline, RuntimeOptions, build_schedule
 from zeropipe.base.device import resolve_device, single_device
 from zeropipe.core.errors import PipelineError
+from zeropipe.runtime.assembly import build_stages, compute_device
 
 GPU = "cuda"
 
@@ -91,7 +92,11 @@ def test_mixed_parameter_devices_are_refused_with_the_fix() -> None:
     with pytest.raises(PipelineError, match=r"several devices \(cpu, meta\).*Pipeline\(device="):
         single_device([cpu, torch.device("meta")], "the parameters of stage(s) 0")
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).to("meta"))
+    stages = dict(enumerate(build_stages(model, 2, None)))
     with pytest.raises(PipelineError, match=r"stage\(s\) 0, 1 are on several devices"):
+        compute_device(None, False, None, stages)
+    # Through Pipeline, a stage left on meta (holding no values) is refused first, by name.
+    with pytest.raises(PipelineError, match=r"stage 1's parameter '0.weight' is on the meta"):
         Pipeline(model, build_schedule("1f1b", ranks=2, microbatches=2), loss_fn=F.mse_loss)
 
 

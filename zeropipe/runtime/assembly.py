@@ -402,7 +402,9 @@ def check_materialised(stages: dict[int, Stage]) -> None:
     """
     for s, stage in sorted(stages.items()):
         module = _compat.uncompiled(stage.module)
-        named = [("parameter", *p) for p in module.named_parameters()]
+        named: list[tuple[str, str, torch.Tensor]] = [
+            ("parameter", *p) for p in module.named_parameters()
+        ]
         named += [("buffer", *b) for b in module.named_buffers()]
         meta = next(((what, name) for what, name, t in named if t.is_meta), None)
         if meta is not None:

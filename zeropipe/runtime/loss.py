@@ -203,7 +203,7 @@ class LossContract:
         return True
 
     def _judge(
-        self, fn: LossFn, parts: list[tuple[int, float | None]], got: float | None, on: str
+        self, fn: LossFn, parts: Sequence[tuple[int, float | None]], got: float | None, on: str
     ) -> None:
         """Refuse a sum: ``got``, the value on the rows of ``parts`` ((rows, value) each), is
         their sum and not their mean weighted by rows.  A probe that cannot tell (or sees

@@ -488,3 +488,19 @@ def fsdp_bounded_comms(module: Any, run: Callable[[Callable[[], Any], str], None
 
     module.set_custom_all_gather(_AllGather())
     module.set_custom_reduce_scatter(_ReduceScatter())
+
+
+def profiler_active() -> bool:
+    """Whether a torch profiler records on this thread (``torch.profiler.profile`` in an
+    active phase of its schedule, ``torch.autograd.profiler.profile``).
+
+    The executor names each action with ``record_function`` only then: entered with no
+    profiler running, one costs ~6-17 us (two dispatcher calls), which a step of a few
+    hundred actions would pay for nothing.  ``torch.autograd._profiler_enabled`` is private
+    (the C++ profiler's thread-local state, which torch's rpc and DataPipes read too; a
+    profiler's callbacks are this thread's, so where it says no, a ``record_function`` here
+    would record nothing either); checked on torch 2.13.0.  A torch without it gets True:
+    every action named, at that cost.
+    """
+    enabled = getattr(torch.autograd, "_profiler_enabled", None)
+    return True if enabled is None else bool(enabled())

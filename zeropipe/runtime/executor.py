@@ -8,12 +8,26 @@ pipeline does.  Both use the same dispatch table.  Event times are raw
 processes, so events gathered from several ranks line up on one time axis.
 An event's ``wait`` is the time its handler spent blocked for a received
 tensor (:meth:`StepContext.receive`); the timeline counts it as idle.
+
+Profiler names.  While a torch profiler records, every action runs inside
+``torch.profiler.record_function("PP:" + str(action))``, the names
+torch.distributed.pipelining gives its actions: ``PP:1F3`` (stage 1, forward of
+microbatch 3), ``PP:0I5``, ``PP:2W0``, ``PP:1R2``, ``PP:0SEND_B3``,
+``PP:1RELOAD4``, ``PP:1OFFLOAD`` (a stage's weights), ``PP:0REDUCE_GRAD``.  An
+overlapped pair run back to back is also one span around its two,
+``PP:(0F3;3B1)OVERLAP_F_B``, as torch writes it.  With no profiler recording the
+names are skipped (:func:`~zeropipe.base._compat.profiler_active`, asked once per
+step): an idle ``record_function`` costs microseconds per action.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
+from torch.profiler import record_function
+
+from zeropipe.base._compat import profiler_active
 from zeropipe.core.deps import Graph
 from zeropipe.core.errors import PipelineError, ZeropipeError
 from zeropipe.core.ir import Action, Schedule
@@ -68,8 +82,8 @@ def run_local(ctx: StepContext, graph: Graph) -> list[list[Event]]:
     """Every rank in this process; returns the measured events per rank."""
     schedule = graph.schedule
     events: list[list[Event]] = [[] for _ in schedule.actions]
-    for rank, step in graph.order:
-        events[rank].append(_run(ctx, rank, step, schedule.actions[rank][step]))
+    for event in _walk(ctx, schedule, graph.order):
+        events[event.rank].append(event)
     for evs in events:
         evs.sort(key=lambda e: e.step)
     return events
@@ -77,4 +91,33 @@ def run_local(ctx: StepContext, graph: Graph) -> list[list[Event]]:
 
 def run_rank(ctx: StepContext, schedule: Schedule, rank: int) -> list[Event]:
     """One rank's actions in order (the distributed executor)."""
-    return [_run(ctx, rank, step, a) for step, a in enumerate(schedule.actions[rank])]
+    return _walk(ctx, schedule, [(rank, step) for step in range(len(schedule.actions[rank]))])
+
+
+def _walk(ctx: StepContext, schedule: Schedule, order: Sequence[tuple[int, int]]) -> list[Event]:
+    """Run the ``(rank, step)`` actions of ``order`` one after another: the one loop both
+    executors share, and the one place actions get their profiler names."""
+    if not profiler_active():
+        return [_run(ctx, rank, step, schedule.actions[rank][step]) for rank, step in order]
+    starts = {r: schedule.overlapped(r) for r in range(schedule.num_ranks)}
+    events: list[Event] = []
+    k = 0
+    while k < len(order):
+        rank, step = order[k]
+        acts = schedule.actions[rank]
+        # A pair's members are adjacent in a rank's list; a local run's order may part them.
+        if step in starts[rank] and k + 1 < len(order) and order[k + 1] == (rank, step + 1):
+            with record_function(f"PP:({acts[step]};{acts[step + 1]})OVERLAP_F_B"):
+                events.append(_named(ctx, rank, step, acts[step]))
+                events.append(_named(ctx, rank, step + 1, acts[step + 1]))
+            k += 2
+        else:
+            events.append(_named(ctx, rank, step, acts[step]))
+            k += 1
+    return events
+
+
+def _named(ctx: StepContext, rank: int, step: int, action: Action) -> Event:
+    # torch.distributed.pipelining's name for an action, so traces of both read alike.
+    with record_function(f"PP:{action}"):
+        return _run(ctx, rank, step, action)

@@ -268,6 +268,19 @@ def _refusals(mesh: Any) -> dict[str, str]:
     }
 
 
+def _sharded_steps(pipe: Pipeline, model: nn.Module, xs: Tensor, ys: Tensor) -> tuple[list, list]:
+    """Two steps' losses and whole gradients, and the placements of the pipeline's DTensors."""
+    steps = []
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        loss = pipe.step(xs, ys)
+        steps.append({"loss": loss.item(), "grads": whole_grads(model)})
+    placements = sorted(
+        {str(tuple(p.placements)) for p in pipe.parameters() if hasattr(p, "placements")}
+    )
+    return steps, placements
+
+
 def _pp1_case(mesh: Any, name: str, ranks: int) -> dict[str, Any]:
     """dp_shard=True on ("pp", "dp", "tp") = (1, 2, 2): this process plays every pipeline rank
     of ``name`` built for ``ranks``; two steps on this replica's half of the global batch."""
@@ -277,14 +290,7 @@ def _pp1_case(mesh: Any, name: str, ranks: int) -> dict[str, Any]:
     xs, ys = torch.tensor_split(x, DP)[dp], torch.tensor_split(y, DP)[dp]
     schedule = build_schedule(name, ranks=ranks, microbatches=M)
     pipe = Pipeline(model, schedule, loss_fn, mesh=mesh, options=replace(OPTIONS, dp_shard=True))
-    steps = []
-    for _ in range(2):
-        model.zero_grad(set_to_none=True)
-        loss = pipe.step(xs, ys)
-        steps.append({"loss": loss.item(), "grads": whole_grads(model)})
-    placements = sorted(
-        {str(tuple(p.placements)) for p in pipe.parameters() if hasattr(p, "placements")}
-    )
+    steps, placements = _sharded_steps(pipe, model, xs, ys)
     return {"steps": steps, "placements": placements}
 
 
@@ -348,14 +354,7 @@ def _grad_case_3d(mesh: Any, name: str, shard: bool) -> dict[str, Any]:
     pipe = Pipeline(
         model, name, loss_fn, microbatches=M, mesh=mesh, options=replace(OPTIONS, dp_shard=shard)
     )
-    steps = []
-    for _ in range(2):
-        model.zero_grad(set_to_none=True)
-        loss = pipe.step(xs, ys)
-        steps.append({"loss": loss.item(), "grads": whole_grads(model)})
-    placements = sorted(
-        {str(tuple(p.placements)) for p in pipe.parameters() if hasattr(p, "placements")}
-    )
+    steps, placements = _sharded_steps(pipe, model, xs, ys)
     return {"steps": steps, "placements": placements, "clip": pipe.clip_grad_norm_(1e9).item()}
 
 

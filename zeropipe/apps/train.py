@@ -19,6 +19,8 @@ of a (pp, dp, tp) mesh -- and leaves in ``--out``::
                        format (see zeropipe.apps.train_state and zeropipe.apps.train_resume)
     timeline.png       the planned (simulated) and measured timelines of one step
     trace.json         Chrome trace of that measured step (opens in Perfetto)
+    torch_trace.json   with --profile: rank 0's torch profiler trace of that step (its
+                       actions named as torch.distributed.pipelining names them, PP:1F3)
     loss.png           the training loss curve, and the eval losses on it
     tensorboard/       with --log tensorboard: loss, eval loss, tokens/s, bubble per step
     wandb/             with --log wandb: the same, as an offline wandb run
@@ -264,12 +266,16 @@ def _train(rank: int, world: int, cfg: TrainConfig, stop: _StopRequest) -> dict[
         for group in optimizer.param_groups:  # linear warm-up: no early loss spikes
             group["lr"] = cfg.lr * min(1.0, (step + 1) / cfg.warmup)
         x, y = _mine(pipe, *batch(corpus, cfg, step))
-        t0 = time.perf_counter()
-        loss = pipe.step(x, y)
-        norm = None if cfg.clip is None else pipe.clip_grad_norm_(cfg.clip).item()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        elapsed = time.perf_counter() - t0
+        profiled = cfg.profile and lead and step == trace_step
+        with train_report.torch_profile(profiled, cfg.device) as prof:
+            t0 = time.perf_counter()
+            loss = pipe.step(x, y)
+            norm = None if cfg.clip is None else pipe.clip_grad_norm_(cfg.clip).item()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            elapsed = time.perf_counter() - t0
+        if prof is not None:
+            prof.export_chrome_trace(str(out / "torch_trace.json"))
         bubble = train_report.bubble_rate(pipe, elapsed, world)
         if step == trace_step:
             measured = train_report.gather_timeline(pipe, world)

@@ -70,6 +70,7 @@ class TrainConfig:
     timeout: float = 120.0
     trace_step: int = 10  # which step's timeline to keep (clamped to the run)
     quiet: bool = False
+    profile: bool = False  # rank 0's torch profiler trace of the traced step: torch_trace.json
     overwrite: bool = False  # replace the run in --out (else it is refused without --resume)
     log: str = "jsonl"  # where step metrics go: a comma list of jsonl, tensorboard, wandb
     # The schedule check() built, as text: ranks reuse it instead of rebuilding
@@ -406,8 +407,8 @@ def add_arguments(parser: Any) -> None:
         "sha256; --data, --tokenizer, --seq, --microbatches, --batch-size, --seed, --lr, "
         "--width and --blocks must be those it was saved with (and --data's files unchanged), while --ranks, --dp, --tp and "
         "--schedule (the layout), --steps (above the checkpoint's step, to extend the run), "
-        "--checkpoint-every, --eval-every, --timeout, --quiet, --device and the memory flags "
-        "(--group-w, --recompute, --offload, --memory-limit) may change",
+        "--checkpoint-every, --eval-every, --timeout, --quiet, --profile, --device and the "
+        "memory flags (--group-w, --recompute, --offload, --memory-limit) may change",
     )
     parser.add_argument(
         "--checkpoint-every", type=int, default=d.checkpoint_every, help="steps between checkpoints"
@@ -434,6 +435,12 @@ def add_arguments(parser: Any) -> None:
         f"this for the ranks to save the step they are in (default {d.timeout:g})",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bar or summary")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="write rank 0's torch profiler trace of the step trace.json shows (Chrome trace "
+        "JSON, each action named PP:1F3 and so on) to --out's torch_trace.json",
+    )
     # Last: it marks the defaults of every flag above, so that --config FILE.toml can tell
     # the flags given from those left out.
     from zeropipe.apps.train_log import add_run_arguments

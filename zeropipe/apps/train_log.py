@@ -55,7 +55,7 @@ __all__ = [
 # What zeropipe train writes in --out.  --overwrite removes these files, and in these
 # folders only the entries whose names zeropipe's writers give them (the folder itself
 # only once nothing else is left in it): never anything of the user's.
-RUN_FILES = ("metrics.jsonl", "timeline.png", "loss.png", "trace.json")
+RUN_FILES = ("metrics.jsonl", "timeline.png", "loss.png", "trace.json", "torch_trace.json")
 RUN_FOLDERS: dict[str, tuple[str, ...]] = {
     "checkpoints": (
         r"latest",

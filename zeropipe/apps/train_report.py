@@ -11,13 +11,17 @@
                                             (beside the one simulated from its action times),
                                             and loss.png from metrics.jsonl
     loss_series(rows)                       the training and eval curves loss.png draws
+    torch_profile(on, device)               torch's profiler around a step (--profile), whose
+                                            Chrome trace the loop writes to torch_trace.json
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +39,7 @@ __all__ = [
     "peak_bytes",
     "print_summary",
     "progress",
+    "torch_profile",
     "write_pictures",
 ]
 
@@ -71,6 +76,26 @@ def gather_timeline(pipe: Pipeline, world: int) -> Timeline:
         first = {r: evs for d, r, evs in gathered if d == 0}
         events = [list(first[r]) for r in range(pipe.schedule.num_ranks)]
     return Timeline(pipe.schedule, events, peak_memory=[], memory_unit="bytes", measured=True)
+
+
+@contextlib.contextmanager
+def torch_profile(on: bool, device: str) -> Iterator[Any]:
+    """torch's profiler around the block (``on``), else nothing: yields the profiler or None.
+
+    CPU activity, and on an accelerator every activity this torch supports (its kernels).
+    The loop exports the trace after the block, outside the step's timing.
+    """
+    if not on:
+        yield None
+        return
+    from torch.profiler import ProfilerActivity, profile, supported_activities
+
+    cpu = ProfilerActivity.CPU
+    activities = (
+        [cpu] if device == "cpu" else [cpu, *(a for a in supported_activities() if a != cpu)]
+    )
+    with profile(activities=activities) as prof:
+        yield prof
 
 
 def write_pictures(out: Path, pipe: Pipeline, measured: Timeline | None) -> dict[str, Any] | None:

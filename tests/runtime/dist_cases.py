@@ -230,6 +230,22 @@ def _auto_profiled(rank: int, world: int) -> dict[str, Any]:
     }
 
 
+def _profiler_names(rank: int, world: int) -> dict[str, Any]:
+    """One profiled zbv step: the PP: names this rank's trace holds, and its schedule's actions."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = mlp()
+    pipe = Pipeline(model, "zbv", microbatches=4, loss_fn=F.mse_loss, options=OPTIONS)
+    x, y = batch_for(model, batch=8)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        pipe.step(x, y)
+    names = [e.name for e in prof.events() if e.name.startswith("PP:")]
+    return {
+        "names": sorted(names),
+        "actions": sorted(f"PP:{a}" for a in pipe.schedule.actions[pipe.rank]),
+    }
+
+
 def _eval_and_rebatch(rank: int, world: int) -> dict[str, Any]:
     """eval_step, and training steps whose batch size changes (boundary shapes re-learnt)."""
     model = mlp()
@@ -488,6 +504,7 @@ def main_cases(rank: int, world: int) -> dict[str, Any]:
     out["eval_rebatch"] = guard(lambda: _eval_and_rebatch(rank, world))
     out["shared_accumulation"] = guard(lambda: _shared_accumulation(rank, world))
     out["auto_profiled"] = guard(lambda: _auto_profiled(rank, world))
+    out["profiler_names"] = guard(lambda: _profiler_names(rank, world))
     out["healthy_seconds"] = time.monotonic() - start
     # Each failure poisons only its own pipeline (own store keys and tags).
     out["transport"] = guard(lambda: _transport_case(rank, world))

@@ -14,6 +14,7 @@ from torch.autograd.profiler import record_function
 from torch.profiler import ProfilerActivity, profile
 
 from tests.gradcheck import batch_for, mlp
+from tests.runtime import dist_cases
 from zeropipe import RuntimeOptions
 from zeropipe.base._compat import profiler_active
 from zeropipe.core import fit
@@ -70,6 +71,19 @@ def test_an_overlapped_pair_is_also_one_span_around_its_two() -> None:
     )
     assert sum(pairs.values()) >= 4
     assert names == _expected(pipe.schedule, range(2)) + pairs
+
+
+def test_each_gloo_rank_names_the_actions_it_ran() -> None:
+    # In the 2-rank launch the distributed tests share (one launch per test session).
+    for rank, out in enumerate(dist_cases.main_results(2)):
+        got = out["profiler_names"]
+        assert "crashed" not in got, got.get("crashed")
+        assert got["names"] == got["actions"], f"rank {rank}"
+    # zbv on 2 ranks: rank 0 runs stages 0 and 3, rank 1 stages 1 and 2.
+    rank0, rank1 = (set(out["profiler_names"]["names"]) for out in dist_cases.main_results(2))
+    assert {"PP:0F0", "PP:3I2", "PP:3W3", "PP:0SEND_F1"} <= rank0
+    assert {"PP:1F0", "PP:2I2", "PP:2W3", "PP:1RECV_F1"} <= rank1
+    assert not rank0 & {"PP:1F0", "PP:2I2"}
 
 
 def test_no_profiler_no_record_function(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -48,6 +48,10 @@ What is private, and why zeropipe needs it:
                                    a compiled stage's submodules are named on
                                    it (layer seeding), its forward still runs
                                    compiled
+``torch.autograd._profiler_enabled``  whether a profiler records on this thread:
+                                   the executor names actions with
+                                   ``record_function`` only then (each costs
+                                   microseconds when nothing records)
 ``ProcessGroup.send`` / ``.recv``  public, but the low-level call beneath
                                    ``dist.isend`` / ``dist.irecv`` (a list of
                                    tensors, the peer as a rank of the group):
@@ -89,6 +93,7 @@ __all__ = [
     "new_stream",
     "p2p_recv",
     "p2p_send",
+    "profiler_active",
     "record_stream",
     "rendezvous_store",
     "sequence_nr_settable",

@@ -1,16 +1,18 @@
 """How a :class:`~zeropipe.runtime.pipeline.Pipeline` is assembled from its arguments.
 
-Where it runs (a mesh, a group, or this process alone), the arguments it no
-longer takes (each refused naming its new home), the rank count of a named schedule, the stages, the parameters shared across
-ranks, the compute device and the transport: each a function of the
-constructor's arguments, checked here with errors that name the fix.
+Where it runs (a mesh, a group, or this process alone), the rank count of a named
+schedule, the stages, the parameters shared across ranks, the compute device and the
+transport: each a function of the constructor's arguments, checked here with errors
+that name the fix.
 """
 
 from __future__ import annotations
 
 import datetime
+import difflib
 import functools
 import hashlib
+import inspect
 import json
 import os
 from collections.abc import Callable, Sequence
@@ -32,7 +34,6 @@ from zeropipe.runtime.stage import Stage, split_sequential
 from zeropipe.runtime.transport import Transport
 
 __all__ = [
-    "MOVED",
     "PLAIN_BELOW_BYTES",
     "SplitParam",
     "Where",
@@ -41,11 +42,11 @@ __all__ = [
     "check_materialised",
     "check_same_pipeline",
     "check_stages",
+    "checking_call",
     "compute_device",
     "distributed_transport",
     "named_ranks",
     "prepare_linears",
-    "refusing_old_arguments",
     "replica_reducer",
     "replicas_for",
     "resolve_mesh",
@@ -343,35 +344,15 @@ def check_stages(stages: object) -> None:
     )
 
 
-# Keywords Pipeline no longer takes, and where each went.
-MOVED: dict[str, str] = {
-    "ranks": "the schedule's: Pipeline(model, zeropipe.build_schedule(name, ranks=..., "
-    "microbatches=...), loss_fn)",
-    "chunks": "the schedule's: Pipeline(model, zeropipe.build_schedule(name, ranks=..., "
-    "microbatches=..., chunks=...), loss_fn)",
-    "group_w": "the schedule's: Pipeline(model, zeropipe.build_schedule(name, ranks=..., "
-    "microbatches=..., group_w=...), loss_fn)",
-    "seed": "an option: Pipeline(..., options=zeropipe.RuntimeOptions(seed=...))",
-    "device": "an option: Pipeline(..., options=zeropipe.RuntimeOptions(device=...))",
-    "p2p": "an option: Pipeline(..., options=zeropipe.RuntimeOptions(p2p=...))",
-    "dp_shard": "an option: Pipeline(..., mesh=mesh, options=zeropipe.RuntimeOptions("
-    "dp_shard=True))",
-    "executor": "said by mesh=: mesh='local' runs every rank in this process; the default "
-    "(None) runs one rank per process of torch.distributed's default group",
-    "pp_group": "mesh=: Pipeline(..., mesh=group)",
-    "process_group": "mesh=: Pipeline(..., mesh=group)",
-    "dp_group": "mesh=: a DeviceMesh with 'pp' and 'dp' dimensions, "
-    "init_device_mesh(device, (pp, dp), mesh_dim_names=('pp', 'dp'))",
-}
-
-
-def check_call(args: tuple[object, ...], kwargs: dict[str, object]) -> None:
-    """Refuse the constructor's former forms, naming the new one."""
-    moved = [k for k in kwargs if k in MOVED]
-    if moved:
-        raise PipelineError(
-            f"Pipeline({moved[0]}=) is no longer a Pipeline argument; it is {MOVED[moved[0]]}"
-        )
+def check_call(args: tuple[object, ...], kwargs: dict[str, object], names: Sequence[str]) -> None:
+    """Refuse, in one line, a constructor call that would go wrong: a keyword not among
+    ``names`` (with the closest of them, as Python 3.12+ suggests it), microbatches
+    passed by position, a ``loss_fn`` that is no loss."""
+    unknown = next((k for k in kwargs if k not in names), None)
+    if unknown is not None:
+        close = difflib.get_close_matches(unknown, names, n=1)
+        hint = f". Did you mean {close[0]!r}?" if close else ""
+        raise TypeError(f"Pipeline.__init__() got an unexpected keyword argument {unknown!r}{hint}")
     if len(args) > 3:
         raise PipelineError(
             f"Pipeline takes at most 3 positional arguments (stages, schedule, loss_fn), got "
@@ -489,12 +470,13 @@ _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
 
-def refusing_old_arguments(init: Callable[_P, _R]) -> Callable[_P, _R]:
-    """``Pipeline.__init__``, refusing the constructor's former forms with the new one named."""
+def checking_call(init: Callable[_P, _R]) -> Callable[_P, _R]:
+    """``Pipeline.__init__``, its call checked first by :func:`check_call`."""
+    names = [n for n in inspect.signature(init).parameters if n != "self"]
 
     @functools.wraps(init)
     def checked(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-        check_call(args[1:], kwargs)
+        check_call(args[1:], kwargs, names)
         return init(*args, **kwargs)
 
     return checked

@@ -38,11 +38,11 @@ from zeropipe.runtime.assembly import (
     check_materialised,
     check_same_pipeline,
     check_stages,
+    checking_call,
     compute_device,
     distributed_transport,
     named_ranks,
     prepare_linears,
-    refusing_old_arguments,
     replica_reducer,
     replicas_for,
     resolve_mesh,
@@ -114,7 +114,7 @@ class Pipeline:
             timeouts, autocast.
     """
 
-    @refusing_old_arguments
+    @checking_call
     def __init__(
         self,
         stages: nn.Sequential | Sequence[nn.Module],

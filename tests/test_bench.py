@@ -158,8 +158,7 @@ def test_runs_relaunch_and_summarise_each_schedules_ratio(
         ),
         (["--model", "transformer", "--d-model", "30"], "--d-model 30 must be a multiple"),
         (["--model", "transformer", "--tf-batch", "4"], "--tf-batch 4 cannot be split"),
-        # --layers counted the transformer's blocks; it names its new flag, never runs
-        (["--layers", "2"], "--layers is now --tf-blocks: it counts the transformer's blocks"),
+        (["--layers", "2"], "unrecognized arguments: --layers 2"),  # --tf-blocks says it
     ],
 )
 def test_bad_flags_fail_in_one_line_before_any_process_starts(

@@ -44,7 +44,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from zeropipe.apps.cli_args import refuse_renamed
 from zeropipe.apps.models.gpt import LAYERS, GPTConfig, gpt, gpt_layers, lm_loss
 from zeropipe.apps.models.mlp import mlp_blocks
 from zeropipe.core.build import build_schedule
@@ -487,12 +486,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=d.tf_blocks,
         help="transformer: blocks, each two layers (attention, MLP)",
-    )
-    refuse_renamed(
-        parser,
-        "--layers",
-        "--tf-blocks",
-        "it counts the transformer's blocks (each two layers: attention, MLP)",
     )
     parser.add_argument("--d-model", type=int, default=d.d_model, help="transformer: width")
     parser.add_argument("--heads", type=int, default=d.heads, help="transformer: attention heads")

@@ -27,7 +27,6 @@ from zeropipe.apps.cli_args import (
     SCHEDULE_LIMIT,
     int_at_least,
     positive_float,
-    refuse_renamed,
     refuse_too_big,
 )
 from zeropipe.core import render
@@ -114,9 +113,6 @@ def _add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="P",
         help=f"pipeline ranks p, the pipeline's depth (default {_DEFAULT_RANKS}); "
         "the model is cut into p*v stages with --chunks v",
-    )
-    refuse_renamed(
-        parser, "--stages", "--ranks", "it counts pipeline ranks (stages = ranks x chunks)"
     )
     parser.add_argument(
         "--microbatches",

@@ -1,13 +1,11 @@
-"""What the command line's subcommands share: argument types (argparse ``type=`` callables),
-:func:`refuse_renamed`, which keeps a renamed flag failing with its new name, and
-:func:`refuse_too_big`, which refuses up front a schedule size that would run for hours."""
+"""What the command line's subcommands share: argument types (argparse ``type=`` callables)
+and :func:`refuse_too_big`, which refuses up front a schedule size that would run for hours."""
 
 from __future__ import annotations
 
 import argparse
 import math
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable
 
 from zeropipe.core.errors import ZeropipeError
 
@@ -17,7 +15,6 @@ __all__ = [
     "SCHEDULE_LIMIT",
     "int_at_least",
     "positive_float",
-    "refuse_renamed",
     "refuse_too_big",
     "share",
 ]
@@ -68,36 +65,6 @@ def share(text: str) -> float:
     if not 0 < value <= 1:  # NaN fails too
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
     return value
-
-
-class _Renamed(argparse.Action):
-    """A flag that was renamed: using it is a usage error that names its new name."""
-
-    def __init__(self, option_strings: Sequence[str], dest: str, message: str, **kw: Any) -> None:
-        super().__init__(option_strings, dest, nargs="?", help=argparse.SUPPRESS, **kw)
-        self.message = message
-
-    def __call__(
-        self,
-        parser: argparse.ArgumentParser,
-        namespace: argparse.Namespace,
-        values: object,
-        option_string: str | None = None,
-    ) -> None:
-        # No argument name: the message already starts with the flag.
-        raise argparse.ArgumentError(None, self.message)
-
-
-def refuse_renamed(parser: argparse.ArgumentParser, old: str, new: str, why: str) -> None:
-    """Make ``old`` (hidden from --help) fail as "OLD is now NEW: WHY", instead of it being
-    taken for another flag or silently meaning something else."""
-    parser.add_argument(
-        old,
-        action=_Renamed,
-        dest=f"renamed_{old.strip('-')}",
-        default=argparse.SUPPRESS,  # nothing in the parsed namespace
-        message=f"{old} is now {new}: {why}",
-    )
 
 
 def _duration(seconds: float) -> str:

@@ -8,7 +8,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from zeropipe.apps.cli_args import int_at_least, refuse_renamed
+from zeropipe.apps.cli_args import int_at_least
 from zeropipe.core.errors import ZeropipeError
 
 __all__ = ["add_arguments", "run_cli"]
@@ -30,9 +30,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="the model's blocks: a GPT block is 2 layers (attention, MLP), an MLP block "
         "(Linear-GELU-Linear) 1 (default 4)",
-    )
-    refuse_renamed(
-        parser, "--layers", "--blocks", "it counts the model's blocks (a GPT block is 2 layers)"
     )
     parser.add_argument(
         "--width", type=int_at_least(1), default=128, metavar="D", help="model width (default 128)"

@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 
-from zeropipe.apps.cli_args import refuse_renamed
 from zeropipe.apps.models.hf import PRESETS
 from zeropipe.apps.train_setup import (
     check_model,
@@ -363,9 +362,6 @@ def add_arguments(parser: Any) -> None:
         default=d.blocks,
         help=f"transformer blocks (default {d.blocks}); the reference GPT's are two layers each "
         "(attention, MLP), between the embedding and the head",
-    )
-    refuse_renamed(
-        parser, "--layers", "--blocks", "it counts transformer blocks (a GPT block is 2 layers)"
     )
     parser.add_argument(
         "--width", type=int, default=d.width, help=f"model width (default {d.width})"

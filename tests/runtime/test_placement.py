@@ -89,7 +89,9 @@ def test_mixed_parameter_devices_are_refused_with_the_fix() -> None:
     assert single_device([], "nothing") is None
     cpu = torch.device("cpu")
     assert single_device([cpu, cpu], "x") == cpu
-    with pytest.raises(PipelineError, match=r"several devices \(cpu, meta\).*Pipeline\(device="):
+    with pytest.raises(
+        PipelineError, match=r"several devices \(cpu, meta\).*RuntimeOptions\(device="
+    ):
         single_device([cpu, torch.device("meta")], "the parameters of stage(s) 0")
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).to("meta"))
     stages = dict(enumerate(build_stages(model, 2, None)))

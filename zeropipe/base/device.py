@@ -286,9 +286,9 @@ def single_device(devices: Iterable[torch.device], what: str) -> torch.device | 
     seen = sorted({str(d) for d in devices})
     if len(seen) > 1:
         raise PipelineError(
-            f"{what} are on several devices ({', '.join(seen)}); pass Pipeline(device=...) to "
-            f"compute on one of them (the stages are moved there), or move the model first "
-            f"with model.to(device)"
+            f"{what} are on several devices ({', '.join(seen)}); pass "
+            f"RuntimeOptions(device=...) to compute on one of them (the stages are moved "
+            f"there), or move the model first with model.to(device)"
         )
     return torch.device(seen[0]) if seen else None
 

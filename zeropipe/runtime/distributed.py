@@ -113,8 +113,8 @@ class DistributedTransport:
             # and out-of-order posts here need gloo's tagged, independent messages.
             raise PipelineError(
                 f"DistributedTransport (p2p='tagged') runs over gloo, but the process group "
-                f"uses {backend!r}; use OrderedTransport (Pipeline(p2p='ordered'), the default "
-                f"on {backend})"
+                f"uses {backend!r}; use OrderedTransport (RuntimeOptions(p2p='ordered'), the "
+                f"default on {backend})"
             )
         self._device = torch.device("cpu")
         transfers = [

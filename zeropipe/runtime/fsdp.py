@@ -1,9 +1,9 @@
 """Pipeline stages sharded over the data-parallel group with FSDP2 (``fully_shard``).
 
-``Pipeline(..., mesh=mesh, dp_shard=True)``: instead of every replica holding
-the whole of its stages' parameters and all-reducing their gradients, each
-holds a 1/dp shard of every parameter (a ``DTensor``, what the optimizer
-steps) and reduce-scatters the gradients into shards.  The composition is
+``Pipeline(..., mesh=mesh, options=RuntimeOptions(dp_shard=True))``: instead of
+every replica holding the whole of its stages' parameters and all-reducing their
+gradients, each holds a 1/dp shard of every parameter (a ``DTensor``, what the
+optimizer steps) and reduce-scatters the gradients into shards.  The composition is
 torchtitan's / torch.distributed.pipelining's, with one difference: FSDP's
 own forward and backward hooks never fire.  zeropipe runs a stage's forward
 layer by layer, and its split backward writes the weight gradients (W)

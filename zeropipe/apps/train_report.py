@@ -160,7 +160,10 @@ def _loss_png(out: Path) -> None:
     ax = fig.add_subplot()
     ax.plot(*series["train"], lw=1.2, label="training loss")
     if series["eval"][0]:
-        ax.plot(*series["eval"], "o-", lw=1.2, ms=4, label="eval loss (held out)")
+        # Joined only where --eval-every gave a curve: a line from the start's eval to the
+        # end's would draw a path that was never measured.
+        style = "o-" if len(series["eval"][0]) > 2 else "o"
+        ax.plot(*series["eval"], style, lw=1.2, ms=5, label="eval loss (held out)")
         ax.legend()
     ax.set_xlabel("step")
     ax.set_ylabel("loss (cross-entropy)")

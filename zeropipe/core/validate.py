@@ -170,11 +170,36 @@ def _check_shape(schedule: Schedule) -> None:
 
 
 def _check_complete(schedule: Schedule, deps: Dependencies) -> None:
-    where: dict[Action, list[tuple[int, int]]] = {}
+    """The completeness rules of the module docstring, in the order their errors are reported."""
+    where = _places(schedule)
+    _check_no_duplicates(schedule, where)
+    _check_microbatches(schedule, deps, where)
+    if schedule.is_lowered:
+        _check_comm(schedule, deps, where)
+    _check_weight_copies(schedule)
+
+
+# Each action with a microbatch -> its (rank, index) places: more than one is a duplicate.
+_Places = dict[Action, list[tuple[int, int]]]
+
+
+def _places(schedule: Schedule) -> _Places:
+    """Where each action with a microbatch stands, as (rank, index) pairs, in rank order."""
+    where: _Places = {}
     for r, acts in enumerate(schedule.actions):
         for k, a in enumerate(acts):
             if a.microbatch is not None:
                 where.setdefault(a, []).append((r, k))
+    return where
+
+
+def _first_of(where: _Places, stage: int, mb: int) -> list[tuple[int, int]]:
+    """The place of the first-listed action of (``stage``, ``mb``), to mark what is missing."""
+    hits = [p[0] for a, p in where.items() if a.stage == stage and a.microbatch == mb]
+    return hits[:1]
+
+
+def _check_no_duplicates(schedule: Schedule, where: _Places) -> None:
     for a, places in where.items():
         if len(places) > 1:
             raise _fail(
@@ -184,10 +209,9 @@ def _check_complete(schedule: Schedule, deps: Dependencies) -> None:
                 places,
             )
 
-    def first_of(stage: int, mb: int) -> list[tuple[int, int]]:
-        hits = [p[0] for a, p in where.items() if a.stage == stage and a.microbatch == mb]
-        return hits[:1]
 
+def _check_microbatches(schedule: Schedule, deps: Dependencies, where: _Places) -> None:
+    """Per (stage, microbatch): one F, one B or one I + one W, OFFLOAD/RELOAD in pairs."""
     for s in range(schedule.num_stages):
         for i in range(schedule.microbatches):
             have = deps.kinds(s, i)
@@ -197,35 +221,9 @@ def _check_complete(schedule: Schedule, deps: Dependencies) -> None:
                     f"{Action(Kind.F, s, i)} is missing: stage {s} never runs "
                     f"the forward of microbatch {i}",
                     "missing",
-                    first_of(s, i),
+                    _first_of(where, s, i),
                 )
-            if Kind.B in have and (Kind.I in have or Kind.W in have):
-                split = Action(Kind.I if Kind.I in have else Kind.W, s, i)
-                raise _fail(
-                    schedule,
-                    f"stage {s} microbatch {i} has both a full backward "
-                    f"{Action(Kind.B, s, i)} and a split one ({split}); keep one",
-                    "duplicate",
-                    where[Action(Kind.B, s, i)] + where[split],
-                )
-            if Kind.B not in have and Kind.I not in have and Kind.W not in have:
-                raise _fail(
-                    schedule,
-                    f"stage {s} microbatch {i} has no backward: add "
-                    f"{Action(Kind.B, s, i)} (or {Action(Kind.I, s, i)} and "
-                    f"{Action(Kind.W, s, i)})",
-                    "missing",
-                    first_of(s, i),
-                )
-            for needed, other in ((Kind.I, Kind.W), (Kind.W, Kind.I)):
-                if Kind.B not in have and needed not in have:
-                    raise _fail(
-                        schedule,
-                        f"{Action(needed, s, i)} is missing ({Action(other, s, i)} "
-                        f"is there without it)",
-                        "missing",
-                        where[Action(other, s, i)],
-                    )
+            _check_backward(schedule, where, have, s, i)
             if (Kind.OFFLOAD in have) != (Kind.RELOAD in have):
                 present, absent = (
                     (Kind.OFFLOAD, Kind.RELOAD)
@@ -239,30 +237,69 @@ def _check_complete(schedule: Schedule, deps: Dependencies) -> None:
                     "missing",
                     where[Action(present, s, i)],
                 )
-    if schedule.is_lowered:
-        want = deps.expected_comm()
-        have_comm = Counter(a for acts in schedule.actions for a in acts if a.kind in COMM_KINDS)
-        extra = [a for a in have_comm if a not in want]
-        if extra:
+
+
+def _check_backward(
+    schedule: Schedule, where: _Places, have: frozenset[Kind], s: int, i: int
+) -> None:
+    """Stage ``s`` microbatch ``i`` has a full backward B or a split one (I and W), not both."""
+    if Kind.B in have and (Kind.I in have or Kind.W in have):
+        split = Action(Kind.I if Kind.I in have else Kind.W, s, i)
+        raise _fail(
+            schedule,
+            f"stage {s} microbatch {i} has both a full backward "
+            f"{Action(Kind.B, s, i)} and a split one ({split}); keep one",
+            "duplicate",
+            where[Action(Kind.B, s, i)] + where[split],
+        )
+    if Kind.B not in have and Kind.I not in have and Kind.W not in have:
+        raise _fail(
+            schedule,
+            f"stage {s} microbatch {i} has no backward: add "
+            f"{Action(Kind.B, s, i)} (or {Action(Kind.I, s, i)} and "
+            f"{Action(Kind.W, s, i)})",
+            "missing",
+            _first_of(where, s, i),
+        )
+    for needed, other in ((Kind.I, Kind.W), (Kind.W, Kind.I)):
+        if Kind.B not in have and needed not in have:
             raise _fail(
                 schedule,
-                f"{extra[0]} sends or receives across a boundary that needs no "
-                f"transfer (same rank, or no such stage)",
-                "extra",
-                where[extra[0]],
-            )
-        missing = [a for a in want if a not in have_comm]
-        if missing:
-            raise _fail(
-                schedule,
-                f"{missing[0]} is missing: this lowered schedule must send and "
-                f"receive every cross-rank boundary tensor (run zeropipe.core.lower.lower on the "
-                f"compute-only schedule)",
+                f"{Action(needed, s, i)} is missing ({Action(other, s, i)} is there without it)",
                 "missing",
-                first_of(missing[0].stage, missing[0].microbatch or 0),
+                where[Action(other, s, i)],
             )
+
+
+def _check_comm(schedule: Schedule, deps: Dependencies, where: _Places) -> None:
+    """A lowered schedule has exactly the SEND/RECV actions the dependency model asks for."""
+    want = deps.expected_comm()
+    have_comm = Counter(a for acts in schedule.actions for a in acts if a.kind in COMM_KINDS)
+    extra = [a for a in have_comm if a not in want]
+    if extra:
+        raise _fail(
+            schedule,
+            f"{extra[0]} sends or receives across a boundary that needs no "
+            f"transfer (same rank, or no such stage)",
+            "extra",
+            where[extra[0]],
+        )
+    missing = [a for a in want if a not in have_comm]
+    if missing:
+        raise _fail(
+            schedule,
+            f"{missing[0]} is missing: this lowered schedule must send and "
+            f"receive every cross-rank boundary tensor (run zeropipe.core.lower.lower on the "
+            f"compute-only schedule)",
+            "missing",
+            _first_of(where, missing[0].stage, missing[0].microbatch or 0),
+        )
+
+
+def _check_weight_copies(schedule: Schedule) -> None:
+    """On each rank a stage's weight OFFLOAD and RELOAD alternate."""
     for r, acts in enumerate(schedule.actions):
-        state: dict[int, tuple[Kind, int]] = {}
+        state: dict[int, tuple[Kind, int]] = {}  # stage -> its last weight copy's kind, index
         for k, a in enumerate(acts):
             if not a.is_weight_copy:
                 continue

@@ -29,7 +29,7 @@ import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from zeropipe.core.errors import ZeropipeError
 from zeropipe.core.ir import Kind
@@ -407,68 +407,113 @@ def draw_timeline(ax: Any, timeline: Timeline, title: str | None = None) -> None
     makespan and bubble rates.
     """
     _, _, _, Patch = _matplotlib()
-    s = timeline.schedule
-    t0, span = timeline.start, timeline.makespan
-    chunks = timeline.schedule.chunks_per_rank
-    has_copy = [any(e.lane == "copy" for e in evs) for evs in timeline.events]
-    has_reduce = [any(e.lane == "reduce" for e in evs) for evs in timeline.events]
+    lettering = _lettering(ax, timeline)
+    present: set[Kind] = set()
+    waited = False
+    for rank in range(len(timeline.events)):
+        waited = _draw_rank(ax, timeline, rank, lettering, present) or waited
+    _dress_axes(ax, timeline, title)
+    _draw_legend(ax, Patch, present, waited, timeline.schedule.chunks_per_rank)
+
+
+class _Lettering(NamedTuple):
+    """The microbatch numbers' font size, and how many pixels make a character and a time unit."""
+
+    fontsize: int
+    char_px: float
+    px_per_unit: float
+
+
+def _lettering(ax: Any, timeline: Timeline) -> _Lettering:
     # Width in pixels of one time unit decides which boxes get a label.
     fig = ax.figure
+    span = timeline.makespan
     px_per_unit = (
         ax.get_position().width * fig.get_figwidth() * fig.dpi / span * 0.85 if span else 0.0
     )
     fontsize = 7 if timeline.num_ranks <= 8 else 5
     char_px = fontsize * 0.6 * fig.dpi / 72
-    present: set[Kind] = set()
+    return _Lettering(fontsize, char_px, px_per_unit)
+
+
+def _draw_rank(
+    ax: Any, timeline: Timeline, rank: int, lettering: _Lettering, present: set[Kind]
+) -> bool:
+    """Draw rank ``rank``'s row, adding the kinds drawn to ``present``; whether any waited."""
+    events = timeline.events[rank]
+    t0, chunks = timeline.start, timeline.schedule.chunks_per_rank
+    has_copy = any(e.lane == "copy" for e in events)
+    has_reduce = any(e.lane == "reduce" for e in events)
+    top = rank - 0.4 + (0.16 if has_reduce else 0.0)
+    compute_y = (top, rank + (0.16 if has_copy else 0.4) - top)
+    copy_y = (rank + 0.2, 0.2)
+    reduce_y = (rank - 0.4, 0.14)
     waited = False
-    for rank, events in enumerate(timeline.events):
-        top = rank - 0.4 + (0.16 if has_reduce[rank] else 0.0)
-        compute_y = (top, rank + (0.16 if has_copy[rank] else 0.4) - top)
-        copy_y = (rank + 0.2, 0.2)
-        reduce_y = (rank - 0.4, 0.14)
-        for e in events:
-            if e.lane == "comm":
-                continue
-            kind = e.action.kind
-            present.add(kind)
-            chunk = _chunk(timeline, e)
-            color = _lighten(KIND_COLORS[kind], 0.45 * chunk / max(1, chunks - 1))
-            y0, h = {"compute": compute_y, "copy": copy_y}.get(e.lane, reduce_y)
-            if e.wait > 0:
-                waited = True
-                ax.broken_barh(
-                    [(e.start - t0, e.wait)],
-                    (y0, h),
-                    facecolors=[WAIT_COLOR],
-                    edgecolors="#8c8c8c",
-                    linewidth=0.3,
-                    hatch="////",
-                )
-            x, w = e.ready - t0, e.work
-            if w <= 0:
-                marker = "v" if kind in (Kind.OFFLOAD, Kind.REDUCE_GRAD) else "^"
-                ax.plot(
-                    [x],
-                    [y0 + h / 2],
-                    marker=marker,
-                    color=color,
-                    markersize=4,
-                    mec="black",
-                    mew=0.3,
-                )
-                continue
-            ax.broken_barh([(x, w)], (y0, h), facecolors=[color], edgecolors="black", linewidth=0.3)
-            label = "" if e.action.microbatch is None else str(e.action.microbatch)
-            if label and e.lane == "compute" and w * px_per_unit >= char_px * (len(label) + 0.5):
-                ax.text(
-                    x + w / 2,
-                    y0 + h / 2,
-                    label,
-                    ha="center",
-                    va="center",
-                    fontsize=fontsize,
-                    color=_ink(color),
-                )
+    for e in events:
+        if e.lane == "comm":
+            continue
+        kind = e.action.kind
+        present.add(kind)
+        chunk = _chunk(timeline, e)
+        color = _lighten(KIND_COLORS[kind], 0.45 * chunk / max(1, chunks - 1))
+        y0, h = {"compute": compute_y, "copy": copy_y}.get(e.lane, reduce_y)
+        if e.wait > 0:
+            waited = True
+            ax.broken_barh(
+                [(e.start - t0, e.wait)],
+                (y0, h),
+                facecolors=[WAIT_COLOR],
+                edgecolors="#8c8c8c",
+                linewidth=0.3,
+                hatch="////",
+            )
+        _draw_work(ax, e, e.ready - t0, (y0, h), color, lettering)
+    return waited
+
+
+def _draw_work(
+    ax: Any,
+    e: Event,
+    x: float,
+    box: tuple[float, float],
+    color: tuple[float, float, float],
+    lettering: _Lettering,
+) -> None:
+    """Event ``e``'s work from ``x``: a box, labelled if wide enough, or a triangle if empty."""
+    y0, h = box
+    w = e.work
+    kind = e.action.kind
+    if w <= 0:
+        marker = "v" if kind in (Kind.OFFLOAD, Kind.REDUCE_GRAD) else "^"
+        ax.plot(
+            [x],
+            [y0 + h / 2],
+            marker=marker,
+            color=color,
+            markersize=4,
+            mec="black",
+            mew=0.3,
+        )
+        return
+    ax.broken_barh([(x, w)], (y0, h), facecolors=[color], edgecolors="black", linewidth=0.3)
+    label = "" if e.action.microbatch is None else str(e.action.microbatch)
+    fits = w * lettering.px_per_unit >= lettering.char_px * (len(label) + 0.5)
+    if label and e.lane == "compute" and fits:
+        ax.text(
+            x + w / 2,
+            y0 + h / 2,
+            label,
+            ha="center",
+            va="center",
+            fontsize=lettering.fontsize,
+            color=_ink(color),
+        )
+
+
+def _dress_axes(ax: Any, timeline: Timeline, title: str | None) -> None:
+    """Limits, rank labels and a title with the makespan and bubble rates."""
+    s = timeline.schedule
+    span, chunks = timeline.makespan, s.chunks_per_rank
     ax.set_xlim(0, span if span > 0 else 1.0)
     ax.set_ylim(timeline.num_ranks - 0.5, -0.5)
     ax.set_yticks(range(timeline.num_ranks))
@@ -488,6 +533,10 @@ def draw_timeline(ax: Any, timeline: Timeline, title: str | None = None) -> None
         fontsize=9,
         loc="left",
     )
+
+
+def _draw_legend(ax: Any, Patch: Any, present: set[Kind], waited: bool, chunks: int) -> None:
+    """A legend right of the axes: the kinds drawn, the wait box if any, the chunk shading."""
     handles = [
         Patch(facecolor=KIND_COLORS[k], edgecolor="black", linewidth=0.3, label=_legend_name(k))
         for k in KIND_COLORS

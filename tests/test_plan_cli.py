@@ -270,9 +270,9 @@ def test_the_documented_plans_are_within_the_size_limit(
 def test_force_plans_past_the_size_limit(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    from zeropipe.apps import plan_cli
+    from zeropipe.apps import plan_size
 
-    monkeypatch.setattr(plan_cli, "PLAN_LIMIT", 10)
+    monkeypatch.setattr(plan_size, "PLAN_LIMIT", 10)
     argv = ("plan", "--costs", str(_cost_file(tmp_path)), "--ranks", "2", "--microbatches", "4")
     assert run(capsys, *argv, "--quiet")[0] == 2
     code, out, _ = run(capsys, *argv, "--quiet", "--force", "--schedules", "1f1b")

@@ -26,13 +26,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from zeropipe.apps.cli_args import (
-    ACTION_BYTES,
-    int_at_least,
-    positive_float,
-    refuse_too_big,
-    share,
-)
+from zeropipe.apps import plan_size
+from zeropipe.apps.cli_args import int_at_least, positive_float, share
 from zeropipe.core import render
 from zeropipe.core.costs import CostModel
 from zeropipe.core.errors import ScheduleError, ZeropipeError
@@ -43,7 +38,6 @@ from zeropipe.planning.cluster import (
     Ranking,
     divisors,
     fixed_costs,
-    layouts,
     schedule_cut,
     search,
 )
@@ -64,18 +58,6 @@ __all__ = ["add_arguments", "run_cli"]
 
 #: looped-bfs holds every microbatch's activations of a chunk at once: never a contender
 _SKIPPED_BY_DEFAULT = ("looped-bfs",)
-
-# How much a plan simulates without --force.  With --costs every schedule is priced (each
-# at several cuts), at about 20,000 actions a second (2 ranks, 4,000 microbatches, nine
-# schedules: ~430,000 actions in 22 s on a 2-core VM, 2026-11-28): about a minute in all.
-# From specs the search prunes by bounds, so the work follows the largest configuration's
-# schedule more than the count of schedules: about 14,000 of its actions a second
-# (llama-3-8b on 8 GPUs, global batch 40,000: pp 8 x 2 chunks x 40,000 microbatches,
-# ~1.9 million actions, 139 s, 1 GB); about half a minute.
-PLAN_RATE = 20_000.0
-PLAN_LIMIT = 1_200_000
-CLUSTER_RATE = 14_000.0
-CLUSTER_LIMIT = 400_000
 
 
 def _default_schedules() -> list[str]:
@@ -210,7 +192,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--force",
         action="store_true",
         help=f"search even when the largest configuration's schedules would take more than "
-        f"about a minute (more than {PLAN_LIMIT:,} actions)",
+        f"about a minute (more than {plan_size.PLAN_LIMIT:,} actions)",
     )
 
 
@@ -227,36 +209,6 @@ def _schedules(args: argparse.Namespace) -> list[str]:
             f"known: {', '.join(sorted(GENERATORS))}"
         )
     return names
-
-
-def _refuse_too_big(
-    args: argparse.Namespace, schedules: Sequence[str], pp: int, microbatches: int, what: str
-) -> None:
-    """Refuse up front a pipeline of ``pp`` ranks and ``microbatches`` (up to the most chunks
-    of --chunks and zbv's 2) that would take minutes to simulate: with --costs all
-    ``schedules`` of it, from specs its one largest schedule (see CLUSTER_LIMIT)."""
-    if args.force:
-        return
-    chunks = max([*args.chunks, 2])
-    size = f"{pp} rank(s) x up to {chunks} chunk(s) x {microbatches} microbatches"
-    one = 3.0 * pp * chunks * microbatches
-    if args.costs:
-        refuse_too_big(
-            one * len(schedules),
-            PLAN_LIMIT,
-            rate=PLAN_RATE,
-            action_bytes=ACTION_BYTES / len(schedules),  # one schedule is held at a time
-            what=f"{what}: {len(schedules)} schedule(s) of {size}",
-            fix="give fewer --microbatches or --ranks, or fewer --schedules",
-        )
-    else:
-        refuse_too_big(
-            one,
-            CLUSTER_LIMIT,
-            rate=CLUSTER_RATE,
-            what=f"{what}: a schedule of {size}",
-            fix="give a smaller --global-batch or larger --microbatch-sizes, or fix --pp / --dp",
-        )
 
 
 def _progress(args: argparse.Namespace) -> Any:
@@ -318,10 +270,8 @@ def run_cli(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_cluster(args: argparse.Namespace) -> tuple[list[str], Ranking, str]:
-    model = load_model(args.model)
-    hw = load_hardware(args.gpu)
-    peak = hw.peak(args.dtype)
+def _check_cluster_flags(args: argparse.Namespace, model: Any, hw: Any) -> None:
+    """--gpus whole nodes, --pp / --dp divisors of it, --pp no deeper than the model."""
     node = hw.gpus_per_node
     if args.gpus > node and args.gpus % node:
         raise ZeropipeError(
@@ -329,9 +279,6 @@ def _run_cluster(args: argparse.Namespace) -> tuple[list[str], Ranking, str]:
             f"each); give at most {node} or a multiple of {node}, e.g. "
             f"{args.gpus // node * node} or {(args.gpus // node + 1) * node}"
         )
-    memory = args.memory * GiB if args.memory else hw.memory
-    tokens = args.global_batch * args.seq
-    tp_options = _tp_options(args, model, hw)
     for flag in ("pp", "dp"):
         bad = [v for v in getattr(args, flag) or () if args.gpus % v]
         if bad:
@@ -344,14 +291,21 @@ def _run_cluster(args: argparse.Namespace) -> tuple[list[str], Ranking, str]:
             f"--pp {max(args.pp)}: deeper than the model's {model.layers} blocks; give at "
             f"most {model.layers}"
         )
-    sp = args.sequence_parallel
+
+
+def _cluster_header(
+    args: argparse.Namespace, model: Any, hw: Any, memory: float, tp_options: list[int]
+) -> list[str]:
+    """The lines above the table: model, cluster, step and what the prices assume."""
+    peak = hw.peak(args.dtype)
+    tokens = args.global_batch * args.seq
     tp_text = "1" if tp_options == [1] else ",".join(map(str, tp_options))
     tensor = (
         f"tensor parallel tp in {{{tp_text}}}"
         + ("" if args.tp_across_nodes else " inside a node")
-        + (", sequence parallel" if sp else ", no sequence parallelism")
+        + (", sequence parallel" if args.sequence_parallel else ", no sequence parallelism")
     )
-    header = [
+    return [
         f"model: {model.name}, {model.params() / 1e9:.1f}B parameters, {model.layers} blocks, "
         f"hidden {model.hidden}",
         f"cluster: {args.gpus} x {hw.name} ({peak / 1e12:.0f} TFLOP/s {args.dtype}, "
@@ -372,19 +326,18 @@ def _run_cluster(args: argparse.Namespace) -> tuple[list[str], Ranking, str]:
         + f", offload at {hw.host_bandwidth / 1e9:.0f} GB/s to host; {tensor}; ranks laid "
         f"out tp innermost, then dp",
     ]
+
+
+def _run_cluster(args: argparse.Namespace) -> tuple[list[str], Ranking, str]:
+    model = load_model(args.model)
+    hw = load_hardware(args.gpu)
+    peak = hw.peak(args.dtype)
+    _check_cluster_flags(args, model, hw)
+    memory = args.memory * GiB if args.memory else hw.memory
+    tp_options = _tp_options(args, model, hw)
+    header = _cluster_header(args, model, hw, memory, tp_options)
     schedules = _schedules(args)
-    mbs = min(args.microbatch_sizes)
-    pp, dp, tp = max(
-        layouts(args.gpus, model.layers, args.pp, args.dp, tp_options) or [(1, 1, 1)],
-        key=lambda layout: layout[0] * math.ceil(args.global_batch / (layout[1] * mbs)),
-    )
-    _refuse_too_big(
-        args,
-        schedules,
-        pp,
-        math.ceil(args.global_batch / (dp * mbs)),
-        f"the largest configuration, pp {pp} x dp {dp} x tp {tp} at microbatch size {mbs}",
-    )
+    plan_size.refuse_largest(args, model, tp_options, schedules)
     ranking = search(
         gpus=args.gpus,
         layers=model.layers,
@@ -398,7 +351,7 @@ def _run_cluster(args: argparse.Namespace) -> tuple[list[str], Ranking, str]:
             shard_optimizer=args.shard_optimizer,
             attention=args.attention,
             dropout=args.dropout,
-            sequence_parallel=sp,
+            sequence_parallel=args.sequence_parallel,
             tp_across_nodes=args.tp_across_nodes,
         ),
         memory=memory,
@@ -484,7 +437,7 @@ def _run_measured(args: argparse.Namespace) -> tuple[list[str], Ranking, str]:
             f"{path}: give a divisor of the stage count (ranks holding several stages)"
         )
     schedules = _schedules(args)
-    _refuse_too_big(args, schedules, args.ranks, args.microbatches, f"--costs {path}")
+    plan_size.refuse_too_big(args, schedules, args.ranks, args.microbatches, f"--costs {path}")
     ranking = search(
         gpus=args.ranks,
         layers=max(len(costs.stages), 2 * args.ranks),

@@ -267,15 +267,7 @@ def _train(rank: int, world: int, cfg: TrainConfig, stop: _StopRequest) -> dict[
             group["lr"] = cfg.lr * min(1.0, (step + 1) / cfg.warmup)
         x, y = _mine(pipe, *batch(corpus, cfg, step))
         profiled = cfg.profile and lead and step == trace_step
-        with train_report.torch_profile(profiled, cfg.device) as prof:
-            t0 = time.perf_counter()
-            loss = pipe.step(x, y)
-            norm = None if cfg.clip is None else pipe.clip_grad_norm_(cfg.clip).item()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            elapsed = time.perf_counter() - t0
-        if prof is not None:
-            prof.export_chrome_trace(str(out / "torch_trace.json"))
+        loss, norm, elapsed = _step(pipe, optimizer, cfg, x, y, out if profiled else None)
         bubble = train_report.bubble_rate(pipe, elapsed, world)
         if step == trace_step:
             measured = train_report.gather_timeline(pipe, world)
@@ -289,14 +281,13 @@ def _train(rank: int, world: int, cfg: TrainConfig, stop: _StopRequest) -> dict[
             non_finite = {"what": "loss", "step": step, "loss": value}
             break
         losses.append(value)
-        peak = train_report.peak_bytes(pipe)
-        record = {
+        record: dict[str, Any] = {
             "step": step,
             "loss": value,
             "tokens_per_s": tokens / elapsed,
             "step_s": elapsed,
             "bubble_rate": bubble,
-            "peak_saved_bytes": peak,
+            "peak_saved_bytes": train_report.peak_bytes(pipe),
         }
         if norm is not None:
             record["grad_norm"] = norm  # before clipping
@@ -325,30 +316,17 @@ def _train(rank: int, world: int, cfg: TrainConfig, stop: _StopRequest) -> dict[
         if stopping:
             stopped_by = stopping
             if lead:
-                name = signal.Signals(stopping).name
-                below_bar = "" if cfg.quiet else "\n"  # the progress line may lack its end
-                print(
-                    f"{below_bar}zeropipe: stopped by {name} after step "
-                    f"{step} of {cfg.steps}: saved {train_state.step_dir(ckpt_root, step)}; "
-                    f"run the same command with --resume to go on",
-                    flush=True,
-                )
+                _stopped_line(cfg, stopping, step, ckpt_root)
             break
     # None after a stop (whoever stopped the run is waiting for it to end) or a non-finite
     # step: the summary says there was no end eval.
     done = non_finite is None and stopped_by is None
-    final_eval = held_out if done else None
     summary = {
-        "model": cfg.model,
-        "schedule": cfg.schedule,
-        "group_w": cfg.group_w,
-        "ranks": cfg.ranks,
-        "dp": cfg.dp,
-        "tp": cfg.tp,
+        **_settings(cfg),
         "steps_run": step - start,
         "last_step": step,
         "initial_eval_loss": initial_eval,
-        "final_eval_loss": final_eval,
+        "final_eval_loss": held_out if done else None,
         "final_train_loss": losses[-1] if losses else math.nan,
         "wall_s": time.perf_counter() - wall0,
         "interrupted": stopped_by,
@@ -363,6 +341,51 @@ def _train(rank: int, world: int, cfg: TrainConfig, stop: _StopRequest) -> dict[
         if not cfg.quiet and non_finite is None:  # train() reports a non-finite stop
             train_report.print_summary(summary, out)
     return summary
+
+
+def _step(
+    pipe: Pipeline,
+    optimizer: torch.optim.Optimizer,
+    cfg: TrainConfig,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    profile_to: Path | None,
+) -> tuple[torch.Tensor, float | None, float]:
+    """One step: the pipeline's, clipping, the optimizer's; its loss, gradient norm (before
+    clipping) and seconds.  With ``profile_to``, its torch profiler trace is written there."""
+    with train_report.torch_profile(profile_to is not None, cfg.device) as prof:
+        t0 = time.perf_counter()
+        loss = pipe.step(x, y)
+        norm = None if cfg.clip is None else pipe.clip_grad_norm_(cfg.clip).item()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        elapsed = time.perf_counter() - t0
+    if prof is not None and profile_to is not None:
+        prof.export_chrome_trace(str(profile_to / "torch_trace.json"))
+    return loss, norm, elapsed
+
+
+def _stopped_line(cfg: TrainConfig, signum: int, step: int, ckpt_root: Path) -> None:
+    """Rank 0's line for a run stopped by a signal: where it saved, how to go on."""
+    below_bar = "" if cfg.quiet else "\n"  # the progress line may lack its end
+    print(
+        f"{below_bar}zeropipe: stopped by {signal.Signals(signum).name} after step "
+        f"{step} of {cfg.steps}: saved {train_state.step_dir(ckpt_root, step)}; "
+        f"run the same command with --resume to go on",
+        flush=True,
+    )
+
+
+def _settings(cfg: TrainConfig) -> dict[str, Any]:
+    """What the summary says of the run's layout."""
+    return {
+        "model": cfg.model,
+        "schedule": cfg.schedule,
+        "group_w": cfg.group_w,
+        "ranks": cfg.ranks,
+        "dp": cfg.dp,
+        "tp": cfg.tp,
+    }
 
 
 class _StopRequest:

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -175,11 +174,9 @@ def point_latest(root: Path, step: int, keep: int = 2) -> None:
     """
     folder = step_dir(root, step)
     _atomic_write(root / "latest", _text_writer(folder.name))
-    ours = (p for p in root.iterdir() if p.is_dir() and re.fullmatch(r"step-\d{6,}", p.name))
-    steps = sorted(ours, key=lambda p: int(p.name[5:]))
-    for old in steps[:-keep] if keep > 0 else []:
-        if old != folder:
-            shutil.rmtree(old, ignore_errors=True)
+    for old in _step_folders(root)[keep:] if keep > 0 else []:
+        if old != step:
+            shutil.rmtree(step_dir(root, old), ignore_errors=True)
 
 
 def save_step(

@@ -51,7 +51,7 @@ from zeropipe.core.schedules.auto import search
 from zeropipe.core.simulate import simulate
 from zeropipe.planning.balance import balance, stage_costs
 from zeropipe.planning.plan import layer_costs, profile
-from zeropipe.runtime.stage import split_layers
+from zeropipe.runtime.step.stage import split_layers
 
 PAPER = {"limit p": ("ZB-1p", 0.1585), "limit 2p": ("ZB-2p", 0.0433)}
 

@@ -42,8 +42,8 @@ from torch import Tensor, nn
 
 from zeropipe.apps.models.gpt import GPTConfig, gpt, lm_loss
 from zeropipe.apps.models.mlp import mlp_blocks
-from zeropipe.core.build import build_schedule
 from zeropipe.core.ir import Kind, Schedule
+from zeropipe.core.passes.build import build_schedule
 from zeropipe.runtime.launch import launch
 from zeropipe.runtime.pipeline import Pipeline
 

@@ -74,8 +74,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from zeropipe.core.build import build_schedule
 from zeropipe.core.costs import CostModel
+from zeropipe.core.passes.build import build_schedule
 from zeropipe.core.schedules import GENERATORS, generate
 from zeropipe.core.simulate import simulate
 from zeropipe.planning.balance import even_cut

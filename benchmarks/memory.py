@@ -48,8 +48,8 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from zeropipe.base.device import is_accelerator, peak_allocated_bytes, reset_peak_bytes
 from zeropipe.core.costs import CostModel, StageCost
-from zeropipe.core.fit import checkpoint, fit_memory, offload, smallest_limit
 from zeropipe.core.ir import COMPUTE_KINDS, Kind, Schedule
+from zeropipe.core.passes.fit import checkpoint, fit_memory, offload, smallest_limit
 from zeropipe.core.schedules import generate
 from zeropipe.core.simulate import simulate
 from zeropipe.runtime.pipeline import Pipeline

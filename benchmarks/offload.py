@@ -45,8 +45,8 @@ from zeropipe.base.device import (
     peak_allocated_bytes,
     reset_peak_bytes,
 )
-from zeropipe.core.fit import offload, offload_weights
 from zeropipe.core.ir import Schedule
+from zeropipe.core.passes.fit import offload, offload_weights
 from zeropipe.core.schedules import generate
 from zeropipe.runtime.pipeline import Pipeline
 

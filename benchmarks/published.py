@@ -100,7 +100,7 @@ from typing import Any
 
 from zeropipe.core.costs import CostModel, StageCost
 from zeropipe.core.ir import COMPUTE_KINDS, Schedule
-from zeropipe.core.lower import lower
+from zeropipe.core.passes.lower import lower
 from zeropipe.core.schedules import generate
 from zeropipe.core.schedules.auto import search
 from zeropipe.core.simulate import Timeline, simulate

@@ -42,7 +42,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from zeropipe.autograd.split import WeightGradStash, prepare_split
+from zeropipe.autograd.split_backward import WeightGradStash, prepare_split
 
 
 class _Block(nn.Module):

@@ -55,7 +55,7 @@ Why a failure cannot hang the other ranks:
               collectives stay matched; a failure on one tp rank alone would leave its
               partner in a tp collective until the launch's timeout, which ends the run.
     zeropipe  a rank that fails in ``Pipeline.step`` writes why to the store, and its peers'
-              waits fail at once (``zeropipe.runtime.failures``).
+              waits fail at once (``zeropipe.runtime.transport.failures``).
 
 The script exits 1 if zeropipe fails or is not exact on any pair, or if torch is not exact
 where it ran: zeropipe must run every pair, and a wrong result from either would make the

@@ -21,8 +21,8 @@ import tempfile
 from dataclasses import replace
 from statistics import median
 
-from zeropipe.apps.train import train
-from zeropipe.apps.train_config import TrainConfig
+from zeropipe.apps.train.config import TrainConfig
+from zeropipe.apps.train.loop import train
 from zeropipe.core.simulate import simulate
 
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zeropipe import Pipeline, RuntimeOptions, generate
-from zeropipe.core.fit import offload_weights
+from zeropipe.core.passes.fit import offload_weights
 
 
 def main() -> None:

@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from zeropipe.apps.data import Corpus
+from zeropipe.apps.data.corpus import Corpus
 
 
 def text(chars: int, seed: int) -> str:

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from tests.gradcheck import assert_same_gradients, assert_same_loss, batch_for, mlp, reference
 from tests.runtime.test_autocast import BF16, assert_bf16_gradients, splits
 from zeropipe import Pipeline, RuntimeOptions, build_schedule
-from zeropipe.core.fit import offload, offload_weights
+from zeropipe.core.passes.fit import offload, offload_weights
 from zeropipe.core.schedules import GENERATORS, generate
 
 pytestmark = pytest.mark.gpu

@@ -15,7 +15,7 @@ def test_every_public_name_resolves() -> None:
 
 def test_schedule_half_imports_without_torch() -> None:
     code = (
-        "import sys, zeropipe, zeropipe.core.schedules, zeropipe.core.simulate, zeropipe.core.validate, zeropipe.core.lower\n"
+        "import sys, zeropipe, zeropipe.core.schedules, zeropipe.core.simulate, zeropipe.core.validate, zeropipe.core.passes.lower\n"
         "s = zeropipe.generate('zbv', 4, 8)\n"
         "t = zeropipe.simulate(s)\n"
         "assert t.makespan > 0\n"

@@ -12,11 +12,11 @@ from __future__ import annotations
 from importlib import import_module
 from typing import Any
 
-from zeropipe.core.build import build_schedule
 from zeropipe.core.costs import CostModel, StageCost
 from zeropipe.core.errors import PipelineError, ScheduleError, ZeropipeError
 from zeropipe.core.ir import Action, Kind, Schedule
-from zeropipe.core.lower import lower
+from zeropipe.core.passes.build import build_schedule
+from zeropipe.core.passes.lower import lower
 from zeropipe.core.schedules import GENERATORS, generate
 from zeropipe.core.simulate import Timeline, simulate
 from zeropipe.core.validate import validate
@@ -64,15 +64,15 @@ _LAZY = {
     "auto_plan": "zeropipe.planning.plan",
     "launch": "zeropipe.runtime.launch",
     "init_from_env": "zeropipe.runtime.launch",
-    "is_recomputing": "zeropipe.runtime.memory",
+    "is_recomputing": "zeropipe.runtime.memory.manager",
     "profile": "zeropipe.planning.plan",
     "split": "zeropipe.adapters.split",
     "parallelize": "zeropipe.adapters.tp",
     "causal_lm_loss": "zeropipe.adapters.loss",
-    "save_checkpoint": "zeropipe.runtime.checkpoint",
-    "load_checkpoint": "zeropipe.runtime.checkpoint",
-    "DeferredBatchNorm": "zeropipe.runtime.batch_norm",
-    "deferred_batch_norm": "zeropipe.runtime.batch_norm",
+    "save_checkpoint": "zeropipe.runtime.checkpoint.dcp",
+    "load_checkpoint": "zeropipe.runtime.checkpoint.dcp",
+    "DeferredBatchNorm": "zeropipe.runtime.step.batch_norm",
+    "deferred_batch_norm": "zeropipe.runtime.step.batch_norm",
 }
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from zeropipe.apps.cli import main
-from zeropipe.apps.train import train
-from zeropipe.apps.train_config import TrainConfig
+from zeropipe.apps.train.config import TrainConfig
+from zeropipe.apps.train.loop import train
 from zeropipe.core.errors import ZeropipeError
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from zeropipe.autograd.split import (
+from zeropipe.autograd.split_backward import (
     WeightGradStash,
     prepare_split,
     split_linears,

@@ -43,11 +43,11 @@ from zeropipe import build_schedule
 from zeropipe.core.costs import CostModel
 from zeropipe.core.errors import PipelineError, ScheduleError
 from zeropipe.core.ir import Action, Kind
-from zeropipe.core.lower import lower
+from zeropipe.core.passes.lower import lower
 from zeropipe.core.schedules import GENERATORS, generate
 from zeropipe.planning.plan import auto_plan
-from zeropipe.runtime.distributed import DistributedTransport
 from zeropipe.runtime.pipeline import Pipeline, RuntimeOptions
+from zeropipe.runtime.transport.tagged import DistributedTransport
 
 TIMEOUT = 30.0  # seconds a rank waits for a peer in these cases
 OPTIONS = RuntimeOptions(timeout=TIMEOUT)

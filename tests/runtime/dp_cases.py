@@ -37,7 +37,7 @@ from tests.runtime.dist_cases import MODELS, guard, supported
 from zeropipe import build_schedule
 from zeropipe.core.costs import CostModel
 from zeropipe.core.errors import PipelineError
-from zeropipe.core.fit import offload_weights
+from zeropipe.core.passes.fit import offload_weights
 from zeropipe.core.schedules import GENERATORS, generate
 from zeropipe.planning.plan import auto_plan
 from zeropipe.runtime.pipeline import Pipeline, RuntimeOptions
@@ -225,8 +225,8 @@ def _fsdp_train_case(mesh: Any, dp: int, name: str) -> dict[str, Any]:
 
 def _checkpoint_refusal(pipe: Pipeline) -> str:
     """Saving a sharded pipeline is refused before anything is written."""
-    from zeropipe.runtime.checkpoint import save_checkpoint
-    from zeropipe.runtime.checkpoint_folder import CheckpointError
+    from zeropipe.runtime.checkpoint.dcp import save_checkpoint
+    from zeropipe.runtime.checkpoint.folder import CheckpointError
 
     try:
         save_checkpoint(pipe, None, "/nonexistent/zeropipe-checkpoint")

@@ -23,7 +23,7 @@ from tests.gradcheck import assert_same_gradients, batch_for, mlp, reference
 from zeropipe import Pipeline, build_schedule
 from zeropipe.base import _compat
 from zeropipe.core.errors import PipelineError
-from zeropipe.core.fit import checkpoint
+from zeropipe.core.passes.fit import checkpoint
 from zeropipe.runtime.assembly import build_stages, check_materialised
 
 

@@ -17,8 +17,8 @@ from torch import Tensor, nn
 from tests.gradcheck import assert_same_loss, batch_for, mlp, reference
 from zeropipe import Pipeline, build_schedule
 from zeropipe.core.errors import PipelineError
-from zeropipe.core.fit import checkpoint
 from zeropipe.core.ir import Kind
+from zeropipe.core.passes.fit import checkpoint
 from zeropipe.core.schedules import GENERATORS, generate
 from zeropipe.runtime.pipeline import RuntimeOptions
 

@@ -253,9 +253,9 @@ def test_under_torchrun_a_raising_rank_is_the_root_cause_and_its_peer_exits_clea
 
 
 def test_distributed_transport_needs_an_initialised_process_group() -> None:
-    from zeropipe.core.lower import lower
+    from zeropipe.core.passes.lower import lower
     from zeropipe.core.schedules import generate
-    from zeropipe.runtime.distributed import DistributedTransport
+    from zeropipe.runtime.transport.tagged import DistributedTransport
 
     with pytest.raises(PipelineError, match=r"torch\.distributed initialised"):
         DistributedTransport(lower(generate("1f1b", 2, 2)), 0)

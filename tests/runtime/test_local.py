@@ -17,13 +17,13 @@ from tests.gradcheck import (
     token_model,
 )
 from zeropipe import RuntimeOptions
-from zeropipe.core.build import build_schedule
 from zeropipe.core.errors import PipelineError, ScheduleError
 from zeropipe.core.ir import Kind
+from zeropipe.core.passes.build import build_schedule
 from zeropipe.core.schedules import GENERATORS, generate
 from zeropipe.planning.plan import auto_plan
-from zeropipe.runtime.handlers import HANDLERS
 from zeropipe.runtime.pipeline import Pipeline
+from zeropipe.runtime.step.handlers import HANDLERS
 
 MODELS = {
     "mlp": (lambda dtype: mlp(dtype=dtype), F.mse_loss),

@@ -25,7 +25,7 @@ import zeropipe
 from tests.gradcheck import assert_same_gradients, mlp, reference
 from zeropipe import Pipeline, build_schedule
 from zeropipe.core.errors import PipelineError
-from zeropipe.runtime.loss import LossContract
+from zeropipe.runtime.step.loss_contract import LossContract
 
 
 def _linears(n: int) -> list[nn.Module]:

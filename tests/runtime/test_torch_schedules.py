@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch.nn.functional as F
 
+from tests.core.schedules.test_torch_import import _MULTI, _torch_csv, _valid
 from tests.gradcheck import assert_same_gradients, assert_same_loss, batch_for, mlp, reference
-from tests.schedules.test_torch_import import _MULTI, _torch_csv, _valid
 from zeropipe.core.ir import Kind, Schedule
 from zeropipe.runtime.pipeline import Pipeline
 

@@ -38,9 +38,9 @@ from torch import Tensor, nn
 
 from tests.runtime.dist_cases import guard, supported
 from tests.runtime.dp_cases import outcome
-from zeropipe.core.build import build_schedule
 from zeropipe.core.costs import CostModel
-from zeropipe.core.fit import checkpoint, offload, offload_weights
+from zeropipe.core.passes.build import build_schedule
+from zeropipe.core.passes.fit import checkpoint, offload, offload_weights
 from zeropipe.core.schedules import GENERATORS, generate
 from zeropipe.planning.plan import auto_plan
 from zeropipe.runtime.pipeline import Pipeline, RuntimeOptions
@@ -177,7 +177,7 @@ def _grad_case(mesh: Any, kind: str, name: str, variant: str = "plain",
                options: RuntimeOptions = OPTIONS) -> dict[str, Any]:  # fmt: skip
     """Two steps: each step's loss and this rank's whole gradients (with activation offload:
     also how many saved DTensors had their local shard moved and rebuilt)."""
-    from zeropipe.runtime import offload as offload_module
+    from zeropipe.runtime.memory import offload as offload_module
 
     rebuilt = [0]
     rebuild = offload_module._Shard.rebuild

@@ -1,4 +1,4 @@
-"""What each rank runs in the tensor-parallel checkpoint tests (tests/runtime/test_tp_checkpoint.py).
+"""What each rank runs in the tensor-parallel checkpoint tests (tests/runtime/checkpoint/test_tp_checkpoint.py).
 
 The model is the built-in GPT, tiny and in float64, made tensor-parallel with
 :func:`parallelize_gpt` over the mesh's "tp" dimension (Megatron's layout: q, k, v
@@ -26,9 +26,9 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from zeropipe.apps.models.gpt import GPTConfig, gpt, lm_loss, parallelize_gpt
-from zeropipe.core.build import build_schedule
-from zeropipe.runtime.checkpoint import load_checkpoint, save_checkpoint, state_names
-from zeropipe.runtime.checkpoint_folder import CheckpointError
+from zeropipe.core.passes.build import build_schedule
+from zeropipe.runtime.checkpoint.dcp import load_checkpoint, save_checkpoint, state_names
+from zeropipe.runtime.checkpoint.folder import CheckpointError
 from zeropipe.runtime.pipeline import Pipeline, RuntimeOptions
 
 CONFIG = GPTConfig(vocab=32, seq=8, width=16, heads=4, layers=2, dropout=0.0)

@@ -45,7 +45,7 @@ from torch import Tensor, nn
 
 from zeropipe.core.errors import PipelineError
 from zeropipe.planning.balance import balance as balance_times
-from zeropipe.runtime.stage import seed_layers
+from zeropipe.runtime.step.stage import seed_layers
 
 __all__ = ["SUPPORTED", "hf_family", "is_hf_model", "split_hf"]
 

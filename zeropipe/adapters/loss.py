@@ -10,7 +10,7 @@ cross-entropy averaged over the tokens whose label is not ``-100``::
 Under a :class:`~zeropipe.runtime.pipeline.Pipeline` a batch's mean is not the
 mean of its microbatches' means when they count different numbers of tokens, so
 the pipeline calls :meth:`CausalLMLoss.sum_and_count` per microbatch and divides
-by the batch's total :meth:`CausalLMLoss.count` (see :mod:`zeropipe.runtime.loss`):
+by the batch's total :meth:`CausalLMLoss.count` (see :mod:`zeropipe.runtime.step.loss_contract`):
 ``Pipeline(stages, ..., loss_fn=zeropipe.causal_lm_loss)`` is exact as it is.
 """
 

@@ -23,7 +23,7 @@ from torch import nn
 
 from zeropipe.adapters.hf import SUPPORTED, hf_family, is_hf_model, split_hf
 from zeropipe.core.errors import PipelineError
-from zeropipe.runtime.stage import seed_layers, split_sequential
+from zeropipe.runtime.step.stage import seed_layers, split_sequential
 
 __all__ = ["split"]
 
@@ -46,7 +46,7 @@ def split(
     ``input_ids`` and the last returns logits ``[batch, seq, vocab]``.
 
     Each stage names the index in the whole model of every layer it holds
-    (:func:`zeropipe.runtime.stage.seed_layers`; for an HF model: the embedding
+    (:func:`zeropipe.runtime.step.stage.seed_layers`; for an HF model: the embedding
     0, decoder layer ``i`` ``i + 1``, the head last), by which a pipeline seeds
     the layer's dropout: the masks do not depend on the cut or the schedule.
     A subclass whose ``forward`` differs from the supported class's is refused:

@@ -46,8 +46,8 @@ from torch import Tensor, nn
 
 from zeropipe.apps.models.gpt import LAYERS, GPTConfig, gpt, gpt_layers, lm_loss
 from zeropipe.apps.models.mlp import mlp_blocks
-from zeropipe.core.build import build_schedule
 from zeropipe.core.errors import ZeropipeError
+from zeropipe.core.passes.build import build_schedule
 from zeropipe.core.schedules import generate
 from zeropipe.planning.balance import balance_schedule, even_cut
 from zeropipe.planning.plan import layer_costs

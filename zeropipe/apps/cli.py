@@ -33,7 +33,7 @@ from zeropipe.core import render
 from zeropipe.core.costs import CostModel
 from zeropipe.core.errors import ScheduleError, ZeropipeError
 from zeropipe.core.ir import Schedule
-from zeropipe.core.lower import lower
+from zeropipe.core.passes.lower import lower
 from zeropipe.core.schedules import GENERATORS, generate
 from zeropipe.core.simulate import simulate
 from zeropipe.core.validate import validate
@@ -416,18 +416,18 @@ def _run_bench(args: argparse.Namespace) -> int:
     return bench.run_cli(args)
 
 
-# -- zeropipe train -----------------------------------------------------------------------
+# -- zeropipe train ----------------------------------------------------------------------
 def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
-    from zeropipe.apps import train_config  # imports torch: only for this command
+    from zeropipe.apps.train import config  # imports torch: only for this command
 
-    train_config.add_arguments(parser)
+    config.add_arguments(parser)
 
 
 def _run_train(args: argparse.Namespace) -> int:
     """Train a small GPT across pipeline ranks (the built-in demo on defaults)."""
-    from zeropipe.apps import train
+    from zeropipe.apps.train import loop
 
-    return train.run_cli(args)
+    return loop.run_cli(args)
 
 
 # -- zeropipe export ----------------------------------------------------------------------
@@ -446,14 +446,14 @@ def _run_export(args: argparse.Namespace) -> int:
 
 # -- zeropipe tokenizer -----------------------------------------------------------------
 def _add_tokenizer_arguments(parser: argparse.ArgumentParser) -> None:
-    from zeropipe.apps import tokenizer  # no torch: the command runs without it
+    from zeropipe.apps.data import tokenizer  # no torch: the command runs without it
 
     tokenizer.add_tokenizer_arguments(parser)
 
 
 def _run_tokenizer(args: argparse.Namespace) -> int:
     """Train a byte-level BPE tokenizer on text, JSON lines or parquet files."""
-    from zeropipe.apps import tokenizer
+    from zeropipe.apps.data import tokenizer
 
     return tokenizer.run_tokenizer(args)
 

@@ -26,7 +26,7 @@ import re
 import shutil
 from pathlib import Path
 
-from zeropipe.apps.run_lock import LOCK_FILE
+from zeropipe.apps.train.lock import LOCK_FILE
 from zeropipe.core.errors import ZeropipeError
 
 __all__ = [

@@ -48,7 +48,7 @@ from torch import nn
 
 from zeropipe.apps import export_target
 from zeropipe.apps.export_target import TOKENIZER_FILES
-from zeropipe.apps.models.hf import ARCHITECTURES, build_hf
+from zeropipe.apps.models.hf_presets import ARCHITECTURES, build_hf
 from zeropipe.core.errors import ZeropipeError
 
 __all__ = [
@@ -334,7 +334,7 @@ def add_export_arguments(parser: Any) -> None:
 
 def run_export(args: Any) -> int:
     """``zeropipe export``: an HF folder, or one safetensors file for an OUT ending so."""
-    from zeropipe.apps import train_state
+    from zeropipe.apps.train import state as train_state
 
     out = Path(args.out)
     shard_bytes = _size("2GB" if args.shard_size is None else args.shard_size)
@@ -372,10 +372,10 @@ def _hf_config_of_run(settings: dict[str, Any], config_dir: str | None) -> tuple
             "this checkpoint is of --model gpt, which is no Hugging Face model; export it to a "
             "file ending in .safetensors"
         )
-    from zeropipe.apps.models.hf import hf_config
-    from zeropipe.apps.token_data import data_vocab
+    from zeropipe.apps.data.tokens import data_vocab
+    from zeropipe.apps.models.hf_presets import hf_config
 
-    try:  # as zeropipe.apps.train_setup sizes it
+    try:  # as zeropipe.apps.train.workload sizes it
         vocab = data_vocab(settings.get("data"), settings.get("tokenizer"), settings["seed"])
         config = hf_config(
             settings["model"],
@@ -424,8 +424,8 @@ def export_hf_folder(
     return the checkpoint folder read and the files written."""
     from safetensors.torch import save_file
 
-    from zeropipe.apps import train_state
-    from zeropipe.runtime.checkpoint import consolidated_state_dict
+    from zeropipe.apps.train import state as train_state
+    from zeropipe.runtime.checkpoint.dcp import consolidated_state_dict
 
     folder = train_state.checkpoint_folder(source)
     export_target.check_target(out, folder, force, folder_form=True)
@@ -467,7 +467,7 @@ def export_hf_folder(
             }
             (tmp / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         if settings.get("tokenizer") and settings.get("data"):  # the one the run trained with
-            from zeropipe.apps.tokenizer import TextTokenizer
+            from zeropipe.apps.data.tokenizer import TextTokenizer
 
             TextTokenizer.load(settings["tokenizer"]).save(tmp)
         else:

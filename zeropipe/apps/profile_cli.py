@@ -95,7 +95,7 @@ def run_cli(args: argparse.Namespace) -> int:
     from zeropipe.core.ir import Kind
     from zeropipe.planning.balance import balance, even_cut
     from zeropipe.planning.plan import layer_costs, profile
-    from zeropipe.runtime.stage import split_layers
+    from zeropipe.runtime.step.stage import split_layers
 
     gen = torch.Generator().manual_seed(0)
     target: Any = None

@@ -22,7 +22,7 @@ from zeropipe.autograd.priority import (
     prioritize_outputs,
     record_backward_order,
 )
-from zeropipe.autograd.split import WeightGradStash, prepare_split, unprepare_split
+from zeropipe.autograd.split_backward import WeightGradStash, prepare_split, unprepare_split
 
 __all__ = [
     "MAX_PRIORITY_LEVEL",

@@ -4,7 +4,7 @@ Checked on torch 2.13.0 (CPU build; the accelerator stream helpers follow the
 public ``torch.accelerator`` / ``torch.Stream`` API of that release and were
 not run on a GPU).  Every other module imports these helpers instead of
 reaching into ``torch._C`` or underscore attributes, so a torch upgrade that
-breaks one of them breaks here, visibly, and ``tests/test_compat.py`` says
+breaks one of them breaks here, visibly, and ``tests/base/test_compat.py`` says
 which assumption failed.
 
 What is private, and why zeropipe needs it:
@@ -310,7 +310,7 @@ def p2p_send(group: Any, tensor: torch.Tensor, peer: int, tag: int) -> Any:
     What ``dist.isend(tensor, global_rank, group, tag)`` posts, without its
     per-call checks and rank lookups (about 20 of its 45 microseconds on the
     2-vCPU VM): the caller passes a contiguous tensor and a group it belongs
-    to.  gloo carries a complex tensor as it is (``tests/test_compat.py`` sends one).
+    to.  gloo carries a complex tensor as it is (``tests/base/test_compat.py`` sends one).
     """
     return group.send([tensor], peer, tag)
 

@@ -6,7 +6,7 @@ a rank that holds ``v`` chunks has ``act = 1/v`` per stage.
 
 ``W_fused`` is what a W costs when its rank runs a W of the same stage right
 after it: the runtime does the two as one product per weight
-(:mod:`zeropipe.core.fuse`), which with small microbatches costs much less than two.
+(:mod:`zeropipe.core.passes.fuse`), which with small microbatches costs much less than two.
 
 Two costs belong to the runtime rather than to a stage: ``overhead``, added to every
 compute action (the runtime's own bookkeeping around the stage's module), and

@@ -56,7 +56,7 @@ def receiver_of(send: Action) -> Action:
 def message_order(schedule: Schedule, graph: Graph | None = None) -> list[list[Action]]:
     """Per rank, the SEND and RECV actions of ``schedule`` in the order that rank issues them.
 
-    ``schedule`` must be lowered (see :func:`zeropipe.core.lower.lower`); ``graph``
+    ``schedule`` must be lowered (see :func:`zeropipe.core.passes.lower.lower`); ``graph``
     is its :class:`~zeropipe.core.deps.Graph` if already built.  The i-th message
     rank a sends to rank b is the i-th one b receives from a.
     """

@@ -32,10 +32,10 @@ from statistics import median
 from zeropipe.core.costs import CostModel, StageCost, peak_memory
 from zeropipe.core.deps import Graph
 from zeropipe.core.errors import ScheduleError
-from zeropipe.core.fuse import fused_weights
 from zeropipe.core.gc_pause import paused_gc
 from zeropipe.core.ir import COMM_KINDS, COMPUTE_KINDS, COPY_KINDS, KINDS, Action, Kind, Schedule
-from zeropipe.core.lower import lower
+from zeropipe.core.passes.fuse import fused_weights
+from zeropipe.core.passes.lower import lower
 from zeropipe.core.validate import validate
 
 __all__ = ["Event", "Timeline", "simulate"]
@@ -173,7 +173,7 @@ def simulate(
 
     When the costs price posting a send or receive (``post`` > 0), a schedule
     without SEND/RECV actions that spans several ranks is simulated as the
-    runtime runs it: lowered by :func:`zeropipe.core.lower.lower` (the default
+    runtime runs it: lowered by :func:`zeropipe.core.passes.lower.lower` (the default
     placement of ``Pipeline(recv_ahead=None)``), so that every post it will
     make is paid.  The timeline's ``schedule`` is then the lowered one.
     """

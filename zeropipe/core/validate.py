@@ -289,7 +289,7 @@ def _check_comm(schedule: Schedule, deps: Dependencies, where: _Places) -> None:
         raise _fail(
             schedule,
             f"{missing[0]} is missing: this lowered schedule must send and "
-            f"receive every cross-rank boundary tensor (run zeropipe.core.lower.lower on the "
+            f"receive every cross-rank boundary tensor (run zeropipe.core.passes.lower.lower on the "
             f"compute-only schedule)",
             "missing",
             _first_of(where, missing[0].stage, missing[0].microbatch or 0),
@@ -340,7 +340,7 @@ def _check_reductions(schedule: Schedule) -> None:
             schedule,
             f"{Action(Kind.REDUCE_GRAD, s)} is missing: a schedule reduces the gradients of "
             f"every stage or of none (stage(s) {missing} have no REDUCE_GRAD); add it after "
-            f"stage {s}'s last B/W on rank {rank} (zeropipe.core.reduce.add_reductions does)",
+            f"stage {s}'s last B/W on rank {rank} (zeropipe.core.passes.reduce.add_reductions does)",
             "reduce",
             [(rank, max(len(schedule.actions[rank]) - 1, 0))] if schedule.actions[rank] else [],
         )
@@ -412,7 +412,7 @@ def _check_memory(
                 schedule,
                 f"rank {r} holds {peak:g} {costs.unit}(s) of memory at step {step} "
                 f"({schedule.actions[r][step]}), over the limit of {cap:g}; recompute or "
-                f"offload (zeropipe.core.fit.fit_memory) or raise the limit",
+                f"offload (zeropipe.core.passes.fit.fit_memory) or raise the limit",
                 "memory",
                 [(r, max(step, 0))],
             )

@@ -11,7 +11,7 @@ For ``gpus`` accelerators and a model of ``layers`` layers, :func:`search` enume
 
 prices each configuration with the cost model ``costs_for(config)`` returns (seconds
 and bytes; one GPU's, the ``tp`` GPUs of a stage alike), builds the schedule with
-:func:`zeropipe.core.build.build_schedule` (with the data-parallel gradient all-reduce
+:func:`zeropipe.core.passes.build.build_schedule` (with the data-parallel gradient all-reduce
 when dp > 1) and simulates it.  Where the peak
 memory exceeds the limit, recompute and then activation offload are added
 (:func:`zeropipe.planning.plan_memory.plan_memory`); what still does not fit is ranked after everything that does.
@@ -38,11 +38,11 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-from zeropipe.core.build import build_schedule
 from zeropipe.core.costs import CostModel
 from zeropipe.core.deps import Graph
 from zeropipe.core.errors import ScheduleError
 from zeropipe.core.ir import Kind, Schedule
+from zeropipe.core.passes.build import build_schedule
 from zeropipe.core.schedules import GENERATORS, generate
 from zeropipe.core.simulate import Timeline, simulate
 from zeropipe.planning.cluster_costs import (

@@ -29,7 +29,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-from zeropipe.autograd.split import prepare_split
+from zeropipe.autograd.split_backward import prepare_split
 from zeropipe.core.costs import CostModel
 from zeropipe.core.errors import PipelineError
 from zeropipe.core.ir import Kind, Schedule

@@ -4,7 +4,7 @@ recompute and activation offload, priced from the memory accounting alone.
 Memory does not depend on timing, so no plan here is simulated: peaks come from
 :func:`zeropipe.core.costs.peak_memory`, or (for a share of microbatches recomputed)
 from :func:`share_peaks`, which walks the schedule instead of rewriting it.  Small
-schedules go to :func:`zeropipe.core.fit.fit_memory`, whose greedy search finds finer
+schedules go to :func:`zeropipe.core.passes.fit.fit_memory`, whose greedy search finds finer
 plans but simulates at every step.  No torch here: this is core.
 """
 
@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from zeropipe.core.costs import CostModel, initial_memory, peak_memory
-from zeropipe.core.fit import LimitTooLow, checkpoint, fit_memory, offload
 from zeropipe.core.ir import Action, Kind, Schedule
+from zeropipe.core.passes.fit import LimitTooLow, checkpoint, fit_memory, offload
 
 __all__ = [
     "FIT_PAIRS",
@@ -67,7 +67,7 @@ _PLAIN = frozenset((Kind.F, Kind.B, Kind.I, Kind.W, Kind.REDUCE_GRAD))
 
 
 def recompute(schedule: Schedule, which: Callable[[int, int], bool] | None = None) -> Schedule:
-    """:func:`zeropipe.core.fit.checkpoint` (``ahead=0``) of the pairs ``which`` chooses
+    """:func:`zeropipe.core.passes.fit.checkpoint` (``ahead=0``) of the pairs ``which`` chooses
     (None: all), in one pass when ``schedule`` is plain: compute only, with no R or copy
     yet.  Each R goes right before its pair's backward (its B, or its I when split), or
     before the forward overlapped with that backward, as ``checkpoint`` puts them;
@@ -109,7 +109,7 @@ def share_peaks(base: Schedule, costs: CostModel, levels: Sequence[int]) -> list
     """The peaks :func:`_recompute_share` would give, without rewriting the schedule.
 
     Rewriting a schedule of tens of thousands of actions costs a quarter of a second;
-    the binary search needs several.  :func:`zeropipe.core.fit.checkpoint` (``ahead=0``)
+    the binary search needs several.  :func:`zeropipe.core.passes.fit.checkpoint` (``ahead=0``)
     puts each R right before its backward, so walking ``base`` with the checkpointed
     pairs' F keeping ``ckpt`` and an R before their first backward gives the same
     accounting (:meth:`StageCost.held_change`).  ``base`` holds compute actions only.
@@ -168,7 +168,7 @@ def plan_memory(base: Schedule, natural: CostModel, ckpt: CostModel, limit: floa
     """Fit ``base`` (compute-only) into ``limit`` per rank.
 
     Peaks come from the memory accounting alone (no simulation: memory does not
-    depend on timing).  Small schedules go to :func:`zeropipe.core.fit.fit_memory`; larger
+    depend on timing).  Small schedules go to :func:`zeropipe.core.passes.fit.fit_memory`; larger
     ones get, per rank, the least share of recomputed microbatches that fits (a rank
     recomputes only what its own peak needs), then everything recomputed and
     offloaded.  ``ckpt`` prices R and what a checkpointed forward keeps.

@@ -12,7 +12,7 @@ For each stage, one microbatch, on the current device and thread count::
 Each is timed ``warmup`` times untimed and then ``repeat`` times; the median
 is kept (``meta["spread"]`` has each figure's interquartile range relative to
 its median, a quick check of how noisy the machine was).  Memory is counted
-the way the runtime counts it (:mod:`zeropipe.runtime.memory`), so predicted
+the way the runtime counts it (:mod:`zeropipe.runtime.memory.manager`), so predicted
 and measured peaks compare: ``act`` = bytes of the distinct storages the
 forward's graph saved, excluding parameters, buffers, the caller's batch and
 the stage's boundary tensors; ``act_w`` = bytes the split-backward stash
@@ -51,7 +51,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from zeropipe.autograd.split import (
+from zeropipe.autograd.split_backward import (
     WeightGradStash,
     prepare_split,
     split_linears,
@@ -242,7 +242,7 @@ class StageProbe:
     that a burst of load on a shared machine spreads over every stage's
     samples instead of shifting one stage's median; :meth:`cost` gives the
     medians.  The module must be prepared for split backward
-    (:func:`zeropipe.autograd.split.prepare_split`).  Public so that a caller
+    (:func:`zeropipe.autograd.split_backward.prepare_split`).  Public so that a caller
     timing something else (the planning layer's runtime overhead) can
     interleave its own repetitions with a probe's.
     """

@@ -484,7 +484,7 @@ def costs_from_spec(
     parallel, with ``sequence_parallel`` or not; inside a node unless ``tp_across_nodes``:
     :mod:`zeropipe.planning.tensor_parallel`), and every figure is one GPU's; tp = 1 is
     plain pipeline and data parallelism.  ``recompute`` makes R and ``ckpt``
-    available for :func:`zeropipe.core.fit.checkpoint`; it does not itself
+    available for :func:`zeropipe.core.passes.fit.checkpoint`; it does not itself
     checkpoint anything.  ``meta`` records the inputs and
     ``flops_per_microbatch`` / ``peak_flops`` for MFU.
     """

@@ -22,16 +22,16 @@ from typing import ParamSpec, TypeVar
 import torch
 from torch import nn
 
-from zeropipe.autograd.split import prepare_split, split_linears
+from zeropipe.autograd.split_backward import prepare_split, split_linears
 from zeropipe.base import _compat
 from zeropipe.base.device import make_current, resolve_device, single_device
-from zeropipe.core.build import check_count
 from zeropipe.core.errors import PipelineError, ScheduleError
 from zeropipe.core.ir import Kind, Schedule
+from zeropipe.core.passes.build import check_count
 from zeropipe.core.schedules import GENERATORS
-from zeropipe.runtime.data_parallel import GradReducer, Replicas, reduction_owners
-from zeropipe.runtime.stage import Stage, split_sequential
-from zeropipe.runtime.transport import Transport
+from zeropipe.runtime.replicas.data_parallel import GradReducer, Replicas, reduction_owners
+from zeropipe.runtime.step.stage import Stage, split_sequential
+from zeropipe.runtime.transport.base import Transport
 
 __all__ = [
     "PLAIN_BELOW_BYTES",
@@ -451,8 +451,8 @@ def distributed_transport(
 ) -> Transport:
     import torch.distributed as dist
 
-    from zeropipe.runtime.distributed import DistributedTransport
-    from zeropipe.runtime.ordered import OrderedTransport
+    from zeropipe.runtime.transport.ordered import OrderedTransport
+    from zeropipe.runtime.transport.tagged import DistributedTransport
 
     backend = str(dist.get_backend(group))  # type: ignore[arg-type]
     if p2p == "tagged" and backend != "gloo":

@@ -70,7 +70,7 @@ import torch.multiprocessing as mp
 
 from zeropipe.base import _compat
 from zeropipe.core.errors import PipelineError, ZeropipeError
-from zeropipe.runtime.failures import FAILED_KEY, failure_origin
+from zeropipe.runtime.transport.failures import FAILED_KEY, failure_origin
 
 __all__ = ["SAME_STOP_S", "init_from_env", "launch"]
 

@@ -31,7 +31,7 @@ class RuntimeOptions:
             microbatch, layer), identical whatever the schedule or rank count
             for an ``nn.Sequential``, the stages ``zeropipe.split`` returns, and
             hand-made stages that name their layers' indices with
-            :func:`zeropipe.runtime.stage.seed_layers`; any other hand-made stage
+            :func:`zeropipe.runtime.step.stage.seed_layers`; any other hand-made stage
             is seeded per (seed, step, microbatch, stage index): its masks do not
             depend on the schedule, but change with the cut.
         device: where the stages compute; the stages this process runs are moved
@@ -42,16 +42,16 @@ class RuntimeOptions:
             Inputs and targets given to ``step`` are moved to it.
         p2p: how boundary tensors cross processes: ``"ordered"`` issues every
             message in one order both ends agree on, in ``batch_isend_irecv``
-            groups (:mod:`zeropipe.runtime.ordered`; the only mode NCCL can run);
+            groups (:mod:`zeropipe.runtime.transport.ordered`; the only mode NCCL can run);
             ``"tagged"`` matches messages by tag in any order (gloo only,
-            :mod:`zeropipe.runtime.distributed`); ``"auto"``: ordered on NCCL,
+            :mod:`zeropipe.runtime.transport.tagged`); ``"auto"``: ordered on NCCL,
             tagged on gloo, where it measured faster (docs/benchmarks.md).
         dp_shard: shard the stages this process runs over the mesh's "dp"
             dimension with FSDP2 (``fully_shard``) instead of replicating them:
             their parameters and ``.grad`` become ``DTensor`` shards between steps
             (the optimizer steps the shards), gathered whole at the start of a step
             and reduce-scattered (summed) at each stage's REDUCE_GRAD
-            (:mod:`zeropipe.runtime.fsdp`).  Needs a "dp" dimension of more than
+            (:mod:`zeropipe.runtime.replicas.fsdp`).  Needs a "dp" dimension of more than
             one rank and one process per pipeline rank; no weight offload.
         input_first: in a full backward B, produce the stage-input gradient
             before parameter-only work (backward priority) and post its send

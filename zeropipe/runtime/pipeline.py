@@ -13,7 +13,7 @@ the same schedule, the same handlers, the same gradients.  In the
 distributed case every rank builds the whole model and calls ``step`` with
 the same batch; each keeps only the stages placed on it.
 
-The schedule, built by :func:`zeropipe.core.build.build_schedule` or searched by
+The schedule, built by :func:`zeropipe.core.passes.build.build_schedule` or searched by
 :func:`zeropipe.planning.plan.auto_plan`, runs exactly as built.
 """
 
@@ -26,12 +26,12 @@ import torch
 from torch import Tensor, nn
 
 from zeropipe.autograd.grad_memory import GradMemory
-from zeropipe.core.build import build_schedule
 from zeropipe.core.costs import CostModel
 from zeropipe.core.deps import Dependencies, Graph
 from zeropipe.core.errors import PipelineError, ScheduleError
-from zeropipe.core.fuse import fused_weights
 from zeropipe.core.ir import Kind, Schedule
+from zeropipe.core.passes.build import build_schedule
+from zeropipe.core.passes.fuse import fused_weights
 from zeropipe.core.simulate import Event, Timeline
 from zeropipe.runtime.assembly import (
     build_stages,
@@ -49,12 +49,11 @@ from zeropipe.runtime.assembly import (
     shared_parameters,
     split_params,
 )
-from zeropipe.runtime.batch import forward_only, split_step, step_signature
-from zeropipe.runtime.batch_norm import DeferredNorms
-from zeropipe.runtime.data_parallel import Replicas, reductions_as_run
-from zeropipe.runtime.executor import run_local, run_rank
-from zeropipe.runtime.fsdp import ShardedReducer
-from zeropipe.runtime.grad_sums import (
+from zeropipe.runtime.memory.manager import MemoryManager, measured_costs
+from zeropipe.runtime.options import RuntimeOptions
+from zeropipe.runtime.replicas.data_parallel import Replicas, reductions_as_run
+from zeropipe.runtime.replicas.fsdp import ShardedReducer
+from zeropipe.runtime.replicas.grad_sums import (
     add_back,
     clip_grads,
     counted_once,
@@ -64,12 +63,13 @@ from zeropipe.runtime.grad_sums import (
     restore_grads,
     set_aside,
 )
-from zeropipe.runtime.handlers import BoundaryMeta, StepContext
-from zeropipe.runtime.loss import LossContract, LossCountFn, LossFn
-from zeropipe.runtime.memory import MemoryManager, measured_costs
-from zeropipe.runtime.options import RuntimeOptions
-from zeropipe.runtime.rng import preserved_rng
-from zeropipe.runtime.transport import LocalTransport, Transport
+from zeropipe.runtime.step.batch import forward_only, split_step, step_signature
+from zeropipe.runtime.step.batch_norm import DeferredNorms
+from zeropipe.runtime.step.executor import run_local, run_rank
+from zeropipe.runtime.step.handlers import BoundaryMeta, StepContext
+from zeropipe.runtime.step.loss_contract import LossContract, LossCountFn, LossFn
+from zeropipe.runtime.step.rng import preserved_rng
+from zeropipe.runtime.transport.base import LocalTransport, Transport
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -96,7 +96,7 @@ class Pipeline:
             or ``F.cross_entropy`` / ``F.nll_loss`` (items counted from the
             targets), a function returning ``(loss_sum, count)`` with
             ``loss_count``, or a mean over its microbatch, weighted by rows.
-            :mod:`zeropipe.runtime.loss` says how each is weighted and refuses
+            :mod:`zeropipe.runtime.step.loss_contract` says how each is weighted and refuses
             what cannot be exact (a mean over labels holding -100, say).
         microbatches: how many microbatches a batch is cut into, with a schedule name.
         loss_count: ``loss_count(target) -> count`` for a ``loss_fn`` returning
@@ -106,7 +106,7 @@ class Pipeline:
         balance: layers per stage when cutting an ``nn.Sequential``.
         mesh: where it runs: a ``DeviceMesh`` with a "pp" dimension and
             optionally "dp" (replicas, each stepping on its own slice of the
-            global batch: :mod:`zeropipe.runtime.data_parallel`), the pipeline's
+            global batch: :mod:`zeropipe.runtime.replicas.data_parallel`), the pipeline's
             ``ProcessGroup``, or ``"local"`` (this process plays every rank).
             Default: torch.distributed's default group if initialised, else local.
         options: how it runs (:class:`~zeropipe.runtime.options.RuntimeOptions`):
@@ -368,7 +368,7 @@ class Pipeline:
         """A cost model in bytes whose memory figures are those the last step measured.
 
         Times come from ``base`` (default: the schedule's default costs); see
-        :func:`zeropipe.runtime.memory.measured_costs`.
+        :func:`zeropipe.runtime.memory.manager.measured_costs`.
         """
         return measured_costs(self.schedule, self.memory.stage_bytes(), base, weights=weights)
 

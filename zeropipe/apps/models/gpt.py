@@ -143,9 +143,9 @@ def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
     """Mean next-token cross-entropy.
 
     Under a pipeline a scalar loss is weighted by rows, which is exact here because every
-    row of a :class:`~zeropipe.apps.data.Corpus` batch has ``seq`` real targets.  With padded
+    row of a :class:`~zeropipe.apps.data.corpus.Corpus` batch has ``seq`` real targets.  With padded
     targets (``-100``) it would not be: return ``(summed loss, (targets != -100).sum())``
-    and pass ``Pipeline(loss_count=...)`` (see :mod:`zeropipe.runtime.loss`).
+    and pass ``Pipeline(loss_count=...)`` (see :mod:`zeropipe.runtime.step.loss_contract`).
     """
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 

@@ -1,7 +1,7 @@
 """Schedule generators: pure functions of (ranks, microbatches, chunks); no torch import.
 
 Each generator is registered under its CLI name and returns a compute-only
-:class:`~zeropipe.core.ir.Schedule` (lower it with :func:`zeropipe.core.lower.lower`).
+:class:`~zeropipe.core.ir.Schedule` (lower it with :func:`zeropipe.core.passes.lower.lower`).
 ``generate("1f1b", ranks=4, microbatches=8)`` is the one entry point; a
 combination a generator cannot produce raises ``ScheduleError(rule="unsupported")``
 saying which values would work.

@@ -17,13 +17,13 @@ dependency and cost models, in an event loop fast enough to run hundreds of time
     re-timed named   each named schedule's F / I order, with its W placed anew as above
     named            each named schedule as it is, if it fits: auto is never worse
     grouped          the verified ones again with each stage's W in groups of 2 and 4, when
-                     the costs say W run together are cheaper (``W_fused``, zeropipe.core.fuse)
+                     the costs say W run together are cheaper (``W_fused``, zeropipe.core.passes.fuse)
 
 The best few by that timing are then validated (:func:`zeropipe.core.validate.validate`
 with the memory limit) and simulated (:func:`zeropipe.core.simulate.simulate`): those
 two are the ground truth; the winner has the shortest makespan, then the lowest
 steady bubble.  Recompute and offload come in through
-:func:`zeropipe.core.fit.fit_memory` applied to the best schedule found without a
+:func:`zeropipe.core.passes.fit.fit_memory` applied to the best schedule found without a
 limit: when nothing fits without them, or on request (``recompute=True``).
 
 Only those few matter, which keeps the search fast without changing its answer: a
@@ -49,8 +49,8 @@ from typing import Any
 
 from zeropipe.core.costs import CostModel, StageCost, peak_memory, per_rank
 from zeropipe.core.errors import ScheduleError
-from zeropipe.core.fuse import group_weights
 from zeropipe.core.ir import Action, Kind, Schedule
+from zeropipe.core.passes.fuse import group_weights
 from zeropipe.core.schedules.list_scheduler import (
     ListPlan,
     ListScheduler,
@@ -250,7 +250,7 @@ def search(
             simulate for real (the named ones always are).
         time_budget: seconds after which no further list-scheduler run starts.
         recompute: also fit the best schedule found without a limit into the
-            limit with recompute and offload (:func:`zeropipe.core.fit.fit_memory`,
+            limit with recompute and offload (:func:`zeropipe.core.passes.fit.fit_memory`,
             slow beyond a few hundred actions); ``None``: only when nothing
             fits without them.
     """
@@ -507,7 +507,7 @@ def _fit(
     verify: int,
 ) -> Candidate:
     """The best schedule without a limit, made to fit ``limits`` by recompute and offload."""
-    from zeropipe.core.fit import fit_memory  # the memory passes; only needed here
+    from zeropipe.core.passes.fit import fit_memory  # the memory passes; only needed here
 
     free = search(
         costs, ranks, m, None, max_chunks=max_chunks, policies=policies, named=named,

@@ -1,0 +1,1 @@
+"""Memory a step holds: saved-activation accounting, recompute, activation and weight offload."""

@@ -1,0 +1,123 @@
+"""Executors: walk a schedule and call the action handlers, recording when each ran.
+
+``run_local`` plays every rank in one process, in a topological order of the
+schedule's dependency graph (so a consumer always finds its data).
+``run_rank`` runs one rank's list in order, as each process of a distributed
+pipeline does.  Both use the same dispatch table.  Event times are raw
+``time.perf_counter()`` values: on one machine that clock is shared by all
+processes, so events gathered from several ranks line up on one time axis.
+An event's ``wait`` is the time its handler spent blocked for a received
+tensor (:meth:`StepContext.receive`); the timeline counts it as idle.
+
+Profiler names.  While a torch profiler records, every action runs inside
+``torch.profiler.record_function("PP:" + str(action))``, the names
+torch.distributed.pipelining gives its actions: ``PP:1F3`` (stage 1, forward of
+microbatch 3), ``PP:0I5``, ``PP:2W0``, ``PP:1R2``, ``PP:0SEND_B3``,
+``PP:1RELOAD4``, ``PP:1OFFLOAD`` (a stage's weights), ``PP:0REDUCE_GRAD``.  An
+overlapped pair run back to back is also one span around its two,
+``PP:(0F3;3B1)OVERLAP_F_B``, as torch writes it.  With no profiler recording the
+names are skipped (:func:`~zeropipe.base._compat.profiler_active`, asked once per
+step): an idle ``record_function`` costs microseconds per action.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from torch.profiler import record_function
+
+from zeropipe.base._compat import profiler_active
+from zeropipe.core.deps import Graph
+from zeropipe.core.errors import PipelineError, ZeropipeError
+from zeropipe.core.ir import Action, Schedule
+from zeropipe.core.simulate import Event
+from zeropipe.runtime.step.handlers import HANDLERS, StepContext
+
+__all__ = ["run_local", "run_rank"]
+
+
+def _run(ctx: StepContext, rank: int, step: int, action: Action) -> Event:
+    handler = HANDLERS.get(action.kind)
+    if handler is None:
+        raise PipelineError(f"no handler for action kind {action.kind.value} ({action})")
+    waited = ctx.blocked
+    start = time.perf_counter()
+    try:
+        handler(ctx, action)
+    except ZeropipeError:
+        raise
+    except Exception as exc:
+        raise PipelineError(
+            f"{_who(rank)} failed in {_which_step(ctx)} at action {action} (position {step} of "
+            f"its schedule): {type(exc).__name__}: {exc}"
+        ) from exc
+    end = time.perf_counter()
+    # The handler's time blocked for received data is the event's wait, not its work.
+    return Event(rank, step, action, start, end, wait=min(ctx.blocked - waited, end - start))
+
+
+def _who(rank: int) -> str:
+    """``rank 0``, and the process's own rank where that differs (a mesh with "dp" or "tp":
+    pipeline rank 0 of tensor-parallel rank 1 is process 1)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != rank:
+        return f"rank {rank} (process {dist.get_rank()})"
+    return f"rank {rank}"
+
+
+def _which_step(ctx: StepContext) -> str:
+    """The pipeline's step, named apart from the action's position in the schedule.
+
+    Both count from 0: the step as the pipeline numbers it (its seeds use the
+    same number), the position as the schedule's text and timelines do.
+    """
+    if ctx.training:
+        return f"training step {ctx.step}"
+    return f"an evaluation step (after {ctx.step} training steps)"
+
+
+def run_local(ctx: StepContext, graph: Graph) -> list[list[Event]]:
+    """Every rank in this process; returns the measured events per rank."""
+    schedule = graph.schedule
+    events: list[list[Event]] = [[] for _ in schedule.actions]
+    for event in _walk(ctx, schedule, graph.order):
+        events[event.rank].append(event)
+    for evs in events:
+        evs.sort(key=lambda e: e.step)
+    return events
+
+
+def run_rank(ctx: StepContext, schedule: Schedule, rank: int) -> list[Event]:
+    """One rank's actions in order (the distributed executor)."""
+    return _walk(ctx, schedule, [(rank, step) for step in range(len(schedule.actions[rank]))])
+
+
+def _walk(ctx: StepContext, schedule: Schedule, order: Sequence[tuple[int, int]]) -> list[Event]:
+    """Run the ``(rank, step)`` actions of ``order`` one after another: the one loop both
+    executors share, and the one place actions get their profiler names."""
+    if not profiler_active():
+        return [_run(ctx, rank, step, schedule.actions[rank][step]) for rank, step in order]
+    starts = {r: schedule.overlapped(r) for r in range(schedule.num_ranks)}
+    events: list[Event] = []
+    k = 0
+    while k < len(order):
+        rank, step = order[k]
+        acts = schedule.actions[rank]
+        # A pair's members are adjacent in a rank's list; a local run's order may part them.
+        if step in starts[rank] and k + 1 < len(order) and order[k + 1] == (rank, step + 1):
+            with record_function(f"PP:({acts[step]};{acts[step + 1]})OVERLAP_F_B"):
+                events.append(_named(ctx, rank, step, acts[step]))
+                events.append(_named(ctx, rank, step + 1, acts[step + 1]))
+            k += 2
+        else:
+            events.append(_named(ctx, rank, step, acts[step]))
+            k += 1
+    return events
+
+
+def _named(ctx: StepContext, rank: int, step: int, action: Action) -> Event:
+    # torch.distributed.pipelining's name for an action, so traces of both read alike.
+    with record_function(f"PP:{action}"):
+        return _run(ctx, rank, step, action)

@@ -1,0 +1,243 @@
+"""A pipeline stage: the user's module, how it is seeded, and its per-microbatch state.
+
+A stage is built either from a hand-made module or from a slice of an
+``nn.Sequential`` (seeded per layer, by the layer's index in the whole model,
+so the same model cut into 2 or 4 stages draws the same dropout masks).  A
+hand-made module is seeded by its stage index, so its randomness depends on
+the cut, unless it names its layers' indices in the whole model with
+:func:`seed_layers` (as ``zeropipe.split`` does for the stages it builds):
+then each named submodule is seeded by its own index right before it runs,
+exactly as a Sequential slice's layer is.  Between its forward and its
+backward a microbatch's state holds::
+
+    inputs   leaves fed to the module (float ones require grad)
+    outputs  what the module returned (with graph); nothing once the loss is computed
+    loss     on the last stage: the loss, whose backward the microbatch's weight seeds
+    stash    deferred weight-gradient work between I and W (split backward)
+    saved    what autograd saved for the backward, counted and movable (runtime.memory)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from zeropipe.autograd.split_backward import WeightGradStash
+from zeropipe.base import _compat
+from zeropipe.base.device import autocast
+from zeropipe.core.errors import PipelineError
+from zeropipe.runtime.step.rng import seeded
+
+if TYPE_CHECKING:
+    from zeropipe.runtime.memory.offload import SavedActivations
+
+__all__ = ["LAYER_KEYS", "MicrobatchState", "Stage", "as_tuple", "seed_layers", "split_sequential"]
+
+# The attribute of a stage module that maps its submodules' names to their layer indices
+# in the whole model (see seed_layers).
+LAYER_KEYS = "zeropipe_layer_keys"
+# Layer seeds live apart from the per-stage ones (keyed by the stage index).
+_LAYER_SEED_BASE = 1_000_003
+
+
+def as_tuple(value: object, what: str) -> tuple[Tensor, ...]:
+    """A stage's inputs/outputs as a tuple of tensors, or a clear error."""
+    items = value if isinstance(value, (tuple, list)) else (value,)
+    for item in items:
+        if not isinstance(item, Tensor):
+            raise PipelineError(
+                f"{what} must be a tensor or a tuple of tensors, got {type(item).__name__}"
+            )
+    return tuple(items)
+
+
+@dataclass
+class MicrobatchState:
+    """What one stage keeps for one microbatch between its actions."""
+
+    inputs: tuple[Tensor, ...] = ()
+    outputs: tuple[Tensor, ...] = ()
+    loss: Tensor | None = None  # last stage: the loss, the root of backward (seeded by its weight)
+    stash: WeightGradStash | None = None
+    saved: SavedActivations | None = None  # None after a checkpointed F, or after the backward
+    input_grads: tuple[Tensor, ...] | None = None
+    sent_early: bool = False  # SEND_B already posted from inside B
+    seen: set[str] = field(default_factory=set)
+
+
+def seed_layers(module: nn.Module, keys: Mapping[str, int]) -> nn.Module:
+    """Seed ``module``'s submodules by their layer indices in the whole model; returns it.
+
+    ``keys`` maps a submodule's name (as ``module.named_modules()`` gives it) to
+    its index in the whole model, e.g. ``{"0": 4, "1": 5}`` for a slice holding
+    a model's layers 4 and 5.  A pipeline then seeds each named submodule by
+    ``(seed, step, microbatch, index)`` right before it runs, so its dropout
+    masks do not depend on how the model is cut into stages.  Randomness drawn
+    outside the named submodules is still seeded by the stage index.
+    """
+    # On a torch.compile'd module: on the module it wraps, whose submodules the names name.
+    setattr(_compat.uncompiled(module), LAYER_KEYS, dict(keys))
+    _keyed_modules(module, -1)  # checked now, where the mistake is made
+    return module
+
+
+def _keyed_modules(module: nn.Module, index: int) -> tuple[tuple[int, nn.Module], ...]:
+    """The (layer index, submodule) pairs ``module`` names under ``LAYER_KEYS``, checked.
+
+    A ``torch.compile``'d module's names are those of the module it wraps (its own
+    carry an ``_orig_mod.`` prefix); the hooks seeding them fire inside the compiled
+    forward.
+    """
+    module = _compat.uncompiled(module)
+    keys: Any = getattr(module, LAYER_KEYS, None)
+    if keys is None:
+        return ()
+    where = f"stage {index}'s {LAYER_KEYS}" if index >= 0 else LAYER_KEYS
+    if not isinstance(keys, Mapping):
+        raise PipelineError(
+            f"{where} must map submodule names to layer indices, got {type(keys).__name__}"
+        )
+    named = dict(module.named_modules())
+    out, seen = [], set()
+    for name, key in keys.items():
+        if not isinstance(name, str) or name not in named:
+            raise PipelineError(
+                f"{where} names {name!r}, which is not a submodule of the "
+                f"{type(module).__name__}; use names as module.named_modules() gives them"
+            )
+        if isinstance(key, bool) or not isinstance(key, int) or key < 0 or key in seen:
+            raise PipelineError(
+                f"{where} gives {name!r} the index {key!r}; layer indices are distinct ints >= 0"
+            )
+        seen.add(key)
+        out.append((key, named[name]))
+    return tuple(out)
+
+
+class Stage:
+    """One stage of the model: ``module`` plus the seeding keys of its layers."""
+
+    def __init__(self, index: int, module: nn.Module, layer_keys: Sequence[int] | None) -> None:
+        self.index = index
+        self.module = module
+        # One key per child layer (Sequential slice) or None: one key for the stage.
+        self.layer_keys = tuple(layer_keys) if layer_keys is not None else None
+        # A hand-made module's submodules seeded by their layer index (seed_layers).
+        self.keyed = _keyed_modules(module, index) if layer_keys is None else ()
+        self.state: dict[int, MicrobatchState] = {}
+        # The dtype F and R compute in under torch.autocast (None: none); the pipeline
+        # sets it from RuntimeOptions.autocast.  The backward runs outside autocast.
+        self.autocast: torch.dtype | None = None
+        # The module's prepared linears (zeropipe.autograd.split_backward.split_linears), found once
+        # when the pipeline prepares the stage, so a recorded forward does not walk the
+        # module again (None: looked up on every forward).  The pipeline may leave some
+        # linears plain (Pipeline: PLAIN_BELOW_BYTES); they are not in it.
+        self.linears: tuple[nn.Module, ...] | None = None
+
+    def forward(
+        self, inputs: tuple[Tensor, ...], seed: int, step: int, mb: int, device: torch.device
+    ) -> tuple[Tensor, ...]:
+        """The module on ``inputs`` (F and R both come here), seeded and under autocast."""
+        with autocast(device, self.autocast):
+            return self._forward(inputs, seed, step, mb, device)
+
+    def _forward(
+        self, inputs: tuple[Tensor, ...], seed: int, step: int, mb: int, device: torch.device
+    ) -> tuple[Tensor, ...]:
+        if self.layer_keys is None:
+            seeded(seed, step, mb, self.index, device)
+            if not self.keyed:  # a context entered per action costs microseconds: skipped
+                return as_tuple(self.module(*inputs), f"stage {self.index}'s output")
+            with self._seeding_layers(seed, step, mb, device):
+                return as_tuple(self.module(*inputs), f"stage {self.index}'s output")
+        value: tuple[Tensor, ...] = inputs
+        for key, layer in zip(self.layer_keys, self.module.children(), strict=True):
+            seeded(seed, step, mb, _LAYER_SEED_BASE + key, device)
+            value = as_tuple(layer(*value), f"layer {key}'s output")
+        return value
+
+    @contextmanager
+    def _seeding_layers(
+        self, seed: int, step: int, mb: int, device: torch.device
+    ) -> Iterator[None]:
+        """Each keyed submodule seeded right before it runs, for this one forward only.
+
+        The hooks are removed afterwards so that the user's own calls of the model
+        (outside the pipeline) are not reseeded.
+        """
+        handles = [
+            sub.register_forward_pre_hook(
+                lambda _m, _a, k=key: seeded(seed, step, mb, _LAYER_SEED_BASE + k, device)
+            )
+            for key, sub in self.keyed
+        ]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def parameters(self) -> list[nn.Parameter]:
+        return list(self.module.parameters())
+
+
+def split_layers(
+    model: nn.Sequential | Sequence[nn.Module], cut: Sequence[int]
+) -> list[nn.Sequential]:
+    """The model's layers in consecutive ``nn.Sequential`` stages of ``cut`` layers each."""
+    layers = list(model.children()) if isinstance(model, nn.Sequential) else list(model)
+    if sum(cut) != len(layers) or min(cut, default=0) < 1:
+        raise PipelineError(
+            f"cut {list(cut)} must be positive layer counts summing to the model's {len(layers)}"
+        )
+    out, start = [], 0
+    for count in cut:
+        out.append(nn.Sequential(*layers[start : start + count]))
+        start += count
+    return out
+
+
+def split_sequential(
+    model: nn.Sequential, num_stages: int, balance: Sequence[int] | None
+) -> list[Stage]:
+    """Cut ``model`` into ``num_stages`` consecutive slices (``balance`` = layers per stage).
+
+    Each stage keeps its layers' indices in the whole model, which seed their
+    randomness: the same layer draws the same dropout mask whatever the cut.
+    """
+    count = len(model)
+    if balance is None:
+        if count < num_stages:
+            raise PipelineError(
+                f"the nn.Sequential has {count} layer(s), too few for {num_stages} stages; "
+                f"use fewer stages (ranks x chunks) or a deeper model"
+            )
+        # As planning's even_cut (a layer above): the first stages take the remainder.
+        base, extra = divmod(count, num_stages)
+        balance = [base + (1 if s < extra else 0) for s in range(num_stages)]
+    balance = list(balance)
+    if len(balance) != num_stages:
+        raise PipelineError(
+            f"balance {balance} must give {num_stages} positive layer counts summing to the "
+            f"model's {count} layers"
+        )
+    starts = [sum(balance[:s]) for s in range(num_stages)]
+    return [
+        Stage(s, part, list(range(starts[s], starts[s] + len(part))))
+        for s, part in enumerate(split_layers(model, balance))
+    ]
+
+
+def detach_for_stage(tensors: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    """Received or handed-over tensors as leaves of this stage's graph (no copy)."""
+    return tuple(
+        t.detach().requires_grad_(True)
+        if torch.is_floating_point(t) or t.is_complex()
+        else t.detach()
+        for t in tensors
+    )

@@ -1,0 +1,501 @@
+"""torch.distributed works in flight, waited on without ever hanging.
+
+gloo's point-to-point works never report ``is_completed()``, and a timed-out
+``wait(timeout)`` tears the connection down.  So each pending receive, send
+or collective is waited on by a (pooled) helper thread, and the caller waits
+on that thread's event in slices, looking for failed peers in between::
+
+    Endpoint.post / call     -> a Work (a dead peer makes gloo refuse at once)
+    Endpoint.pending(works)  -> Pending: a WaitPool thread calls work.wait() on each
+    Endpoint.wait(pending)   -> slices of _CHECK_EVERY s; between them PeerFailures.check
+                                (and, once stalled, Agreement.stalled);
+                                past ``timeout`` s: PipelineError naming what and whom
+
+:class:`Endpoint` is one rank's end of the process group, shared by the
+point-to-point transfers (:mod:`zeropipe.runtime.transport.tagged`) and the
+step-end collectives (:mod:`zeropipe.runtime.replicas.collectives`).  A pipeline's
+endpoint has an :class:`Agreement`: whether its peers are in its step, with
+its batch (see :mod:`zeropipe.runtime.transport.wire`).
+
+A failed step leaves pool threads blocked in ``Work.wait()`` on transfers a
+peer will never complete, and such a thread aborts the process ("terminate
+called without an active exception", seen with torch 2.13 on Python 3.11)
+if it wakes while the interpreter finalizes: on its way back from C++ it
+re-takes the GIL, and a finalizing interpreter ends the thread there by
+unwinding a stack that cannot be unwound.  It wakes when the peer's process
+ends and its connections close.  So at exit::
+
+    no wait blocked              -> a normal exit
+    this rank failed on its own  -> flush, os._exit(1) at once: its error is printed,
+                                    its peers learn of it from the store
+    it relays a peer's failure   -> wait (bounded) for the failed peer's process to end,
+                                    which fails the blocked waits, plus a moment, then
+                                    exit normally: a supervisor polling the processes
+                                    (torchrun) sees the cause end first and names it
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import queue
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+from torch import Tensor
+
+from zeropipe.base import _compat
+from zeropipe.core.errors import PipelineError
+from zeropipe.runtime.transport.failures import PeerFailures, failure_origin
+from zeropipe.runtime.transport.wire import Stamp, fingerprint
+
+__all__ = ["Agreement", "Endpoint", "Label", "Pending", "WaitPool", "connect"]
+
+# How often a waiting rank looks at the store for a peer's failure (seconds).
+_CHECK_EVERY = 0.02
+# How often the end of a step on an accelerator polls its operations for completion (seconds).
+_POLL_S = 0.0002
+# At exit, how long a rank relaying a peer's failure waits for that peer's process to
+# end (it ends its own blocked waits), and how long it then stays: longer than
+# torchrun's default 0.1 s poll, so that torchrun sees the cause end alone.
+_EXIT_WAIT_S = 5.0
+_EXIT_AFTER_PEER_S = 1.0
+# A wait stalled this long asks the store whether the awaited peer is in another step (and
+# then every _AGREE_EVERY_S): ranks that disagree both stall, ranks that agree rarely do.
+_AGREE_AFTER_S = 0.2
+_AGREE_EVERY_S = 0.1
+# How long an error about a peer in another step waits for that peer's record (its batch).
+_AGREE_DESCRIBE_S = 1.0
+
+Label = tuple[str, int | None]
+"""What a work is (for messages) and the peer rank it involves (None: a collective)."""
+
+
+class WaitPool:
+    """Daemon threads that block in ``Work.wait()`` for the polling thread, reused.
+
+    A job goes to an idle thread or, when none is idle, to a new one, so a wait
+    that completes late never delays another.  Reusing threads matters: starting
+    one per operation costs milliseconds of latency per transfer on a busy host.
+    Daemon threads, because one may stay blocked on a transfer that a failed
+    peer never completes.  Idle threads end after a while, and all of them on
+    :meth:`close` (the transport's finalizer, also run at interpreter exit): a
+    thread that has waited on a c10d work and is still alive when the process
+    exits makes it abort (torch 2.13).
+
+    Invariant: jobs queued + ``_idle`` == threads blocked in ``get``.
+
+    Args:
+        failures: whether this rank failed on its own or relays a peer's
+            failure, which decides how the process exits with waits still
+            blocked (see the module's docstring).
+    """
+
+    _IDLE_EXIT_S = 10.0
+
+    def __init__(self, failures: PeerFailures | None = None) -> None:
+        self.failures = failures
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0
+        self._busy = 0  # jobs submitted and not finished: waits possibly blocked in c10d
+        self._threads: set[threading.Thread] = set()
+        _POOLS.add(self)
+
+    @property
+    def busy(self) -> int:
+        """Waits submitted and not finished yet."""
+        with self._lock:
+            return self._busy
+
+    def submit(self, job: Callable[[], None]) -> None:
+        with self._lock:
+            self._busy += 1
+            if self._idle:
+                self._idle -= 1  # a thread blocked in get() takes this job
+                self._jobs.put(job)
+                return
+            thread = threading.Thread(
+                target=self._work, args=(job,), name="zeropipe-wait", daemon=True
+            )
+            self._threads.add(thread)
+        thread.start()
+
+    def _work(self, job: Callable[[], None] | None) -> None:
+        try:
+            while job is not None:
+                try:
+                    job()
+                finally:
+                    # Drop the finished job (and the works it holds) before idling.
+                    job = None
+                    with self._lock:
+                        self._busy -= 1
+                        self._idle += 1
+                while job is None:
+                    try:
+                        job = self._jobs.get(timeout=self._IDLE_EXIT_S)
+                        break  # a job, or None from close()
+                    except queue.Empty:
+                        with self._lock:
+                            if self._idle:  # nothing is queued for this thread
+                                self._idle -= 1
+                                return
+        finally:
+            with self._lock:
+                self._threads.discard(threading.current_thread())
+
+    def close(self) -> None:
+        """End the idle threads now (busy ones end once their wait returns)."""
+        with self._lock:
+            count, self._idle = self._idle, 0
+            threads = list(self._threads)
+        for _ in range(count):
+            self._jobs.put(None)
+        deadline = time.monotonic() + 1.0
+        for thread in threads:
+            if thread is not threading.current_thread():  # a finalizer may run anywhere
+                thread.join(max(0.0, deadline - time.monotonic()))
+
+
+# Every pool alive, for the exit below; a pool lives as long as one of its threads.
+_POOLS: weakref.WeakSet[WaitPool] = weakref.WeakSet()
+
+
+def _exit_with_blocked_waits() -> None:
+    """At interpreter exit: make sure no pool thread wakes from a c10d wait during finalization."""
+    blocked = [pool for pool in list(_POOLS) if pool.busy]
+    if not blocked:
+        return
+    if all(pool.failures is not None and pool.failures.peer_failed for pool in blocked):
+        deadline = time.monotonic() + _EXIT_WAIT_S
+        while any(pool.busy for pool in blocked) and time.monotonic() < deadline:
+            time.sleep(_CHECK_EVERY)
+        if not any(pool.busy for pool in blocked):
+            time.sleep(_EXIT_AFTER_PEER_S)
+            return
+    # The error is already printed (an uncaught exception is, before atexit runs); the
+    # status cannot be read here, and waits left blocked mean a step failed: 1.
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(AttributeError, OSError, ValueError):  # none, closed, broken
+            stream.flush()
+    os._exit(1)
+
+
+atexit.register(_exit_with_blocked_waits)
+
+
+class Pending:
+    """Works in flight, waited on without blocking the caller past a slice.
+
+    From the first :meth:`finished` on, a pool thread calls ``wait()`` on each
+    work in turn (gloo point-to-point works never report completion otherwise,
+    and for collectives it wakes the caller sooner than polling
+    ``is_completed()`` with backoff) and releases a lock the caller waits on in
+    slices (a bare lock, the cheapest hand-over, on the critical path of every
+    transfer).  Not before: a thread blocked from the post on would wake when
+    the data lands, whatever this rank is computing then, and take the GIL
+    from it.  ``labels`` say, per work, what it is and which peer it involves.
+    """
+
+    def __init__(self, works: list[Any], labels: list[Label], pool: WaitPool) -> None:
+        self.works, self.labels = works, labels
+        self.error: BaseException | None = None
+        self.at = 0  # index of the work being waited on
+        self._done = threading.Lock()  # held until every work is done
+        self._finished = not works
+        self._pool: WaitPool | None = None
+        if works:
+            self._done.acquire()
+            self._pool = pool  # handed to a pool thread when first waited on
+
+    def _wait_all(self) -> None:
+        try:
+            for k, work in enumerate(self.works):
+                self.at = k
+                work.wait()
+        except BaseException as exc:  # handed to the waiting thread
+            self.error = exc
+        finally:
+            self._done.release()
+
+    def finished(self, slice_s: float) -> bool:
+        """Wait at most ``slice_s`` seconds; True once every work is done (or one failed)."""
+        if self._pool is not None:
+            self._pool.submit(self._wait_all)
+            self._pool = None
+        if not self._finished:
+            got = self._done.acquire(timeout=slice_s) if slice_s > 0 else self._done.acquire(False)
+            self._finished = got
+        return self._finished
+
+    def label(self) -> Label:
+        return self.labels[min(self.at, len(self.labels) - 1)]
+
+
+class Agreement:
+    """Whether this rank's peers are in the step it is in, with the same batch.
+
+    The transport :meth:`begin` s each step with this rank's :class:`Stamp`.
+    The messages that open and close a step (a transfer's header, the
+    end-of-step barrier) carry the sender's step number and fingerprint,
+    which :meth:`check` compares with this rank's.  Ranks that disagree post
+    their payloads on different lanes of tags, so both of them stall; a
+    stalled wait calls :meth:`stalled`, which writes this rank's stamp to the
+    store (once per step) and reads the awaited peer's.  Only waits that
+    already stalled touch the store: a step that flows pays nothing.
+
+    Args:
+        rank: this process's rank in the pipeline's group.
+        store: the rendezvous store every rank shares.
+        key: the pipeline's prefix of keys in the store.
+        failures: the pipeline's failures (store calls go through it).
+    """
+
+    def __init__(self, rank: int, store: Any, key: str, failures: PeerFailures) -> None:
+        self.rank = rank
+        self._store, self._key, self._failures = store, key, failures
+        self.stamp = Stamp(call=0, step=0, training=True, fingerprint=0)
+        self._published = False
+        self._next_read = 0.0
+
+    def begin(self, stamp: Stamp) -> None:
+        """A step starts on this rank, in ``stamp``."""
+        self.stamp = stamp
+        self._published = False
+        self._next_read = 0.0
+
+    def check(self, peer: int, step: int, digest: int) -> None:
+        """Raise if a message from ``peer`` was sent in another step (``step``), or for another
+        batch or kind of step (``digest``, its fingerprint)."""
+        stamp = self.stamp
+        if step == stamp.step and digest == stamp.fingerprint:
+            return
+        # The peer's own words come from the store; what the message says is the fallback.
+        guess = f"step {step} on a batch of other shapes or dtypes"
+        for training in (stamp.training, not stamp.training):
+            if digest == fingerprint(stamp.signature, training):
+                guess = Stamp(stamp.call, step, training, digest, stamp.signature).describe()
+        raise self._out_of_step(peer, self._described(peer) or guess)
+
+    def not_a_header(self, peer: int, what: str) -> PipelineError:
+        """The error for data from ``peer`` that arrived where ``what`` (a header) was due."""
+        theirs = self._described(peer) or "another step (it sent data where a header was due)"
+        return self._out_of_step(peer, theirs, f" ({what})")
+
+    def lost_note(self, peer: int) -> str:
+        """What to add when ``peer`` went away in this step: that it may have stopped calling."""
+        stamp = self.stamp
+        if stamp.call == 0:
+            return ""  # it may have died starting: nothing says more than "stopped responding"
+        return (
+            f"; rank {self.rank} was in {stamp.which()}, and rank {peer} had ended the step before it: if "
+            f"rank {peer}'s program ended there, it called step() or eval_step() fewer times; "
+            f"every rank of a pipeline must call them alike, once per step, with the same batch"
+        )
+
+    def stalled(self, peer: int | None) -> None:
+        """A wait on ``peer`` stalled: raise if the store says that it is in another step."""
+        if peer is None or peer == self.rank:
+            return  # a collective: no one peer to ask
+        if not self._published:
+            self._publish()
+        now = time.monotonic()
+        if now < self._next_read:
+            return
+        self._next_read = now + _AGREE_EVERY_S
+        record = self._record(peer)
+        stamp = self.stamp
+        if (
+            record is not None
+            and record["call"] == stamp.call
+            and (record["step"], record["fingerprint"]) != (stamp.step, stamp.fingerprint)
+        ):
+            raise self._out_of_step(peer, str(record["describe"]))
+
+    # -- the store's records -------------------------------------------------------
+    def _out_of_step(self, peer: int, theirs: str, what: str = "") -> PipelineError:
+        return PipelineError(
+            f"rank {self.rank} and rank {peer} are not in the same step{what}: rank {self.rank} "
+            f"is in {self.stamp.describe()}, rank {peer} in {theirs}; every rank of a pipeline "
+            f"must call step() and eval_step() alike, once per step, with the same batch"
+        )
+
+    def _publish(self) -> None:
+        stamp = self.stamp
+        record = {
+            "call": stamp.call,
+            "step": stamp.step,
+            "fingerprint": stamp.fingerprint,
+            "describe": stamp.describe(),
+        }
+        self._published = True
+        key, text = f"{self._key}/stamp{self.rank}", json.dumps(record)
+        self._failures.store_call(lambda: self._store.set(key, text))
+
+    def _record(self, peer: int) -> dict[str, Any] | None:
+        key = f"{self._key}/stamp{peer}"
+        if not self._failures.store_call(lambda: self._store.check([key])):
+            return None
+        record: dict[str, Any] = json.loads(self._failures.store_call(lambda: self._store.get(key)))
+        return record
+
+    def _described(self, peer: int) -> str | None:
+        """``peer``'s step as it wrote it to the store, if it does within a moment (an error's
+        path: the peer, which stalls once this rank stops, writes its own then)."""
+        if not self._published:
+            self._publish()
+        deadline = time.monotonic() + _AGREE_DESCRIBE_S
+        while True:
+            record = self._record(peer)
+            if record is not None and record["call"] == self.stamp.call:
+                return str(record["describe"])
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(_CHECK_EVERY)
+
+
+class Endpoint:
+    """One rank's end of a process group: posts operations and waits on them, bounded.
+
+    Args:
+        rank: this process's rank in ``group``.
+        group: the process group (None: the world).
+        failures: where peers' failures are looked up while waiting.
+        timeout: seconds any single wait may last before the step fails
+            (an attribute: it may be changed between steps).
+    """
+
+    def __init__(
+        self, rank: int, group: Any | None, failures: PeerFailures, timeout: float
+    ) -> None:
+        self.rank, self.group, self.failures, self.timeout = rank, group, failures, timeout
+        # Asked by waits that stall whether the peers are in this rank's step (a pipeline's
+        # transport has one; the data-parallel group's endpoint has none).
+        self.agreement: Agreement | None = None
+        self.world = dist.get_world_size(group)
+        self._group = group if group is not None else dist.group.WORLD  # what posts go through
+        self._global = [
+            r if group is None else dist.get_global_rank(group, r) for r in range(self.world)
+        ]
+        self.pool = WaitPool(failures)  # gloo p2p works only complete through wait()
+
+    def global_rank(self, peer: int) -> int:
+        """The world rank of ``peer``, a rank of this endpoint's group."""
+        return self._global[peer]
+
+    def send(self, tensor: Tensor, peer: int, tag: int, what: str) -> Any:
+        """Post a send of ``tensor`` (contiguous) to ``peer`` (a group rank); its work."""
+        group = self._group
+        return self.call(lambda: _compat.p2p_send(group, tensor, peer, tag), what, peer)
+
+    def recv(self, tensor: Tensor, peer: int, tag: int, what: str) -> Any:
+        """Post a receive into ``tensor`` (contiguous) from ``peer`` (a group rank); its work."""
+        group = self._group
+        return self.call(lambda: _compat.p2p_recv(group, tensor, peer, tag), what, peer)
+
+    def call(self, fn: Callable[[], Any], what: str, peer: int | None = None) -> Any:
+        """Post an operation; a dead peer makes gloo refuse at once: say who and why."""
+        try:
+            return fn()
+        except PipelineError:
+            raise
+        except Exception as exc:
+            raise self._peer_error(exc, what, peer) from exc
+
+    def _peer_error(self, exc: BaseException, what: str, peer: int | None) -> PipelineError:
+        """The error for ``exc`` from torch.distributed; a lost peer's says which step it left."""
+        err = self.failures.error(exc, what, peer)
+        if self.agreement is not None and peer is not None and failure_origin(err) == peer:
+            # The same error object: the failure record made for it stays this one's.
+            err.args = (f"{err}{self.agreement.lost_note(peer)}",)
+        return err
+
+    def pending(self, works: list[Any], labels: list[Label]) -> Pending:
+        """Start waiting on ``works`` in the pool (``labels``: one per work)."""
+        return Pending(works, labels, self.pool)
+
+    def wait(self, pending: Pending) -> None:
+        """Wait for ``pending``, failing on a peer's error, a lost peer, or the timeout."""
+        start = time.monotonic()
+        deadline = start + self.timeout
+        next_check = start + _CHECK_EVERY
+        while not pending.finished(min(_CHECK_EVERY, max(0.0, deadline - time.monotonic()))):
+            now = time.monotonic()
+            if now >= next_check:
+                self.failures.check()
+                if self.agreement is not None and now - start >= _AGREE_AFTER_S:
+                    self.agreement.stalled(pending.label()[1])
+                next_check = now + _CHECK_EVERY
+            if now >= deadline:
+                self.failures.check()
+                what, peer = pending.label()
+                source = f" from rank {peer}" if peer is not None and " from " not in what else ""
+                raise PipelineError(
+                    f"rank {self.rank} waited {self.timeout:g} s for {what}{source} (timeout); "
+                    f"a peer is stuck or slow, or the ranks run different schedules"
+                )
+        if pending.error is not None:
+            what, peer = pending.label()
+            raise self._peer_error(pending.error, what, peer)
+
+    def wait_polled(self, works: list[Any], labels: list[Label]) -> None:
+        """Wait for ``works`` by polling ``is_completed()`` (NCCL: no thread blocks in them).
+
+        On a peer's failure or past the timeout the group's communicator is
+        aborted first: an NCCL operation whose peer is gone never completes,
+        and a process cannot exit while one is pending.
+        """
+        start = time.monotonic()
+        deadline = start + self.timeout
+        next_check = start + _CHECK_EVERY
+        for work, (what, peer) in zip(works, labels, strict=True):
+            while not work.is_completed():
+                now = time.monotonic()
+                if now >= next_check:  # the store is asked at its own pace, not every poll
+                    next_check = now + _CHECK_EVERY
+                    try:
+                        self.failures.check()
+                        if self.agreement is not None and now - start >= _AGREE_AFTER_S:
+                            self.agreement.stalled(peer)
+                    except PipelineError:
+                        _compat.abort_group(self.group)
+                        raise
+                if now >= deadline:
+                    _compat.abort_group(self.group)
+                    source = (
+                        f" from rank {peer}" if peer is not None and " from " not in what else ""
+                    )
+                    raise PipelineError(
+                        f"rank {self.rank} waited {self.timeout:g} s for {what}{source} "
+                        f"(timeout); a peer is stuck or slow, or the ranks run different "
+                        f"schedules; the communicator was aborted"
+                    )
+                time.sleep(_POLL_S)
+
+
+def connect(rank: int, group: Any | None, timeout: float, *, agree: bool = False) -> Endpoint:
+    """This rank's :class:`Endpoint` for a new pipeline on ``group`` (numbered in the store).
+
+    ``agree``: give it an :class:`Agreement` (a pipeline's transport, whose ranks share steps).
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        raise PipelineError("a distributed transport needs torch.distributed initialised")
+    if timeout <= 0:
+        raise PipelineError(f"timeout must be positive, got {timeout}")
+    name = str(getattr(group, "group_name", "world")) if group is not None else "world"
+    store = _compat.rendezvous_store()
+    failures = PeerFailures(rank, store, name, world_rank=dist.get_rank())
+    endpoint = Endpoint(rank, group, failures, float(timeout))
+    if agree:
+        key = f"zeropipe/{name}/pipeline{failures.number}/agreement"
+        endpoint.agreement = Agreement(rank, store, key, failures)
+    weakref.finalize(endpoint, endpoint.pool.close)
+    return endpoint

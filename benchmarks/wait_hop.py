@@ -7,7 +7,7 @@ alternating blocks within one launch:
     calling thread   ``work.wait()`` where the data is needed, as torch's
                      schedules wait (a failed peer that stays alive is noticed
                      only at gloo's own timeout)
-    zeropipe         the runtime's :class:`~zeropipe.runtime.transport.works.Endpoint`: a
+    zeropipe         the runtime's :class:`~zeropipe.runtime.transport.endpoint.Endpoint`: a
                      pool thread blocks in ``work.wait()`` and hands the result
                      over; the caller waits in slices, checking for failed peers
 
@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from zeropipe.runtime.launch import launch
-from zeropipe.runtime.transport.works import Endpoint, connect
+from zeropipe.runtime.transport.endpoint import Endpoint, connect
 
 MODES = ("calling thread", "zeropipe")
 

@@ -31,7 +31,7 @@ from zeropipe.core.ir import Action, Kind
 from zeropipe.runtime import launch as launch_module
 from zeropipe.runtime.launch import init_from_env, launch
 from zeropipe.runtime.pipeline import Pipeline
-from zeropipe.runtime.transport.works import Pending, WaitPool
+from zeropipe.runtime.transport.endpoint import Pending, WaitPool
 
 WORLDS = (2, 4)
 ROOT = Path(__file__).resolve().parents[3]

@@ -23,8 +23,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from zeropipe.base.storage import local_tensor
+from zeropipe.runtime.transport.endpoint import Endpoint, Label
 from zeropipe.runtime.transport.wire import DTYPES, dtype_code
-from zeropipe.runtime.transport.works import Endpoint, Label
 
 __all__ = ["Heard", "all_reduce", "barrier", "flatten", "grad_norm", "post_barrier", "unflatten"]
 
@@ -77,7 +77,7 @@ def barrier(
     behind, where a collective could not be given up.
 
     Each token also carries its sender's step number and batch fingerprint
-    (when ``endpoint`` has an :class:`~zeropipe.runtime.transport.works.Agreement`):
+    (when ``endpoint`` has an :class:`~zeropipe.runtime.transport.agreement.Agreement`):
     every rank checks those it hears against its own, at no cost of its own.
     The rank that hears a mismatch fails, and the others hear of it.
 

@@ -34,7 +34,7 @@ from zeropipe.core.errors import PipelineError
 from zeropipe.core.ir import Kind, Schedule
 from zeropipe.core.simulate import Event
 from zeropipe.runtime.replicas.collectives import all_reduce, flatten, unflatten
-from zeropipe.runtime.transport.works import Endpoint, connect
+from zeropipe.runtime.transport.endpoint import Endpoint, connect
 
 __all__ = [
     "GradReducer",

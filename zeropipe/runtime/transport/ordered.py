@@ -32,14 +32,14 @@ fingerprint, checked on arrival.  On gloo, payloads travel on the tag of
 their fingerprint's lane, so ranks whose batches disagree never read each
 other's data as their own (gloo aborts a process that receives more bytes
 than it posted for); they stall, and learn it from the store
-(:class:`~zeropipe.runtime.transport.works.Agreement`).  NCCL ignores tags: there
+(:class:`~zeropipe.runtime.transport.agreement.Agreement`).  NCCL ignores tags: there
 only the headers and the barrier check.
 
 On an accelerator a wait is a stream wait (the compute stream waits for the
 receive; the host does not), and the end of the step polls the step's
 operations, bounded by the timeout, aborting the communicator when a peer
 failed so that no rank hangs in NCCL.  On CPU (gloo) waits are those of
-:class:`~zeropipe.runtime.transport.works.Endpoint`: bounded, watching for failed peers.
+:class:`~zeropipe.runtime.transport.endpoint.Endpoint`: bounded, watching for failed peers.
 """
 
 from __future__ import annotations
@@ -58,6 +58,8 @@ from zeropipe.core.errors import PipelineError
 from zeropipe.core.ir import Action, Kind, Schedule
 from zeropipe.core.message_order import message_order, receiver_of
 from zeropipe.runtime.replicas import collectives
+from zeropipe.runtime.transport.agreement import Agreement
+from zeropipe.runtime.transport.endpoint import Label, connect
 from zeropipe.runtime.transport.wire import (
     HEADER_LEN,
     LANES,
@@ -71,7 +73,6 @@ from zeropipe.runtime.transport.wire import (
     encode_header,
     meta_of,
 )
-from zeropipe.runtime.transport.works import Agreement, Label, connect
 
 __all__ = ["OrderedTransport"]
 

@@ -19,10 +19,10 @@ Every rank must be in the same step with the same batch: the header and the
 end-of-step barrier carry each rank's step number and batch fingerprint, and
 payloads travel on the tags of their fingerprint's lane, so ranks that
 disagree never mix their data; they stall, and learn it from the store
-(:class:`~zeropipe.runtime.transport.works.Agreement`).
+(:class:`~zeropipe.runtime.transport.agreement.Agreement`).
 
 The rest lives beside it: every wait is bounded and watches for failed
-peers (:mod:`zeropipe.runtime.transport.works`), a failure reaches every rank through
+peers (:mod:`zeropipe.runtime.transport.endpoint`), a failure reaches every rank through
 the rendezvous store (:mod:`zeropipe.runtime.transport.failures`), and the step ends
 with a barrier that carries the loss (its receives posted as the step
 starts), then the all-reduce of shared
@@ -47,6 +47,8 @@ from zeropipe.core.errors import PipelineError
 from zeropipe.core.ir import Action, Kind, Schedule
 from zeropipe.core.message_order import receiver_of
 from zeropipe.runtime.replicas import collectives
+from zeropipe.runtime.transport.agreement import Agreement
+from zeropipe.runtime.transport.endpoint import Label, Pending, connect
 from zeropipe.runtime.transport.wire import (
     HEADER_LEN,
     LANES,
@@ -61,7 +63,6 @@ from zeropipe.runtime.transport.wire import (
     encode_header,
     meta_of,
 )
-from zeropipe.runtime.transport.works import Agreement, Label, Pending, connect
 
 __all__ = ["DistributedTransport"]
 

@@ -20,7 +20,7 @@ with its own.  Between them, payloads carry nothing extra: instead each
 fingerprint picks a *lane* of tags (:func:`next_lane`), so a payload of one
 batch never lands in a receive posted for another (gloo aborts a process
 that receives more bytes than it posted for), and two ranks that disagree
-both stall, which :class:`zeropipe.runtime.transport.works.Agreement` turns into an
+both stall, which :class:`zeropipe.runtime.transport.agreement.Agreement` turns into an
 error naming both.
 """
 

@@ -28,8 +28,9 @@ limit: when nothing fits without them, or on request (``recompute=True``).
 
 Only those few matter, which keeps the search fast without changing its answer: a
 list run is given up once it cannot end before the best few found so far (ties
-included, see ``_cutoff``), the most promising runs go first so that this happens
-early, and policies that differ only where a run never asks share that run.
+included), the most promising runs go first so that this happens early, and policies
+that differ only where a run never asks share that run
+(:mod:`zeropipe.core.schedules.auto_timing`).
 
 Costs: a :class:`~zeropipe.core.costs.CostModel` with ``p`` stages is read as "one
 rank's worth of layers per stage" and is split evenly for ``v`` chunks per
@@ -40,7 +41,6 @@ costs, as :func:`zeropipe.planning.balance.plan` does.
 
 from __future__ import annotations
 
-import heapq
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -51,14 +51,13 @@ from zeropipe.core.costs import CostModel, StageCost, peak_memory, per_rank
 from zeropipe.core.errors import ScheduleError
 from zeropipe.core.ir import Action, Kind, Schedule
 from zeropipe.core.passes.fuse import group_weights
+from zeropipe.core.schedules.auto_timing import Run, time_runs
 from zeropipe.core.schedules.list_scheduler import (
     ListPlan,
-    ListScheduler,
     Policy,
     Step,
     compute_order,
     placement_of,
-    replay,
 )
 from zeropipe.core.schedules.registry import GENERATORS, register
 from zeropipe.core.simulate import Timeline, simulate
@@ -167,9 +166,6 @@ def default_policies(ranks: int, max_chunks: int, split_options: Sequence[bool])
 
 
 Limit = float | Sequence[float] | str | None
-# One candidate to time: label, source ("named" or "list"), policy, schedule (or its
-# shape), costs, and the F/I order it follows (a named schedule's, or None).
-Run = tuple[str, str, Policy, Schedule, CostModel, list[list[Step]] | None]
 
 
 def _limits(memory_limit: Limit, ranks: int, m: int, costs: CostsLike) -> list[float]:
@@ -263,11 +259,49 @@ def search(
     start = time.perf_counter()
     costs = _remembered(costs)
     limits = _limits(memory_limit, ranks, microbatches, costs)
+    runs = _runs(costs, ranks, microbatches, max_chunks, policies, named)
+    plans, cut = time_runs(runs, microbatches, limits, max(verify, 0), start + time_budget)
+    listed = _listed(runs, plans)
+    listed.sort(key=_rank)
+    tried, best_named = _to_verify(listed, verify)
+    scored = _verified(tried, limits)
+    scored += _grouped(scored, limits)
+    finite = any(math.isfinite(x) for x in limits)
+    if finite and (recompute or (recompute is None and not scored)):
+        try:
+            scored.append(
+                _fit(costs, ranks, microbatches, limits, max_chunks, policies, named, verify)
+            )
+        except ScheduleError:
+            if not scored:
+                raise  # fit_memory's error names the smallest limit that fits
+    if not scored:
+        raise _nothing_fits(costs, ranks, limits)
+    scored.sort(key=_rank)
+    best = scored[0]
+    seconds = time.perf_counter() - start
+    counts = f"{len(listed)} candidates fit, {cut} cut short, {len(scored)} verified"
+    explanation = _explain(best, best_named, limits, counts, seconds)
+    sched = best.schedule if best.source == "list" else _renamed(best.schedule, "auto")
+    assert best.timeline is not None  # set for every scored candidate
+    return AutoResult(sched, best.costs, best.timeline, explanation, listed, seconds)
+
+
+def _runs(
+    costs: CostsLike,
+    ranks: int,
+    m: int,
+    max_chunks: int,
+    policies: Sequence[Policy] | None,
+    named: bool,
+) -> list[Run]:
+    """Every candidate to time: the named schedules as they are, their F / I orders with
+    the W placed anew, then the list-scheduler ``policies`` (default: a small grid)."""
     base = costs_for(costs, ranks)
     split_options = [True]
     if base is None or any(c.time(Kind.B) < c.I + c.W - _EPS for c in base.stages):
         split_options.append(False)  # a fused backward is cheaper: try it too
-    named_runs = _named_schedules(ranks, microbatches, costs, max_chunks) if named else []
+    named_runs = _named_schedules(ranks, m, costs, max_chunks) if named else []
     runs: list[Run] = []
     for label, sched, c in named_runs:
         chunks = sched.num_stages // ranks
@@ -285,37 +319,60 @@ def search(
         place = placement_of(policy.placement, ranks, policy.chunks)
         derived = costs_for(costs, len(place))
         if derived is not None:
-            shape = Schedule(place, [[] for _ in range(ranks)], microbatches, "auto")
+            shape = Schedule(place, [[] for _ in range(ranks)], m, "auto")
             runs.append((policy.describe(), "list", policy, shape, derived, None))
-    deadline = start + time_budget
-    listed, cut = _timed(runs, microbatches, limits, max(verify, 0), deadline)
-    listed.sort(key=lambda c: (round(c.makespan, 9), round(c.steady, 9), c.source != "named"))
-    tried = listed[:verify]
+    return runs
+
+
+def _listed(runs: Sequence[Run], plans: Sequence[ListPlan | None]) -> list[Candidate]:
+    """The runs that fit as candidates, in the order of ``runs``, timed by their plans."""
+    listed = []
+    for (label, source, _, sched, c, _), plan in zip(runs, plans, strict=True):
+        if plan is not None:
+            steps = plan.steps if source == "list" else None
+            listed.append(
+                Candidate(label, source, c, plan.makespan, plan.steady, None, sched, steps)
+            )
+    return listed
+
+
+def _to_verify(
+    listed: Sequence[Candidate], verify: int
+) -> tuple[list[Candidate], Candidate | None]:
+    """The candidates to verify: the best ``verify`` of ``listed`` (sorted) and the best
+    named one, as auto is never worse than a named schedule that fits; and that named one."""
+    tried = list(listed[:verify])
     best_named = next((c for c in listed if c.source == "named"), None)
     if best_named is not None and all(c is not best_named for c in tried):
-        tried.append(best_named)  # auto is never worse than a named schedule that fits
-    scored = _verified(tried, limits)
-    scored += _grouped(scored, limits)
-    finite = any(math.isfinite(x) for x in limits)
-    if finite and (recompute or (recompute is None and not scored)):
-        try:
-            scored.append(
-                _fit(costs, ranks, microbatches, limits, max_chunks, policies, named, verify)
-            )
-        except ScheduleError:
-            if not scored:
-                raise  # fit_memory's error names the smallest limit that fits
-    if not scored:
-        raise ScheduleError(
-            f"no schedule without recompute or offload fits a memory limit of "
-            f"{_fmt_limits(limits)} per rank on {ranks} rank(s): each rank needs at least its "
-            f"weights plus one microbatch's activations of all its stages "
-            f"({_least_memory(costs, ranks):g} here); raise the limit or allow recompute",
-            rule="memory",
-        )
-    scored.sort(key=lambda c: (round(c.makespan, 9), round(c.steady, 9), c.source != "named"))
-    best = scored[0]
-    assert best.timeline is not None  # set above for every scored candidate
+        tried.append(best_named)
+    return tried, best_named
+
+
+def _rank(cand: Candidate) -> tuple[float, float, bool]:
+    """How candidates sort: shortest makespan, then lowest steady bubble, then named first
+    (both rounded, so that float noise does not decide)."""
+    return round(cand.makespan, 9), round(cand.steady, 9), cand.source != "named"
+
+
+def _nothing_fits(costs: CostsLike, ranks: int, limits: Sequence[float]) -> ScheduleError:
+    return ScheduleError(
+        f"no schedule without recompute or offload fits a memory limit of "
+        f"{_fmt_limits(limits)} per rank on {ranks} rank(s): each rank needs at least its "
+        f"weights plus one microbatch's activations of all its stages "
+        f"({_least_memory(costs, ranks):g} here); raise the limit or allow recompute",
+        rule="memory",
+    )
+
+
+def _explain(
+    best: Candidate,
+    best_named: Candidate | None,
+    limits: Sequence[float],
+    counts: str,
+    seconds: float,
+) -> str:
+    """The one-line explanation of the winner ``best``: how it was made, its figures, how
+    it compares with the best named schedule, and ``counts`` of the candidates."""
     if best_named is None:
         versus = "no named schedule fits"
     elif best.source == "named":
@@ -325,108 +382,12 @@ def search(
         versus = f"best named {best_named.name}: {best_named.makespan:.5g}, -{gain:.1%}"
     how = best.name if best.source != "named" else f"the named schedule {best.name}"
     tl = best.timeline
-    seconds = time.perf_counter() - start
-    explanation = (
+    assert tl is not None  # set for every verified candidate
+    return (
         f"auto: {how}; makespan {tl.makespan:.5g} ({versus}); steady bubble "
         f"{tl.steady_bubble_rate:.4f}; peak {max(tl.peak_memory):.4g} of limit "
-        f"{_fmt_limits(limits)} {best.costs.unit}; {len(listed)} candidates fit, "
-        f"{cut} cut short, {len(scored)} verified, {seconds:.2g} s"
+        f"{_fmt_limits(limits)} {best.costs.unit}; {counts}, {seconds:.2g} s"
     )
-    sched = best.schedule if best.source == "list" else _renamed(best.schedule, "auto")
-    return AutoResult(sched, best.costs, tl, explanation, listed, seconds)
-
-
-def _timed(
-    runs: Sequence[Run], m: int, limits: list[float], keep: int, deadline: float
-) -> tuple[list[Candidate], int]:
-    """The runs that fit, timed by the list scheduler, in the order of ``runs``; and how
-    many list runs were cut short.
-
-    Only the best ``keep`` go on to be verified, so a list run is given up as soon as it
-    cannot end before ``keep`` plans already found (:func:`_cutoff`).  Runs alike (one
-    planner and order, policies apart in ``gap``, ``first`` or ``reserve`` only) share
-    one run while they decide alike (``ListScheduler.run_alike``).  The named schedules
-    are timed first, then the list runs that follow their orders, the best named
-    first, then the rest: any order gives the same candidates, and the best ones found
-    early make the cut early.
-    """
-    plans: dict[int, ListPlan | None] = {}
-    found: list[tuple[float, float, str, int]] = []  # makespan, steady, source, index
-    named_end: dict[int, float] = {}  # id of a named schedule -> its makespan
-    for n, (_, source, _, sched, c, _) in enumerate(runs):
-        if source == "named":
-            plan = plans[n] = replay(sched, c, limits)  # never cut: auto is never worse
-            named_end[id(sched)] = math.inf if plan is None else plan.makespan
-            if plan is not None:
-                found.append((plan.makespan, plan.steady, source, n))
-
-    def priority(n: int) -> tuple[bool, float, int]:
-        follows = runs[n][5] is not None  # a named schedule's order
-        return not follows, named_end.get(id(runs[n][3]), math.inf) if follows else 0.0, n
-
-    planners: dict[tuple[tuple[int, ...], bool], ListScheduler] = {}
-    cut = 0
-    for n in sorted((n for n in range(len(runs)) if n not in plans), key=priority):
-        _, _, policy, sched, c, order = runs[n]
-        if n in plans:
-            continue  # timed along with an earlier run
-        if found and time.perf_counter() > deadline:
-            plans[n] = None
-            continue
-        place = tuple(sched.placement)
-        planner = planners.get((place, policy.split))
-        if planner is None or planner.costs != c:
-            planner = ListScheduler(c, place, m, split=policy.split)
-            planners[(place, policy.split)] = planner
-        group = [
-            k
-            for k in range(n, len(runs))
-            if k not in plans
-            and runs[k][5] is order
-            and runs[k][4] is c
-            and tuple(runs[k][3].placement) == place
-        ]
-        cutoff = _cutoff(found, keep, n, planner.exact)
-        plan, shared = planner.run_alike([runs[k][2] for k in group], limits, order, cutoff)
-        for j in shared:
-            plans[group[j]] = plan
-            if plan is not None:
-                found.append((plan.makespan, plan.steady, "list", group[j]))
-        if plan is None and cutoff < math.inf:
-            cut += len(shared)  # (or it does not fit: a cut run cannot tell)
-    listed = []
-    for n, (label, source, _, sched, c, _) in enumerate(runs):
-        plan = plans.get(n)
-        if plan is not None:
-            steps = plan.steps if source == "list" else None
-            listed.append(
-                Candidate(label, source, c, plan.makespan, plan.steady, None, sched, steps)
-            )
-    return listed, cut
-
-
-def _cutoff(
-    found: Sequence[tuple[float, float, str, int]], keep: int, n: int, exact: bool
-) -> float:
-    """The end past which run ``n`` (and the later runs alike) cannot be among the best ``keep``.
-
-    Candidates sort on (makespan, steady bubble, named first), both rounded to 1e-9, then
-    on their index (a stable sort).  A found plan is surely ahead of run ``n`` once ``n``'s
-    makespan is past its own by more than the rounding.  With times the floats hold
-    exactly (``exact``) a found plan with no steady bubble is ahead already at an equal
-    makespan when a tie would put it first: named, or earlier in ``runs``; the
-    schedules that reach the busiest rank's bound are cut at once so.
-    """
-    if keep <= 0:
-        return -math.inf  # none of them is verified: no need to time any
-    needs = []  # per found plan: the end of run n that puts it surely ahead
-    for makespan, steady, source, k in found:
-        first = source == "named" or k < n
-        if exact and round(steady, 9) <= 0 and first:
-            needs.append(math.nextafter(makespan, -math.inf))  # an end >= its makespan
-        else:
-            needs.append(makespan + 1e-6 * max(1.0, abs(makespan)))
-    return heapq.nsmallest(keep, needs)[-1] if len(needs) >= keep else math.inf
 
 
 def _verified(tried: Sequence[Candidate], limits: list[float]) -> list[Candidate]:

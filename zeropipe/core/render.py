@@ -267,76 +267,22 @@ def to_chrome_trace(timeline: Timeline) -> dict[str, Any]:
     timelines are in seconds and become microseconds; simulated ones are in
     arbitrary cost units, drawn as 1 unit = 1000 us (``otherData`` says which).
     """
-    s = timeline.schedule
     scale = 1e6 if timeline.measured else 1000.0
     t0 = timeline.start
-    trace: list[dict[str, Any]] = [
-        {
-            "ph": "M",
-            "name": "process_name",
-            "pid": 0,
-            "tid": 0,
-            "args": {
-                "name": f"zeropipe {s.name} ({'measured' if timeline.measured else 'simulated'})"
-            },
-        }
-    ]
+    kind = "measured" if timeline.measured else "simulated"
+    name = f"zeropipe {timeline.schedule.name} ({kind})"
+    trace: list[dict[str, Any]] = [_metadata("process_name", 0, {"name": name})]
     used: set[tuple[int, str]] = set()
     for rank, events in enumerate(timeline.events):
         for e in events:
             used.add((rank, e.lane))
-            a = e.action
             if e.wait > 0:
-                trace.append(
-                    {
-                        "ph": "X",
-                        "name": "wait",
-                        "cat": "wait",
-                        "pid": 0,
-                        "tid": _tid(rank, e.lane),
-                        "ts": (e.start - t0) * scale,
-                        "dur": e.wait * scale,
-                        "args": {"rank": rank, "step": e.step, "for": str(a)},
-                    }
-                )
-            trace.append(
-                {
-                    "ph": "X",
-                    "name": str(a),
-                    "cat": a.kind.value,
-                    "pid": 0,
-                    "tid": _tid(rank, e.lane),
-                    "ts": (e.ready - t0) * scale,
-                    "dur": e.work * scale,
-                    "args": {
-                        "rank": rank,
-                        "step": e.step,
-                        "stage": a.stage,
-                        "microbatch": a.microbatch,
-                        "kind": a.kind.value,
-                    },
-                }
-            )
+                trace.append(_wait_event(rank, e, t0, scale))
+            trace.append(_action_event(rank, e, t0, scale))
     for rank, lane in sorted(used, key=lambda rl: _tid(*rl)):
         tid = _tid(rank, lane)
-        trace.append(
-            {
-                "ph": "M",
-                "name": "thread_name",
-                "pid": 0,
-                "tid": tid,
-                "args": {"name": f"rank {rank} {lane}"},
-            }
-        )
-        trace.append(
-            {
-                "ph": "M",
-                "name": "thread_sort_index",
-                "pid": 0,
-                "tid": tid,
-                "args": {"sort_index": tid},
-            }
-        )
+        trace.append(_metadata("thread_name", tid, {"name": f"rank {rank} {lane}"}))
+        trace.append(_metadata("thread_sort_index", tid, {"sort_index": tid}))
     return {
         "traceEvents": trace,
         "displayTimeUnit": "ms",
@@ -348,6 +294,46 @@ def to_chrome_trace(timeline: Timeline) -> dict[str, Any]:
                 if timeline.measured
                 else "simulated cost units (arbitrary), written as 1 unit = 1000 us"
             ),
+        },
+    }
+
+
+def _metadata(name: str, tid: int, args: dict[str, Any]) -> dict[str, Any]:
+    """A trace's "M" (metadata) event: a process or thread name or sort index."""
+    return {"ph": "M", "name": name, "pid": 0, "tid": tid, "args": args}
+
+
+def _wait_event(rank: int, e: Event, t0: float, scale: float) -> dict[str, Any]:
+    """The measured wait of ``e`` for its data, as an "X" event before it."""
+    return {
+        "ph": "X",
+        "name": "wait",
+        "cat": "wait",
+        "pid": 0,
+        "tid": _tid(rank, e.lane),
+        "ts": (e.start - t0) * scale,
+        "dur": e.wait * scale,
+        "args": {"rank": rank, "step": e.step, "for": str(e.action)},
+    }
+
+
+def _action_event(rank: int, e: Event, t0: float, scale: float) -> dict[str, Any]:
+    """The work of ``e`` as an "X" event, from when its data had arrived."""
+    a = e.action
+    return {
+        "ph": "X",
+        "name": str(a),
+        "cat": a.kind.value,
+        "pid": 0,
+        "tid": _tid(rank, e.lane),
+        "ts": (e.ready - t0) * scale,
+        "dur": e.work * scale,
+        "args": {
+            "rank": rank,
+            "step": e.step,
+            "stage": a.stage,
+            "microbatch": a.microbatch,
+            "kind": a.kind.value,
         },
     }
 

@@ -382,8 +382,18 @@ class ListRun:
                 known = ready
         if kinds_ready == 3 and self.other_first:  # which runs first is ``first``'s to say
             self._keep(lambda p: p.first == self.policy.first)
+        if pick is not None:
+            return pick, since, math.inf
+        return self._idle(r, t, known, bound, blocked_by_w)
+
+    def _idle(
+        self, r: int, t: float, known: float, bound: float, blocked_by_w: bool
+    ) -> tuple[_Slot | None, float, float]:
+        """:meth:`_choose` for a rank with no F or backward ready at ``t``: a pending W if
+        the gap until ``known`` (the earliest known arrival) or ``bound`` (the earliest
+        possible one) is worth filling, or an F waits for W's memory; else a wait."""
         pending = self.pending[r]
-        if pick is None and pending:
+        if pending:
             s, i = pending[0]
             if known == math.inf and not self._others_due():
                 # ``bound`` assumes a producer's rank will run, but no other rank is due to
@@ -400,9 +410,7 @@ class ListRun:
             if fill:
                 pending.popleft()
                 pick = (_W, s, i)
-                since = self._ready(pick)
-        if pick is not None:
-            return pick, since, math.inf
+                return pick, self._ready(pick), math.inf
         # Wait: until a known arrival, or (pending W) until the earliest possible one, to
         # decide again; else sleep until a producer on another rank wakes this one.
         if known < math.inf:

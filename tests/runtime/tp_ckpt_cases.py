@@ -27,8 +27,9 @@ from torch.distributed.tensor import DTensor
 
 from zeropipe.apps.models.gpt import GPTConfig, gpt, lm_loss, parallelize_gpt
 from zeropipe.core.passes.build import build_schedule
-from zeropipe.runtime.checkpoint.dcp import load_checkpoint, save_checkpoint, state_names
+from zeropipe.runtime.checkpoint.dcp import load_checkpoint, save_checkpoint
 from zeropipe.runtime.checkpoint.folder import CheckpointError
+from zeropipe.runtime.checkpoint.names import state_names
 from zeropipe.runtime.pipeline import Pipeline, RuntimeOptions
 
 CONFIG = GPTConfig(vocab=32, seq=8, width=16, heads=4, layers=2, dropout=0.0)

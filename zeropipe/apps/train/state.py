@@ -46,9 +46,10 @@ import torch
 
 from zeropipe.apps.export_target import check_target
 from zeropipe.core.errors import ZeropipeError
-from zeropipe.runtime.checkpoint.dcp import consolidated_state_dict, is_lead, save_checkpoint
+from zeropipe.runtime.checkpoint.dcp import consolidated_state_dict, save_checkpoint
 from zeropipe.runtime.checkpoint.folder import FORMAT as DCP_FORMAT
 from zeropipe.runtime.checkpoint.folder import MANIFEST, CheckpointError, sha256_of
+from zeropipe.runtime.checkpoint.names import is_lead
 from zeropipe.runtime.pipeline import Pipeline
 
 __all__ = [

@@ -76,7 +76,6 @@ import shutil
 import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -105,91 +104,13 @@ from zeropipe.runtime.checkpoint.folder import (
     verifies,
     why_failed,
 )
+from zeropipe.runtime.checkpoint.names import StateNames, is_lead, saves_together, state_names
 from zeropipe.runtime.pipeline import Pipeline
 
-__all__ = [
-    "StateNames",
-    "consolidated_state_dict",
-    "is_lead",
-    "load_checkpoint",
-    "save_checkpoint",
-    "saves_together",
-    "state_names",
-]
+__all__ = ["consolidated_state_dict", "load_checkpoint", "save_checkpoint"]
 
 _MODEL, _OPTIM, _EXTRA = "model.", "optim.", "extra"
 _STEPS = "pipeline.steps"  # training steps run: what dropout is seeded by
-
-
-@dataclass(frozen=True)
-class StateNames:
-    """The model's names for a pipeline's tensors.
-
-    ``tensors``: name -> tensor for the stages this process runs (each tensor
-    once, under its first name); ``owned``: the names this process writes
-    (a tensor on stages of several ranks is written by the lowest);
-    ``every``: the names of every stage's tensors, on whichever rank;
-    ``aliases``: a tensor's other names (``lm_head.weight`` -> the embedding's).
-    Every process of a tensor-parallel group owns what its pipeline rank owns:
-    each writes its shard of a DTensor (see the module).
-    """
-
-    tensors: dict[str, Tensor]
-    owned: frozenset[str]
-    every: frozenset[str]
-    aliases: dict[str, str]
-
-    by_id: dict[int, str] = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "by_id", {id(t): n for n, t in self.tensors.items()})
-
-    def name_of(self, tensor: Tensor) -> str | None:
-        """The name of one of this process's tensors (None: not one of them)."""
-        return self.by_id.get(id(tensor))
-
-
-def state_names(pipe: Pipeline, model: nn.Module | None = None) -> StateNames:
-    """The names under which :func:`save_checkpoint` stores ``pipe``'s tensors (see the module)."""
-    from_model: dict[int, list[str]] = {}
-    if model is not None:
-        for name, t in model.state_dict(keep_vars=True).items():
-            from_model.setdefault(id(t), []).append(name)
-    first: dict[int, str] = {}  # id(tensor) -> its canonical name
-    ranks: dict[int, int] = {}  # id(tensor) -> lowest rank running a stage that holds it
-    aliases: dict[str, str] = {}
-    local: dict[str, Tensor] = {}
-    mine = set(pipe.stages)
-    for stage in pipe.all_stages:
-        keys = stage.layer_keys
-        for key, t in stage.module.state_dict(keep_vars=True).items():
-            if model is not None:
-                names = from_model.get(id(t))
-                if not names:
-                    raise CheckpointError(
-                        f"stage {stage.index}'s {key!r} is not a tensor of the model passed as "
-                        f"model=; pass the model the stages were cut from (zeropipe.split)"
-                    )
-                name = names[0]
-                aliases.update({other: name for other in names[1:]})
-            elif keys is not None:  # a slice of an nn.Sequential: its layers' own indices
-                index, _, rest = key.partition(".")
-                name = f"{keys[int(index)]}.{rest}"
-            else:
-                name = f"{stage.index}.{key}"
-            rank = pipe.schedule.placement[stage.index]
-            canonical = first.setdefault(id(t), name)
-            if canonical != name:
-                aliases[name] = canonical
-            ranks[id(t)] = min(ranks.get(id(t), rank), rank)
-            if stage.index in mine:
-                local[canonical] = t
-    me = pipe.rank if pipe.distributed else None
-    # Data-parallel replicas hold the same tensors: the first one writes them.
-    owned = frozenset(
-        n for n, t in local.items() if pipe.dp_rank == 0 and (me is None or ranks[id(t)] == me)
-    )
-    return StateNames(local, owned, frozenset(first.values()), aliases)
 
 
 def _state_to_save(
@@ -228,43 +149,12 @@ def _quiet() -> Iterator[None]:
         yield
 
 
-def is_lead(
-    pipe: Pipeline,
-    names: StateNames | None = None,
-    process_group: dist.ProcessGroup | None = None,
-) -> bool:
-    """Whether this process is the one that writes a checkpoint's manifest and moves it into
-    place: rank 0 of the processes that save together (see :func:`saves_together`).
-
-    Pipeline rank 0 of replica 0 is not enough: under tensor parallelism every process
-    of its tensor-parallel group is that, and two of them renaming the same folder race.
-    """
-    if saves_together(pipe, names) and dist.is_available() and dist.is_initialized():
-        return dist.get_rank(process_group) == 0
-    return (not pipe.distributed or pipe.rank == 0) and pipe.dp_rank == 0
-
-
 def _not_sharded(pipe: Pipeline) -> None:
     if pipe.sharded is not None:
         raise CheckpointError(
             "checkpoints of a dp_shard=True pipeline are not supported yet (each replica "
             "holds other shards); save from a replicated pipeline (dp_shard=False)"
         )
-
-
-def saves_together(pipe: Pipeline, names: StateNames | None = None) -> bool:
-    """Whether several processes save and load together: pipeline ranks, replicas, or the
-    processes of a tensor-parallel group (a stage's DTensors span them, even at pp 1)."""
-    if pipe.distributed or pipe.dp_size > 1:
-        return True
-    tensors = (names or state_names(pipe)).tensors.values()
-    return any(_mesh_size(t) > 1 for t in tensors)
-
-
-def _mesh_size(t: Tensor) -> int:
-    """How many processes a DTensor spans (1 for a plain tensor)."""
-    mesh = getattr(t, "device_mesh", None)
-    return int(mesh.size()) if isinstance(t, DTensor) and mesh is not None else 1
 
 
 class _Writer(dcp.FileSystemWriter):
@@ -329,43 +219,13 @@ def save_checkpoint(
     lead = is_lead(pipe, names, process_group)
     state = _state_to_save(pipe, optimizer, names, extra, lead)
     json.dumps(dict(meta or {}))  # not serialisable: fail before anything is written
-    error: str | None = None
-    created = False
-    if lead:
-        error = not_a_checkpoint(path)
-    if lead and error is None:
-        try:
-            if not path.exists() and verifies(tmp):
-                os.replace(tmp, path)  # a save killed between its renames: finish it first
-            shutil.rmtree(tmp, ignore_errors=True)  # what a killed save left
-            tmp.mkdir(parents=True)
-            created = True
-        except OSError as exc:
-            error = cannot_save(path, exc)
+    error, created = _make_partial(path, tmp) if lead else (None, False)
     # Before any rank writes: a folder rank 0 cannot make, or a path holding something
     # other than a checkpoint, fails every rank alike.
     error = _agree(error, distributed, process_group)
     if error is not None:
         raise CheckpointError(error)
-    interrupted: BaseException | None = None
-    try:
-        with _quiet():
-            dcp.save(
-                state,
-                checkpoint_id=tmp,
-                storage_writer=_Writer(tmp),
-                process_group=process_group,
-                # Flat already; unflattened, ``extra`` stays one pickled object.
-                planner=DefaultSavePlanner(flatten_state_dict=False),
-                no_dist=not distributed,
-            )
-    except CheckpointException as exc:  # a BaseException, which DCP hands every rank alike
-        me = dist.get_rank(process_group) if distributed else 0
-        own = exc.failures.get(me)
-        if own is not None and not isinstance(own[0], Exception):
-            interrupted = own[0]  # Ctrl-C while saving: re-raised once the peers are told
-        rank, (cause, _) = min(exc.failures.items(), key=lambda item: item[0])
-        error = cannot_save(path, cause, rank if distributed else None)
+    error, interrupted = _write(state, path, tmp, distributed, process_group)
     if error is None and lead:
         try:
             publish(tmp, path, meta or {}, names.aliases, optimizer)
@@ -380,6 +240,53 @@ def save_checkpoint(
     if error is not None:
         raise CheckpointError(error)
     return path
+
+
+def _make_partial(path: Path, tmp: Path) -> tuple[str | None, bool]:
+    """The lead rank's empty ``.partial`` folder for a save to ``path``: (why it cannot be
+    made or None, whether this save made it)."""
+    error = not_a_checkpoint(path)
+    if error is not None:
+        return error, False
+    try:
+        if not path.exists() and verifies(tmp):
+            os.replace(tmp, path)  # a save killed between its renames: finish it first
+        shutil.rmtree(tmp, ignore_errors=True)  # what a killed save left
+        tmp.mkdir(parents=True)
+    except OSError as exc:
+        return cannot_save(path, exc), False
+    return None, True
+
+
+def _write(
+    state: dict[str, Any],
+    path: Path,
+    tmp: Path,
+    distributed: bool,
+    process_group: dist.ProcessGroup | None,
+) -> tuple[str | None, BaseException | None]:
+    """Every rank's share of ``state`` written into ``tmp`` by DCP: (why the save failed or
+    None, a Ctrl-C that came while saving, re-raised once the peers are told)."""
+    try:
+        with _quiet():
+            dcp.save(
+                state,
+                checkpoint_id=tmp,
+                storage_writer=_Writer(tmp),
+                process_group=process_group,
+                # Flat already; unflattened, ``extra`` stays one pickled object.
+                planner=DefaultSavePlanner(flatten_state_dict=False),
+                no_dist=not distributed,
+            )
+    except CheckpointException as exc:  # a BaseException, which DCP hands every rank alike
+        me = dist.get_rank(process_group) if distributed else 0
+        own = exc.failures.get(me)
+        interrupted = None
+        if own is not None and not isinstance(own[0], Exception):
+            interrupted = own[0]
+        rank, (cause, _) = min(exc.failures.items(), key=lambda item: item[0])
+        return cannot_save(path, cause, rank if distributed else None), interrupted
+    return None, None
 
 
 def _metadata(path: Path) -> dict[str, Any]:

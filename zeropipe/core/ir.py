@@ -139,33 +139,39 @@ class Action:
             and self.microbatch == o.microbatch
         )
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.kind, Kind):
-            raise ScheduleError(f"action kind must be a zeropipe.Kind, got {self.kind!r}")
+    def __init__(self, kind: Kind, stage: int, microbatch: int | None = None) -> None:
+        # Written out rather than generated: a frozen dataclass's __init__ sets every
+        # field, the two cached ones included, then calls __post_init__, which would set
+        # those two again; generating a big schedule makes ~10^5 actions.
+        if not isinstance(kind, Kind):
+            raise ScheduleError(f"action kind must be a zeropipe.Kind, got {kind!r}")
         # Integers only: str hashes (and None's, before Python 3.12) differ between
         # processes, and a pickled Action carries its cached hash with it.
-        mb = -1 if self.microbatch is None else self.microbatch
-        number = _KIND_NUMBER[self.kind]
-        object.__setattr__(self, "kind_no", number)
-        object.__setattr__(self, "_hash", hash((number, self.stage, mb)))
-        if self.stage < 0:
-            raise ScheduleError(f"action stage must be >= 0, got {self.stage}")
-        if self.kind in STAGE_KINDS:
-            if self.microbatch is not None:
+        number = _KIND_NUMBER[kind]
+        put = object.__setattr__
+        put(self, "kind", kind)
+        put(self, "stage", stage)
+        put(self, "microbatch", microbatch)
+        put(self, "kind_no", number)
+        put(self, "_hash", hash((number, stage, -1 if microbatch is None else microbatch)))
+        if stage < 0:
+            raise ScheduleError(f"action stage must be >= 0, got {stage}")
+        if kind in STAGE_KINDS:
+            if microbatch is not None:
                 raise ScheduleError(
-                    f"{self.kind.value} acts on a whole stage and takes no microbatch, "
-                    f"e.g. '{self.stage}{self.kind.value}'",
+                    f"{kind.value} acts on a whole stage and takes no microbatch, "
+                    f"e.g. '{stage}{kind.value}'",
                     rule="syntax",
                 )
-        elif self.microbatch is None:
-            if self.kind not in COPY_KINDS:
+        elif microbatch is None:
+            if kind not in COPY_KINDS:
                 raise ScheduleError(
-                    f"{self.kind.value} needs a microbatch (only weight OFFLOAD/RELOAD "
-                    f"and REDUCE_GRAD omit it), e.g. '{self.stage}{self.kind.value}0'",
+                    f"{kind.value} needs a microbatch (only weight OFFLOAD/RELOAD "
+                    f"and REDUCE_GRAD omit it), e.g. '{stage}{kind.value}0'",
                     rule="syntax",
                 )
-        elif self.microbatch < 0:
-            raise ScheduleError(f"action microbatch must be >= 0, got {self.microbatch}")
+        elif microbatch < 0:
+            raise ScheduleError(f"action microbatch must be >= 0, got {microbatch}")
 
     @property
     def is_weight_copy(self) -> bool:

@@ -54,7 +54,8 @@ def _rank_order(rank: int, ranks: int, fill: int, keep: int) -> list[Action]:
 
     def put(kind: Kind, stage: int, times: int = 1) -> None:
         first = done[kind, stage]
-        acts.extend(Action(kind, stage, i) for i in range(first, min(first + times, keep)))
+        for i in range(first, min(first + times, keep)):  # a loop: cheaper than a generator
+            acts.append(Action(kind, stage, i))
         done[kind, stage] = first + times
 
     def rounds(times: int, *pattern: tuple[Kind, int]) -> None:

@@ -42,6 +42,7 @@ TORCH_FREE_PLANNING = (
     "zeropipe.planning.plan_memory",
     "zeropipe.planning.step_bound",
     "zeropipe.planning.tensor_parallel",
+    "zeropipe.planning.transformer",
 )
 # The package's __init__ is the public surface: it may name anything (lazily for torch).
 TOP = "zeropipe"

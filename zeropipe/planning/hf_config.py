@@ -1,5 +1,5 @@
-"""A Hugging Face ``config.json`` read as the shape :class:`~zeropipe.planning.specs.ModelSpec`
-prices, or refused in one line naming the file.
+"""A Hugging Face ``config.json`` read as the shape
+:class:`~zeropipe.planning.transformer.ModelSpec` prices, or refused in one line naming the file.
 
 The pricing formulas are a dense decoder-only transformer's, so only model types known to be
 one are read (:data:`DECODER_TYPES`, each with whether its FFN is gated); an encoder, an
@@ -101,7 +101,7 @@ def _refuse_kind(config: Mapping[str, Any], where: str) -> None:
 
 
 def spec_fields(config: Mapping[str, Any], *, where: str, name: str) -> dict[str, Any]:
-    """:class:`~zeropipe.planning.specs.ModelSpec`'s keyword arguments from a Hugging Face
+    """:class:`~zeropipe.planning.transformer.ModelSpec`'s keyword arguments from a Hugging Face
     config (Llama-, Mistral-, Qwen-, Gemma-, GPT-2-like: :data:`DECODER_TYPES`); ``where``
     (the file) opens every refusal, ``name`` names the model."""
     _refuse_kind(config, where)

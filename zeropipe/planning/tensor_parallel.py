@@ -32,7 +32,8 @@ per block and microbatch of ``T`` tokens (``h`` = hidden):
   optimisation sends it (each GPU sends its slice, the next stage all-gathers it inside
   its node; that all-gather is not priced).
 
-No torch here, and nothing from :mod:`zeropipe.planning.specs` (which imports this).
+No torch here, and nothing from :mod:`zeropipe.planning.specs` or
+:mod:`zeropipe.planning.transformer` (which import this).
 """
 
 from __future__ import annotations

@@ -1,0 +1,254 @@
+"""A decoder-only transformer: its shape, and what each layer costs from its FLOPs and bytes.
+
+:class:`ModelSpec` is the shape (blocks, hidden size, heads, FFN width, vocabulary) with
+the counts read off it: weights, training FLOPs per token.  A layer is a transformer
+block, the embedding or the output head (with the final norm's weights and the loss); its
+price (:class:`LayerPrice`) is one GPU's (of the ``tp`` a tensor-parallel stage runs on)
+for one microbatch, at the rates of a :class:`LayerRun`.
+:func:`zeropipe.planning.specs.price_stages` sums these prices into stages.
+``T`` = tokens per microbatch = microbatch size x sequence:
+
+* **Compute** (at ``efficiency`` x the accelerator's dense peak for the dtype):
+  every linear costs ``2 T n`` FLOPs forward for ``n`` weights, the same again for the
+  input gradient (I) and for the weight gradient (W).  Causal attention (flash
+  style, masked blocks skipped) costs ``2 T s d`` forward for ``d`` = heads x head
+  dim and a sequence of ``s``, 2.5 times that backward, all of it in I (attention
+  has no weights).
+* **Memory-bound work** (norms, rotary embedding, residual adds, the activation
+  function; at ``memory_efficiency`` x the memory bandwidth): the bytes each reads
+  and writes, twice that backward (in I).  The loss reads and writes the logits in
+  float32.
+* **Unfused attention** (``attention="unfused"``, as Megatron-LM runs without
+  ``--use-flash-attn``): the full ``s x s`` score matrix of every head is computed
+  (``4 T s d`` FLOPs forward, twice that backward) and passes through memory: written
+  by the score product, read and written by the softmax, read by the value product;
+  backward, the gradient of the probabilities is written, the softmax backward reads
+  it and the probabilities and writes the scores' gradient, which the two products
+  read, and the value product's gradient reads the probabilities again.  The
+  probabilities are kept for backward.
+* **Dropout** (``dropout=True``): on the attention probabilities (unfused attention
+  only: a flash kernel draws its mask inside) one more read and write each way and a
+  one-byte mask, kept for backward; after the attention and the FFN, a one-byte mask
+  on ``T h`` written forward, read backward and kept.
+* **Activation memory** per layer and microbatch, ``dtype`` bytes per element: what
+  backward needs, ``T (6 h + 2 kv + 3 f)`` elements for a gated FFN (``2 f`` for a
+  plain one), ``h`` = hidden, ``kv`` = key/value width, ``f`` = FFN width, and what
+  unfused attention and dropout add (above).  Of it, W still needs the linears'
+  inputs and the gradients of their outputs (``act_w``).
+* **Tensor parallelism**: what ``tp`` divides, the collectives it adds and the narrower
+  matmuls' lower rate are in :mod:`zeropipe.planning.tensor_parallel`.
+
+No torch here, and nothing from :mod:`zeropipe.planning.specs` (which imports this).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from zeropipe.core.errors import ScheduleError
+from zeropipe.planning.hf_config import spec_fields
+from zeropipe.planning.tensor_parallel import kv_split, split
+
+__all__ = [
+    "ATTENTION_KINDS",
+    "LayerPrice",
+    "LayerRun",
+    "ModelSpec",
+    "price_block",
+    "price_embedding",
+    "price_head",
+]
+
+ATTENTION_KINDS = ("flash", "unfused")  # how attention is computed (see the docstring)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A decoder-only transformer's shape."""
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    tied_embeddings: bool = False
+    gated: bool = True  # SwiGLU-style FFN (gate, up, down) or a plain two-matrix one
+    head_dim: int | None = None  # None: hidden / heads
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ScheduleError(f"model {self.name!r}: {name} = {value!r} must be an int >= 1")
+        if self.heads % self.kv_heads:
+            raise ScheduleError(
+                f"model {self.name!r}: heads ({self.heads}) must be a multiple of "
+                f"kv_heads ({self.kv_heads})"
+            )
+        if self.head_dim is None and self.hidden % self.heads:
+            raise ScheduleError(
+                f"model {self.name!r}: hidden ({self.hidden}) is not a multiple of heads "
+                f"({self.heads}); give head_dim"
+            )
+
+    @property
+    def dim(self) -> int:
+        """Width of the attention heads together (``heads x head_dim``)."""
+        return self.heads * (self.head_dim or self.hidden // self.heads)
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * (self.head_dim or self.hidden // self.heads)
+
+    def layer_params(self) -> int:
+        """Weights of one transformer block (norm weights included)."""
+        attention = self.hidden * (self.dim + 2 * self.kv_dim) + self.dim * self.hidden
+        mlp = (3 if self.gated else 2) * self.hidden * self.ffn
+        return attention + mlp + 2 * self.hidden
+
+    def params(self) -> int:
+        """All weights: embedding, blocks, final norm and (unless tied) the output head."""
+        embedding = self.vocab * self.hidden
+        head = 0 if self.tied_embeddings else embedding
+        return embedding + self.layers * self.layer_params() + self.hidden + head
+
+    def flops_per_token(self, seq: int) -> float:
+        """Training FLOPs per token by the usual convention for MFU: ``6 N + 12 L d s``.
+
+        ``N`` counts every weight a token is multiplied by (blocks and output head,
+        not the embedding lookup); ``12 L d s`` is attention's score and value
+        products forward and backward without skipping the causal mask.  No
+        recomputation is counted: MFU counts the model's work, not the plan's.
+        """
+        matmul = self.layers * self.layer_params() + self.vocab * self.hidden
+        return 6.0 * matmul + 12.0 * self.layers * self.dim * seq
+
+    @classmethod
+    def from_hf_config(cls, config: dict[str, Any], name: str = "") -> ModelSpec:
+        """Read a Hugging Face ``config.json``'s contents (a known decoder-only type:
+        :data:`zeropipe.planning.hf_config.DECODER_TYPES`); anything else is refused."""
+        return cls(**spec_fields(config, where=f"config of model {name!r}", name=name))
+
+
+@dataclass(frozen=True)
+class LayerRun:
+    """What every layer of a stage runs under: one microbatch on one GPU of ``tp``."""
+
+    tokens: int  # T: microbatch size x sequence
+    seq: int  # tokens per sequence (attention's s)
+    element_bytes: int  # bytes of one activation element in the compute dtype
+    flop_rate: float  # FLOP/s a matmul reaches (at tp's narrower width)
+    byte_rate: float  # bytes/s memory-bound work reaches
+    allreduce: float  # seconds of one tensor-parallel all-reduce of the T x h activation
+    tp: int = 1
+    sequence_parallel: bool = True
+
+
+@dataclass(frozen=True)
+class LayerPrice:
+    """One layer's seconds and bytes for one microbatch on one GPU (StageCost's fields)."""
+
+    F: float
+    I: float
+    W: float
+    act: float  # bytes kept for backward
+    act_w: float  # of them, bytes W still needs after I
+    params: int  # this GPU's weights of the layer
+    time: float  # F + I + W: what cutting the model into stages weighs
+
+
+def price_block(
+    model: ModelSpec, run: LayerRun, *, attention: str = "flash", dropout: bool = False
+) -> LayerPrice:
+    """One transformer block: attention and FFN linears, attention itself, the
+    memory-bound work around them and its tensor-parallel collectives."""
+    t, e, tp, sp, seq = run.tokens, run.element_bytes, run.tp, run.sequence_parallel, run.seq
+    h, kv, f, d = model.hidden, model.kv_dim, model.ffn, model.dim
+    # Key/value heads fewer than tp are copied: as if kv_t wide, cut tp ways.
+    kv_t = kv * tp // kv_split(model.kv_heads, tp)
+    n = model.layer_params() - 2 * h + 2 * h * (kv_t - kv)  # weights in linears, over tp GPUs
+    ffn_mats = 3 if model.gated else 2
+    ffn_act = 3 * f if model.gated else 2 * f
+
+    # Linears: 2 t n FLOPs each for F, I and W.  Flash attention: 2 t s d forward
+    # (causal: half of the 4 t s d of a full square), 2.5x backward.
+    # Elementwise bytes forward: two norms (read + write h each) and two residual adds
+    # (read 2, write 1) outside the tensor-parallel region; rotary on q and k and the
+    # activation (gated: read 2 f, write f) inside it; backward twice that.
+    ew_out, ew_in = t * e * 10.0 * h, t * e * (2.0 * (d + kv_t) + ffn_act)
+    ew_out_i, ew_in_i = 2 * ew_out, 2 * ew_in
+    # Saved for backward: norm inputs and outputs (4 h) outside; q k v (d + 2 kv),
+    # attention output (h-wide), FFN gate/up/product (3 f) or pre/post activation (2 f).
+    act_out, act_in = t * e * 4.0 * h, t * e * (h + d + 2.0 * kv_t + ffn_act)
+    if attention == "flash":
+        attention_f, attention_i = 2.0 * t * seq * d, 5.0 * t * seq * d
+    else:  # the full square; the score matrices' passes through memory (docstring)
+        attention_f, attention_i = 4.0 * t * seq * d, 8.0 * t * seq * d
+        scores = t * seq * model.heads  # elements of one microbatch's score matrices
+        drop = 1 if dropout else 0  # dropout on the probabilities: 2 passes and a mask
+        ew_in += scores * ((4 + 2 * drop) * e + drop)
+        ew_in_i += scores * ((7 + 2 * drop) * e + drop)
+        act_in += scores * ((1 + drop) * e + drop)
+    if dropout:  # masks after the attention and the FFN: written, read back, kept
+        ew_out += 2 * t * h
+        ew_out_i += 2 * t * h
+        act_out += 2 * t * h
+    elementwise_f = split(ew_out, ew_in, tp, sp)
+    elementwise_i = split(ew_out_i, ew_in_i, tp, sp)
+    block_act = split(act_out, act_in, tp, sp)
+    flop, mem, allreduce = run.flop_rate, run.byte_rate, run.allreduce
+    block_f = (2.0 * t * n + attention_f) / tp / flop + elementwise_f / mem + 2 * allreduce
+    block_i = (2.0 * t * n + attention_i) / tp / flop + elementwise_i / mem + 2 * allreduce
+    block_w = 2.0 * t * n / tp / flop
+    # W needs each linear's input and its output's gradient: the h-wide ones outside.
+    linear_in_out = d + f + (d + 2 * kv_t) + (ffn_mats - 1) * f  # inside; 4 h outside
+    return LayerPrice(
+        F=block_f,
+        I=block_i,
+        W=block_w,
+        act=block_act,
+        act_w=min(block_act, split(t * e * 4.0 * h, t * e * linear_in_out, tp, sp)),
+        params=n // tp + 2 * h,  # its slice of the linears, the norms whole
+        time=block_f + block_i + block_w,
+    )
+
+
+def price_head(model: ModelSpec, run: LayerRun) -> LayerPrice:
+    """The final norm's weights, the output head and the float32 loss over the logits,
+    vocabulary-parallel (cut ``tp`` ways, like the logits); its input gradient is
+    all-reduced over tp."""
+    t, e, tp, sp, h = run.tokens, run.element_bytes, run.tp, run.sequence_parallel, model.hidden
+    flop, mem = run.flop_rate, run.byte_rate
+    head_n = model.vocab * h
+    head_f = (2.0 * t * head_n / flop + t * model.vocab * 4 * 2 / mem) / tp  # + fp32 loss
+    head_i = (2.0 * t * head_n / flop + t * model.vocab * 4 * 3 / mem) / tp + run.allreduce
+    head_w = 2.0 * t * head_n / tp / flop
+    return LayerPrice(
+        F=head_f,
+        I=head_i,
+        W=head_w,
+        act=split(t * e * h, t * 4.0 * model.vocab, tp, sp),  # input, fp32 logits
+        act_w=split(t * e * h, 0.0, tp, sp),
+        params=h + head_n // tp,
+        time=head_f + head_i + head_w,
+    )
+
+
+def price_embedding(model: ModelSpec, run: LayerRun) -> LayerPrice:
+    """The embedding, vocabulary-parallel: a lookup forward (then an all-reduce over tp),
+    a scatter-add in W; memory-bound, no activation kept."""
+    t, e, h = run.tokens, run.element_bytes, model.hidden
+    embed_time = split(t * h * e * 3, 0.0, run.tp, run.sequence_parallel) / run.byte_rate
+    return LayerPrice(
+        F=embed_time / 3 + run.allreduce,
+        I=0.0,
+        W=embed_time * 2 / 3,
+        act=0.0,
+        act_w=0.0,
+        params=model.vocab * h // run.tp,
+        time=embed_time + run.allreduce,
+    )

@@ -77,8 +77,8 @@ def _hidden(pipe: Pipeline) -> tuple[float, float]:
     """(seconds of reduction before the pipeline's compute ended, seconds of reduction in all),
     summed over every rank: the end is the last compute action of any rank of either replica
     (events carry perf_counter times, one clock for every process on a machine)."""
-    replicas = pipe.replicas
-    assert replicas is not None and replicas.reducer is not None
+    reducer = pipe.parts.reducer
+    assert reducer is not None
     events = pipe.last_events[pipe.rank]
     end = torch.tensor(
         [max(e.end for e in events if e.action.kind in (Kind.F, Kind.B, Kind.I, Kind.W))],
@@ -87,7 +87,7 @@ def _hidden(pipe: Pipeline) -> tuple[float, float]:
     dist.all_reduce(end, op=dist.ReduceOp.MAX)
     compute_end = end.item()
     sums = torch.zeros(2, dtype=torch.float64)
-    for red in replicas.reducer.last:
+    for red in reducer.last:
         if red.done:
             done = max(red.done)
             sums[0] += max(0.0, min(done, compute_end) - red.posted)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from zeropipe import build_schedule
 from zeropipe.apps.models.mlp import mlp_blocks
-from zeropipe.runtime import assembly
+from zeropipe.runtime import parts
 from zeropipe.runtime.pipeline import Pipeline
 
 MICROBATCHES = 8
@@ -31,15 +31,15 @@ MICROBATCHES = 8
 
 def _step_ms(width: int, blocks: int, rows: int, recorded: bool, steps: int) -> float:
     """Median step of a fresh one-stage pipeline, every linear recorded or every one plain."""
-    default = assembly.PLAIN_BELOW_BYTES
-    assembly.PLAIN_BELOW_BYTES = 0 if recorded else 1 << 62
+    default = parts.PLAIN_BELOW_BYTES
+    parts.PLAIN_BELOW_BYTES = 0 if recorded else 1 << 62
     try:
         model = mlp_blocks(blocks, width, 4 * width)
         pipe = Pipeline(
             model, build_schedule("1f1b", ranks=1, microbatches=MICROBATCHES), loss_fn=F.mse_loss
         )
     finally:
-        assembly.PLAIN_BELOW_BYTES = default
+        parts.PLAIN_BELOW_BYTES = default
     x = torch.randn(rows * MICROBATCHES, width)
     y = torch.randn(rows * MICROBATCHES, width)
     times = []
@@ -65,7 +65,7 @@ def main() -> None:
     print(
         f"one stage of {args.blocks} x Linear(w, 4w)-GELU-Linear(4w, w), 1f1b over "
         f"{MICROBATCHES} microbatches of {args.rows} rows, 1 thread; step ms, median of "
-        f"{args.rounds} rounds (limit: plain below {assembly.PLAIN_BELOW_BYTES // 1024} KiB)"
+        f"{args.rounds} rounds (limit: plain below {parts.PLAIN_BELOW_BYTES // 1024} KiB)"
     )
     print(f"{'w':>5} {'weight KiB':>11} {'plain':>9} {'recorded':>9} {'plain/recorded':>15}")
     for width in (int(w) for w in args.widths.split(",")):

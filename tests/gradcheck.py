@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from zeropipe.runtime.step.rng import seeded
+from zeropipe.runtime.step.stage import seeded
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 

@@ -24,7 +24,7 @@ from zeropipe import Pipeline, build_schedule
 from zeropipe.base import _compat
 from zeropipe.core.errors import PipelineError
 from zeropipe.core.passes.fit import checkpoint
-from zeropipe.runtime.assembly import build_stages, check_materialised
+from zeropipe.runtime.parts import build_stages, check_materialised
 
 
 def _schedule() -> zeropipe.Schedule:

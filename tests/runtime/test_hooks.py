@@ -26,7 +26,7 @@ from tests.gradcheck import assert_same_gradients
 from zeropipe import build_schedule
 from zeropipe.core.ir import Kind, Schedule
 from zeropipe.core.schedules import GENERATORS
-from zeropipe.runtime.assembly import PLAIN_BELOW_BYTES
+from zeropipe.runtime.parts import PLAIN_BELOW_BYTES
 from zeropipe.runtime.pipeline import Pipeline
 
 WIDTH, NARROW, BATCH, MICROBATCHES, BOUND = 256, 16, 8, 4, 1e-4

@@ -17,7 +17,8 @@ from tests.gradcheck import assert_same_gradients, assert_same_loss, batch_for, 
 from zeropipe import Pipeline, RuntimeOptions, build_schedule
 from zeropipe.base.device import resolve_device, single_device
 from zeropipe.core.errors import PipelineError
-from zeropipe.runtime.assembly import build_stages, compute_device
+from zeropipe.runtime.mesh import compute_device
+from zeropipe.runtime.parts import build_stages
 
 GPU = "cuda"
 

@@ -16,7 +16,7 @@ import torch
 from zeropipe.base.device import check_autocast
 from zeropipe.core.errors import PipelineError
 
-__all__ = ["RuntimeOptions"]
+__all__ = ["RuntimeOptions", "options_or_default"]
 
 
 @dataclass(frozen=True)
@@ -97,3 +97,12 @@ class RuntimeOptions:
             raise PipelineError(f"count_saved must be 'once' or 'always', got {self.count_saved!r}")
         if not self.timeout > 0:
             raise PipelineError(f"timeout must be > 0 seconds, got {self.timeout!r}")
+
+
+def options_or_default(options: object) -> RuntimeOptions:
+    """``Pipeline(options=)``: a :class:`RuntimeOptions`, or None for the defaults."""
+    if options is None:
+        return RuntimeOptions()
+    if not isinstance(options, RuntimeOptions):
+        raise PipelineError(f"options must be a RuntimeOptions, got {type(options).__name__}")
+    return options

@@ -14,12 +14,23 @@ distributed case every rank builds the whole model and calls ``step`` with
 the same batch; each keeps only the stages placed on it.
 
 The schedule, built by :func:`zeropipe.core.passes.build.build_schedule` or searched by
-:func:`zeropipe.planning.plan.auto_plan`, runs exactly as built.
+:func:`zeropipe.planning.plan.auto_plan`, runs exactly as built.  Everything else a
+pipeline is made of -- stages, transport, memory manager, reducer -- is built once, by
+:func:`zeropipe.runtime.parts.build_parts`, into one frozen
+:class:`~zeropipe.runtime.parts.Parts`.  One step, all in this file but the walk::
+
+    step -> _prepare   the batch cut into microbatches (step/stage.py), their loss weights
+                       (step/loss_contract.py), the StepContext
+         -> _execute   the executor walks the schedule (step/executor.py), calling one
+                       handler per action (step/handlers.py); the step ends on every rank
+         -> _finish    the gradient sums no REDUCE_GRAD made; the loss (or the outputs)
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 import torch
@@ -28,54 +39,33 @@ from torch import Tensor, nn
 from zeropipe.autograd.grad_memory import GradMemory
 from zeropipe.core.costs import CostModel
 from zeropipe.core.deps import Dependencies, Graph
-from zeropipe.core.errors import PipelineError, ScheduleError
-from zeropipe.core.ir import Kind, Schedule
-from zeropipe.core.passes.build import build_schedule
-from zeropipe.core.passes.fuse import fused_weights
+from zeropipe.core.errors import PipelineError
+from zeropipe.core.ir import Action, Kind, Schedule
 from zeropipe.core.simulate import Event, Timeline
-from zeropipe.runtime.assembly import (
-    build_stages,
-    check_materialised,
-    check_same_pipeline,
-    check_stages,
-    checking_call,
-    compute_device,
-    distributed_transport,
-    named_ranks,
-    prepare_linears,
-    replica_reducer,
-    replicas_for,
-    resolve_mesh,
-    shared_parameters,
-    split_params,
-)
 from zeropipe.runtime.memory.manager import MemoryManager, measured_costs
 from zeropipe.runtime.options import RuntimeOptions
+from zeropipe.runtime.parts import Parts, build_parts, checking_call
 from zeropipe.runtime.replicas.data_parallel import Replicas, reductions_as_run
 from zeropipe.runtime.replicas.fsdp import ShardedReducer
 from zeropipe.runtime.replicas.grad_sums import (
     add_back,
     clip_grads,
     counted_once,
-    grads_before,
     reduce_shared,
     refuse_split_hooks,
-    restore_grads,
     set_aside,
 )
-from zeropipe.runtime.step.batch import forward_only, split_step, step_signature
-from zeropipe.runtime.step.batch_norm import DeferredNorms
 from zeropipe.runtime.step.executor import run_local, run_rank
 from zeropipe.runtime.step.handlers import BoundaryMeta, StepContext
 from zeropipe.runtime.step.loss_contract import LossContract, LossCountFn, LossFn
-from zeropipe.runtime.step.rng import preserved_rng
-from zeropipe.runtime.transport.base import LocalTransport, Transport
+from zeropipe.runtime.step.stage import Stage, preserved_rng, split_step, step_signature
+from zeropipe.runtime.transport.base import Transport
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["Pipeline", "RuntimeOptions"]
+__all__ = ["Pipeline", "RuntimeOptions", "forward_only"]
 
 
 class Pipeline:
@@ -127,132 +117,86 @@ class Pipeline:
         mesh: DeviceMesh | ProcessGroup | Literal["local"] | None = None,
         options: RuntimeOptions | None = None,
     ) -> None:
-        check_stages(stages)
-        self.options = options if options is not None else RuntimeOptions()
-        if not isinstance(self.options, RuntimeOptions):
-            raise PipelineError(
-                f"options must be a RuntimeOptions, got {type(self.options).__name__}"
-            )
-        dp_shard = self.options.dp_shard
-        self.loss_fn = loss_fn
-        # How microbatch losses combine into the batch's; refuses what cannot be exact.
-        self.loss = (
-            None
-            if loss_fn is None
-            else LossContract(loss_fn, loss_count, autocast=self.options.autocast)
+        self.parts: Parts = build_parts(
+            stages,
+            schedule,
+            loss_fn,
+            microbatches=microbatches,
+            loss_count=loss_count,
+            balance=balance,
+            mesh=mesh,
+            options=options,
         )
-        self.seed = self.options.seed
-        self.grad_memory = GradMemory() if self.options.keep_grad_memory else None
+        # What the steps change: their count, the shapes they learnt, what the last one measured.
         self._step = 0
-        self._signature: tuple[object, ...] | None = None
-        where = resolve_mesh(mesh)
-        process_group = where.pp_group
-        self.distributed, self.rank, world = where.distributed, where.rank, where.world
-        # The data-parallel replicas, when there are several.
-        self.replicas: Replicas | None = replicas_for(where.dp_group, self.options.timeout)
-        if dp_shard and self.replicas is None:
-            raise PipelineError(
-                "RuntimeOptions(dp_shard=True) shards the stages over a data-parallel group: pass "
-                "mesh= a DeviceMesh with a 'dp' dimension of more than one rank"
-            )
-        try:
-            self.schedule = build_schedule(
-                schedule,
-                ranks=named_ranks(schedule, stages, microbatches, world),
-                microbatches=microbatches,
-                reduce_grad=self.replicas is not None,
-            )
-        except ScheduleError as exc:
-            raise PipelineError(str(exc)) from exc
-        if self.distributed and self.schedule.num_ranks != world:
-            raise PipelineError(
-                f"schedule {self.schedule.name!r} has {self.schedule.num_ranks} rank(s) but the "
-                f"pipeline's process group has {world}; launch {self.schedule.num_ranks} "
-                f"processes or build the schedule for {world} ranks "
-                f"(zeropipe.build_schedule(name, ranks={world}, microbatches=...))"
-            )
-        if dp_shard and any(a.is_weight_copy for acts in self.schedule.actions for a in acts):
-            raise PipelineError(
-                f"dp_shard=True with weight OFFLOAD/RELOAD in schedule {self.schedule.name!r}: "
-                f"the weights would be both sharded and offloaded; use one or the other"
-            )
-        self.all_stages = build_stages(stages, self.schedule.num_stages, balance)
-        check_same_pipeline(where, self.schedule, self.all_stages, self.options.timeout)
-        self.deps = Dependencies(self.schedule)
-        self.graph = Graph(self.schedule, self.deps)
-        self.fused_weights = fused_weights(self.schedule)
-        mine = (
-            self.schedule.stages_of(self.rank)
-            if self.distributed
-            else range(self.schedule.num_stages)
-        )
-        self.stages = {s: self.all_stages[s] for s in mine}
-        check_materialised(self.stages)  # only this process's: other ranks' may stay on meta
-        # Deferred BatchNorms update their running statistics once per step (batch_norm.py).
-        self.norms = DeferredNorms({s: stage.module for s, stage in self.stages.items()})
-        self.device = compute_device(
-            self.options.device, self.distributed, process_group, self.stages
-        )
-        prepare_linears(self.stages, self.schedule)
-        for stage in self.stages.values():
-            stage.autocast = self.options.autocast
-        self.tied = split_params(self.all_stages)  # used by several stages, on any rank
-        self.shared = shared_parameters(self.tied, self.schedule.placement)  # by several ranks
-        if self.replicas is not None and not dp_shard:
-            self.replicas.reducer = replica_reducer(
-                self.replicas,
-                self.schedule,
-                self.all_stages,
-                self.shared,
-                self.rank,
-                self.distributed,
-            )
+        self._signature: tuple[object, ...] | None = None  # the shapes `boundary` follows
         self.boundary = BoundaryMeta()
-        self.transport: Transport = (
-            distributed_transport(
-                self.schedule,
-                self.rank,
-                process_group,
-                self.options.timeout,
-                self.options.p2p,
-                self.device,
-            )
-            if self.distributed
-            else LocalTransport()
-        )
         self.last_events: list[list[Event]] = []
-        # eval_step's forward-only schedule, its dependencies and graph: built once, on first use.
-        self._eval_plan: tuple[Schedule, Dependencies, Graph] | None = None
         # Seconds this process blocked in RECV_F / RECV_B during the last step.
         self.last_waits: dict[Kind, float] = {}
-        # Saved-activation accounting, activation/weight offload: one per pipeline.
-        self.memory = MemoryManager(
-            self.schedule,
-            self.stages,
-            self.all_stages,
-            self.device,
-            self.options.count_saved,
-        )
-        if self.memory.weights:
-            # A gradient kept for reuse would hold, on the device, the memory that weight
-            # offload frees: every offloaded stage's gradients at once.
-            self.grad_memory = None
-        # Sharded last: the memory manager counts the full parameters a step holds.
-        self.sharded: ShardedReducer | None = None
-        if self.replicas is not None and dp_shard:
-            self.sharded = ShardedReducer(
-                self.replicas,
-                self.schedule,
-                self.stages,
-                # In one process playing every pipeline rank a tied parameter is whole here.
-                self.shared if self.distributed else [],
-                self.transport.reduce_shared,
-                self.device or next((p.device for p in self.parameters()), torch.device("cpu")),
-                where.dp_mesh,
-            )
-            self.replicas.reducer = self.sharded
-            self.shared = []  # their shards are summed over the pipeline ranks by the reducer
-            self.grad_memory = None  # FSDP frees the full gradients itself at REDUCE_GRAD
+        # eval_step's forward-only schedule, its dependencies and graph: built once, on first use.
+        self._eval_plan: tuple[Schedule, Dependencies, Graph] | None = None
+
+    # -- the parts, read-only (Parts says what each is) ------------------------------
+    @property
+    def schedule(self) -> Schedule:
+        return self.parts.schedule
+
+    @property
+    def stages(self) -> dict[int, Stage]:
+        return self.parts.stages
+
+    @property
+    def all_stages(self) -> list[Stage]:
+        return self.parts.all_stages
+
+    @property
+    def rank(self) -> int:
+        return self.parts.where.rank
+
+    @property
+    def distributed(self) -> bool:
+        return self.parts.where.distributed
+
+    @property
+    def device(self) -> torch.device | None:
+        return self.parts.device
+
+    @property
+    def loss(self) -> LossContract | None:
+        return self.parts.loss
+
+    @property
+    def memory(self) -> MemoryManager:
+        return self.parts.memory
+
+    @property
+    def transport(self) -> Transport:
+        return self.parts.transport
+
+    @property
+    def replicas(self) -> Replicas | None:
+        return self.parts.replicas
+
+    @property
+    def sharded(self) -> ShardedReducer | None:
+        return self.parts.sharded
+
+    @property
+    def shared(self) -> list[nn.Parameter]:
+        return self.parts.shared
+
+    @property
+    def fused_weights(self) -> frozenset[Action]:
+        return self.parts.fused_weights
+
+    @property
+    def graph(self) -> Graph:
+        return self.parts.graph
+
+    @property
+    def grad_memory(self) -> GradMemory | None:
+        return self.parts.grad_memory
 
     # -- public surface -------------------------------------------------------------
     @property
@@ -262,7 +206,7 @@ class Pipeline:
     def parameters(self) -> list[nn.Parameter]:
         """Parameters of the stages this process runs (what its optimizer should step)."""
         seen: dict[int, nn.Parameter] = {}
-        for stage in self.stages.values():
+        for stage in self.parts.stages.values():
             for p in stage.parameters():
                 seen.setdefault(id(p), p)
         return list(seen.values())
@@ -327,9 +271,10 @@ class Pipeline:
 
     def step(self, inputs: Tensor | Sequence[Tensor], target: Tensor) -> Tensor:
         """One training step: forward and backward of every microbatch; returns the loss."""
-        if self.loss_fn is None:
+        if self.parts.loss is None:
             raise PipelineError("Pipeline(loss_fn=...) is needed for a training step")
-        refuse_split_hooks(self.tied)  # a hook on a parameter of several stages
+        if self.parts.tied:
+            refuse_split_hooks(self.parts.tied)  # a hook on a parameter of several stages
         loss = self._run(inputs, target, training=True)
         if not isinstance(loss, Tensor):
             raise PipelineError("the step produced no loss (the last stage never ran its forward)")
@@ -385,7 +330,7 @@ class Pipeline:
     # -- one step -------------------------------------------------------------------
     def _forward_plan(self) -> tuple[Schedule, Dependencies, Graph]:
         if self._eval_plan is None:
-            schedule = forward_only(self.schedule)
+            schedule = forward_only(self.parts.schedule)
             deps = Dependencies(schedule)
             self._eval_plan = (schedule, deps, Graph(schedule, deps))
         return self._eval_plan
@@ -393,120 +338,191 @@ class Pipeline:
     def _run(
         self, inputs: Tensor | Sequence[Tensor], target: Tensor | None, training: bool
     ) -> Tensor | tuple[Tensor, ...] | None:
+        """One step: prepared, executed, finished; a failed one told to the peers."""
+        parts = self.parts
         # In one process a failed step can be caught and the next batch run: the gradients
         # must then be those before the step, not some microbatches' worth added to them.
         # (A distributed failure ends the step on every rank, whose transport is then spent.)
-        before = grads_before(self.parameters()) if training and not self.distributed else []
+        before = _grads_before(self.parameters()) if training and not self.distributed else []
         try:
-            return self._run_step(inputs, target, training)
+            step = self._prepare(inputs, target, training)
+            return self._finish(step, self._execute(step))
         except BaseException as exc:
             # A lost tensor-parallel peer: the error to raise is its, recorded before it left.
-            cause = self.transport.culprit(exc)
+            cause = parts.transport.culprit(exc)
             # Peers may be blocked on this rank; the transport tells them why it stopped.
-            self.transport.fail(exc if cause is None else cause)
-            if self.replicas is not None:
-                self.replicas.fail(exc if cause is None else cause)
-            restore_grads(before)
+            parts.transport.fail(exc if cause is None else cause)
+            if parts.replicas is not None:
+                parts.replicas.fail(exc if cause is None else cause)
+            _restore_grads(before)
             if cause is not None:
                 raise cause from exc
             raise
 
-    def _run_step(
+    def _prepare(
         self, inputs: Tensor | Sequence[Tensor], target: Tensor | None, training: bool
-    ) -> Tensor | tuple[Tensor, ...] | None:
-        m = self.schedule.microbatches
-        micro_inputs, sizes, targets = split_step(inputs, target, m, self.device)
-        batch = sum(sizes)
+    ) -> _Step:
+        """The batch cut into microbatches, their loss weights and the step's context.
+
+        Also opens the step: the transport learns its shapes, the memory manager starts
+        counting, and the gradients of earlier steps are set aside where the step's end
+        sums some (so that the sums add only this step's).
+        """
+        parts = self.parts
+        micro_inputs, sizes, targets = split_step(
+            inputs, target, parts.schedule.microbatches, parts.device
+        )
         # Boundary shapes follow from the shapes of the step's inputs: learnt again when
         # those change (every rank sees the same batch, so every rank agrees).
         signature = step_signature(micro_inputs, target)
         if self._signature != signature:
             self._signature = signature
             self.boundary.reset()
-        owns_last = self.schedule.num_stages - 1 in self.stages
+        replicas, rows = parts.replicas, sum(sizes)
         # Only the last stage computes the loss; its rank has the whole batch's targets, so
         # the weights (which may count items in every target) exist before any backward.
-        replicas = self.replicas
         step_loss = (
-            self.loss.for_step(targets, sizes, total=None if replicas is None else replicas.total)
-            if self.loss is not None and targets is not None and owns_last
+            parts.loss.for_step(targets, sizes, total=None if replicas is None else replicas.total)
+            if parts.loss is not None and targets is not None and parts.owns_last
             else None
         )
         schedule, deps, graph = (
-            (self.schedule, self.deps, self.graph) if training else self._forward_plan()
+            (parts.schedule, parts.deps, parts.graph) if training else self._forward_plan()
         )
-        self.transport.start_step(schedule, signature, step=self._step)
+        parts.transport.start_step(schedule, signature, step=self._step)
         ctx = StepContext(
             step=self._step,
-            seed=self.seed,
+            seed=parts.options.seed,
             training=training,
-            stages=self.stages,
+            stages=parts.stages,
             deps=deps,
-            transport=self.transport,
+            transport=parts.transport,
             boundary=self.boundary,
             inputs=micro_inputs,
             targets=targets,
-            weights=step_loss.weights if step_loss is not None else [n / batch for n in sizes],
+            weights=step_loss.weights if step_loss is not None else [n / rows for n in sizes],
             loss=step_loss,
-            device=self.memory.step_device(),
-            memory=self.memory,
-            input_first=self.options.input_first,
-            grad_memory=self.grad_memory if training else None,
-            fused_weights=self.fused_weights if training else frozenset(),
-            reducer=replicas.reducer if replicas is not None and training else None,
-            first_microbatch=0 if replicas is None else replicas.rank * m,
+            device=parts.memory.step_device(),
+            memory=parts.memory,
+            input_first=parts.options.input_first,
+            grad_memory=parts.grad_memory if training else None,
+            fused_weights=parts.fused_weights if training else frozenset(),
+            reducer=parts.reducer if training else None,
+            first_microbatch=0 if replicas is None else replicas.rank * schedule.microbatches,
         )
-        last_rank = schedule.placement[-1]
-        # The sums after (or during) the step add only this step's contributions: that of
-        # the shared parameters of a distributed pipeline and every parameter of a replica.
-        summed = self.parameters() if self.replicas is not None else []
+        # Summed at the step's end: a replica's every parameter, a distributed pipeline's
+        # shared ones.
+        summed = self.parameters() if replicas is not None else []
         if self.distributed:
-            summed = [*summed, *self.shared]
-        earlier = set_aside(summed) if training else {}
+            summed = [*summed, *parts.shared]
+        earlier = set_aside(summed) if training and summed else {}
         if training:
-            self.memory.begin_step(micro_inputs, targets)
-        if self.sharded is not None:
-            self.sharded.unshard()
+            parts.memory.begin_step(micro_inputs, targets)
+        return _Step(ctx, graph, earlier)
+
+    def _execute(self, step: _Step) -> Tensor | None:
+        """Run the step's schedule; returns its loss (None without a target).
+
+        The executor walks the schedule -- this rank's actions, or in one process every
+        rank's in the graph's order -- and calls one handler per action.  Then the step
+        ends on every rank: the reductions across replicas waited for, the transport's end
+        of step (which gives every rank the loss), the loss summed over the replicas.
+        """
+        parts, ctx = self.parts, step.ctx
+        schedule, sharded = step.graph.schedule, parts.sharded
+        if sharded is not None:
+            sharded.unshard()
         try:
-            with preserved_rng(ctx.device), self.norms.step():
+            norms = parts.norms.step() if parts.norms is not None else nullcontext()
+            with preserved_rng(ctx.device), norms:
                 if self.distributed:
                     mine = run_rank(ctx, schedule, self.rank)
                     self.last_events = [
                         mine if r == self.rank else [] for r in range(schedule.num_ranks)
                     ]
                 else:
-                    self.last_events = run_local(ctx, graph)
+                    self.last_events = run_local(ctx, step.graph)
                 loss = None
-                if target is not None and owns_last:
-                    loss = sum((ctx.losses[i] * ctx.weights[i] for i in range(m)), torch.zeros(()))
+                if ctx.targets is not None and parts.owns_last:
+                    loss = sum(
+                        (ctx.losses[i] * ctx.weights[i] for i in range(schedule.microbatches)),
+                        torch.zeros(()),
+                    )
                 if ctx.reducer is not None:
                     ctx.reducer.wait_all()
                     self.last_events = reductions_as_run(self.last_events, ctx.reducer.last)
-                loss = self.transport.finish_step(loss)
-                if replicas is not None and loss is not None:
-                    replicas.sum_([loss], "the data-parallel sum of the step's loss")
+                loss = parts.transport.finish_step(loss)
+                if parts.replicas is not None and loss is not None:
+                    parts.replicas.sum_([loss], "the data-parallel sum of the step's loss")
                 self.last_waits = dict(ctx.waited)
-                self.memory.end_step(publish=training)
+                parts.memory.end_step(publish=ctx.training)
         finally:
-            for stage in self.stages.values():
+            for stage in parts.stages.values():
                 stage.state.clear()
-            if self.sharded is not None and not training:
-                self.sharded.reshard()
-        if training:
+            if sharded is not None and not ctx.training:
+                sharded.reshard()
+        return loss
+
+    def _finish(self, step: _Step, loss: Tensor | None) -> Tensor | tuple[Tensor, ...] | None:
+        """A training step counted, with the gradient sums no REDUCE_GRAD made: shared
+        parameters' across ranks and replicas, then the earlier steps' gradients added back.
+        Returns the loss, or (no target) the last stage's outputs, None on other ranks."""
+        parts, ctx = self.parts, step.ctx
+        if ctx.training:
             self._step += 1
-            reduce_shared(
-                self.shared,
-                self.parameters(),
-                self.replicas,
-                self.transport.reduce_shared if self.distributed else None,
-            )
-            add_back(self.parameters(), earlier)
-        if target is None:
-            if not owns_last:
+            if parts.shared:
+                across_ranks = parts.transport.reduce_shared if self.distributed else None
+                reduce_shared(parts.shared, self.parameters(), parts.replicas, across_ranks)
+            if step.earlier:
+                add_back(self.parameters(), step.earlier)
+        if ctx.targets is None:
+            if not parts.owns_last:
                 return None
-            outs = [ctx.outputs[i] for i in range(m)]
+            outs = [ctx.outputs[i] for i in range(len(ctx.inputs))]
             cat = tuple(torch.cat([o[k] for o in outs]) for k in range(len(outs[0])))
             return cat[0] if len(cat) == 1 else cat
         if loss is None:
+            last_rank = parts.schedule.placement[-1]
             raise PipelineError(f"rank {last_rank} owns the last stage but computed no loss")
         return loss
+
+
+@dataclass
+class _Step:
+    """One step between its phases: what :meth:`Pipeline._prepare` made for the others."""
+
+    ctx: StepContext
+    graph: Graph  # the schedule the step runs (forward-only for eval_step) and its order
+    earlier: dict[int, Tensor]  # the gradients of earlier steps, set aside until the sums
+
+
+# -- a step that fails in one process leaves .grad as it found it ------------------
+GradBefore = tuple[nn.Parameter, Tensor | None, Tensor | None]
+
+
+def _grads_before(params: Sequence[nn.Parameter]) -> list[GradBefore]:
+    """Each parameter, its ``.grad`` tensor and a copy of its values, for :func:`_restore_grads`.
+
+    Only gradients that exist are copied: after ``zero_grad()`` (``set_to_none``, its
+    default) a step copies nothing.  The tensor itself is kept so that a caller holding
+    ``p.grad`` still sees the gradient after a failed step.
+    """
+    return [(p, p.grad, None if p.grad is None else p.grad.detach().clone()) for p in params]
+
+
+def _restore_grads(before: Sequence[GradBefore]) -> None:
+    """Put back every ``.grad`` as :func:`_grads_before` found it (must not raise)."""
+    with torch.no_grad():
+        for p, grad, values in before:
+            if grad is not None and values is not None:
+                grad.copy_(values)
+            p.grad = grad
+
+
+def forward_only(schedule: Schedule) -> Schedule:
+    """The schedule's forwards and their transfers: what ``eval_step`` runs."""
+    # Weight copies stay: an offloaded stage must still have its weights to run F.
+    keep = {Kind.F, Kind.SEND_F, Kind.RECV_F}
+    return schedule.replace_actions(
+        [[a for a in acts if a.kind in keep or a.is_weight_copy] for acts in schedule.actions]
+    )

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 import zeropipe
 from tests import gradcheck
 from zeropipe.core.errors import PipelineError
-from zeropipe.runtime.step.rng import seeded
+from zeropipe.runtime.step.stage import seeded
 
 STEPS = 3
 # (schedule, stages): two stages on two ranks, and four (two ranks x two chunks)

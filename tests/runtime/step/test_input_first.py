@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,9 +15,9 @@ from zeropipe.autograd.priority import record_backward_order
 from zeropipe.core.ir import Kind
 from zeropipe.core.passes.fit import checkpoint
 from zeropipe.core.schedules.registry import generate
-from zeropipe.runtime.assembly import PLAIN_BELOW_BYTES
+from zeropipe.runtime.parts import PLAIN_BELOW_BYTES
 from zeropipe.runtime.pipeline import Pipeline, RuntimeOptions
-from zeropipe.runtime.step.input_first import backward_input_first
+from zeropipe.runtime.step.handlers import backward_input_first
 from zeropipe.runtime.transport.base import LocalTransport
 
 
@@ -63,7 +65,7 @@ def test_pipeline_gradients_equal_and_sends_posted_early() -> None:
             super().send(action, tensors)
 
     pipe = Pipeline(model, build_schedule("1f1b", ranks=2, microbatches=4), loss_fn=F.mse_loss)
-    pipe.transport = Spy()
+    pipe.parts = replace(pipe.parts, transport=Spy())
     pipe.step(x, y)
     assert_same_gradients(model.named_parameters(), ref)
     assert sorted(sent_during_backward) == [f"1SEND_B{i}" for i in range(4)]
@@ -72,7 +74,7 @@ def test_pipeline_gradients_equal_and_sends_posted_early() -> None:
     model.zero_grad(set_to_none=True)
     sent_during_backward.clear()
     off = Pipeline(model, build_schedule("1f1b", ranks=2, microbatches=4), loss_fn=F.mse_loss, options=RuntimeOptions(input_first=False))  # fmt: skip
-    off.transport = Spy()
+    off.parts = replace(off.parts, transport=Spy())
     off.step(x, y)
     assert_same_gradients(model.named_parameters(), ref)
     assert sent_during_backward == []

@@ -38,7 +38,7 @@ Recompute (R).  A checkpointed F runs under ``torch.no_grad`` and keeps its
 inputs (and its outputs, to send on).  R runs the same ``Stage.forward``
 again with grad enabled.  RNG restoration needs no saved state: the runtime
 seeds every layer's forward from ``(seed, step, microbatch, layer)``
-(:mod:`zeropipe.runtime.step.rng`), so the recomputation draws the same dropout
+(:func:`zeropipe.runtime.step.stage.seeded`), so the recomputation draws the same dropout
 masks as the forward did.  Buffers a forward updates (BatchNorm's running
 statistics, counters) are put back after R (:func:`kept_buffers`), so a
 recomputed microbatch counts once, as in the model run without a pipeline;

@@ -5,9 +5,10 @@ gradient summed across those ranks once the step is over, and, with replicas,
 across the replicas too.  Gradients accumulated over earlier steps (no
 ``zero_grad`` between them) are set aside before the step, so the sums add
 only this step's contributions, and added back afterwards, once.  Clipping takes
-the norm over every rank's gradients, a shared parameter counted once.  A step that
-fails in one process leaves ``.grad`` as it found it.  A gradient hook on a parameter
-used by several stages is refused: it would run on each stage's part of the gradient.
+the norm over every rank's gradients, a shared parameter counted once.  A gradient
+hook on a parameter used by several stages is refused: it would run on each stage's
+part of the gradient.  A step comes here only when it has something for it: shared
+parameters, replicas, a clip.
 """
 
 from __future__ import annotations
@@ -19,20 +20,17 @@ from torch import Tensor, nn
 
 from zeropipe.base._compat import tensor_has_grad_hooks
 from zeropipe.core.errors import PipelineError
-from zeropipe.runtime.assembly import SplitParam
+from zeropipe.runtime.parts import SplitParam
 from zeropipe.runtime.replicas.collectives import grad_norm
 from zeropipe.runtime.replicas.data_parallel import Replicas
 from zeropipe.runtime.step.stage import Stage
 
 __all__ = [
-    "GradBefore",
     "add_back",
     "clip_grads",
     "counted_once",
-    "grads_before",
     "reduce_shared",
     "refuse_split_hooks",
-    "restore_grads",
     "set_aside",
 ]
 
@@ -140,28 +138,6 @@ def clip_grads(
             if p.grad is not None:
                 p.grad.detach().mul_(coef)
     return total
-
-
-GradBefore = tuple[nn.Parameter, Tensor | None, Tensor | None]
-
-
-def grads_before(params: Sequence[nn.Parameter]) -> list[GradBefore]:
-    """Each parameter, its ``.grad`` tensor and a copy of its values, for :func:`restore_grads`.
-
-    Only gradients that exist are copied: after ``zero_grad()`` (``set_to_none``, its
-    default) a step copies nothing.  The tensor itself is kept so that a caller holding
-    ``p.grad`` still sees the gradient after a failed step.
-    """
-    return [(p, p.grad, None if p.grad is None else p.grad.detach().clone()) for p in params]
-
-
-def restore_grads(before: Sequence[GradBefore]) -> None:
-    """Put back every ``.grad`` as :func:`grads_before` found it (must not raise)."""
-    with torch.no_grad():
-        for p, grad, values in before:
-            if grad is not None and values is not None:
-                grad.copy_(values)
-            p.grad = grad
 
 
 def refuse_split_hooks(split: Sequence[SplitParam]) -> None:

@@ -305,7 +305,8 @@ class DeferredNorms:
                 f"updates them once per step, as a whole-batch forward would (docs/guide.md, "
                 f"'BatchNorm in a pipeline')",
                 UserWarning,
-                stacklevel=4,  # DeferredNorms <- Pipeline.__init__ <- its argument check <- caller
+                # DeferredNorms <- build_parts <- Pipeline.__init__ <- its argument check <- caller
+                stacklevel=5,
             )
 
     @contextmanager

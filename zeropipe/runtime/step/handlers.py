@@ -5,6 +5,17 @@ an unknown kind is a :class:`~zeropipe.core.errors.PipelineError`, and a new kin
 means a new entry here, not a new branch in a loop.  Data flow between
 stages (same rank: hand the tensor over; other rank: through the transport)
 follows the dependency model in :mod:`zeropipe.core.deps`.
+
+A full backward B whose stage-input gradient goes upstream produces that gradient
+first and sends it at once (:func:`backward_input_first`): the upstream rank waits for
+it, while parameter-only work (weight transposes, side branches such as a bias or norm
+that feeds nothing else) can run after it.  A post-accumulate-grad hook on the input
+leaves posts the SEND_B the moment every input gradient exists -- still inside
+``backward`` -- so the send overlaps the remaining parameter work; optionally the nodes
+on paths to the inputs also run first (:func:`zeropipe.autograd.priority.prioritize_toward`)::
+
+    outputs --> ... --> Linear1 --> x (stage input)      x.grad ready -> on_ready(x.grad) -> isend
+                 \\--> weight-only nodes                  run after, overlapping the send
 """
 
 from __future__ import annotations
@@ -19,18 +30,18 @@ import torch
 from torch import Tensor
 
 from zeropipe.autograd.grad_memory import GradMemory
+from zeropipe.autograd.priority import prioritize_toward
 from zeropipe.autograd.split_backward import WeightGradStash, weight_backward_together
 from zeropipe.core.deps import Dependencies
 from zeropipe.core.errors import PipelineError
 from zeropipe.core.ir import Action, Kind
 from zeropipe.runtime.memory.manager import MemoryManager, kept_buffers, recomputing
 from zeropipe.runtime.replicas.data_parallel import GradReducer
-from zeropipe.runtime.step.input_first import backward_input_first
 from zeropipe.runtime.step.loss_contract import StepLoss
 from zeropipe.runtime.step.stage import MicrobatchState, Stage, detach_for_stage
 from zeropipe.runtime.transport.base import Transport
 
-__all__ = ["HANDLERS", "BoundaryMeta", "StepContext"]
+__all__ = ["HANDLERS", "BoundaryMeta", "StepContext", "backward_input_first"]
 
 
 class BoundaryMeta:
@@ -299,6 +310,46 @@ def _input_backward_first(
     # while marking walks the whole stage graph -- about a millisecond per B on a
     # transformer block, more than it could save.
     backward_input_first(roots, grads, floats, ready, prioritized=False, run=stash.input_backward)
+
+
+def backward_input_first(
+    roots: Sequence[Tensor],
+    grads: Sequence[Tensor | None],
+    inputs: Sequence[Tensor],
+    on_ready: Callable[[tuple[Tensor, ...]], None],
+    *,
+    prioritized: bool = True,
+    run: Callable[[list[Tensor], list[Tensor | None]], None] | None = None,
+) -> bool:
+    """Backward of ``roots``; ``on_ready(input grads)`` as soon as they all exist.
+
+    Returns whether ``on_ready`` was called (it is not when some input gets no
+    gradient at all; the caller then sends zeros itself after backward).
+    ``run(roots, grads)`` is the backward to run (default: plain autograd; the
+    runtime passes a split stash's input backward).
+    """
+    leaves = [t for t in inputs if t.requires_grad and t.grad_fn is None]
+    if not roots:
+        return False
+    if prioritized and leaves:
+        prioritize_toward(list(roots), leaves)
+    waiting = {id(t) for t in leaves}
+    fired = False
+
+    def hook(t: Tensor) -> None:
+        nonlocal fired
+        waiting.discard(id(t))
+        if not waiting and not fired:
+            fired = True
+            on_ready(tuple(x.grad for x in leaves if x.grad is not None))
+
+    handles = [t.register_post_accumulate_grad_hook(hook) for t in leaves]
+    try:
+        (run or torch.autograd.backward)(list(roots), list(grads))
+    finally:
+        for h in handles:
+            h.remove()
+    return fired and len(leaves) == len(inputs)
 
 
 def _weight(ctx: StepContext, action: Action) -> None:

@@ -74,7 +74,7 @@ from torch import Tensor, nn
 
 from zeropipe.base.device import autocast
 from zeropipe.core.errors import PipelineError
-from zeropipe.runtime.step.rng import preserved_rng
+from zeropipe.runtime.step.stage import preserved_rng
 
 __all__ = ["LossContract", "LossCountFn", "LossFn", "StepLoss"]
 

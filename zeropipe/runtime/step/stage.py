@@ -1,4 +1,5 @@
-"""A pipeline stage: the user's module, how it is seeded, and its per-microbatch state.
+"""Stages and microbatches: the model cut into stages and the batch into microbatches;
+a stage's module, how it is seeded, and its per-microbatch state.
 
 A stage is built either from a hand-made module or from a slice of an
 ``nn.Sequential`` (seeded per layer, by the layer's index in the whole model,
@@ -7,7 +8,11 @@ hand-made module is seeded by its stage index, so its randomness depends on
 the cut, unless it names its layers' indices in the whole model with
 :func:`seed_layers` (as ``zeropipe.split`` does for the stages it builds):
 then each named submodule is seeded by its own index right before it runs,
-exactly as a Sequential slice's layer is.  Between its forward and its
+exactly as a Sequential slice's layer is.  Each layer draws from a generator seeded
+by ``(seed, step, microbatch, key)`` (:func:`seeded`), ``key`` its index in the whole
+model: dropout masks are the same whatever order the schedule runs microbatches in,
+and whatever the number of ranks.  The caller's global RNG state is saved once per
+step and restored afterwards (:func:`preserved_rng`).  Between its forward and its
 backward a microbatch's state holds::
 
     inputs   leaves fed to the module (float ones require grad)
@@ -31,13 +36,68 @@ from zeropipe.autograd.split_backward import WeightGradStash
 from zeropipe.base import _compat
 from zeropipe.base.device import autocast
 from zeropipe.core.errors import PipelineError
-from zeropipe.runtime.step.rng import seeded
 
 if TYPE_CHECKING:
     from zeropipe.runtime.memory.offload import SavedActivations
 
-__all__ = ["LAYER_KEYS", "MicrobatchState", "Stage", "as_tuple", "seed_layers", "split_sequential"]
+__all__ = [
+    "LAYER_KEYS",
+    "MicrobatchState",
+    "Stage",
+    "as_tuple",
+    "derive_seed",
+    "preserved_rng",
+    "seed_layers",
+    "seeded",
+    "split_batch",
+    "split_sequential",
+    "split_step",
+    "split_target",
+    "step_signature",
+]
 
+# -- seeding: per (seed, step, microbatch, layer) ----------------------------------
+_MASK = (1 << 63) - 1
+
+
+def derive_seed(seed: int, step: int, microbatch: int, key: int) -> int:
+    """A 63-bit seed from the four integers (splitmix64 mixing, stable across runs)."""
+    x = (seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9) & _MASK
+    x = (x ^ (microbatch * 0x94D049BB133111EB) ^ (key * 0xD6E8FEB86659FD93)) & _MASK
+    x ^= x >> 31
+    x = (x * 0xBF58476D1CE4E5B9) & _MASK
+    x ^= x >> 27
+    return x & _MASK
+
+
+def seeded(seed: int, step: int, microbatch: int, key: int, device: torch.device) -> None:
+    """Seed the CPU generator and ``device``'s for one layer's forward of one microbatch.
+
+    The generators are seeded directly: ``torch.manual_seed`` queues a lazy
+    seeding call per accelerator with a captured stack trace, which costs about
+    a millisecond -- too much to pay per layer per microbatch.
+    """
+    value = derive_seed(seed, step, microbatch, key)
+    torch.default_generator.manual_seed(value)
+    if device.type != "cpu":
+        module = torch.get_device_module(device.type)
+        index = device.index if device.index is not None else module.current_device()
+        module.default_generators[index].manual_seed(value)
+
+
+@contextmanager
+def preserved_rng(device: torch.device) -> Iterator[None]:
+    """Restore the CPU RNG state, and ``device``'s if it is an accelerator, on exit."""
+    if device.type == "cpu":
+        with torch.random.fork_rng(devices=[]):
+            yield
+    else:
+        index = device.index if device.index is not None else 0
+        with torch.random.fork_rng(devices=[index], device_type=device.type):
+            yield
+
+
+# -- a stage -----------------------------------------------------------------------
 # The attribute of a stage module that maps its submodules' names to their layer indices
 # in the whole model (see seed_layers).
 LAYER_KEYS = "zeropipe_layer_keys"
@@ -241,3 +301,62 @@ def detach_for_stage(tensors: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
         else t.detach()
         for t in tensors
     )
+
+
+# -- a step's batch cut into microbatches -------------------------------------------
+def split_batch(inputs: tuple[Tensor, ...], m: int) -> tuple[list[tuple[Tensor, ...]], list[int]]:
+    """``inputs`` cut into ``m`` microbatches along dim 0, and the microbatches' row counts."""
+    for k, t in enumerate(inputs):
+        if t.dim() == 0:
+            name = "the input" if len(inputs) == 1 else f"input {k}"
+            raise PipelineError(
+                f"{name} is 0-dimensional (a scalar); the batch is cut into microbatches along "
+                f"dim 0, so give it a batch dimension (e.g. x.reshape(1) or x.unsqueeze(0))"
+            )
+    batch = len(inputs[0])
+    if any(len(t) != batch for t in inputs):
+        raise PipelineError(f"inputs disagree on the batch size: {[len(t) for t in inputs]}")
+    if batch < m:
+        raise PipelineError(
+            f"a batch of {batch} cannot be cut into {m} microbatches; use a larger batch"
+        )
+    parts = [torch.tensor_split(t, m, dim=0) for t in inputs]
+    micro = [tuple(p[i] for p in parts) for i in range(m)]
+    return micro, [len(mb[0]) for mb in micro]
+
+
+def split_target(target: Tensor, m: int, sizes: list[int]) -> list[Tensor]:
+    """``target`` cut like the inputs: one row per input row."""
+    if not isinstance(target, Tensor):
+        raise PipelineError(f"target must be a tensor, got {type(target).__name__}")
+    if target.dim() == 0:
+        raise PipelineError(
+            "the target is 0-dimensional (a scalar); it is cut into microbatches along dim 0 "
+            "like the inputs, so give it one row per input row (e.g. y.reshape(1))"
+        )
+    targets = list(torch.tensor_split(target, m, dim=0))
+    if [len(t) for t in targets] != sizes:
+        raise PipelineError(f"target has {len(target)} rows but inputs have {sum(sizes)}")
+    return targets
+
+
+def split_step(
+    inputs: Tensor | Sequence[Tensor], target: Tensor | None, m: int, device: torch.device | None
+) -> tuple[list[tuple[Tensor, ...]], list[int], list[Tensor] | None]:
+    """A step's inputs and target, on ``device`` (when given), cut into ``m`` microbatches."""
+    if device is not None:  # the caller's batch, on the device the stages compute on
+        inputs = tuple(t.to(device) for t in as_tuple(inputs, "inputs"))
+        if isinstance(target, Tensor):
+            target = target.to(device)
+    micro_inputs, sizes = split_batch(as_tuple(inputs, "inputs"), m)
+    targets = None if target is None else split_target(target, m, sizes)
+    return micro_inputs, sizes, targets
+
+
+def step_signature(
+    micro_inputs: list[tuple[Tensor, ...]], target: Tensor | None
+) -> tuple[object, ...]:
+    """The shapes and dtypes of a step's microbatches and target (what boundary shapes follow)."""
+    first, last = micro_inputs[0], micro_inputs[-1]
+    meta = tuple((t.dtype, tuple(t.shape)) for t in (*first, *last))
+    return (meta, None if target is None else (target.dtype, tuple(target.shape)))

@@ -202,7 +202,7 @@ class Stamper:
 def describe_batch(signature: Hashable) -> str:
     """``inputs float32[4, 8] per microbatch, target int64[16]``: a step's batch, for messages.
 
-    ``signature`` is :func:`zeropipe.runtime.step.batch.step_signature`'s (the first
+    ``signature`` is :func:`zeropipe.runtime.step.stage.step_signature`'s (the first
     and the last microbatch's inputs, then the target); anything else is shown as it is.
     """
     try:

@@ -1,20 +1,24 @@
-"""How a :class:`~zeropipe.runtime.pipeline.Pipeline` is assembled from its arguments.
+"""What a :class:`~zeropipe.runtime.pipeline.Pipeline` is built of, and how.
 
-Where it runs (a mesh, a group, or this process alone), the rank count of a named
-schedule, the stages, the parameters shared across ranks, the compute device and the
-transport: each a function of the constructor's arguments, checked here with errors
-that name the fix.
+:func:`build_parts` turns the constructor's arguments into one frozen :class:`Parts`,
+building each part once, in one order that a reader can follow from top to bottom::
+
+    options, loss contract -> where it runs, replicas -> schedule -> stages (all, then
+    this process's, prepared) -> shared parameters -> transport -> memory manager
+    -> reducer -> gradient memory
+
+Where it runs, the replicas and the compute device are resolved by
+:mod:`zeropipe.runtime.mesh`; the rest is here, each checked with errors that name
+the fix: the call itself (keywords, positional arguments, ``loss_fn``), a named
+schedule's rank count, the stages, which linears record for split backward, the
+parameters shared across ranks, the reducer and the transport.
 """
 
 from __future__ import annotations
 
-import datetime
 import difflib
 import functools
-import hashlib
 import inspect
-import json
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ParamSpec, TypeVar
@@ -22,37 +26,226 @@ from typing import ParamSpec, TypeVar
 import torch
 from torch import nn
 
+from zeropipe.autograd.grad_memory import GradMemory
 from zeropipe.autograd.split_backward import prepare_split, split_linears
 from zeropipe.base import _compat
-from zeropipe.base.device import make_current, resolve_device, single_device
+from zeropipe.core.deps import Dependencies, Graph
 from zeropipe.core.errors import PipelineError, ScheduleError
-from zeropipe.core.ir import Kind, Schedule
-from zeropipe.core.passes.build import check_count
+from zeropipe.core.ir import Action, Kind, Schedule
+from zeropipe.core.passes.build import build_schedule, check_count
+from zeropipe.core.passes.fuse import fused_weights
 from zeropipe.core.schedules import GENERATORS
+from zeropipe.runtime.memory.manager import MemoryManager
+from zeropipe.runtime.mesh import (
+    Where,
+    check_same_pipeline,
+    compute_device,
+    replicas_for,
+    resolve_mesh,
+)
+from zeropipe.runtime.options import RuntimeOptions, options_or_default
 from zeropipe.runtime.replicas.data_parallel import GradReducer, Replicas, reduction_owners
+from zeropipe.runtime.replicas.fsdp import ShardedReducer
+from zeropipe.runtime.step.batch_norm import DeferredNorms
+from zeropipe.runtime.step.loss_contract import LossContract, LossCountFn, LossFn
 from zeropipe.runtime.step.stage import Stage, split_sequential
-from zeropipe.runtime.transport.base import Transport
+from zeropipe.runtime.transport.base import LocalTransport, Transport
 
 __all__ = [
     "PLAIN_BELOW_BYTES",
+    "Parts",
     "SplitParam",
-    "Where",
+    "build_parts",
     "build_stages",
     "check_call",
     "check_materialised",
-    "check_same_pipeline",
     "check_stages",
     "checking_call",
-    "compute_device",
     "distributed_transport",
     "named_ranks",
     "prepare_linears",
-    "replica_reducer",
-    "replicas_for",
-    "resolve_mesh",
+    "reducer_for",
+    "schedule_for",
     "shared_parameters",
     "split_params",
 ]
+
+SplitParam = tuple[nn.Parameter, str, list[int]]  # a parameter, its name, the stages using it
+
+
+@dataclass(frozen=True)
+class Parts:
+    """What a pipeline is built of: each part made once by :func:`build_parts`, in the
+    order of these fields, from the constructor's arguments and the parts above it."""
+
+    options: RuntimeOptions
+    loss: LossContract | None  # how microbatch losses make the batch's; None: no loss_fn
+    where: Where  # the process groups, and this process's pipeline rank
+    replicas: Replicas | None  # the data-parallel group, when it holds several processes
+    schedule: Schedule
+    all_stages: list[Stage]  # every stage of the model, whichever rank runs it
+    deps: Dependencies
+    graph: Graph  # the order a local step runs every rank's actions in
+    fused_weights: frozenset[Action]  # W actions run together with their stage's next W
+    stages: dict[int, Stage]  # those this process runs, prepared for split backward
+    owns_last: bool  # whether they hold the last stage, which computes the loss
+    norms: DeferredNorms | None  # their deferred BatchNorms; None: they hold none
+    device: torch.device | None  # where they compute; None: where their parameters are
+    tied: list[SplitParam]  # parameters used by several stages (a hook on one is refused)
+    # Those of ``tied`` whose gradients the step's end sums: used by stages on several
+    # ranks, unless the sharded reducer sums their shards itself.
+    shared: list[nn.Parameter]
+    transport: Transport
+    memory: MemoryManager  # saved-activation accounting, activation and weight offload
+    # REDUCE_GRAD's sum across the replicas (a ShardedReducer with dp_shard); None: none.
+    reducer: GradReducer | None
+    sharded: ShardedReducer | None  # the reducer, when it shards the stages (dp_shard)
+    grad_memory: GradMemory | None  # weight-gradient memory kept between steps
+
+
+def build_parts(
+    stages: nn.Sequential | Sequence[nn.Module],
+    schedule: Schedule | str,
+    loss_fn: LossFn | None,
+    *,
+    microbatches: int | None,
+    loss_count: LossCountFn | None,
+    balance: Sequence[int] | None,
+    mesh: object | None,
+    options: RuntimeOptions | None,
+) -> Parts:
+    """The parts of ``Pipeline(stages, schedule, loss_fn, ...)``, each built once, in the
+    order of :class:`Parts`' fields."""
+    check_stages(stages)
+    opts = options_or_default(options)
+    loss = None if loss_fn is None else LossContract(loss_fn, loss_count, autocast=opts.autocast)
+    where = resolve_mesh(mesh)
+    replicas = replicas_for(where.dp_group, opts.timeout, shard=opts.dp_shard)
+    plan = schedule_for(schedule, stages, microbatches, where, replicas, opts.dp_shard)
+    all_stages = build_stages(stages, plan.num_stages, balance)
+    check_same_pipeline(where, plan, all_stages, opts.timeout)
+    deps = Dependencies(plan)
+    ran_here = plan.stages_of(where.rank) if where.distributed else range(plan.num_stages)
+    mine = {s: all_stages[s] for s in ran_here}
+    check_materialised(mine)  # only this process's: other ranks' may stay on meta
+    # Deferred BatchNorms update their running statistics once per step (batch_norm.py).
+    norms = DeferredNorms({s: stage.module for s, stage in mine.items()})
+    device = compute_device(opts.device, where.distributed, where.pp_group, mine)
+    prepare_linears(mine, plan)
+    for stage in mine.values():
+        stage.autocast = opts.autocast
+    tied = split_params(all_stages)
+    across_ranks = shared_parameters(tied, plan.placement)
+    transport: Transport = (
+        distributed_transport(plan, where.rank, where.pp_group, opts.timeout, opts.p2p, device)
+        if where.distributed
+        else LocalTransport()
+    )
+    memory = MemoryManager(plan, mine, all_stages, device, opts.count_saved)
+    # After the memory manager, which counts the full parameters a step holds (FSDP shards them).
+    reducer = reducer_for(
+        replicas, plan, all_stages, mine, across_ranks, where, transport, device, opts.dp_shard
+    )
+    # A gradient kept for reuse would hold, on the device, the memory that weight offload
+    # frees (every offloaded stage's gradients at once); FSDP frees full gradients itself.
+    keep_grads = opts.keep_grad_memory and not memory.weights and not opts.dp_shard
+    return Parts(
+        options=opts,
+        loss=loss,
+        where=where,
+        replicas=replicas,
+        schedule=plan,
+        all_stages=all_stages,
+        deps=deps,
+        graph=Graph(plan, deps),
+        fused_weights=fused_weights(plan),
+        stages=mine,
+        owns_last=plan.num_stages - 1 in mine,
+        norms=norms if norms.norms else None,
+        device=device,
+        tied=tied,
+        # With dp_shard the sharded reducer sums the shards of parameters shared by ranks.
+        shared=[] if opts.dp_shard else across_ranks,
+        transport=transport,
+        memory=memory,
+        reducer=reducer,
+        sharded=reducer if isinstance(reducer, ShardedReducer) else None,
+        grad_memory=GradMemory() if keep_grads else None,
+    )
+
+
+def schedule_for(
+    schedule: Schedule | str,
+    stages: nn.Sequential | Sequence[nn.Module],
+    microbatches: int | None,
+    where: Where,
+    replicas: Replicas | None,
+    dp_shard: bool,
+) -> Schedule:
+    """The schedule to run: ``schedule`` built (a name generated for :func:`named_ranks`
+    ranks, REDUCE_GRAD added for replicas), checked against where it runs."""
+    try:
+        built = build_schedule(
+            schedule,
+            ranks=named_ranks(schedule, stages, microbatches, where.world),
+            microbatches=microbatches,
+            reduce_grad=replicas is not None,
+        )
+    except ScheduleError as exc:
+        raise PipelineError(str(exc)) from exc
+    if where.distributed and built.num_ranks != where.world:
+        raise PipelineError(
+            f"schedule {built.name!r} has {built.num_ranks} rank(s) but the pipeline's "
+            f"process group has {where.world}; launch {built.num_ranks} processes or build "
+            f"the schedule for {where.world} ranks "
+            f"(zeropipe.build_schedule(name, ranks={where.world}, microbatches=...))"
+        )
+    if dp_shard and any(a.is_weight_copy for acts in built.actions for a in acts):
+        raise PipelineError(
+            f"dp_shard=True with weight OFFLOAD/RELOAD in schedule {built.name!r}: "
+            f"the weights would be both sharded and offloaded; use one or the other"
+        )
+    return built
+
+
+def reducer_for(
+    replicas: Replicas | None,
+    schedule: Schedule,
+    all_stages: Sequence[Stage],
+    stages: dict[int, Stage],
+    shared: Sequence[nn.Parameter],
+    where: Where,
+    transport: Transport,
+    device: torch.device | None,
+    dp_shard: bool,
+) -> GradReducer | None:
+    """What each REDUCE_GRAD sums across the replicas (None without replicas).
+
+    With ``dp_shard`` a :class:`ShardedReducer` over this process's
+    ``stages``; else a :class:`GradReducer` of each parameter at the REDUCE_GRAD of the
+    last stage using it, ``shared`` parameters left to the step's end.
+    """
+    if replicas is None:
+        return None
+    if not dp_shard:
+        exclude = {id(p) for p in shared}
+        ranks = [where.rank] if where.distributed else range(schedule.num_ranks)
+        owners: dict[int, list[nn.Parameter]] = {}
+        for r in ranks:
+            params = {s: list(all_stages[s].parameters()) for s in schedule.stages_of(r)}
+            owners.update(reduction_owners(schedule, r, params, exclude=exclude))
+        return GradReducer(replicas.endpoint, owners)
+    first_param = next((p for st in stages.values() for p in st.parameters()), None)
+    return ShardedReducer(
+        replicas,
+        schedule,
+        stages,
+        # In one process playing every pipeline rank a tied parameter is whole here.
+        shared if where.distributed else [],
+        transport.reduce_shared,
+        device or (first_param.device if first_param is not None else torch.device("cpu")),
+        where.dp_mesh,
+    )
 
 
 # On a stage whose schedule has no I or W (every backward a B), an ``nn.Linear`` whose
@@ -83,189 +276,6 @@ def prepare_linears(stages: dict[int, Stage], schedule: Schedule) -> None:
             continue
         prepare_split(stage.module, min_weight_bytes=0 if s in split else PLAIN_BELOW_BYTES)
         stage.linears = split_linears(stage.module, allow_plain=True)
-
-
-def compute_device(
-    device: torch.device | str | None,
-    distributed: bool,
-    group: object | None,
-    stages: dict[int, Stage],
-) -> torch.device | None:
-    """Where this process's stages compute (None: where their parameters are, one device).
-
-    An NCCL group implies GPU number ``LOCAL_RANK`` (:func:`zeropipe.base.device.resolve_device`),
-    made the process's current device so that NCCL and the kernels agree on it.
-    """
-    backend = None
-    if distributed:
-        import torch.distributed as dist
-
-        backend = str(dist.get_backend(group))  # type: ignore[arg-type]
-    resolved = resolve_device(device, backend)
-    if resolved is None:
-        names = ", ".join(str(s) for s in sorted(stages))
-        single_device(
-            (p.device for st in stages.values() for p in st.parameters()),
-            f"the parameters of stage(s) {names}",
-        )
-    elif distributed:
-        make_current(resolved)
-    return resolved
-
-
-@dataclass(frozen=True)
-class Where:
-    """Where a pipeline runs: its process groups, and this process's rank in the pipeline."""
-
-    distributed: bool
-    rank: int
-    world: int
-    pp_group: object | None = None
-    dp_group: object | None = None
-    dp_mesh: object | None = None  # the mesh's "dp" dimension: FSDP2 shards over it
-    tp_size: int = 1  # the mesh's "tp" dimension: the user's tensor parallelism
-    tp_group: object | None = None
-
-
-def resolve_mesh(mesh: object | None) -> Where:
-    """``Pipeline(mesh=)`` as groups: a DeviceMesh, a ProcessGroup, ``"local"`` or None.
-
-    A pipeline group of one process runs locally (that process plays every rank).
-    """
-    import torch.distributed as dist
-
-    initialised = dist.is_available() and dist.is_initialized()
-    if isinstance(mesh, str) and mesh == "local":
-        return Where(False, 0, 1)
-    if isinstance(mesh, str):
-        raise PipelineError(
-            f"mesh={mesh!r}: pass a DeviceMesh, a ProcessGroup, 'local' (this process plays "
-            f"every rank) or None (torch.distributed's default group, when initialised)"
-        )
-    pp_group, dp_group, dp_mesh, tp_size, tp_group = None, None, None, 1, None
-    if mesh is None:
-        world = os.environ.get("WORLD_SIZE", "1")
-        if not initialised and world.isdigit() and int(world) > 1:
-            raise PipelineError(
-                f"WORLD_SIZE={world} is set (as torchrun sets it) but torch.distributed is not "
-                f"initialised, so each of the {world} processes would run the whole pipeline on "
-                f"its own: call zeropipe.init_from_env() before building the Pipeline, or pass "
-                f"mesh='local' to run every rank in each process on purpose"
-            )
-    elif hasattr(mesh, "get_group") and hasattr(mesh, "mesh_dim_names"):
-        names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
-        unknown = [n for n in names if n not in ("pp", "dp", "tp")]
-        if "pp" not in names or unknown or len(set(names)) != len(names):
-            raise PipelineError(
-                f"mesh has dimensions {names}; Pipeline needs one named 'pp' and, optionally, "
-                f"'dp' (data parallel) and 'tp' (tensor parallel, applied to the stages by "
-                f"the user): init_device_mesh(device, (pp, dp, tp), "
-                f"mesh_dim_names=('pp', 'dp', 'tp'))"
-            )
-        get_group = mesh.get_group
-        pp_group = get_group("pp")
-        if "dp" in names:
-            dp_group, dp_mesh = get_group("dp"), mesh["dp"]  # type: ignore[index]
-        if "tp" in names:
-            tp_size, tp_group = int(mesh["tp"].size()), get_group("tp")  # type: ignore[index]
-    elif initialised and isinstance(mesh, dist.ProcessGroup):
-        pp_group = mesh
-    else:
-        raise PipelineError(
-            f"mesh must be a DeviceMesh (dims 'pp' and optionally 'dp', 'tp'), a ProcessGroup of "
-            f"torch.distributed (initialised), 'local' or None; got {type(mesh).__name__}"
-        )
-    if not initialised:
-        return Where(False, 0, 1)
-    world_size = dist.get_world_size(pp_group)
-    if world_size == 1:
-        return Where(False, 0, 1, None, dp_group, dp_mesh, tp_size, tp_group)
-    rank = dist.get_rank(pp_group)
-    return Where(True, rank, world_size, pp_group, dp_group, dp_mesh, tp_size, tp_group)
-
-
-def check_same_pipeline(
-    where: Where, schedule: Schedule, stages: Sequence[Stage], timeout: float
-) -> None:
-    """Refuse, on every process, a pipeline whose schedule or cut differs from its peers'.
-
-    The replicas ("dp") and the tensor-parallel peers ("tp") of a pipeline must run the
-    same schedule on the same cut: tensor-parallel peers that do not would pair up
-    the collectives of different layers and microbatches, silently.  Each process
-    posts a digest of its schedule and stage sizes in the store and compares its
-    peers' (within ``timeout`` seconds).
-    """
-    groups = [g for g in (where.pp_group, where.dp_group, where.tp_group) if g is not None]
-    if where.dp_group is None and where.tp_group is None:
-        return
-    import torch.distributed as dist
-
-    from zeropipe.base._compat import rendezvous_store
-
-    peers = sorted({r for g in groups for r in dist.get_process_group_ranks(g)})  # type: ignore[arg-type]
-    if len(peers) < 2:
-        return
-    me, store = dist.get_rank(), rendezvous_store()
-    sizes = [sum(p.numel() for p in st.module.parameters()) for st in stages]
-    what = (
-        f"{schedule.name!r} on {schedule.num_ranks} rank(s), {schedule.microbatches} "
-        f"microbatch(es), stages of {sizes} parameters"
-    )
-    digest = hashlib.blake2b((schedule.to_text() + repr(sizes)).encode(), digest_size=8).hexdigest()
-    n = store.add(f"zeropipe/plans{me}", 1)  # the n-th pipeline of every process is this one
-    store.set(f"zeropipe/plan{n}/{me}", json.dumps([digest, what]))
-    keys = [f"zeropipe/plan{n}/{r}" for r in peers]
-    try:
-        store.wait(keys, datetime.timedelta(seconds=timeout))
-    except Exception as exc:
-        raise PipelineError(
-            f"process {me}: its replicas and tensor-parallel peers (processes {peers}) did not "
-            f"all build the pipeline within {timeout:g} s ({type(exc).__name__}); build it on "
-            f"every process"
-        ) from exc
-    for r in peers:
-        theirs, their_what = json.loads(store.get(f"zeropipe/plan{n}/{r}"))
-        if theirs != digest:
-            raise PipelineError(
-                f"process {me} builds {what}, but process {r} builds {their_what} (or the "
-                f"same with another order of actions): the pipeline ranks, replicas and "
-                f"tensor-parallel peers of one job must run the same schedule on the same "
-                f"cut; plan once for every process (zeropipe.auto_plan broadcasts process "
-                f"0's plan) or pass the same schedule and balance everywhere"
-            )
-
-
-def replica_reducer(
-    replicas: Replicas,
-    schedule: Schedule,
-    stages: Sequence[Stage],
-    shared: Sequence[nn.Parameter],
-    rank: int,
-    distributed: bool,
-) -> GradReducer:
-    """Which REDUCE_GRAD sums each of this process's parameters across replicas."""
-    exclude = {id(p) for p in shared}
-    ranks = [rank] if distributed else range(schedule.num_ranks)
-    owners: dict[int, list[nn.Parameter]] = {}
-    for r in ranks:
-        params = {s: list(stages[s].parameters()) for s in schedule.stages_of(r)}
-        owners.update(reduction_owners(schedule, r, params, exclude=exclude))
-    return GradReducer(replicas.endpoint, owners)
-
-
-def replicas_for(dp_group: object | None, timeout: float) -> Replicas | None:
-    """The data-parallel replicas (None without a group, or with a group of one)."""
-    if dp_group is None:
-        return None
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        raise PipelineError(
-            "a mesh with a 'dp' dimension needs torch.distributed initialised first"
-        )
-    if dist.get_world_size(dp_group) == 1:  # type: ignore[arg-type]
-        return None
-    return Replicas(dp_group, timeout)
 
 
 def named_ranks(
@@ -416,9 +426,6 @@ def build_stages(
         if not isinstance(mod, nn.Module):
             raise PipelineError(f"stage {i} is a {type(mod).__name__}, not an nn.Module")
     return [Stage(s, m, None) for s, m in enumerate(modules)]
-
-
-SplitParam = tuple[nn.Parameter, str, list[int]]  # a parameter, its name, the stages using it
 
 
 def split_params(stages: Sequence[Stage]) -> list[SplitParam]:

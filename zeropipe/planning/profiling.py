@@ -186,28 +186,17 @@ def profile_stages(
     _check_inputs(modules[0], inputs)
     device = _device(modules, inputs)
     keep = _storages(inputs) | (_storages((target,)) if target is not None else set())
-    stage_costs: list[StageCost] = []
-    spread: list[dict[str, float]] = []
+    loss = None if loss_fn is None else (loss_fn, target)
     with _restored(modules, device, threads):
-        probes: list[StageProbe] = []
-        x: tuple[Tensor, ...] = inputs
-        for s, module in enumerate(modules):  # the first repetition feeds the next stage
-            last = s == len(modules) - 1
-            leaves = x if s == 0 else tuple(_leaf(t) for t in x)
-            loss = (loss_fn, target) if last and loss_fn is not None else None
-            probe = StageProbe(module, leaves, loss, keep, device, last)
-            probe.run(timed=warmup == 0)
-            probes.append(probe)
-            x = probe.out
-        for rep in range(max(warmup - 1, 0) + repeat - (warmup == 0)):
-            for probe in probes:
-                probe.run(timed=rep >= warmup - 1)
-        for probe in probes:
-            cost, noise = probe.cost()
-            if weights:
-                cost = replace(cost, weights=float(distinct_bytes(probe.module.parameters())))
-            stage_costs.append(cost)
-            spread.append(noise)
+        probes = _measure(modules, inputs, loss, keep, device, warmup=warmup, repeat=repeat)
+        measured = [probe.cost() for probe in probes]
+        stage_costs = [
+            replace(cost, weights=float(distinct_bytes(probe.module.parameters())))
+            if weights
+            else cost
+            for probe, (cost, _) in zip(probes, measured, strict=True)
+        ]
+    spread = [noise for _, noise in measured]
     latency, bandwidth, post, comm = (
         _wire(process_group, device, warmup, repeat, stage_costs)
         if wire
@@ -224,14 +213,37 @@ def profile_stages(
         "comm": comm,
         "spread": spread,
     }
-    return CostModel(
-        tuple(stage_costs),
-        latency,
-        bandwidth,
-        post=post,
-        unit="bytes",
-        meta=meta,
-    )
+    return CostModel(tuple(stage_costs), latency, bandwidth, post=post, unit="bytes", meta=meta)
+
+
+def _measure(
+    modules: list[nn.Module],
+    inputs: tuple[Tensor, ...],
+    loss: tuple[LossFn, Tensor | None] | None,
+    keep: set[StorageKey],
+    device: torch.device,
+    *,
+    warmup: int,
+    repeat: int,
+) -> list[StageProbe]:
+    """A probe per stage, ``warmup`` untimed and ``repeat`` timed repetitions run.
+
+    The first repetition chains the stages: a stage's output, detached, is the next
+    stage's input, and the last stage computes ``loss``.  The others are interleaved
+    across the stages (see :class:`StageProbe`)."""
+    probes: list[StageProbe] = []
+    x: tuple[Tensor, ...] = inputs
+    for s, module in enumerate(modules):
+        last = s == len(modules) - 1
+        leaves = x if s == 0 else tuple(_leaf(t) for t in x)
+        probe = StageProbe(module, leaves, loss if last else None, keep, device, last)
+        probe.run(timed=warmup == 0)
+        probes.append(probe)
+        x = probe.out
+    for rep in range(max(warmup - 1, 0) + repeat - (warmup == 0)):
+        for probe in probes:
+            probe.run(timed=rep >= warmup - 1)
+    return probes
 
 
 # -- one stage ----------------------------------------------------------------------------

@@ -171,7 +171,6 @@ class Replicas:
         self.size = dist.get_world_size(group)  # type: ignore[arg-type]
         self.rank = dist.get_rank(group)  # type: ignore[arg-type]
         self.endpoint: Endpoint = connect(self.rank, group, timeout)
-        self.reducer: GradReducer | None = None
 
     def total(self, local: float) -> float:
         """The sum of ``local`` over the replicas (a loss's item count)."""

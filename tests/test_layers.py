@@ -286,6 +286,41 @@ def test_modules_stay_under_600_lines_or_say_which_one_concept_they_hold() -> No
     assert not big, "split these, or name their one concept in the docstring: " + ", ".join(big)
 
 
+def test_no_folder_holds_more_than_12_modules() -> None:
+    crowded = []
+    for folder in sorted({path.parent for path in MODULES.values()}):
+        modules = sorted(p.name for p in folder.glob("*.py"))
+        if len(modules) > 12:
+            crowded.append(f"{folder.relative_to(PACKAGE.parent)}: {len(modules)} modules")
+    assert not crowded, "group these folders' modules into sub-packages: " + ", ".join(crowded)
+
+
+# Tests of the package as a whole; every other test sits in the folder of what it tests.
+WHOLE_PACKAGE_TESTS = [
+    "test_docs.py",
+    "test_examples.py",
+    "test_gpu.py",
+    "test_layers.py",
+    "test_package.py",
+]
+
+
+def test_the_tests_mirror_the_package_folders() -> None:
+    tests = PACKAGE.parent / "tests"
+    package = {p.relative_to(PACKAGE) for p in PACKAGE.rglob("*") if _is_package(p)}
+    mirrored = {p.relative_to(tests) for p in tests.rglob("*") if _is_package(p)}
+    stray = sorted(str(f) for f in mirrored - package)
+    assert not stray, f"test folders that mirror no folder of zeropipe/: {stray}"
+    loose = sorted(p.name for p in tests.glob("test_*.py"))
+    assert loose == WHOLE_PACKAGE_TESTS, (
+        f"tests/ holds {loose}: put a module's tests in the folder mirroring the module's"
+    )
+
+
+def _is_package(path: Path) -> bool:
+    return path.is_dir() and (path / "__init__.py").exists()
+
+
 def test_every_module_opens_with_a_docstring() -> None:
     missing = [
         m for m, path in MODULES.items() if not ast.get_docstring(ast.parse(path.read_text()))

@@ -1,0 +1,1 @@
+"""Tests of zeropipe/core/passes."""

@@ -1,11 +1,29 @@
-"""What the command line's subcommands share: argument types (argparse ``type=`` callables)
-and :func:`refuse_too_big`, which refuses up front a schedule size that would run for hours."""
+"""What the command line's subcommands share: argument types (argparse ``type=`` callables),
+flags derived from a dataclass's fields, and :func:`refuse_too_big`, which refuses up front a
+schedule size that would run for hours.
+
+A settings dataclass is its command line's one source: a field whose metadata is
+:func:`flag`'s becomes ``--field-name``, of the field's type, with the field's default and
+the help (and ``--help`` section) the metadata gives::
+
+    @dataclass
+    class Settings:
+        steps: int = field(default=300, metadata=flag("training steps (default {default})",
+                                                      group="optimisation"))
+        planned: str | None = None  # no metadata: not a flag
+
+    add_dataclass_arguments(parser, Settings)
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
+import types
+import typing
 from collections.abc import Callable
+from typing import Any
 
 from zeropipe.core.errors import ZeropipeError
 
@@ -13,6 +31,10 @@ __all__ = [
     "ACTIONS_PER_SECOND",
     "ACTION_BYTES",
     "SCHEDULE_LIMIT",
+    "add_dataclass_arguments",
+    "flag",
+    "flag_fields",
+    "flag_name",
     "int_at_least",
     "positive_float",
     "refuse_too_big",
@@ -102,3 +124,66 @@ def refuse_too_big(
         f"second); up to {limit:,.0f} actions (~{_duration(limit / rate)}) run without "
         f"--force: {fix}, or add --force to run it anyway"
     )
+
+
+# -- flags from a dataclass's fields ---------------------------------------------------
+
+
+def flag(help: str, *, group: str, metavar: str | None = None) -> dict[str, str]:
+    """The metadata that makes a dataclass field a flag (see the module's docstring).
+
+    ``help`` may name the field's default as ``{default}`` (or ``{default:g}``): the text
+    and the value then cannot drift apart.  ``group`` titles the section of ``--help`` the
+    flag is listed in; ``metavar`` names its value there (default: the name in capitals).
+    """
+    meta = {"help": help, "group": group}
+    if metavar is not None:
+        meta["metavar"] = metavar
+    return meta
+
+
+def flag_name(field_name: str) -> str:
+    """``batch_size`` -> ``--batch-size``."""
+    return "--" + field_name.replace("_", "-")
+
+
+def flag_fields(config_type: type) -> list[dataclasses.Field[Any]]:
+    """The fields of ``config_type`` that are flags (their metadata is :func:`flag`'s)."""
+    return [f for f in dataclasses.fields(config_type) if "help" in f.metadata]
+
+
+def add_dataclass_arguments(parser: argparse.ArgumentParser, config_type: type) -> None:
+    """A flag for each of :func:`flag_fields`, in field order, each in its group's section."""
+    hints = typing.get_type_hints(config_type)
+    groups: dict[str, Any] = {}
+    for f in flag_fields(config_type):
+        title = f.metadata["group"]
+        if title not in groups:
+            groups[title] = parser.add_argument_group(title)
+        groups[title].add_argument(flag_name(f.name), **_argument(f, hints[f.name]))
+
+
+def _argument(f: dataclasses.Field[Any], annotation: Any) -> dict[str, Any]:
+    """``add_argument``'s keywords for field ``f``: a bool is a switch; int, float and str
+    (each maybe ``| None``) take a value of that type."""
+    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    kinds = (
+        [t for t in typing.get_args(annotation) if t is not type(None)] if union else [annotation]
+    )
+    if len(kinds) != 1 or kinds[0] not in (bool, int, float, str):
+        raise TypeError(f"{f.name}: a flag is a bool, int, float or str, not {annotation}")
+    if f.default is dataclasses.MISSING:
+        raise TypeError(f"{f.name}: a flag's field needs a default")
+    kind = kinds[0]
+    kwargs: dict[str, Any] = {
+        "default": f.default,
+        "help": f.metadata["help"].format(default=f.default),
+    }
+    if kind is bool:
+        kwargs["action"] = argparse.BooleanOptionalAction if f.default else "store_true"
+        return kwargs
+    if kind is not str:
+        kwargs["type"] = kind
+    if "metavar" in f.metadata:
+        kwargs["metavar"] = f.metadata["metavar"]
+    return kwargs

@@ -9,10 +9,10 @@ metrics go, and its settings file.
     eta(step_times, remaining)             "ETA 1m05s": remaining steps x median step time
     RunLog(out, sinks, start, settings)    one step's metrics to metrics.jsonl, TensorBoard
                                            (<out>/tensorboard) and wandb (offline, <out>/wandb)
-    add_run_arguments(parser, config_type) --overwrite, --log, --config
-    settings_from(args, config_type)       the flags given, over a --config FILE.toml
+    add_config_argument(parser, cls)       --config, and the default of every flag of cls marked
+    settings_from(args, cls)               the flags given, over a --config FILE.toml
 
-A flag given on the command line overrides the file: :func:`add_run_arguments`
+A flag given on the command line overrides the file: :func:`add_config_argument`
 marks every default, so :func:`settings_from` can tell a flag left out from one
 given with its default value.
 """
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import difflib
 import importlib
 import json
@@ -34,8 +33,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from zeropipe.apps.cli_args import flag_fields
 from zeropipe.apps.export_target import checkpoint_home
-from zeropipe.apps.train.resume import NOT_FLAGS
 from zeropipe.core.errors import ZeropipeError
 
 __all__ = [
@@ -43,7 +42,7 @@ __all__ = [
     "RUN_FILES",
     "RUN_FOLDERS",
     "RunLog",
-    "add_run_arguments",
+    "add_config_argument",
     "check_loggers",
     "check_run_dir",
     "eta",
@@ -288,26 +287,12 @@ class _Default:
 
 def _flags(config_type: type) -> dict[str, str]:
     """The settings a flag sets: field name -> its annotation."""
-    return {f.name: str(f.type) for f in dataclasses.fields(config_type) if f.name not in NOT_FLAGS}
+    return {f.name: str(f.type) for f in flag_fields(config_type)}
 
 
-def add_run_arguments(parser: Any, config_type: type) -> None:
-    """--overwrite, --log and --config; then the default of every flag of ``config_type``'s
-    fields is marked (call it after the other flags are added)."""
-    parser.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace the run in --out (its metrics.jsonl, pictures, trace, and what it wrote "
-        "in checkpoints/, tensorboard/ and wandb/; nothing else) instead of refusing it",
-    )
-    parser.add_argument(
-        "--log",
-        default="jsonl",
-        metavar="SINKS",
-        help="where step metrics go, a comma list of jsonl (metrics.jsonl), tensorboard "
-        "(<out>/tensorboard; pip install 'zeropipe[tensorboard]') and wandb (offline, "
-        "<out>/wandb; pip install 'zeropipe[wandb]') (default jsonl)",
-    )
+def add_config_argument(parser: Any, config_type: type) -> None:
+    """--config; then the default of every flag of ``config_type``'s fields is marked (call
+    it after the other flags are added)."""
     parser.add_argument(
         "--config",
         default=None,

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from zeropipe.apps.cli_args import flag_fields, flag_name
 from zeropipe.apps.data.tokens import TokenData, changed_files
 from zeropipe.apps.train import state as train_state
 from zeropipe.apps.train.state import CheckpointError
@@ -39,7 +40,6 @@ from zeropipe.runtime.checkpoint.folder import FORMAT as DCP_FORMAT
 from zeropipe.runtime.pipeline import Pipeline
 
 __all__ = [
-    "NOT_FLAGS",
     "check_resume",
     "kept_checkpoint",
     "non_finite_message",
@@ -79,16 +79,16 @@ _MUST_MATCH = (
 _LAYOUT = ("schedule", "ranks", "tp")
 # Settings that checkpoints recorded under another name: field -> the older key.
 _OLD_KEYS = {"blocks": "layers"}  # --layers counted blocks, and became --blocks
-# TrainConfig fields that the command line does not set (the Python API does).
-NOT_FLAGS = {"warmup", "heads", "dropout", "trace_step", "planned"}
 
 
 # Fields that say how this invocation runs, not what the run is: not recorded.
 _NOT_SETTINGS = ("out", "resume", "planned", "overwrite", "log")
 
 
-def _flag(name: str) -> str:
-    return f"TrainConfig.{name}" if name in NOT_FLAGS else "--" + name.replace("_", "-")
+def _flag(config_type: type, name: str) -> str:
+    """How a setting is told: as its flag, or as the field that only the Python API sets."""
+    flags = {f.name for f in flag_fields(config_type)}
+    return flag_name(name) if name in flags else f"TrainConfig.{name}"
 
 
 def run_settings(cfg: Any) -> dict[str, Any]:
@@ -141,7 +141,7 @@ def check_resume(cfg: Any, warn: bool = True) -> None:
         key = name if name in saved else _OLD_KEYS.get(name, name)
         now, then = getattr(cfg, name), saved.get(key, getattr(default, name))
         if now != then and not (name in implied and _implied(name, cfg, saved)):
-            differ.append((_flag(name), now, then))
+            differ.append((_flag(type(cfg), name), now, then))
     if not differ and not told:
         _check_steps(root, manifest.step, cfg)
         _check_data(cfg, manifest.meta.get("data"), train_state.step_dir(root, manifest.step))

@@ -77,6 +77,7 @@ def _int_list(text: str) -> list[int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``zeropipe plan``: each mode's own section, then what both share."""
     parser.description = (
         "Rank pipeline depth (pp), data-parallel degree (dp), tensor-parallel degree (tp), "
         "microbatch size, chunks, schedule and recompute/offload plan by simulated step "
@@ -84,7 +85,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "come from the model's shape and the GPU's datasheet; with --costs from a measured "
         "cost model (one pipeline)."
     )
-    spec = parser.add_argument_group("cluster mode")
+    cluster = parser.add_argument_group("cluster mode")
+    _add_model_and_cluster(cluster)
+    _add_cluster_search_space(cluster)
+    _add_measured_costs(parser.add_argument_group("measured-costs mode"))
+    _add_schedules_and_memory(parser)
+    _add_output(parser)
+
+
+def _add_model_and_cluster(spec: Any) -> None:
+    """Cluster mode's model, its training shape and the GPUs it runs on."""
     spec.add_argument(
         "--model",
         metavar="CONFIG",
@@ -112,6 +122,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "matrices pass through memory and are kept for backward)",
     )
     spec.add_argument("--dropout", action="store_true", help="the model trains with dropout layers")
+
+
+def _add_cluster_search_space(spec: Any) -> None:
+    """Cluster mode's dimensions to search: microbatch sizes, pp x dp x tp, and how tensor
+    parallelism and the optimizer's state are laid out."""
     spec.add_argument(
         "--microbatch-sizes",
         type=_int_list,
@@ -152,7 +167,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "replicas (ZeRO-1 / a distributed optimizer): 6 + 12/dp bytes per parameter "
         "instead of 18",
     )
-    measured = parser.add_argument_group("measured-costs mode")
+
+
+def _add_measured_costs(measured: Any) -> None:
+    """Measured-costs mode: one pipeline whose costs a cost file holds."""
     measured.add_argument(
         "--costs", metavar="COSTS.json", help="a cost model JSON (zeropipe profile --out)"
     )
@@ -160,6 +178,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     measured.add_argument(
         "--microbatches", type=int_at_least(1), metavar="M", help="microbatches per step"
     )
+
+
+def _add_schedules_and_memory(parser: argparse.ArgumentParser) -> None:
+    """Both modes: the schedules and chunkings to try, and the memory each GPU has."""
     parser.add_argument(
         "--schedules",
         metavar="LIST",
@@ -180,6 +202,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="memory per GPU (default: the GPU's; with --costs: no limit, and the cost "
         "file's unit unless it is bytes)",
     )
+
+
+def _add_output(parser: argparse.ArgumentParser) -> None:
+    """Both modes: what is shown and written, and --force past the size limit."""
     parser.add_argument(
         "--top", type=int_at_least(1), default=10, metavar="K", help="rows to show (default 10)"
     )

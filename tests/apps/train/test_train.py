@@ -16,7 +16,8 @@ from zeropipe.apps.models.gpt import GPTConfig, gpt, lm_loss
 from zeropipe.apps.train import resume as train_resume
 from zeropipe.apps.train import state as train_state
 from zeropipe.apps.train.config import TrainConfig
-from zeropipe.apps.train.loop import layout, train, train_rank
+from zeropipe.apps.train.loop import layout, train
+from zeropipe.apps.train.rank import train_rank
 from zeropipe.apps.train.workload import batch, build_model, load_corpus, loss_fn, model_layers
 from zeropipe.core.errors import PipelineError, ZeropipeError
 from zeropipe.core.ir import Kind

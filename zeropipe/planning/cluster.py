@@ -35,8 +35,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any
+from dataclasses import dataclass, replace
 
 from zeropipe.core.costs import CostModel
 from zeropipe.core.deps import Graph
@@ -44,10 +43,12 @@ from zeropipe.core.errors import ScheduleError
 from zeropipe.core.ir import Kind, Schedule
 from zeropipe.core.passes.build import build_schedule
 from zeropipe.core.schedules import GENERATORS, generate
-from zeropipe.core.simulate import Timeline, simulate
+from zeropipe.core.simulate import simulate
 from zeropipe.planning.cluster_costs import (
+    Candidate,
     Config,
     CostFactory,
+    Ranking,
     ScheduleCosts,
     fixed_costs,
     schedule_cut,
@@ -56,8 +57,8 @@ from zeropipe.planning.cluster_costs import (
 from zeropipe.planning.plan_memory import GiB, MemoryPlan, plan_memory
 from zeropipe.planning.step_bound import lower_bound
 
-# Config, the cost factories and GiB are re-exported: with search they
-# are what a caller needs.
+# Config, Candidate, Ranking, the cost factories and GiB are re-exported: with search
+# they are what a caller needs.
 __all__ = [
     "Candidate",
     "Config",
@@ -73,71 +74,6 @@ __all__ = [
     "search",
     "spec_costs",
 ]
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One configuration, priced.  Times in seconds, memory in the cost model's unit
-    (bytes for a spec); ``tokens_per_second`` and ``mfu`` are NaN when not known.
-    ``tp``: GPUs per stage (tensor parallel); pp x dp x tp GPUs in all."""
-
-    pp: int
-    dp: int
-    microbatch_size: int
-    microbatches: int
-    chunks: int
-    schedule: str
-    memory_plan: str
-    step_time: float
-    tokens_per_second: float
-    mfu: float
-    bubble: float
-    peak_memory: float
-    fits: bool
-    tp: int = 1
-    timeline: Timeline | None = field(default=None, compare=False, repr=False)
-
-    def key(self) -> tuple[bool, float, float, int, int, int, str]:
-        """Rank order: fitting first, then the shortest step (ties: less memory)."""
-        return (
-            not self.fits,
-            self.step_time,
-            self.peak_memory,
-            self.pp,
-            self.tp,
-            self.chunks,
-            self.schedule,
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        out = asdict(replace(self, timeline=None))
-        del out["timeline"]
-        return out
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Candidate:
-        names = {f.name for f in fields(cls)} - {"timeline"}
-        missing = sorted(names - set(data) - {"tp"})  # a plan written before tp: tp 1
-        if missing:
-            raise ScheduleError(f"a plan candidate needs {', '.join(missing)}", rule="syntax")
-        return cls(**{k: data[k] for k in names if k in data})
-
-
-@dataclass
-class Ranking:
-    """What :func:`search` found, and how much of the grid it had to price."""
-
-    candidates: list[Candidate]  # best first, at most ``top``
-    considered: int = 0  # configurations enumerated (schedule x chunks included)
-    refused: int = 0  # a generator or the cost model could not take them
-    priced: int = 0  # built and simulated
-    pruned: int = 0  # their lower bound could not enter the top
-    seconds: float = 0.0
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def best(self) -> Candidate | None:
-        return self.candidates[0] if self.candidates else None
 
 
 def divisors(n: int) -> list[int]:
@@ -160,26 +96,49 @@ class _Job:
         return (not self.may_fit, self.bound)
 
 
+@dataclass(frozen=True)
+class _Workload:
+    """What one step trains, for its tokens per second and MFU: ``global_batch`` samples
+    of ``seq`` tokens and ``flops_per_sample`` FLOPs each, on ``gpus`` accelerators of
+    ``peak_flops`` FLOP/s (a figure of 0 or less: not known)."""
+
+    global_batch: int
+    seq: int
+    flops_per_sample: float
+    gpus: int
+    peak_flops: float
+
+    def tokens_per_second(self, step: float) -> float:
+        """Tokens a step of ``step`` seconds trains per second (NaN when not known)."""
+        return self.global_batch * self.seq / step if self.seq > 0 and step > 0 else math.nan
+
+    def mfu(self, step: float) -> float:
+        """The model's FLOPs per step over what the accelerators could do in ``step``
+        seconds (NaN when not known)."""
+        denominator = step * self.gpus * self.peak_flops
+        if self.flops_per_sample > 0 and denominator > 0:
+            return self.flops_per_sample * self.global_batch / denominator
+        return math.nan
+
+
 class _Search:
     """One search's state: cost models and probes cached, the top list, the counts."""
 
     def __init__(
         self,
         costs_for: CostFactory,
-        limit: float,
-        flops_per_sample: float,
-        peak_flops: float,
-        seq: int,
-        global_batch: int,
-        gpus: int,
+        costs_for_schedule: ScheduleCosts | None,
+        memory: float | None,
         top: int,
         layers: int,
-        costs_for_schedule: ScheduleCosts | None = None,
+        workload: _Workload,
+        prune: bool,
     ) -> None:
-        self.costs_for, self.limit, self.top = costs_for, limit, top
-        self.costs_for_schedule = costs_for_schedule
-        self.flops, self.peak, self.seq = flops_per_sample, peak_flops, seq
-        self.global_batch, self.gpus, self.layers = global_batch, gpus, layers
+        self.costs_for, self.costs_for_schedule = costs_for, costs_for_schedule
+        self.limit = math.inf if memory is None else float(memory)
+        self.top, self.layers, self.workload = top, layers, workload
+        # Bounds from costs_for do not hold for the cuts costs_for_schedule prices.
+        self.prune = prune and costs_for_schedule is None
         self._costs: dict[Config, CostModel] = {}
         self._probes: dict[tuple[str, int, int], tuple[tuple[int, ...], bool] | None] = {}
         self.ranking = Ranking([])
@@ -243,11 +202,6 @@ class _Search:
         built = build_schedule(memory.final(), reduce_grad=config.dp > 1)
         timeline = simulate(built, costs, graph=Graph(built))
         step = timeline.makespan
-        tokens = self.global_batch * self.seq / step if self.seq > 0 and step > 0 else math.nan
-        denominator = step * self.gpus * self.peak
-        mfu = self.flops * self.global_batch / denominator if denominator > 0 else math.nan
-        if self.flops <= 0:
-            mfu = math.nan
         return Candidate(
             pp=config.pp,
             dp=config.dp,
@@ -257,8 +211,8 @@ class _Search:
             schedule=name,
             memory_plan=memory.plan,
             step_time=step,
-            tokens_per_second=tokens,
-            mfu=mfu,
+            tokens_per_second=self.workload.tokens_per_second(step),
+            mfu=self.workload.mfu(step),
             bubble=timeline.bubble_rate,
             peak_memory=max(timeline.peak_memory),
             fits=memory.fits,
@@ -281,9 +235,12 @@ class _Search:
         bound = job.bound
         if any(memory.recomputed):
             bound = lower_bound(
-                ckpt, job.placement, config.microbatches, split=job.split,
+                ckpt,
+                job.placement,
+                config.microbatches,
+                split=job.split,
                 recomputed=memory.recomputed,
-            )  # fmt: skip
+            )
         # Now that its plan is known (recompute costs time; what does not fit ranks
         # after all that does), it may no longer be able to enter the top.
         if self.beaten(memory.fits, bound):
@@ -300,10 +257,14 @@ class _Search:
 
         try:
             found = auto_search(
-                costs_of, config.pp, config.microbatches, None,
+                costs_of,
+                config.pp,
+                config.microbatches,
+                None,
                 max_chunks=2 if 2 * config.pp <= self.layers else 1,
-                recompute=False, time_budget=auto_budget,
-            )  # fmt: skip
+                recompute=False,
+                time_budget=auto_budget,
+            )
         except ScheduleError:
             self.ranking.refused += 1
             return None
@@ -339,16 +300,16 @@ def layouts(
 
 def _jobs(
     state: _Search,
-    *,
     grid: Sequence[tuple[int, int, int]],
-    layers: int,
-    global_batch: int,
     schedules: Sequence[str],
     microbatch_sizes: Sequence[int],
     chunks: Sequence[int],
+    *,
     count: bool = True,
 ) -> Iterator[_Job]:
-    """Every (configuration, named schedule) the grid of (pp, dp, tp) holds, with its bound."""
+    """Every (configuration, named schedule) the grid of (pp, dp, tp) holds, with its bound;
+    ``count``: add them to the ranking's considered and refused."""
+    global_batch = state.workload.global_batch
     for pp, dp, tp in grid:
         for mbs in microbatch_sizes:
             if global_batch % (dp * mbs):
@@ -360,7 +321,7 @@ def _jobs(
                 gen = GENERATORS[name]
                 for v in chunks if gen.takes_chunks else (gen.default_chunks,):
                     state.ranking.considered += count
-                    if pp * v > layers:
+                    if pp * v > state.layers:
                         state.ranking.refused += count
                         continue
                     config = Config(pp, dp, mbs, m, pp * v, tp=tp)
@@ -437,6 +398,31 @@ def search(
         ScheduleError: bad arguments, an unknown schedule, or nothing to price.
     """
     start = time.perf_counter()
+    _check_arguments(gpus, layers, global_batch, top, schedules, microbatch_sizes)
+    _check_options(pp=pp_options, dp=dp_options, tp=tp_options)
+    grid = layouts(gpus, layers, pp_options, dp_options, tp_options)
+    workload = _Workload(global_batch, seq, flops_per_sample, gpus, peak_flops)
+    state = _Search(costs_for, costs_for_schedule, memory, top, layers, workload, prune)
+    named = sorted(_jobs(state, grid, schedules, microbatch_sizes, chunks), key=_Job.order)
+    report = _Progress(state.ranking, progress)
+    _price_named(state, named, report)
+    if "auto" in schedules:
+        _search_auto(state, grid, microbatch_sizes, auto_runs, auto_budget, report)
+    state.ranking.seconds = time.perf_counter() - start
+    if not state.ranking.candidates:
+        raise ScheduleError(_nothing_to_price(gpus, layers, global_batch, microbatch_sizes, grid))
+    return state.ranking
+
+
+def _check_arguments(
+    gpus: int,
+    layers: int,
+    global_batch: int,
+    top: int,
+    schedules: Sequence[str],
+    microbatch_sizes: Sequence[int],
+) -> None:
+    """Refuse what :func:`search` cannot take, naming the argument and its value."""
     for name, value in (("gpus", gpus), ("layers", layers), ("global_batch", global_batch)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ScheduleError(f"{name} must be a whole number >= 1, got {value!r}")
@@ -451,48 +437,45 @@ def search(
         )
     if not microbatch_sizes or min(microbatch_sizes) < 1:
         raise ScheduleError(f"microbatch sizes must be >= 1, got {list(microbatch_sizes)}")
-    for name, options in (("pp", pp_options), ("dp", dp_options), ("tp", tp_options)):
-        if options is not None and (not options or min(options) < 1):
-            raise ScheduleError(f"{name} options must be whole numbers >= 1, got {options!r}")
-    grid = layouts(gpus, layers, pp_options, dp_options, tp_options)
-    limit = math.inf if memory is None else float(memory)
-    state = _Search(
-        costs_for, limit, flops_per_sample, peak_flops, seq, global_batch, gpus, top, layers,
-        costs_for_schedule,
-    )  # fmt: skip
-    prune = prune and costs_for_schedule is None
-    ranking = state.ranking
-    jobs = sorted(
-        _jobs(
-            state, grid=grid, layers=layers, global_batch=global_batch, schedules=schedules,
-            microbatch_sizes=microbatch_sizes, chunks=chunks,
-        ),
-        key=_Job.order,
-    )  # fmt: skip
-    if not jobs and "auto" not in schedules:
-        raise ScheduleError(_nothing_to_price(gpus, layers, global_batch, microbatch_sizes, grid))
-    last = time.perf_counter()
 
-    def report(what: str, done: int, total: int) -> None:
-        nonlocal last
+
+def _check_options(**options: Sequence[int] | None) -> None:
+    """Refuse an empty list of pp, dp or tp options, or one below 1 (None: any)."""
+    for name, values in options.items():
+        if values is not None and (not values or min(values) < 1):
+            raise ScheduleError(f"{name} options must be whole numbers >= 1, got {values!r}")
+
+
+class _Progress:
+    """Tells ``progress`` (when given) how the search goes, at most once a second."""
+
+    def __init__(self, ranking: Ranking, progress: Callable[[str], None] | None) -> None:
+        self.ranking, self.progress = ranking, progress
+        self.last = time.perf_counter()
+
+    def __call__(self, what: str, done: int, total: int) -> None:
         now = time.perf_counter()
-        if progress is None or now - last < 1.0:
+        if self.progress is None or now - self.last < 1.0:
             return
-        last = now
-        best = ranking.best
+        self.last = now
+        ranking, best = self.ranking, self.ranking.best
         so_far = (
             f"best {best.step_time:.4g} s ({best.schedule}, pp {best.pp} tp {best.tp})"
             if best
             else "-"
         )
-        progress(
+        self.progress(
             f"{done}/{total} {what}; {ranking.priced} priced, {ranking.pruned} pruned; {so_far}"
         )
 
+
+def _price_named(state: _Search, jobs: list[_Job], report: _Progress) -> None:
+    """Price the named schedules' jobs, given in order of their bounds, into the top; with
+    pruning, stop at the first whose bound cannot enter it."""
     for n, job in enumerate(jobs):
-        if prune and state.beaten(job.may_fit, job.bound):
+        if state.prune and state.beaten(job.may_fit, job.bound):
             # Jobs come in bound order and the bar only drops: none after this can enter.
-            ranking.pruned += len(jobs) - n
+            state.ranking.pruned += len(jobs) - n
             break
         c = job.config
         report(
@@ -500,23 +483,9 @@ def search(
             n,
             len(jobs),
         )
-        cand = state.price(job) if prune else _price_unpruned(state, job)
+        cand = state.price(job) if state.prune else _price_unpruned(state, job)
         if cand is not None:
             state.add(cand)
-    if "auto" in schedules:
-        # The placements auto chooses among, priced like the named schedules that use them.
-        groups: dict[Config, list[_Job]] = {}
-        for job in _jobs(
-            state, grid=grid, layers=layers, global_batch=global_batch,
-            schedules=("1f1b", "interleaved-1f1b", "zbv"), microbatch_sizes=microbatch_sizes,
-            chunks=(2,), count=False,
-        ):  # fmt: skip
-            groups.setdefault(replace(job.config, stages=job.config.pp), []).append(job)
-        _search_auto(state, groups, prune, auto_runs, auto_budget, report)
-    ranking.seconds = time.perf_counter() - start
-    if not ranking.candidates:
-        raise ScheduleError(_nothing_to_price(gpus, layers, global_batch, microbatch_sizes, grid))
-    return ranking
 
 
 def _price_unpruned(state: _Search, job: _Job) -> Candidate | None:
@@ -529,28 +498,33 @@ def _price_unpruned(state: _Search, job: _Job) -> Candidate | None:
 
 def _search_auto(
     state: _Search,
-    groups: dict[Config, list[_Job]],
-    prune: bool,
+    grid: Sequence[tuple[int, int, int]],
+    microbatch_sizes: Sequence[int],
     runs: int,
     budget: float,
-    report: Callable[[str, int, int], None],
+    report: _Progress,
 ) -> None:
-    """Run auto for the configurations with the best bounds.  ``groups``: per
-    configuration (one chunk), the placements auto may choose (one chunk, interleaved
-    or V with two); its bound is the least of theirs with backward split."""
+    """Run auto for the ``runs`` configurations (one chunk) with the best bounds, each
+    within ``budget`` seconds.  A configuration's bound is the least, with backward split,
+    of the placements auto may choose (one chunk, interleaved or V with two), which are
+    priced like the named schedules that use them."""
+    groups: dict[Config, list[_Job]] = {}
+    placements = ("1f1b", "interleaved-1f1b", "zbv")
+    for job in _jobs(state, grid, placements, microbatch_sizes, (2,), count=False):
+        groups.setdefault(replace(job.config, stages=job.config.pp), []).append(job)
     order = []
     for config, jobs in groups.items():
         bound = min(
             lower_bound(state.costs(j.config), j.placement, config.microbatches, split=True)
             for j in jobs
         )
-        order.append(replace(jobs[0], config=config, schedule="auto", split=True, bound=bound,
-                             may_fit=any(j.may_fit for j in jobs)))  # fmt: skip
+        may_fit = any(j.may_fit for j in jobs)
+        order.append(_Job(config, "auto", jobs[0].placement, True, bound, may_fit))
     order.sort(key=_Job.order)
     state.ranking.considered += len(order)
     tried = skipped = 0
     for job in order:
-        if prune and state.beaten(job.may_fit, job.bound):
+        if state.prune and state.beaten(job.may_fit, job.bound):
             state.ranking.pruned += 1
             continue
         if tried >= runs:

@@ -1,16 +1,19 @@
-"""Where the cluster search's costs come from: a :class:`Config` (one way to run the
-model) and the cost factories that price it, from specs (:func:`spec_costs`) or from
-one measured cost model (:func:`fixed_costs`).  No torch here: this is core.
+"""What the cluster search prices and what it gives back: a :class:`Config` (one way to
+run the model), the cost factories that price it, from specs (:func:`spec_costs`) or
+from one measured cost model (:func:`fixed_costs`), and each priced configuration as a
+:class:`Candidate` in the :class:`Ranking` the search returns.  No torch here: this is core.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any
 
 from zeropipe.core.costs import CostModel, StageCost
 from zeropipe.core.errors import ScheduleError
 from zeropipe.core.ir import Kind, Schedule
+from zeropipe.core.simulate import Timeline
 from zeropipe.planning.balance import balance, balance_schedule, stage_costs
 from zeropipe.planning.specs import (
     DEFAULT_GRAD_BYTES,
@@ -20,7 +23,16 @@ from zeropipe.planning.specs import (
     costs_from_spec,
 )
 
-__all__ = ["Config", "CostFactory", "ScheduleCosts", "fixed_costs", "schedule_cut", "spec_costs"]
+__all__ = [
+    "Candidate",
+    "Config",
+    "CostFactory",
+    "Ranking",
+    "ScheduleCosts",
+    "fixed_costs",
+    "schedule_cut",
+    "spec_costs",
+]
 
 
 @dataclass(frozen=True)
@@ -45,6 +57,72 @@ CostFactory = Callable[[Config], CostModel]
 ScheduleCosts = Callable[[Config, Schedule], CostModel]
 
 
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration, priced.  Times in seconds, memory in the cost model's unit
+    (bytes for a spec); ``tokens_per_second`` and ``mfu`` are NaN when not known.
+    ``tp``: GPUs per stage (tensor parallel); pp x dp x tp GPUs in all."""
+
+    pp: int
+    dp: int
+    microbatch_size: int
+    microbatches: int
+    chunks: int
+    schedule: str
+    memory_plan: str
+    step_time: float
+    tokens_per_second: float
+    mfu: float
+    bubble: float
+    peak_memory: float
+    fits: bool
+    tp: int = 1
+    timeline: Timeline | None = field(default=None, compare=False, repr=False)
+
+    def key(self) -> tuple[bool, float, float, int, int, int, str]:
+        """Rank order: fitting first, then the shortest step (ties: less memory)."""
+        return (
+            not self.fits,
+            self.step_time,
+            self.peak_memory,
+            self.pp,
+            self.tp,
+            self.chunks,
+            self.schedule,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(replace(self, timeline=None))
+        del out["timeline"]
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Candidate:
+        names = {f.name for f in fields(cls)} - {"timeline"}
+        missing = sorted(names - set(data) - {"tp"})  # a plan written before tp: tp 1
+        if missing:
+            raise ScheduleError(f"a plan candidate needs {', '.join(missing)}", rule="syntax")
+        return cls(**{k: data[k] for k in names if k in data})
+
+
+@dataclass
+class Ranking:
+    """What :func:`~zeropipe.planning.cluster.search` found, and how much of the grid it
+    had to price."""
+
+    candidates: list[Candidate]  # best first, at most ``top``
+    considered: int = 0  # configurations enumerated (schedule x chunks included)
+    refused: int = 0  # a generator or the cost model could not take them
+    priced: int = 0  # built and simulated
+    pruned: int = 0  # their lower bound could not enter the top
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def best(self) -> Candidate | None:
+        return self.candidates[0] if self.candidates else None
+
+
 def spec_costs(
     model: ModelSpec,
     hardware: HardwareSpec,
@@ -59,9 +137,9 @@ def spec_costs(
     tp_across_nodes: bool = False,
     grad_bytes: float = DEFAULT_GRAD_BYTES,
 ) -> CostFactory:
-    """The cost factory :func:`search` takes, from a model and an accelerator spec:
-    :func:`zeropipe.planning.specs.costs_from_spec` for each configuration (the one place the planner
-    meets the specs).
+    """The cost factory :func:`~zeropipe.planning.cluster.search` takes, from a model and an
+    accelerator spec: :func:`zeropipe.planning.specs.costs_from_spec` for each configuration
+    (the one place the planner meets the specs).
 
     ``shard_optimizer``: the fp32 master weights and Adam moments (12 of the 18 bytes
     per parameter) are sharded over the data-parallel replicas (ZeRO-1, a distributed
@@ -75,13 +153,24 @@ def spec_costs(
     def costs_for(config: Config) -> CostModel:
         state = 6.0 + 12.0 / config.dp if shard_optimizer else DEFAULT_STATE_BYTES
         return costs_from_spec(
-            model, hardware, stages=config.stages, seq=seq,
-            microbatch_size=config.microbatch_size, dtype=dtype, efficiency=efficiency,
-            recompute=config.recompute, pp=config.pp, dp=config.dp, state_bytes=state,
-            attention=attention, dropout=dropout, tp=config.tp,
-            sequence_parallel=sequence_parallel, tp_across_nodes=tp_across_nodes,
+            model,
+            hardware,
+            stages=config.stages,
+            seq=seq,
+            microbatch_size=config.microbatch_size,
+            dtype=dtype,
+            efficiency=efficiency,
+            recompute=config.recompute,
+            pp=config.pp,
+            dp=config.dp,
+            state_bytes=state,
+            attention=attention,
+            dropout=dropout,
+            tp=config.tp,
+            sequence_parallel=sequence_parallel,
+            tp_across_nodes=tp_across_nodes,
             grad_bytes=grad_bytes,
-        )  # fmt: skip
+        )
 
     return costs_for
 

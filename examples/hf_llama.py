@@ -16,7 +16,6 @@ import os
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
 
 import zeropipe
 
@@ -39,6 +38,10 @@ def text_batches(batch: int, seq: int) -> list[tuple[torch.Tensor, torch.Tensor]
 
 
 def train(rank: int, world: int) -> list[float]:
+    # Imported where the model is built: the process that only launches the ranks needs none
+    # of transformers (each rank imports this script again, then runs this function).
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
     torch.manual_seed(0)  # every rank builds the same model
     config = LlamaConfig(
         vocab_size=256,

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -36,22 +37,26 @@ GiB = 2**30
 # -- configurations that do not fit the machine ------------------------------------------
 # Run in a child with a time limit, so that a regression (building the model, generating a
 # schedule of 100000 ranks) fails the test in a minute instead of hanging it.  The child
-# pretends the machine has 16 GiB available, so the outcome does not depend on this one.
+# pretends the machine has 16 GiB available, so the outcome does not depend on this one, and
+# a process limit of 4096, then none (the last case).
 _CASES = """
 import json, sys, time
 from zeropipe.apps.train import workload
 from zeropipe.apps.train.config import TrainConfig
 workload.available_memory = lambda: 16 * 2**30
-workload.process_limit = lambda: PROCESS_LIMIT
 cfg_file = sys.argv[1]
 cases = {
-    "llama-7b": lambda: TrainConfig(model="llama", model_config=cfg_file, steps=1).check(),
-    "64-ranks": lambda: TrainConfig(ranks=64, blocks=200, steps=1).check(),
+    "llama-7b": (4096, lambda: TrainConfig(model="llama", model_config=cfg_file, steps=1).check()),
+    "64-ranks": (4096, lambda: TrainConfig(ranks=64, blocks=200, steps=1).check()),
     # check_model is what refuses it; TrainConfig.check calls it after building the schedule
-    "100000-ranks": lambda: workload.check_model(TrainConfig(ranks=100000, steps=1)),
+    "100000-ranks": (4096, lambda: workload.check_model(TrainConfig(ranks=100000, steps=1))),
+    "100000-ranks, no process limit": (
+        None, lambda: workload.check_model(TrainConfig(ranks=100000, steps=1))
+    ),
 }
 out = {}
-for name, case in cases.items():
+for name, (limit, case) in cases.items():
+    workload.process_limit = lambda limit=limit: limit
     t0 = time.perf_counter()
     try:
         case()
@@ -63,26 +68,22 @@ print(json.dumps(out))
 """
 
 
-def _refusals(tmp: Path, process_limit: int | None) -> dict[str, dict[str, object]]:
+@pytest.fixture(scope="module")
+def refusals(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, object]]:
     pytest.importorskip("transformers")
-    cfg_file = tmp / "config.json"
+    cfg_file = tmp_path_factory.mktemp("refusals") / "config.json"
     cfg_file.write_text(json.dumps({"model_type": "llama"}))  # every size a default: ~7B
-    code = textwrap.dedent(_CASES).replace("PROCESS_LIMIT", repr(process_limit))
     done = subprocess.run(
-        [sys.executable, "-c", code, str(cfg_file)],
+        [sys.executable, "-c", textwrap.dedent(_CASES), str(cfg_file)],
         capture_output=True,
         text=True,
         timeout=90,
         cwd=Path(__file__).resolve().parents[2],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert done.returncode == 0, done.stderr[-2000:]
     result: dict[str, dict[str, object]] = json.loads(done.stdout.strip().splitlines()[-1])
     return result
-
-
-@pytest.fixture(scope="module")
-def refusals(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, object]]:
-    return _refusals(tmp_path_factory.mktemp("refusals"), process_limit=4096)
 
 
 def _one_line_error(case: dict[str, object]) -> str:
@@ -117,9 +118,10 @@ def test_more_ranks_than_processes_are_refused(refusals: dict[str, dict[str, obj
     assert "would start 100000 processes" in error and "ulimit -u: 4096" in error
 
 
-def test_more_ranks_than_layers_are_refused_without_a_process_limit(tmp_path: Path) -> None:
-    case = _refusals(tmp_path, process_limit=None)["100000-ranks"]
-    error = _one_line_error(case)
+def test_more_ranks_than_layers_are_refused_without_a_process_limit(
+    refusals: dict[str, dict[str, object]],
+) -> None:
+    error = _one_line_error(refusals["100000-ranks, no process limit"])
     assert "--ranks 100000 needs at least 100000 stages but the model has 10 layers" in error
     assert "use fewer ranks or more --blocks (at most 10 ranks for this model)" in error
 

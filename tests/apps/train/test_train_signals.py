@@ -138,25 +138,14 @@ def test_a_signal_relayed_twice_at_once_is_one_stop_and_saves(tmp_path: Path) ->
     _saved_step(tmp_path, stdout, "SIGTERM")
 
 
-def _slow_to_stop(rank: int, world: int, folder: str) -> None:
-    """A rank that stops on SIGINT as zeropipe train's do, but whose save takes minutes."""
-    got: list[int] = []
-    signal.signal(signal.SIGINT, lambda signum, frame: got.append(signum))
-    Path(folder, f"ready{rank}").write_text("")
-    while not got:
-        time.sleep(0.01)
-    Path(folder, f"saving{rank}").write_text(str(os.getpid()))
-    time.sleep(300)
-
-
 _LAUNCHER = (
     "import sys\n"
-    "from tests.apps.train.test_train_signals import _slow_to_stop\n"
+    "from tests.apps.train.slow_ranks import slow_to_stop\n"
     "from zeropipe.core.errors import PipelineError\n"
     "from zeropipe.runtime.launch import launch\n"
     "wait = {'stop_wait': float(sys.argv[2])} if sys.argv[2:] else {}\n"
     "try:\n"
-    "    launch(_slow_to_stop, 2, sys.argv[1], timeout=600, **wait)\n"
+    "    launch(slow_to_stop, 2, sys.argv[1], timeout=600, **wait)\n"
     "except KeyboardInterrupt:\n"
     "    sys.exit(130)\n"
     "except PipelineError as exc:\n"

@@ -96,6 +96,12 @@ def _resume_2x2(rank: int, world: int, path: str) -> list[float]:
     return losses
 
 
+def _resume_on_4_then_on_2x2(rank: int, world: int, path: str) -> tuple[list[float], ...]:
+    """The 4 processes resume as 4 pipeline ranks under 1f1b, then as 2 x 2 replicas: two
+    pipelines, each loading the checkpoint afresh, in one launch."""
+    return _resume(rank, world, path, "1f1b"), _resume_2x2(rank, world, path)
+
+
 def test_saved_on_2_ranks_with_zbv_resumes_on_4_with_1f1b_on_2x2_replicas_and_on_1_process(
     tmp_path: Path,
 ) -> None:
@@ -119,11 +125,11 @@ def test_saved_on_2_ranks_with_zbv_resumes_on_4_with_1f1b_on_2x2_replicas_and_on
             layer = int(key.split(".")[1])
             assert file == ("__0_0.distcp" if layer in (0, 1, 6, 7) else "__1_0.distcp"), key
     assert "model.7.proj.weight" not in written  # the tied head: stored once, as 0.weight
-    after_4 = launch(_resume, 4, path, "1f1b", timeout=120, threads=1)
+    resumed = launch(_resume_on_4_then_on_2x2, 4, path, timeout=120, threads=1)
+    after_4, after_2x2 = [r[0] for r in resumed], [r[1] for r in resumed]
     local, opt = _pipe("1f1b", 1)
     assert load_checkpoint(local, opt, path) == {"step": SAVED_AT}
     after_1 = _run(local, opt, range(SAVED_AT, STEPS))
-    after_2x2 = launch(_resume_2x2, 4, path, timeout=120, threads=1)
     for losses in (after_4[0], after_4[3], after_1, *after_2x2):
         assert losses == pytest.approx(expected[SAVED_AT:], abs=1e-9, rel=0)
     assert after_1 != pytest.approx(expected[:SAVED_AT], abs=1e-3)  # the steps did move

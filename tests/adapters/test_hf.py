@@ -1,7 +1,8 @@
 """``zeropipe.split`` on Hugging Face causal LMs: the model's own loss and gradients, exactly.
 
 Models come from small configs (no download); skipped where transformers is not installed.
-The distributed check is one 2-process launch that runs every case inside the ranks.
+The distributed check is one 2-process launch that runs every case inside the ranks
+(tests/adapters/hf_two_processes.py, shared with test_hf_mask.py's padded cases).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ pytest.importorskip(
 )
 
 import zeropipe
-from tests.adapters import hf_cases
+from tests.adapters import hf_cases, hf_two_processes
 from zeropipe.core.errors import PipelineError
 
 
@@ -88,7 +89,7 @@ def test_bad_balance_and_unsupported_hf_models_are_refused() -> None:
 
 
 def test_two_processes_every_architecture_and_schedule() -> None:
-    results = zeropipe.launch(hf_cases.distributed_cases, 2, timeout=400.0)
+    results = [r["unpadded"] for r in hf_two_processes.results()]
     per_model_params = {
         (arch, tied): len(list(hf_cases.build(arch, tied).parameters()))
         for arch in hf_cases.ARCHS

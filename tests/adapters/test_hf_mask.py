@@ -15,7 +15,7 @@ pytest.importorskip(
 )
 
 import zeropipe
-from tests.adapters import hf_cases, hf_mask_cases
+from tests.adapters import hf_cases, hf_mask_cases, hf_two_processes
 from zeropipe.core.errors import PipelineError
 
 
@@ -86,7 +86,7 @@ def test_a_split_model_raises_no_deprecation_warning(arch: str, padded: bool) ->
 
 
 def test_two_processes_padded() -> None:
-    results = zeropipe.launch(hf_mask_cases.distributed_cases, 2, timeout=300.0)
+    results = [r["padded"] for r in hf_two_processes.results()]
     assert set(results[0]) == {"llama left", "gpt2 right"}
     for key in results[0]:
         arch = key.split()[0]

@@ -9,21 +9,33 @@ import pytest
 
 from zeropipe.apps import bench, cli
 
+# One launch serves both tests: the MLP and the transformer, each under 1f1b and zbv.
+TINY = bench.BenchConfig(
+    schedules=("1f1b", "zbv"),
+    blocks=4,
+    width=16,
+    hidden=32,
+    batch=8,
+    tf_blocks=2,
+    d_model=16,
+    heads=2,
+    seq=4,
+    vocab=11,
+    tf_batch=4,
+    microbatches=4,
+    reps=2,
+    warmup=1,
+    timeout=120.0,
+)
 
-def test_a_tiny_side_by_side_run_reports_consistent_rows() -> None:
-    cfg = bench.BenchConfig(
-        schedules=("1f1b", "zbv"),
-        models=("mlp",),
-        blocks=4,
-        width=16,
-        hidden=32,
-        batch=8,
-        microbatches=4,
-        reps=2,
-        warmup=1,
-        timeout=120.0,
-    )
-    rows = bench.run_bench(cfg)
+
+@pytest.fixture(scope="module")
+def tiny_rows() -> list[dict[str, Any]]:
+    return bench.run_bench(TINY)
+
+
+def test_a_tiny_side_by_side_run_reports_consistent_rows(tiny_rows: list[dict[str, Any]]) -> None:
+    rows = [r for r in tiny_rows if r["model"] == "mlp"]
     assert [r["schedule"] for r in rows] == ["1f1b", "zbv"]
     for r in rows:
         assert r["zeropipe_step_s"] > 0 and r["torch_step_s"] > 0 and r["sequential_s"] > 0
@@ -35,39 +47,25 @@ def test_a_tiny_side_by_side_run_reports_consistent_rows() -> None:
         # Both libraries ran the cut chosen by measured time: every layer, every stage used.
         assert sum(r["cut"]) == 4 and min(r["cut"]) >= 1
     assert [len(r["cut"]) for r in rows] == [2, 4]
-    table = bench.format_table(rows, cfg)
+    table = bench.format_table(tiny_rows, TINY)
     assert "4 x Linear(16,32)-GELU-Linear(32,16)" in table
     assert "1f1b" in table and "zbv" in table
     assert "Pipeline's defaults" in table
 
 
-def test_both_models_are_benched_and_reported() -> None:
-    cfg = bench.BenchConfig(
-        schedules=("1f1b",),
-        blocks=2,
-        width=8,
-        hidden=16,
-        batch=4,
-        tf_blocks=2,
-        d_model=16,
-        heads=2,
-        seq=4,
-        vocab=11,
-        tf_batch=4,
-        microbatches=2,
-        reps=1,
-        warmup=0,
-        timeout=120.0,
-    )
-    assert cfg.models == ("mlp", "transformer")  # both by default
-    rows = bench.run_bench(cfg)
-    assert [(r["model"], r["schedule"]) for r in rows] == [("mlp", "1f1b"), ("transformer", "1f1b")]
-    for r in rows:
+def test_both_models_are_benched_and_reported(tiny_rows: list[dict[str, Any]]) -> None:
+    assert TINY.models == ("mlp", "transformer")  # both by default
+    assert [(r["model"], r["schedule"]) for r in tiny_rows] == [
+        ("mlp", "1f1b"),
+        ("mlp", "zbv"),
+        ("transformer", "1f1b"),
+        ("transformer", "zbv"),
+    ]
+    for r in tiny_rows:
         assert r["efficiency"] == pytest.approx(r["sequential_s"] / (2 * r["zeropipe_step_s"]))
     # The transformer cuts between attention and MLP: embedding, 2 x (attention, MLP), head.
-    assert sum(rows[1]["cut"]) == 6
-    table = bench.format_table(rows, cfg)
-    assert "2 x Linear(8,16)-GELU-Linear(16,8)" in table
+    assert [sum(r["cut"]) for r in tiny_rows[2:]] == [6, 6]
+    table = bench.format_table(tiny_rows, TINY)
     assert "transformer: embedding, 2 pre-LN blocks (width 16, 2 heads)" in table
     assert "of the model's 6 layers (2 blocks; embedding, attention and MLP" in table
 

@@ -89,16 +89,46 @@ def _failing_saves(rank: int, world: int, root: str) -> list[str]:
     return told
 
 
+def _refused_alike(rank: int, world: int, path: str) -> str:
+    try:
+        save_checkpoint(_pipe(world), None, path)
+    except CheckpointError as exc:
+        return str(exc)
+    return "saved"
+
+
+def _two_rank_cases(rank: int, world: int, failing_root: str, refused: str) -> dict[str, Any]:
+    """The saves that fail on 2 ranks, in one launch: first a save to an existing folder that
+    is not a checkpoint (refused before any rank writes), then ``_failing_saves`` (which
+    leaves rank 1's disk full)."""
+    return {
+        "refused": _refused_alike(rank, world, refused),
+        "failing": _failing_saves(rank, world, failing_root),
+    }
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """``_two_rank_cases`` on 2 processes: each rank's lines, and the folders they saved to."""
+    failing_root = tmp_path_factory.mktemp("failing")
+    (failing_root / "file").write_text("not a folder\n")
+    refused = tmp_path_factory.mktemp("refused") / "results"
+    (refused / "run1").mkdir(parents=True)
+    (refused / "run1" / "data.csv").write_text("a,b\n1,2\n")
+    told = launch(_two_rank_cases, 2, str(failing_root), str(refused), timeout=120, threads=1)
+    return {"told": told, "failing_root": failing_root, "refused": refused}
+
+
 def test_every_rank_ends_with_the_same_line_when_a_path_cannot_be_written_or_a_disk_is_full(
-    tmp_path: Path,
+    two_ranks: dict[str, Any],
 ) -> None:
-    (tmp_path / "file").write_text("not a folder\n")
-    told = launch(_failing_saves, 2, str(tmp_path), timeout=120, threads=1)
+    root = two_ranks["failing_root"]
+    told = [out["failing"] for out in two_ranks["told"]]
     assert told[0] == told[1]
     unwritable, full = told[0]
-    _one_line(unwritable, str(tmp_path / "file" / "ckpt"), "not a directory", "save elsewhere")
-    _one_line(full, str(tmp_path / "full"), "no space left on device on rank 1", "free space")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # no .partial left
+    _one_line(unwritable, str(root / "file" / "ckpt"), "not a directory", "save elsewhere")
+    _one_line(full, str(root / "full"), "no space left on device on rank 1", "free space")
+    assert sorted(p.name for p in root.iterdir()) == ["file"]  # no .partial left
 
 
 class _Killed(BaseException):
@@ -156,16 +186,8 @@ def test_a_resave_killed_between_its_renames_loads_the_newest_complete_folder_it
     assert load_checkpoint(_pipe(), None, path) == "third"
 
 
-def _refused_alike(rank: int, world: int, path: str) -> str:
-    try:
-        save_checkpoint(_pipe(world), None, path)
-    except CheckpointError as exc:
-        return str(exc)
-    return "saved"
-
-
 def test_a_path_that_exists_and_is_not_a_checkpoint_is_refused_and_left_as_it_was(
-    tmp_path: Path,
+    tmp_path: Path, two_ranks: dict[str, Any]
 ) -> None:
     results = tmp_path / "results"
     (results / "run1").mkdir(parents=True)
@@ -183,10 +205,13 @@ def test_a_path_that_exists_and_is_not_a_checkpoint_is_refused_and_left_as_it_wa
     assert (results / "run1" / "data.csv").read_text() == "a,b\n1,2\n"
     assert note.read_text() == "mine\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "results"]
-    # every rank fails with rank 0's line, before any rank writes
-    told = launch(_refused_alike, 2, str(results), timeout=120, threads=1)
+    # every rank fails with rank 0's line, before any rank writes (the same folder, saved to
+    # on 2 ranks)
+    told = [out["refused"] for out in two_ranks["told"]]
     assert told[0] == told[1] and "is not a checkpoint" in told[0]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "results"]
+    refused = two_ranks["refused"]
+    assert sorted(p.name for p in refused.parent.iterdir()) == ["results"]
+    assert (refused / "run1" / "data.csv").read_text() == "a,b\n1,2\n"
     # an empty folder is taken, and a checkpoint is re-saved over
     (tmp_path / "empty").mkdir()
     save_checkpoint(pipe, None, tmp_path / "empty", extra="first")

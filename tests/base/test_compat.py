@@ -131,31 +131,12 @@ def test_fsdp2_internals_for_sharded_stages_exist() -> None:
     assert callable(FSDPModule._get_fsdp_state)
 
 
-def _p2p_in_a_subgroup(rank: int, world: int) -> list[bool]:
-    """Ranks 1 and 2 of 3 exchange a float and a complex tensor over their own group."""
-    import torch.distributed as dist
-
-    group = dist.new_group([1, 2])
-    if rank == 0:
-        return []
-    peer = 1 - dist.get_group_rank(group, rank)  # group ranks 0 and 1: the other one
-    sent = [torch.arange(6.0).reshape(2, 3) + rank, torch.full((3,), 1 + 2j * rank)]
-    got = [torch.empty(2, 3), torch.empty(3, dtype=torch.complex64)]
-    works = [_compat.p2p_recv(group, t, peer, tag) for tag, t in enumerate(got)]
-    works += [_compat.p2p_send(group, t, peer, tag) for tag, t in enumerate(sent)]
-    for w in works:
-        w.wait()
-    other = 3 - rank
-    return [
-        torch.equal(got[0], torch.arange(6.0).reshape(2, 3) + other),
-        torch.equal(got[1], torch.full((3,), 1 + 2j * other)),
-    ]
-
-
 def test_p2p_posts_take_group_ranks_and_carry_complex_tensors() -> None:
-    from zeropipe.runtime.launch import launch
+    # Ranks 1 and 2 of 3 exchange a float and a complex tensor over their own group, in the
+    # 3-process launch test_distributed.py shares (tests/runtime/three_rank_cases.py).
+    from tests.runtime import three_rank_cases
 
-    results = launch(_p2p_in_a_subgroup, 3, timeout=60, threads=1)
+    results = [out["p2p"] for out in three_rank_cases.results()]
     assert results == [[], [True, True], [True, True]]
 
 

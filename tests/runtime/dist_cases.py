@@ -517,27 +517,6 @@ def main_cases(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-def three_ranks(rank: int, world: int) -> dict[str, Any]:
-    """Three ranks: the end-of-step barrier's rounds are not a power of two, and the loss
-    must still reach every rank, in its dtype, with the tied gradients summed."""
-    out: dict[str, Any] = {}
-    for dtype in (torch.float64, torch.float32):
-        build, loss_fn = MODELS["tokens-tied"]
-        model = build().to(dtype)
-        m = 2 * world + 1
-        x, y = batch_for(model, batch=2 * m + 1)
-        pipe = Pipeline(model, "1f1b", microbatches=m, loss_fn=loss_fn, options=seeded(3))
-        steps = []
-        for _ in range(2):
-            model.zero_grad(set_to_none=True)
-            loss = pipe.step(x, y)
-            steps.append(
-                {"loss": loss.item(), "dtype": str(loss.dtype), "grads": _owned_grads(model)}
-            )
-        out[str(dtype)] = steps
-    return out
-
-
 def killed_case(rank: int, world: int) -> None:
     """Rank 1 SIGKILLs itself inside a stage's forward on the second step."""
     trap = _Trap("kill")

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from tests.gradcheck import as_params, assert_same_gradients, batch_for, mlp, no_crash, reference
-from tests.runtime import dist_cases
+from tests.runtime import dist_cases, three_rank_cases
 from zeropipe.core.errors import PipelineError
 from zeropipe.core.schedules import GENERATORS
 
@@ -68,9 +68,7 @@ def test_every_generator_matches_the_reference_float64(world: int, name: str) ->
 
 
 def test_three_ranks_share_the_loss_and_tied_gradients() -> None:
-    from zeropipe.runtime.launch import launch
-
-    results = launch(dist_cases.three_ranks, 3, timeout=dist_cases.LAUNCH_TIMEOUT)
+    results = three_rank_cases.results()
     m = 7
     build, loss_fn = dist_cases.MODELS["tokens-tied"]
     for dtype in (torch.float64, torch.float32):

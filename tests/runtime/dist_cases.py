@@ -2,9 +2,9 @@
 
 Spawning costs seconds, so one launch per world size (``main_results``, cached
 for the test session) runs every case in turn inside the ranks and returns
-losses, gradients and messages; the tests in test_distributed.py and
-test_failures.py assert on them in the test process, which also computes the
-reference gradients once.  A case that crashes inside a rank is returned as
+losses, gradients and messages; the tests in test_distributed.py,
+test_failures.py and test_step_agreement.py assert on them in the test process,
+which also computes the reference gradients once.  A case that crashes inside a rank is returned as
 its traceback, so one broken case does not hide the others.  The failure
 cases run last: each poisons only its own pipeline (own store keys and tags).
 
@@ -39,6 +39,7 @@ from tests.gradcheck import (
     token_loss,
     token_model,
 )
+from tests.runtime.transport import agreement_cases
 from zeropipe import build_schedule
 from zeropipe.core.costs import CostModel
 from zeropipe.core.errors import PipelineError, ScheduleError
@@ -514,6 +515,8 @@ def main_cases(rank: int, world: int) -> dict[str, Any]:
     out["mismatch"] = guard(lambda: _mismatch_case(rank, world))
     out["forward_error"] = guard(lambda: _forward_error_case(rank, world))
     out["stalled"] = guard(lambda: _stalled_peer_case(rank, world))
+    if world == 2:  # ranks out of step, one pipeline each: test_step_agreement.py reads them
+        out["agreement"] = guard(lambda: agreement_cases.two_ranks(rank, world))
     return out
 
 

@@ -3,7 +3,8 @@
 One launch (``results``, cached for the test session) runs every case in
 turn inside the ranks and returns losses and gradients; the tests in
 test_data_parallel.py compare them, in the test process, with the plain
-model run on the *global* batch.  The mesh is torchtitan's order, pipeline
+model run on the *global* batch (and test_step_agreement.py reads the replicas
+out of step, run last).  The mesh is torchtitan's order, pipeline
 outermost: rank = pp * DP + dp, so replica ``dp``'s pipeline is ranks
 ``dp`` and ``DP + dp``.
 
@@ -34,6 +35,7 @@ from torch import Tensor, nn
 
 from tests.gradcheck import batch_for, mlp, token_loss, token_model
 from tests.runtime.dist_cases import MODELS, guard, supported
+from tests.runtime.transport import agreement_cases
 from zeropipe import build_schedule
 from zeropipe.core.costs import CostModel
 from zeropipe.core.errors import PipelineError
@@ -396,6 +398,9 @@ def cases(rank: int, world: int) -> dict[str, Any]:
     out["fsdp_train"] = {
         name: guard(functools.partial(_fsdp_train_case, mesh, dp, name)) for name in ("1f1b", "zbv")
     }
+    # Last, since one of them fails (in its own pipeline): replicas out of step, which
+    # test_step_agreement.py reads.
+    out["agreement"] = guard(lambda: agreement_cases.four_ranks(rank, world))
     return out
 
 

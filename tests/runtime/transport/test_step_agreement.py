@@ -7,160 +7,41 @@ rank within moments with one line naming both ranks and both steps or
 batches, not be paired with the wrong step's messages until a timeout (or
 until gloo aborts a process that received more bytes than it posted for).
 
-Two launches: 2 processes (both transports, over gloo) and 4 (2 pipeline
-ranks x 2 replicas).  Each case builds its own pipeline, so a failed one
-poisons nothing after it.
+The cases (tests/runtime/transport/agreement_cases.py) run last in two shared launches:
+the 2-rank one of tests/runtime/dist_cases.py (both transports, over gloo) and the
+4-process one of tests/runtime/dp_cases.py (2 pipeline ranks x 2 replicas).  Each case
+builds its own pipeline, so a failed one poisons nothing after it.
 """
 
 from __future__ import annotations
 
-import functools
 import time
-import traceback
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-from torch import Tensor, nn
 
+from tests.runtime import dist_cases, dp_cases
+from tests.runtime.transport import agreement_cases as cases
+from tests.runtime.transport.agreement_cases import P2P, TIMEOUT
 from zeropipe.core.errors import PipelineError
-from zeropipe.core.ir import Action, Kind
-from zeropipe.core.passes.lower import lower
-from zeropipe.core.schedules import generate
 from zeropipe.runtime.launch import launch
-from zeropipe.runtime.pipeline import Pipeline, RuntimeOptions
-from zeropipe.runtime.transport.base import Transport
-from zeropipe.runtime.transport.ordered import OrderedTransport
-from zeropipe.runtime.transport.tagged import DistributedTransport
 
-TIMEOUT = 20.0  # seconds a rank waits for a peer: every failure here must come far sooner
 FAST = TIMEOUT / 4
 LAUNCH_TIMEOUT = 240.0
-P2P = ("tagged", "ordered")
 FIX = "every rank of a pipeline must call step() and eval_step() alike, once per step"
 
 
-def _model() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
-
-
-def _batch(rows: int, seed: int) -> tuple[Tensor, Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(rows, 4, generator=g), torch.randn(rows, 2, generator=g)
-
-
-def _timed(fn: Callable[[], object]) -> dict[str, Any]:
-    """What ``fn`` ended with: its result or its PipelineError's message, and how long it took."""
-    start = time.monotonic()
-    out: dict[str, Any] = {"error": None, "result": None}
-    try:
-        out["result"] = fn()
-    except PipelineError as err:
-        out["error"] = str(err)
-    except Exception:
-        out["error"] = "crashed: " + traceback.format_exc()
-    out["seconds"] = time.monotonic() - start
-    return out
-
-
-def _pipeline(p2p: str, mesh: Any = None) -> tuple[nn.Sequential, Pipeline]:
-    model = _model()
-    options = RuntimeOptions(p2p=p2p, timeout=TIMEOUT)  # type: ignore[arg-type]
-    return model, Pipeline(
-        model, "1f1b", F.mse_loss, microbatches=2, balance=[3, 2], mesh=mesh, options=options
-    )
-
-
-def _steps(pipe: Pipeline, calls: list[tuple[str, int]]) -> list[float]:
-    """Run ``calls`` (("step" | "eval", rows), ...), batch k seeded by k; the losses."""
-    losses = []
-    for k, (kind, rows) in enumerate(calls):
-        x, y = _batch(rows, k)
-        loss = pipe.step(x, y) if kind == "step" else pipe.eval_step(x, y)
-        assert isinstance(loss, Tensor)
-        losses.append(loss.item())
-    return losses
-
-
-# -- 2 ranks, one pipeline --------------------------------------------------------------
-_AGREED = [("step", 8), ("step", 6), ("eval", 6), ("step", 8), ("eval", 8), ("step", 8)]
-# What each rank calls: rank 1 skips the second call (a batch of 6 rows where the others
-# are 8), is given a batch of other shapes, or evaluates where rank 0 trains.
-_CASES: dict[str, tuple[list[tuple[str, int]], list[tuple[str, int]]]] = {
-    "agreed": (_AGREED, _AGREED),
-    "skip": ([("step", 8), ("step", 6), ("step", 8)], [("step", 8), ("step", 8)]),
-    "shape": ([("step", 8)], [("step", 6)]),
-    "shape-later": ([("step", 8), ("step", 8)], [("step", 8), ("step", 12)]),
-    "eval": ([("step", 8), ("step", 8)], [("step", 8), ("eval", 8)]),
-}
-
-
-def _transport(rank: int, p2p: str) -> Transport:
-    schedule = lower(generate("1f1b", 2, 1))
-    if p2p == "tagged":
-        return DistributedTransport(schedule, rank, timeout=TIMEOUT)
-    return OrderedTransport(schedule, rank, timeout=TIMEOUT)
-
-
-def _transport_steps(t: Transport, rank: int, steps: list[int]) -> list[float]:
-    """The transport alone, told the pipeline's step numbers: ``steps`` per call."""
-    schedule = lower(generate("1f1b", 2, 1))
-    sig = ((torch.float32, (2, 3)),)
-    out = []
-    for step in steps:
-        t.start_step(schedule, sig, step=step)
-        try:
-            if rank == 0:
-                t.send(Action(Kind.SEND_F, 0, 0), (torch.full((2, 3), float(step)),))
-                t.post_recv(Action(Kind.RECV_B, 0, 0))
-                got = t.wait_recv(Action(Kind.RECV_B, 0, 0))[0]
-            else:
-                t.post_recv(Action(Kind.RECV_F, 1, 0))
-                got = t.wait_recv(Action(Kind.RECV_F, 1, 0))[0]
-                t.send(Action(Kind.SEND_B, 1, 0), (got + 1,))
-            t.finish_step()
-        except BaseException as exc:
-            t.fail(exc)
-            raise
-        out.append(got.sum().item())
-    return out
-
-
-def _ended_early(rank: int, world: int) -> list[float]:
-    """Rank 1's program ends after two steps, while rank 0 makes a third."""
-    _, pipe = _pipeline("tagged")
-    return _steps(pipe, [("step", 8)] * (3 if rank == 0 else 2))
-
-
-def _two_ranks(rank: int, world: int) -> dict[str, Any]:
-    results: dict[str, Any] = {}
-    for p2p in P2P:
-        for name, calls in _CASES.items():
-            _, pipe = _pipeline(p2p)
-            dist.barrier()  # each case starts together: the seconds are its own
-            results[f"{p2p}/{name}"] = _timed(functools.partial(_steps, pipe, calls[rank]))
-        # One step later: the pipeline's step numbers (restored on resume) differ, first in
-        # a step that sends shape headers, then in one that sends payloads alone.
-        for name, steps in {"header": [[5], [4]], "barrier": [[0, 1], [0, 2]]}.items():
-            t = _transport(rank, p2p)
-            dist.barrier()
-            results[f"{p2p}/later-{name}"] = _timed(
-                functools.partial(_transport_steps, t, rank, steps[rank])
-            )
-    return results
-
-
-@functools.cache
-def _two_rank_results() -> list[dict[str, Any]]:
-    return launch(_two_ranks, 2, timeout=LAUNCH_TIMEOUT)
+def _agreement(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each rank's agreement cases from a shared launch's results."""
+    for rank, out in enumerate(results):
+        assert "crashed" not in out["agreement"], (rank, out["agreement"]["crashed"])
+    return [out["agreement"] for out in results]
 
 
 def _outs(key: str) -> list[dict[str, Any]]:
-    outs = [r[key] for r in _two_rank_results()]
+    outs = [r[key] for r in _agreement(dist_cases.main_results(2))]
     for rank, out in enumerate(outs):
         assert not (out["error"] or "").startswith("crashed"), (rank, out["error"])
     return outs
@@ -184,9 +65,9 @@ def test_ranks_that_make_the_same_calls_agree_whatever_the_batch_size_and_kind(p
     outs = _outs(f"{p2p}/agreed")
     assert outs[0]["error"] is None and outs[1]["error"] is None, outs
     assert outs[0]["result"] == outs[1]["result"], outs
-    model = _model()
-    for k, (_, rows) in enumerate(_AGREED):  # the loss is the plain model's, step by step
-        x, y = _batch(rows, k)
+    model = cases.plain_model()
+    for k, (_, rows) in enumerate(cases.AGREED):  # the loss is the plain model's, step by step
+        x, y = cases.batch(rows, k)
         with torch.no_grad():
             want = F.mse_loss(model(x), y).item()
         assert abs(outs[0]["result"][k] - want) < 1e-5, (k, outs[0]["result"], want)
@@ -235,7 +116,7 @@ def test_a_rank_one_step_later_fails_every_rank_fast_naming_both_steps(
 def test_a_rank_whose_program_ends_early_is_named_as_such() -> None:
     start = time.monotonic()
     with pytest.raises(PipelineError) as err:
-        launch(_ended_early, 2, timeout=LAUNCH_TIMEOUT)
+        launch(cases.ended_early, 2, timeout=LAUNCH_TIMEOUT)
     msg = str(err.value)
     # gloo sees the connection close, whether the peer ended or died; what the step was says more
     assert msg.startswith("rank 0 failed: rank 1 stopped responding (killed?) while rank 0"), msg
@@ -248,49 +129,17 @@ def test_a_rank_whose_program_ends_early_is_named_as_such() -> None:
 
 
 # -- 2 pipeline ranks x 2 replicas ------------------------------------------------------
-def _mesh() -> Any:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
-
-
-def _grads(model: nn.Module) -> dict[str, Tensor]:
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def _replica_step(
-    model: nn.Module, pipe: Pipeline, rank: int, rows: int
-) -> tuple[float, dict[str, Tensor]]:
-    x, y = _batch(14, 0)
-    # Replica d's pipeline is ranks d and 2 + d; replica 0 gets the first 8 rows.
-    part = slice(0, 8) if rank % 2 == 0 else slice(8, 8 + rows)
-    return pipe.step(x[part], y[part]).item(), _grads(model)
-
-
-def _four_ranks(rank: int, world: int) -> dict[str, Any]:
-    mesh = _mesh()
-    results: dict[str, Any] = {}
-    # Replicas' slices may differ in rows: each is weighted as its share of the global batch.
-    # Then rank 3, replica 1's second pipeline rank, is given 4 rows where rank 1 has 6.
-    for name, rows in {"uneven": 6, "mismatch": 4 if rank == 3 else 6}.items():
-        model, pipe = _pipeline("tagged", mesh)
-        dist.barrier()
-        results[name] = _timed(functools.partial(_replica_step, model, pipe, rank, rows))
-    return results
-
-
-@functools.cache
 def _four_rank_results() -> list[dict[str, Any]]:
-    return launch(_four_ranks, 4, timeout=LAUNCH_TIMEOUT)
+    return _agreement(dp_cases.results())
 
 
 def test_replicas_with_slices_of_different_rows_give_the_global_batch() -> None:
     outs = [r["uneven"] for r in _four_rank_results()]
-    model = _model()
-    x, y = _batch(14, 0)
+    model = cases.plain_model()
+    x, y = cases.batch(14, 0)
     want = F.mse_loss(model(x), y)
     want.backward()
-    ref = _grads(model)
+    ref = cases.owned_grads(model)
     for rank, out in enumerate(outs):
         assert out["error"] is None, (rank, out)
         loss, grads = out["result"]

@@ -100,6 +100,7 @@ class WaitPool:
         self._idle = 0
         self._busy = 0  # jobs submitted and not finished: waits possibly blocked in c10d
         self._threads: set[threading.Thread] = set()
+        self._running: set[threading.Thread] = set()  # threads inside a job: a wait
         _POOLS.add(self)
 
     @property
@@ -123,13 +124,17 @@ class WaitPool:
 
     def _work(self, job: Callable[[], None] | None) -> None:
         try:
+            me = threading.current_thread()
             while job is not None:
+                with self._lock:
+                    self._running.add(me)
                 try:
                     job()
                 finally:
                     # Drop the finished job (and the works it holds) before idling.
                     job = None
                     with self._lock:
+                        self._running.discard(me)
                         self._busy -= 1
                         self._idle += 1
                 while job is None:
@@ -146,10 +151,11 @@ class WaitPool:
                 self._threads.discard(threading.current_thread())
 
     def close(self) -> None:
-        """End the idle threads now (busy ones end once their wait returns)."""
+        """End the idle threads now (busy ones end once their wait returns: joining one
+        blocked on a failed peer's transfer would only wait out the time limit)."""
         with self._lock:
             count, self._idle = self._idle, 0
-            threads = list(self._threads)
+            threads = list(self._threads - self._running)
         for _ in range(count):
             self._jobs.put(None)
         deadline = time.monotonic() + 1.0

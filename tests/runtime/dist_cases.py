@@ -505,9 +505,12 @@ def main_cases(rank: int, world: int) -> dict[str, Any]:
     out["eval_rebatch"] = guard(lambda: _eval_and_rebatch(rank, world))
     out["shared_accumulation"] = guard(lambda: _shared_accumulation(rank, world))
     out["auto_profiled"] = guard(lambda: _auto_profiled(rank, world))
-    # test_profiler_names reads the 2-rank launch's; starting a torch profiler costs each
-    # process about a second (it imports torch._inductor), for nothing in the 4-rank one.
     if world == 2:
+        from tests.runtime.step import test_batch_norm, test_loss  # their 2-rank cases
+
+        out["batch_norm"] = guard(lambda: test_batch_norm.two_ranks(rank, world))
+        # test_profiler_names reads the 2-rank launch's; starting a torch profiler costs each
+        # process about a second (it imports torch._inductor), for nothing in the 4-rank one.
         out["profiler_names"] = guard(lambda: _profiler_names(rank, world))
     out["healthy_seconds"] = time.monotonic() - start
     # Each failure poisons only its own pipeline (own store keys and tags).
@@ -515,7 +518,8 @@ def main_cases(rank: int, world: int) -> dict[str, Any]:
     out["mismatch"] = guard(lambda: _mismatch_case(rank, world))
     out["forward_error"] = guard(lambda: _forward_error_case(rank, world))
     out["stalled"] = guard(lambda: _stalled_peer_case(rank, world))
-    if world == 2:  # ranks out of step, one pipeline each: test_step_agreement.py reads them
+    if world == 2:  # refused losses, then ranks out of step: one pipeline each
+        out["loss"] = guard(lambda: test_loss.two_ranks(rank, world))
         out["agreement"] = guard(lambda: agreement_cases.two_ranks(rank, world))
     return out
 

@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import zeropipe
+from tests.gradcheck import no_crash
+from tests.runtime import dist_cases
 from zeropipe.core.errors import PipelineError
 from zeropipe.core.ir import Kind, Schedule
 from zeropipe.core.passes.fit import checkpoint
@@ -272,7 +274,8 @@ def test_public_names() -> None:
 
 
 def two_ranks(rank: int, world: int) -> dict[str, Any]:
-    """Each schedule's buffers of the stages this rank runs, after STEPS steps."""
+    """Each schedule's buffers of the stages this rank runs, after STEPS steps (in the 2-rank
+    launch the distributed tests share: tests/runtime/dist_cases.py)."""
     out: dict[str, Any] = {}
     for name in ("1f1b", "zbv+R"):
         model = deferred_batch_norm(_model())
@@ -285,9 +288,9 @@ def two_ranks(rank: int, world: int) -> dict[str, Any]:
 
 
 def test_two_processes_keep_the_whole_batch_statistics() -> None:
-    from zeropipe.runtime.launch import launch
-
-    results = launch(two_ranks, 2, timeout=240.0)
+    results = [out["batch_norm"] for out in dist_cases.main_results(2)]
+    for rank, out in enumerate(results):
+        no_crash(out, f"the BatchNorm steps on rank {rank}")
     want = _reference()[-1][1]
     for name in ("1f1b", "zbv+R"):
         got = {n: b for out in results for n, b in out[name].items()}

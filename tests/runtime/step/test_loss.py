@@ -25,9 +25,11 @@ from tests.gradcheck import (
     assert_same_loss,
     batch_for,
     mlp,
+    no_crash,
     reference,
     token_model,
 )
+from tests.runtime import dist_cases
 from zeropipe import build_schedule
 from zeropipe.core.errors import PipelineError
 from zeropipe.runtime.pipeline import Pipeline, RuntimeOptions
@@ -357,8 +359,11 @@ DIST_CASES = (
 )
 
 
-def _distributed(rank: int, world: int) -> dict[str, Any]:
-    """Inside each rank: loss and owned gradients per (schedule, case); then a refused count."""
+def two_ranks(rank: int, world: int) -> dict[str, Any]:
+    """Inside each rank: loss and owned gradients per (schedule, case); then a refused count.
+
+    It runs in the 2-rank launch the distributed tests share (tests/runtime/dist_cases.py),
+    among its failure cases: the two refusals end only their own pipelines."""
     out: dict[str, Any] = {}
     batch, m = UNEVEN
     options = RuntimeOptions(timeout=30.0)
@@ -409,9 +414,9 @@ def _distributed(rank: int, world: int) -> dict[str, Any]:
 
 
 def test_two_ranks_over_gloo_give_the_whole_batch_loss_and_gradients() -> None:
-    from zeropipe.runtime.launch import launch
-
-    results = launch(_distributed, 2, timeout=240.0)
+    results = [out["loss"] for out in dist_cases.main_results(2)]
+    for rank, out in enumerate(results):
+        no_crash(out, f"the loss cases on rank {rank}")
     batch, m = UNEVEN
     for name in ("1f1b", "zbv"):
         for case_name in DIST_CASES:

@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -36,19 +37,22 @@ def _losses(out: Path) -> list[float]:
     return [r["loss"] for r in rows]
 
 
-def test_resume_gives_the_losses_of_an_uninterrupted_run(tmp_path: Path) -> None:
-    full = tmp_path / "full"
-    train(TrainConfig(**SMALL, steps=6, out=str(full), checkpoint_every=2))
-    half = tmp_path / "half"
-    train(TrainConfig(**SMALL, steps=3, out=str(half), checkpoint_every=100))
-    assert train_state.latest_step(half / "checkpoints") == 3
-    summary = train(TrainConfig(**SMALL, steps=6, out=str(half), resume=True, checkpoint_every=100))
-    assert summary["steps_run"] == 3
-    assert _losses(half) == _losses(full)  # exactly, step by step
-    for name in ("metrics.jsonl", "timeline.png", "trace.json", "loss.png"):
-        assert (full / name).stat().st_size > 0, name
-    trace = json.loads((full / "trace.json").read_text())
-    assert any(e.get("ph") == "X" for e in trace["traceEvents"])
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-rank run of 6 steps checkpointed every 2 (step-000004 and step-000006 stay): the
+    losses a resumed run must give, and checkpoints the tests damage only in copies."""
+    out = tmp_path_factory.mktemp("uninterrupted")
+    train(TrainConfig(**SMALL, steps=6, out=str(out), checkpoint_every=2))
+    return out
+
+
+@dataclass(frozen=True)
+class Killed:
+    """The run ``_rank_1_dies_saving_step_6`` ended: its folder, the error, how long it took."""
+
+    out: Path
+    error: str
+    seconds: float
 
 
 def _rank_1_dies_saving_step_6(rank: int, world: int, cfg: TrainConfig) -> object:
@@ -65,22 +69,51 @@ def _rank_1_dies_saving_step_6(rank: int, world: int, cfg: TrainConfig) -> objec
     return train_rank(rank, world, cfg)
 
 
-def test_killed_rank_ends_the_run_with_a_clear_message_and_the_checkpoint_loads(
-    tmp_path: Path,
-) -> None:
-    cfg = TrainConfig(**SMALL, steps=8, out=str(tmp_path), checkpoint_every=2, timeout=20.0)
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory: pytest.TempPathFactory) -> Killed:
+    """The uninterrupted run's settings for 8 steps, rank 1 killed saving step 6: its
+    checkpoint of step 4 is what the resume tests start from (each in a copy)."""
+    out = tmp_path_factory.mktemp("killed")
+    cfg = TrainConfig(**SMALL, steps=8, out=str(out), checkpoint_every=2, timeout=20.0)
     cfg.check()
     start = time.monotonic()
     with pytest.raises(PipelineError) as err:
         launch(_rank_1_dies_saving_step_6, 2, cfg, timeout=80, threads=1)
-    assert time.monotonic() - start < 90
-    assert "rank 1" in str(err.value)
-    root = tmp_path / "checkpoints"
+    return Killed(out, str(err.value), time.monotonic() - start)
+
+
+def _copy(run: Path, to: Path) -> Path:
+    """A copy of a run's folder to resume or damage; the shared one stays as it was."""
+    shutil.copytree(run, to, symlinks=True)
+    return to
+
+
+def test_killed_rank_ends_the_run_with_a_clear_message_and_the_checkpoint_loads(
+    killed: Killed,
+) -> None:
+    assert killed.seconds < 90
+    assert "rank 1" in killed.error
+    root = killed.out / "checkpoints"
     assert train_state.latest_step(root) == 4 and not (root / "step-000006").exists()
     manifest = train_state.verify(root)
     assert manifest is not None and manifest.step == 4
     tensors, _ = consolidated_state_dict(root / "step-000004")
     assert "0.token.weight" in tensors
+
+
+def test_resume_gives_the_losses_of_an_uninterrupted_run(
+    uninterrupted: Path, killed: Killed, tmp_path: Path
+) -> None:
+    """Resumed on the same 2 ranks from the checkpoint the killed run left (step 4)."""
+    half = _copy(killed.out, tmp_path / "half")
+    assert train_state.latest_step(half / "checkpoints") == 4
+    summary = train(TrainConfig(**SMALL, steps=6, out=str(half), resume=True, checkpoint_every=100))
+    assert summary["steps_run"] == 2
+    assert _losses(half) == _losses(uninterrupted)  # exactly, step by step
+    for name in ("metrics.jsonl", "timeline.png", "trace.json", "loss.png"):
+        assert (uninterrupted / name).stat().st_size > 0, name
+    trace = json.loads((uninterrupted / "trace.json").read_text())
+    assert any(e.get("ph") == "X" for e in trace["traceEvents"])
 
 
 def test_loss_falls_on_the_default_model(tmp_path: Path) -> None:
@@ -174,23 +207,22 @@ def _small_argv(out: Path, *extra: str) -> list[str]:
 
 
 def test_a_corrupt_checkpoint_is_refused_in_one_line_and_latest_stays(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    uninterrupted: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code, err = _cli(_small_argv(tmp_path, "--steps", "2", "--checkpoint-every", "1"), capsys)
-    assert code == 0, err
-    root = tmp_path / "checkpoints"
-    victim = root / "step-000002" / "__1_0.distcp"  # rank 1's tensors
+    run = _copy(uninterrupted, tmp_path / "run")
+    root = run / "checkpoints"
+    victim = root / "step-000006" / "__1_0.distcp"  # rank 1's tensors
     data = bytearray(victim.read_bytes())
     middle = len(data) // 2 // 4 * 4  # inside a tensor: only the checksum can tell
     data[middle : middle + 16] = b"\xff" * 16  # NaN bit patterns
     victim.write_bytes(bytes(data))
-    metrics = (tmp_path / "metrics.jsonl").read_text()
-    code, err = _cli(_small_argv(tmp_path, "--steps", "4", "--resume"), capsys)
+    metrics = (run / "metrics.jsonl").read_text()
+    code, err = _cli(_small_argv(run, "--seq", "16", "--steps", "8", "--resume"), capsys)
     assert code == 2
     assert len(err) == 1 and err[0].startswith("zeropipe: error:"), err
-    assert str(victim) in err[0] and "step-000001" in err[0] and "--out" in err[0], err
-    assert train_state.latest_step(root) == 2
-    assert (tmp_path / "metrics.jsonl").read_text() == metrics
+    assert str(victim) in err[0] and "step-000004" in err[0] and "--out" in err[0], err
+    assert train_state.latest_step(root) == 6
+    assert (run / "metrics.jsonl").read_text() == metrics
 
 
 def test_a_non_finite_loss_stops_training_before_it_is_saved(
@@ -367,23 +399,19 @@ def test_resume_from_a_checkpoint_without_a_manifest_warns_and_loads(
 
 
 def test_resume_on_other_ranks_and_schedule_continues_with_the_same_losses(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    killed: Killed, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    full, moved = tmp_path / "full", tmp_path / "moved"
-    code, err = _cli(
-        _small_argv(full, "--ranks", "1", "--schedule", "1f1b", "--steps", "4"), capsys
-    )
+    """The killed run's checkpoint (2 ranks, zbv, step 4) resumed on 1 rank with gpipe."""
+    full, moved = tmp_path / "full", _copy(killed.out, tmp_path / "moved")
+    small = ("--seq", "16", "--steps", "6")
+    code, err = _cli(_small_argv(full, "--ranks", "1", "--schedule", "1f1b", *small), capsys)
     assert code == 0, err
-    code, err = _cli(
-        _small_argv(moved, "--ranks", "2", "--schedule", "zbv", "--steps", "2"), capsys
-    )
-    assert code == 0, err
-    argv = _small_argv(moved, "--ranks", "1", "--schedule", "gpipe", "--steps", "4", "--resume")
+    argv = _small_argv(moved, "--ranks", "1", "--schedule", "gpipe", *small, "--resume")
     code, err = _cli(argv, capsys)
     assert code == 0, err
     # float32: another cut and schedule sum the same products in another order
     assert _losses(moved) == pytest.approx(_losses(full), rel=1e-5)
-    assert len(_losses(moved)) == 4
+    assert len(_losses(moved)) == 6
 
 
 def test_dp_and_clip_resume_on_another_dp_and_ranks_with_the_same_losses(

@@ -1,5 +1,5 @@
 """``zeropipe export`` never deletes or overwrites what it did not write
-(zeropipe.apps.export_target): the run or dcp it reads, a run folder, an
+(zeropipe.apps.export_target): the run or checkpoint it reads, a run folder, an
 existing file without ``--force``, and under ``--force`` only its own files.
 
 One small Llama run (one process) is trained once for the module; each case copies
@@ -55,7 +55,7 @@ def _export(capsys: pytest.CaptureFixture[str], *argv: str | Path) -> tuple[int,
     [
         ("", "it is the run being read"),
         ("checkpoints", "it is the checkpoints folder being read"),
-        ("checkpoints/step-000002", "it is the dcp being read"),
+        ("checkpoints/step-000002", "it is the checkpoint being read"),
         ("checkpoints/hf", "it is inside the checkpoints folder being read"),
         ("checkpoints/latest.safetensors", "it is inside the checkpoints folder being read"),
     ],
@@ -81,9 +81,9 @@ def test_export_into_a_folder_that_holds_the_run_or_another_run_is_refused(
     before = _tree(other)
     for target in (other, other / "checkpoints"):
         code, err = _export(capsys, run, target, "--force")
-        assert code == 2 and "holds a zeropipe run or dcp" in err, err
+        assert code == 2 and "holds a zeropipe run or checkpoint" in err, err
     code, err = _export(capsys, run, other / "checkpoints" / "step-000002" / "hf")
-    assert code == 2 and "a dcp folder" in err, err
+    assert code == 2 and "a checkpoint folder" in err, err
     assert _tree(other) == before
 
 

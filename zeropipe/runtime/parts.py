@@ -47,9 +47,10 @@ from zeropipe.runtime.options import RuntimeOptions, options_or_default
 from zeropipe.runtime.replicas.data_parallel import GradReducer, Replicas, reduction_owners
 from zeropipe.runtime.replicas.fsdp import ShardedReducer
 from zeropipe.runtime.step.batch_norm import DeferredNorms
+from zeropipe.runtime.step.executor import LocalTransport
 from zeropipe.runtime.step.loss_contract import LossContract, LossCountFn, LossFn
 from zeropipe.runtime.step.stage import Stage, split_sequential
-from zeropipe.runtime.transport.base import LocalTransport, Transport
+from zeropipe.runtime.transport.base import Transport
 
 __all__ = [
     "PLAIN_BELOW_BYTES",

@@ -17,8 +17,8 @@ from zeropipe.core.passes.fit import checkpoint
 from zeropipe.core.schedules.registry import generate
 from zeropipe.runtime.parts import PLAIN_BELOW_BYTES
 from zeropipe.runtime.pipeline import Pipeline, RuntimeOptions
+from zeropipe.runtime.step.executor import LocalTransport
 from zeropipe.runtime.step.handlers import backward_input_first
-from zeropipe.runtime.transport.base import LocalTransport
 
 
 class SideBranch(nn.Module):

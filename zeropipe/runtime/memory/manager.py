@@ -58,8 +58,8 @@ bytes, so an offloaded stage's graph does not pin the old device copy.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal
@@ -72,7 +72,7 @@ from zeropipe.base.storage import StorageKey, distinct_bytes, movable, storage_k
 from zeropipe.core.costs import CostModel
 from zeropipe.core.errors import PipelineError
 from zeropipe.core.ir import Kind, Schedule
-from zeropipe.runtime.memory.offload import SavedActivations, StageWeights
+from zeropipe.runtime.memory.offload import Saved, SavedActivations, StageWeights
 
 if TYPE_CHECKING:
     from zeropipe.runtime.step.stage import MicrobatchState, Stage
@@ -136,6 +136,40 @@ def kept_buffers(module: nn.Module) -> Iterator[None]:
 
 
 # --- accounting ---------------------------------------------------------------------------
+
+
+class KnownCount:
+    """A forward whose saved bytes an earlier forward on inputs of the same signature counted.
+
+    It runs without saved-tensor hooks, so nothing is tracked and nothing can be
+    offloaded; it stands where a :class:`SavedActivations` would, at no cost per step.
+    """
+
+    counted = False
+    signature: Hashable = None
+    host_nbytes = 0
+
+    def __init__(self, where: str, nbytes: int) -> None:
+        self.where = where
+        self.nbytes = nbytes
+
+    def hooks(self) -> AbstractContextManager[None]:
+        return nullcontext()
+
+    def seal(self, boundary: Iterable[Tensor]) -> int:
+        return self.nbytes
+
+    def offload(self) -> None:
+        raise PipelineError(
+            f"{self.where}: this forward ran without saved-tensor hooks (its bytes were "
+            f"known), so its activations cannot be offloaded"
+        )
+
+    def reload(self) -> None:
+        """Nothing was offloaded."""
+
+    def release(self) -> None:
+        """Nothing is held."""
 
 
 @dataclass(frozen=True)
@@ -269,18 +303,18 @@ class MemoryManager:
         )
 
     # -- hooks the handlers call -----------------------------------------------------------
-    def saving(self, s: int, i: int, inputs: Sequence[Tensor]) -> SavedActivations:
+    def saving(self, s: int, i: int, inputs: Sequence[Tensor]) -> Saved:
         """A fresh container for (s, i)'s saved tensors (use its ``hooks()`` around the forward).
 
         If stage ``s`` already counted a forward on inputs like ``inputs`` (and
-        is not always counted), the container carries that count and no hooks.
+        is not always counted), a :class:`KnownCount` carries that count and no hooks.
         """
         where = f"stage {s} microbatch {i}"
         if s not in self._always:
             signature = tuple((t.shape, t.dtype, t.device) for t in inputs)
             known = self._counts.get((s, signature))
             if known is not None:
-                return SavedActivations(where, self.copier, frozenset(), {}, known=known)
+                return KnownCount(where, known)
         else:
             signature = None
         keep = self._stage_keys.get(s)

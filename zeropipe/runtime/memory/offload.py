@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Hashable, Iterable
-from contextlib import AbstractContextManager, nullcontext
-from typing import Any
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -110,6 +110,34 @@ class _Shard:
             )  # fmt: skip
 
 
+class Saved(Protocol):
+    """What a microbatch's state holds of its forward's saved tensors, until its backward.
+
+    :class:`SavedActivations` tracks them; ``memory.manager.KnownCount`` stands in
+    for a forward whose bytes an earlier one counted (no hooks, nothing to move).
+    """
+
+    where: str
+    counted: bool
+    signature: Hashable
+
+    @property
+    def nbytes(self) -> int: ...
+
+    @property
+    def host_nbytes(self) -> int: ...
+
+    def hooks(self) -> AbstractContextManager[None]: ...
+
+    def seal(self, boundary: Iterable[Tensor]) -> int: ...
+
+    def offload(self) -> None: ...
+
+    def reload(self) -> None: ...
+
+    def release(self) -> None: ...
+
+
 class SavedActivations:
     """Every tensor one (stage, microbatch)'s forward saved for its backward.
 
@@ -126,7 +154,6 @@ class SavedActivations:
         keep: frozenset[StorageKey],
         params: dict[StorageKey, Tensor],
         *,
-        known: int | None = None,
         signature: Hashable = None,
     ) -> None:
         self.where = where
@@ -136,20 +163,12 @@ class SavedActivations:
         self._live: list[weakref.ref[_Packed]] = []
         self._boundary: set[StorageKey] = set()
         self._blocks: list[_Block] = []
-        # ``known``: the bytes an earlier forward of the same signature saved; then no
-        # hooks run, nothing is tracked and nothing can be offloaded.
-        self._known = known
         self.signature = signature  # what the caller may cache the count under
 
-    @property
-    def counted(self) -> bool:
-        """Whether this forward's saved tensors go through the hooks (not a known count)."""
-        return self._known is None
+    counted = True  # its saved tensors go through the hooks (see memory.manager.KnownCount)
 
     def hooks(self) -> AbstractContextManager[None]:
         """The saved-tensor hooks that route this forward's saved tensors through here."""
-        if self._known is not None:
-            return nullcontext()
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _pack(self, t: Tensor) -> Any:
@@ -196,16 +215,12 @@ class SavedActivations:
 
     def seal(self, boundary: Iterable[Tensor]) -> int:
         """End of the forward: the boundary tensors stay put; return the bytes held."""
-        if self._known is not None:
-            return self._known
         self._boundary = {storage_key(t) for t in boundary if movable(t)}
         return self.nbytes
 
     @property
     def nbytes(self) -> int:
         """Bytes of saved activations on the device now (distinct storages)."""
-        if self._known is not None:
-            return self._known
         resident = distinct_bytes(
             h.tensor
             for h in self._handles()
@@ -220,11 +235,6 @@ class SavedActivations:
 
     def offload(self) -> None:
         """Copy every movable storage to host and let go of the device copy."""
-        if self._known is not None:
-            raise PipelineError(
-                f"{self.where}: this forward ran without saved-tensor hooks (its bytes were "
-                f"known), so its activations cannot be offloaded"
-            )
         groups: dict[StorageKey, list[_Packed]] = {}
         for h in self._handles():
             if h.tensor is not None and storage_key(h.tensor) not in self._boundary:

@@ -2,7 +2,8 @@
 
 ``run_local`` plays every rank in one process, in a topological order of the
 schedule's dependency graph (so a consumer always finds its data).
-``run_rank`` runs one rank's list in order, as each process of a distributed
+:class:`LocalTransport` is its transport: a send drops the tensors in the
+matching receive's mailbox.  ``run_rank`` runs one rank's list in order, as each process of a distributed
 pipeline does.  Both use the same dispatch table.  Event times are raw
 ``time.perf_counter()`` values: on one machine that clock is shared by all
 processes, so events gathered from several ranks line up on one time axis.
@@ -23,18 +24,20 @@ step): an idle ``record_function`` costs microseconds per action.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
+from torch import Tensor
 from torch.profiler import record_function
 
 from zeropipe.base._compat import profiler_active
 from zeropipe.core.deps import Graph
 from zeropipe.core.errors import PipelineError, ZeropipeError
 from zeropipe.core.ir import Action, Schedule
+from zeropipe.core.message_order import receiver_of
 from zeropipe.core.simulate import Event
 from zeropipe.runtime.step.handlers import HANDLERS, StepContext
 
-__all__ = ["run_local", "run_rank"]
+__all__ = ["LocalTransport", "run_local", "run_rank"]
 
 
 def _run(ctx: StepContext, rank: int, step: int, action: Action) -> Event:
@@ -121,3 +124,52 @@ def _named(ctx: StepContext, rank: int, step: int, action: Action) -> Event:
     # torch.distributed.pipelining's name for an action, so traces of both read alike.
     with record_function(f"PP:{action}"):
         return _run(ctx, rank, step, action)
+
+
+class LocalTransport:
+    """Every rank in one process: sends are hand-offs into a mailbox, nothing is copied."""
+
+    def __init__(self) -> None:
+        self._mailbox: dict[Action, tuple[Tensor, ...]] = {}
+        self._posted: set[Action] = set()
+
+    def start_step(self, schedule: Schedule, signature: Hashable, step: int | None = None) -> None:
+        return None  # tensors are handed over as they are: nothing to learn or to agree on
+
+    def send(self, action: Action, tensors: tuple[Tensor, ...]) -> None:
+        self._mailbox[receiver_of(action)] = tensors
+
+    def post_recv(self, action: Action) -> None:
+        self._posted.add(action)
+
+    def wait_recv(self, action: Action) -> tuple[Tensor, ...]:
+        if action not in self._posted:
+            raise PipelineError(f"{action} was waited on before it was posted")
+        try:
+            data = self._mailbox.pop(action)
+        except KeyError:
+            raise PipelineError(
+                f"{action}: nothing was sent to it (its SEND has not run)"
+            ) from None
+        self._posted.discard(action)
+        return data
+
+    def finish_step(self, loss: Tensor | None = None) -> Tensor | None:
+        if self._mailbox or self._posted:
+            left = sorted(str(a) for a in (*self._mailbox, *self._posted))
+            self._mailbox.clear()
+            self._posted.clear()
+            raise PipelineError(f"step ended with transfers never consumed: {', '.join(left[:6])}")
+        return loss  # one process: the loss is already everywhere
+
+    def reset(self) -> None:
+        return None  # nothing is learnt: tensors are handed over as they are
+
+    def reduce_shared(self, grads: Sequence[Tensor]) -> None:
+        return None  # one process: shared parameters are one tensor already
+
+    def fail(self, error: BaseException) -> None:
+        return None  # one process: nobody else is waiting
+
+    def culprit(self, error: BaseException) -> BaseException | None:
+        return None  # one process: no other process to fail

@@ -38,7 +38,7 @@ from zeropipe.base.device import autocast
 from zeropipe.core.errors import PipelineError
 
 if TYPE_CHECKING:
-    from zeropipe.runtime.memory.offload import SavedActivations
+    from zeropipe.runtime.memory.offload import Saved
 
 __all__ = [
     "LAYER_KEYS",
@@ -124,7 +124,7 @@ class MicrobatchState:
     outputs: tuple[Tensor, ...] = ()
     loss: Tensor | None = None  # last stage: the loss, the root of backward (seeded by its weight)
     stash: WeightGradStash | None = None
-    saved: SavedActivations | None = None  # None after a checkpointed F, or after the backward
+    saved: Saved | None = None  # None after a checkpointed F, or after the backward
     input_grads: tuple[Tensor, ...] | None = None
     sent_early: bool = False  # SEND_B already posted from inside B
     seen: set[str] = field(default_factory=set)

@@ -3,8 +3,9 @@
 The action handlers never talk to torch.distributed directly; they call a
 :class:`Transport`.  ``SEND_*`` posts a send and returns at once, ``RECV_*``
 posts a receive, and the consumer waits for the data only when it needs it.
-:class:`LocalTransport` is the one-process version (every rank in one
-process): a send drops the tensors in the matching receive's mailbox.
+The one-process version (every rank in one process) is
+:class:`~zeropipe.runtime.step.executor.LocalTransport`, beside the executor that
+plays every rank: a send drops the tensors in the matching receive's mailbox.
 """
 
 from __future__ import annotations
@@ -14,11 +15,9 @@ from typing import Protocol
 
 from torch import Tensor
 
-from zeropipe.core.errors import PipelineError
 from zeropipe.core.ir import Action, Schedule
-from zeropipe.core.message_order import receiver_of
 
-__all__ = ["LocalTransport", "Transport"]
+__all__ = ["Transport"]
 
 
 class Transport(Protocol):
@@ -67,52 +66,3 @@ class Transport(Protocol):
     def culprit(self, error: BaseException) -> BaseException | None:
         """The failure of another process that ``error`` only echoes (a lost connection in a
         collective outside the transport, such as tensor parallelism's), if one was recorded."""
-
-
-class LocalTransport:
-    """Every rank in one process: sends are hand-offs into a mailbox, nothing is copied."""
-
-    def __init__(self) -> None:
-        self._mailbox: dict[Action, tuple[Tensor, ...]] = {}
-        self._posted: set[Action] = set()
-
-    def start_step(self, schedule: Schedule, signature: Hashable, step: int | None = None) -> None:
-        return None  # tensors are handed over as they are: nothing to learn or to agree on
-
-    def send(self, action: Action, tensors: tuple[Tensor, ...]) -> None:
-        self._mailbox[receiver_of(action)] = tensors
-
-    def post_recv(self, action: Action) -> None:
-        self._posted.add(action)
-
-    def wait_recv(self, action: Action) -> tuple[Tensor, ...]:
-        if action not in self._posted:
-            raise PipelineError(f"{action} was waited on before it was posted")
-        try:
-            data = self._mailbox.pop(action)
-        except KeyError:
-            raise PipelineError(
-                f"{action}: nothing was sent to it (its SEND has not run)"
-            ) from None
-        self._posted.discard(action)
-        return data
-
-    def finish_step(self, loss: Tensor | None = None) -> Tensor | None:
-        if self._mailbox or self._posted:
-            left = sorted(str(a) for a in (*self._mailbox, *self._posted))
-            self._mailbox.clear()
-            self._posted.clear()
-            raise PipelineError(f"step ended with transfers never consumed: {', '.join(left[:6])}")
-        return loss  # one process: the loss is already everywhere
-
-    def reset(self) -> None:
-        return None  # nothing is learnt: tensors are handed over as they are
-
-    def reduce_shared(self, grads: Sequence[Tensor]) -> None:
-        return None  # one process: shared parameters are one tensor already
-
-    def fail(self, error: BaseException) -> None:
-        return None  # one process: nobody else is waiting
-
-    def culprit(self, error: BaseException) -> BaseException | None:
-        return None  # one process: no other process to fail

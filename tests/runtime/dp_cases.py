@@ -363,6 +363,22 @@ def _timeline_case(mesh: Any, dp: int) -> dict[str, Any]:
     return {"events": [(str(e.action), e.lane, e.start, e.end) for e in timeline.events[pipe.rank]]}
 
 
+def _files_case(mesh: Any, dp: int) -> list[str]:
+    """The runtime files one plain 1f1b step enters on this rank (its third: the first learns
+    shapes and counts saved bytes, the gradients are cleared before the one measured)."""
+    from tests.runtime.test_step_files import runtime_files_entered
+
+    model = mlp(layers=4, width=8)
+    x, y = batch_for(model, batch=16)
+    pipe = Pipeline(model, "1f1b", microbatches=4, loss_fn=F.mse_loss, mesh=mesh, options=OPTIONS)
+    for _ in range(2):
+        pipe.step(replica_slice(x, dp), replica_slice(y, dp))
+    model.zero_grad(set_to_none=True)
+    with runtime_files_entered() as files:
+        pipe.step(replica_slice(x, dp), replica_slice(y, dp))
+    return sorted(files)
+
+
 def _refusals(mesh: Any) -> list[str]:
     messages = []
     for make in (
@@ -389,6 +405,7 @@ def cases(rank: int, world: int) -> dict[str, Any]:
     out["local"] = guard(lambda: _local_case(rank))
     out["local_shard"] = guard(lambda: _local_shard_case(rank))
     out["timeline"] = guard(lambda: _timeline_case(mesh, dp))
+    out["files"] = guard(lambda: _files_case(mesh, dp))
     out["refusals"] = guard(lambda: _refusals(mesh))
     out["fsdp"] = {
         f"{name}/{model}/m={m}": guard(functools.partial(_fsdp_case, mesh, dp, name, model, m))

@@ -27,6 +27,9 @@ RUNTIME = Path(zeropipe.__file__).parent / "runtime"
 # pipeline, step/executor (with the in-process transport), step/handlers, step/stage,
 # step/loss_contract, memory/manager
 MOST_FILES = 6
+# and, with replicas (pp 2 x dp 2 over gloo): transport/tagged, transport/endpoint,
+# transport/wire, replicas/data_parallel, replicas/collectives
+MOST_FILES_WITH_REPLICAS = 11
 
 
 @contextmanager
@@ -64,6 +67,20 @@ def test_a_local_step_enters_few_runtime_files(name: str, ranks: int) -> None:
         f"one local {name} step enters {len(files)} runtime files, more than {MOST_FILES}: "
         f"{sorted(files)}"
     )
+
+
+def test_a_step_with_replicas_enters_few_runtime_files() -> None:
+    from tests.gradcheck import no_crash
+    from tests.runtime import dp_cases
+
+    for out in dp_cases.results():
+        no_crash(out["files"], "runtime files of a step with replicas")
+        files = out["files"]
+        assert {"replicas/data_parallel.py", "transport/tagged.py"} <= set(files)  # it was seen
+        assert len(files) <= MOST_FILES_WITH_REPLICAS, (
+            f"one 1f1b step on pp 2 x dp 2 enters {len(files)} runtime files, more than "
+            f"{MOST_FILES_WITH_REPLICAS}: {files}"
+        )
 
 
 def test_a_step_with_shared_parameters_still_sums_them() -> None:

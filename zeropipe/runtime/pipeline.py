@@ -411,11 +411,12 @@ class Pipeline:
             first_microbatch=0 if replicas is None else replicas.rank * schedule.microbatches,
         )
         # Summed at the step's end: a replica's every parameter, a distributed pipeline's
-        # shared ones.
+        # shared ones; earlier steps' gradients on them are set aside meanwhile.
         summed = self.parameters() if replicas is not None else []
         if self.distributed:
             summed = [*summed, *parts.shared]
-        earlier = set_aside(summed) if training and summed else {}
+        held = training and any(p.grad is not None for p in summed)
+        earlier = set_aside(summed) if held else {}
         if training:
             parts.memory.begin_step(micro_inputs, targets)
         return _Step(ctx, graph, earlier)

@@ -77,7 +77,7 @@ def barrier(
     behind, where a collective could not be given up.
 
     Each token also carries its sender's step number and batch fingerprint
-    (when ``endpoint`` has an :class:`~zeropipe.runtime.transport.agreement.Agreement`):
+    (when ``endpoint`` has an :class:`~zeropipe.runtime.transport.wire.Agreement`):
     every rank checks those it hears against its own, at no cost of its own.
     The rank that hears a mismatch fails, and the others hear of it.
 

@@ -52,8 +52,8 @@ from torch import Tensor
 
 from zeropipe.base import _compat
 from zeropipe.core.errors import PipelineError
-from zeropipe.runtime.transport.agreement import ASK_AFTER_S, Agreement
 from zeropipe.runtime.transport.failures import PeerFailures, failure_origin
+from zeropipe.runtime.transport.wire import ASK_AFTER_S, Agreement
 
 __all__ = ["Endpoint", "Label", "Pending", "WaitPool", "connect"]
 
@@ -263,6 +263,14 @@ class Endpoint:
             r if group is None else dist.get_global_rank(group, r) for r in range(self.world)
         ]
         self.pool = WaitPool(failures)  # gloo p2p works only complete through wait()
+
+    def usable(self) -> None:
+        """Raise if a failure already broke this pipeline's transport (every transfer asks)."""
+        if self.failures.broken is not None:
+            raise PipelineError(
+                f"this pipeline's distributed transport failed earlier "
+                f"({self.failures.broken}); its ranks are out of step: build a new Pipeline"
+            )
 
     def global_rank(self, peer: int) -> int:
         """The world rank of ``peer``, a rank of this endpoint's group."""

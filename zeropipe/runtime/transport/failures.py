@@ -91,14 +91,6 @@ class PeerFailures:
         """True once this rank stopped because a peer failed or went away (not on its own)."""
         return self._relayed is not None or self._lost is not None
 
-    def usable(self) -> None:
-        """Raise if a failure already broke this pipeline's transport."""
-        if self.broken is not None:
-            raise PipelineError(
-                f"this pipeline's distributed transport failed earlier ({self.broken}); its "
-                f"ranks are out of step: build a new Pipeline"
-            )
-
     def record(self, error: BaseException) -> None:
         """This rank failed with ``error``: mark the transport broken and tell the peers."""
         if self.broken is None:

@@ -32,7 +32,7 @@ fingerprint, checked on arrival.  On gloo, payloads travel on the tag of
 their fingerprint's lane, so ranks whose batches disagree never read each
 other's data as their own (gloo aborts a process that receives more bytes
 than it posted for); they stall, and learn it from the store
-(:class:`~zeropipe.runtime.transport.agreement.Agreement`).  NCCL ignores tags: there
+(:class:`~zeropipe.runtime.transport.wire.Agreement`).  NCCL ignores tags: there
 only the headers and the barrier check.
 
 On an accelerator a wait is a stream wait (the compute stream waits for the
@@ -58,13 +58,13 @@ from zeropipe.core.errors import PipelineError
 from zeropipe.core.ir import Action, Kind, Schedule
 from zeropipe.core.message_order import message_order, receiver_of
 from zeropipe.runtime.replicas import collectives
-from zeropipe.runtime.transport.agreement import Agreement
 from zeropipe.runtime.transport.endpoint import Label, connect
 from zeropipe.runtime.transport.wire import (
     HEADER_LEN,
     LANES,
     ORDERED_TAGS,
     TAGGED_TAGS,
+    Agreement,
     Meta,
     Stamper,
     decode_header,
@@ -173,7 +173,7 @@ class OrderedTransport:
 
     # -- the Transport protocol ------------------------------------------------------
     def start_step(self, schedule: Schedule, signature: Hashable, step: int | None = None) -> None:
-        self._failures.usable()
+        self._endpoint.usable()
         self._plan = self._plan_for(schedule)
         self._agreement.begin(self._stamper.begin(schedule, signature, step))
         self._data_tag = self._tag + 1 + self._stamper.lane
@@ -185,7 +185,7 @@ class OrderedTransport:
             self._shapes, self._signature = shapes, signature
 
     def send(self, action: Action, tensors: tuple[Tensor, ...]) -> None:
-        self._failures.usable()
+        self._endpoint.usable()
         if action in self._ready or action not in self._plan.peer:
             raise PipelineError(
                 f"{action} is not a cross-rank send of this rank's schedule, or ran twice"
@@ -200,7 +200,7 @@ class OrderedTransport:
         self._advance()
 
     def post_recv(self, action: Action) -> None:
-        self._failures.usable()
+        self._endpoint.usable()
         if action in self._posted:
             raise PipelineError(f"{action} was posted twice in one step")
         if action not in self._plan.peer:
@@ -209,7 +209,7 @@ class OrderedTransport:
         self._advance()
 
     def wait_recv(self, action: Action) -> tuple[Tensor, ...]:
-        self._failures.usable()
+        self._endpoint.usable()
         if action not in self._posted:
             raise PipelineError(f"{action} was waited on before it was posted")
         self._advance()
@@ -231,7 +231,7 @@ class OrderedTransport:
         return got.buffers
 
     def finish_step(self, loss: Tensor | None = None) -> Tensor | None:
-        self._failures.usable()
+        self._endpoint.usable()
         if loss is not None and dtype_code(loss.dtype) is None:
             raise PipelineError(f"the loss has dtype {loss.dtype}, which cannot be shared")
         try:
@@ -254,7 +254,7 @@ class OrderedTransport:
         self._shapes, self._signature = _Shapes(), None
 
     def reduce_shared(self, grads: Sequence[Tensor]) -> None:
-        self._failures.usable()
+        self._endpoint.usable()
         collectives.all_reduce(self._endpoint, grads)
 
     def culprit(self, error: BaseException) -> BaseException | None:

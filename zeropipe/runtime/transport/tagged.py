@@ -19,7 +19,7 @@ Every rank must be in the same step with the same batch: the header and the
 end-of-step barrier carry each rank's step number and batch fingerprint, and
 payloads travel on the tags of their fingerprint's lane, so ranks that
 disagree never mix their data; they stall, and learn it from the store
-(:class:`~zeropipe.runtime.transport.agreement.Agreement`).
+(:class:`~zeropipe.runtime.transport.wire.Agreement`).
 
 The rest lives beside it: every wait is bounded and watches for failed
 peers (:mod:`zeropipe.runtime.transport.endpoint`), a failure reaches every rank through
@@ -47,7 +47,6 @@ from zeropipe.core.errors import PipelineError
 from zeropipe.core.ir import Action, Kind, Schedule
 from zeropipe.core.message_order import receiver_of
 from zeropipe.runtime.replicas import collectives
-from zeropipe.runtime.transport.agreement import Agreement
 from zeropipe.runtime.transport.endpoint import Label, Pending, connect
 from zeropipe.runtime.transport.wire import (
     HEADER_LEN,
@@ -55,6 +54,7 @@ from zeropipe.runtime.transport.wire import (
     MAX_TAG,
     SLOTS,
     TAGGED_TAGS,
+    Agreement,
     Meta,
     Stamper,
     decode_header,
@@ -162,11 +162,11 @@ class DistributedTransport:
         self._agreement.begin(self._stamper.begin(schedule, signature, step))
         self._lane_tag0 = self._lane_tag(self._stamper.lane)
         if self._heard is None:
-            self._failures.usable()
+            self._endpoint.usable()
             self._heard = collectives.post_barrier(self._endpoint, self._barrier_tag, self._device)
 
     def send(self, action: Action, tensors: tuple[Tensor, ...]) -> None:
-        self._failures.usable()
+        self._endpoint.usable()
         recv = receiver_of(action)
         t = self._transfer_of(recv)
         peer = self._placement[recv.stage]
@@ -204,7 +204,7 @@ class DistributedTransport:
         self._sends.append(_Sent(works, labels, tuple(keep)))
 
     def post_recv(self, action: Action) -> None:
-        self._failures.usable()
+        self._endpoint.usable()
         if action in self._recvs:
             raise PipelineError(f"{action} was posted twice in one step")
         t = self._transfer_of(action)
@@ -221,7 +221,7 @@ class DistributedTransport:
         self._recvs[action] = rec
 
     def wait_recv(self, action: Action) -> tuple[Tensor, ...]:
-        self._failures.usable()
+        self._endpoint.usable()
         rec = self._recvs.pop(action, None)
         if rec is None:
             raise PipelineError(f"{action} was waited on before it was posted")
@@ -239,7 +239,7 @@ class DistributedTransport:
         return rec.buffers
 
     def finish_step(self, loss: Tensor | None = None) -> Tensor | None:
-        self._failures.usable()
+        self._endpoint.usable()
         if loss is not None and dtype_code(loss.dtype) is None:
             raise PipelineError(f"the loss has dtype {loss.dtype}, which cannot be shared")
         if self._recvs:
@@ -264,7 +264,7 @@ class DistributedTransport:
         self._meta_recv.clear()
 
     def reduce_shared(self, grads: Sequence[Tensor]) -> None:
-        self._failures.usable()
+        self._endpoint.usable()
         collectives.all_reduce(self._endpoint, grads)
 
     def culprit(self, error: BaseException) -> BaseException | None:

@@ -1,7 +1,10 @@
 """Hugging Face decoder-only causal LMs cut into pipeline stages that share the model's weights.
 
 Supported: the Llama family (``LlamaForCausalLM``, ``MistralForCausalLM``,
-``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``) and ``GPT2LMHeadModel``.  A stage
+``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``), ``GPT2LMHeadModel``, and the
+mixtures of experts ``Qwen3MoeForCausalLM``, ``MixtralForCausalLM`` and
+``DeepseekV3ForCausalLM``, whose llama-like stages :mod:`zeropipe.adapters.hf_moe`
+builds.  A stage
 holds references to the model's own submodules, never copies::
 
     stage 0             stage k                  stage p-1
@@ -47,7 +50,15 @@ from zeropipe.core.errors import PipelineError
 from zeropipe.planning.balance import balance as balance_times
 from zeropipe.runtime.step.stage import seed_layers
 
-__all__ = ["SUPPORTED", "hf_family", "is_hf_model", "split_hf"]
+__all__ = [
+    "SUPPORTED",
+    "LlamaStage",
+    "StageBuilder",
+    "hf_family",
+    "is_hf_model",
+    "llama_stage",
+    "split_hf",
+]
 
 # Class name -> how its stages are built.
 SUPPORTED: dict[str, str] = {
@@ -56,7 +67,13 @@ SUPPORTED: dict[str, str] = {
     "Qwen2ForCausalLM": "llama",
     "Qwen3ForCausalLM": "llama",
     "GPT2LMHeadModel": "gpt2",
+    # Mixtures of experts: llama-like decoders whose stages also carry the router's
+    # statistics when the config asks for its loss (zeropipe.adapters.hf_moe builds them).
+    "Qwen3MoeForCausalLM": "moe",
+    "MixtralForCausalLM": "moe",
+    "DeepseekV3ForCausalLM": "moe",
 }
+StageBuilder = Callable[[nn.Module, list[int], bool, bool], nn.Module]
 _CHECKED = "checked on transformers 5.24; needs 4.53 or later (transformers.masking_utils)"
 # The stages call the model's submodules (embedding, decoder layers, norm, head) themselves,
 # so these methods of the model and of its inner model never run: a subclass that changes
@@ -70,7 +87,8 @@ def is_hf_model(model: object) -> bool:
 
 
 def hf_family(model: object) -> str | None:
-    """``"llama"`` or ``"gpt2"`` for a supported HF model (or a subclass of one), else None."""
+    """``"llama"``, ``"gpt2"`` or ``"moe"`` for a supported HF model (or a subclass of one),
+    else None."""
     for cls in type(model).__mro__:
         if cls.__module__.startswith("transformers.") and cls.__name__ in SUPPORTED:
             return SUPPORTED[cls.__name__]
@@ -78,11 +96,16 @@ def hf_family(model: object) -> str | None:
 
 
 def split_hf(
-    model: nn.Module, num_stages: int, balance: Sequence[int] | None, sample_len: int = 32
+    model: nn.Module,
+    num_stages: int,
+    balance: Sequence[int] | None,
+    sample_len: int = 32,
+    build: StageBuilder | None = None,
 ) -> list[nn.Module]:
     """``model`` cut into ``num_stages`` stage modules; ``balance`` = decoder layers per stage.
 
-    Without ``balance`` the embedding, every decoder layer and the head are
+    ``build(model, layer_indices, first, last)`` makes one stage: by default the
+    family's own (mixtures of experts pass zeropipe.adapters.hf_moe's).  Without ``balance`` the embedding, every decoder layer and the head are
     timed (forward + backward on a sample of ``sample_len`` tokens) and cut so
     that the slowest stage is as fast as can be; in a distributed job rank 0's
     cut is broadcast so that every rank builds the same stages.
@@ -90,7 +113,12 @@ def split_hf(
     family = hf_family(model)
     if family is None:
         raise PipelineError(f"{type(model).__name__} is not one of {', '.join(SUPPORTED)}")
-    build = _llama_stage if family == "llama" else _gpt2_stage
+    build = build or {"llama": llama_stage, "gpt2": _gpt2_stage}.get(family)
+    if build is None:
+        raise PipelineError(
+            f"{type(model).__name__} is a mixture of experts: cut it with zeropipe.split, "
+            f"which builds its stages with zeropipe.adapters.hf_moe"
+        )
     _check_not_overridden(model, family)
     layers = _layers(model, family)
     if balance is None:
@@ -132,7 +160,7 @@ def _check_not_overridden(model: nn.Module, family: str) -> None:
         for c in cls.__mro__
         if c.__module__.startswith("transformers.") and c.__name__ in SUPPORTED
     )
-    attr = "model" if family == "llama" else "transformer"
+    attr = "transformer" if family == "gpt2" else "model"
     inner = getattr(model, attr, None)
     parts: list[tuple[nn.Module, type, str]] = [(model, base, cls.__name__)]
     if isinstance(inner, nn.Module):
@@ -201,7 +229,7 @@ class _DecoderStage(nn.Module):
         self.kinds = kinds  # per layer: "full_attention" or "sliding_attention"
         self.first = self.last = False
 
-    def forward(self, *inputs: Tensor) -> Tensor | tuple[Tensor, Tensor]:
+    def forward(self, *inputs: Tensor) -> Tensor | tuple[Tensor, ...]:
         x, pad = self._unpack(inputs)
         h = self.embed(x) if self.first else x
         if len(self.layers):
@@ -250,7 +278,9 @@ class _DecoderStage(nn.Module):
         raise NotImplementedError
 
 
-class _LlamaStage(_DecoderStage):
+class LlamaStage(_DecoderStage):
+    """A stage of a Llama-family decoder: rotary embeddings recomputed, no bias in the head."""
+
     embed_tokens: nn.Module
     rotary_emb: nn.Module
     norm: nn.Module
@@ -296,7 +326,15 @@ class _GPT2Stage(_DecoderStage):
         return h
 
 
-def _llama_stage(hf: nn.Module, picked: list[int], first: bool, last: bool) -> nn.Module:
+def llama_stage(
+    hf: nn.Module,
+    picked: list[int],
+    first: bool,
+    last: bool,
+    stage_class: type[LlamaStage] = LlamaStage,
+) -> LlamaStage:
+    """The stage of ``hf`` holding decoder layers ``picked`` (and the embedding if ``first``,
+    norm and head if ``last``), as a ``stage_class``."""
     model: Any = hf
     inner: Any = model.model
     config = model.config
@@ -304,7 +342,7 @@ def _llama_stage(hf: nn.Module, picked: list[int], first: bool, last: bool) -> n
     if types is None:  # Mistral: one window for every layer, when the config sets one
         kind = "full_attention" if getattr(config, "sliding_window", None) is None else "sliding"
         types = ["sliding_attention" if kind == "sliding" else kind] * len(inner.layers)
-    stage = _LlamaStage(config, [inner.layers[i] for i in picked], [types[i] for i in picked])
+    stage = stage_class(config, [inner.layers[i] for i in picked], [types[i] for i in picked])
     if picked:
         stage.rotary_emb = inner.rotary_emb  # buffers only, shared by the stages
     if first:
@@ -329,7 +367,7 @@ def _layers(model: nn.Module, family: str) -> nn.ModuleList:
     """The decoder layers, after checking the model has the parts the stages use."""
     need = (
         ("model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head")
-        if family == "llama"
+        if family != "gpt2"
         else ("transformer.wte", "transformer.wpe", "transformer.h", "transformer.ln_f", "lm_head")
     )
     for path in need:
@@ -342,8 +380,8 @@ def _layers(model: nn.Module, family: str) -> nn.ModuleList:
                 f"zeropipe.split's adapter was {_CHECKED}: install such a version or pass "
                 f"stages by hand"
             )
-    inner: Any = model.model if family == "llama" else model.transformer
-    return inner.layers if family == "llama" else inner.h
+    inner: Any = model.transformer if family == "gpt2" else model.model
+    return inner.h if family == "gpt2" else inner.layers
 
 
 def _hidden(out: object) -> Tensor:
@@ -421,7 +459,7 @@ def _checked_cut(cut: list[int], layers: int, num_stages: int) -> list[int]:
 
 def _measured_cut(
     model: nn.Module,
-    build: Callable[[nn.Module, list[int], bool, bool], nn.Module],
+    build: StageBuilder,
     layers: int,
     num_stages: int,
     sample_len: int,
@@ -440,7 +478,7 @@ def _measured_cut(
 
 def _time_and_cut(
     model: nn.Module,
-    build: Callable[[nn.Module, list[int], bool, bool], nn.Module],
+    build: StageBuilder,
     layers: int,
     num_stages: int,
     sample_len: int,
@@ -472,12 +510,16 @@ def _time_and_cut(
     return cut
 
 
-def _timed(module: nn.Module, x: Tensor, repeat: int = 3) -> float:
+def _timed(module: nn.Module, x: Tensor | tuple[Tensor, ...], repeat: int = 3) -> float:
+    """The median time of a forward and backward of ``module`` on ``x`` (a stage's input,
+    one tensor or several: hidden states and what crosses beside them)."""
     times = []
+    given = x if isinstance(x, tuple) else (x,)
     for _ in range(repeat + 1):
-        inp = x.detach().requires_grad_(True) if x.is_floating_point() else x
+        inp = [t.detach().requires_grad_(True) if t.is_floating_point() else t for t in given]
         t0 = time.perf_counter()
-        module(inp).sum().backward()
+        out = module(*inp)
+        (out[0] if isinstance(out, tuple) else out).sum().backward()
         times.append(time.perf_counter() - t0)
     return sorted(times[1:])[repeat // 2]
 

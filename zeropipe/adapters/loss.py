@@ -12,6 +12,12 @@ mean of its microbatches' means when they count different numbers of tokens, so
 the pipeline calls :meth:`CausalLMLoss.sum_and_count` per microbatch and divides
 by the batch's total :meth:`CausalLMLoss.count` (see :mod:`zeropipe.runtime.step.loss_contract`):
 ``Pipeline(stages, ..., loss_fn=zeropipe.causal_lm_loss)`` is exact as it is.
+
+A split mixture of experts whose config asks for the router's loss ends in
+``(logits, router_term)`` (:mod:`zeropipe.adapters.hf_moe`): the loss is then
+the model's own, ``mean cross-entropy + router_term``, and
+:meth:`CausalLMLoss.sum_and_count` returns ``(loss_sum, count, router_term)``,
+a term the pipeline averages over the microbatches.
 """
 
 from __future__ import annotations
@@ -35,13 +41,20 @@ class CausalLMLoss:
     def __init__(self, ignore_index: int = -100) -> None:
         self.ignore_index = ignore_index
 
-    def __call__(self, logits: Tensor, labels: Tensor) -> Tensor:
-        """The mean over counted tokens (``nan`` when none counts, as torch's mean gives)."""
-        total, count = self.sum_and_count(logits, labels)
-        return total / count
+    def __call__(self, logits: Tensor | tuple[Tensor, Tensor], labels: Tensor) -> Tensor:
+        """The mean over counted tokens (``nan`` when none counts, as torch's mean gives),
+        plus the router term when ``logits`` is ``(logits, router_term)``."""
+        total, count, *term = self.sum_and_count(logits, labels)
+        return total / count + term[0] if term else total / count
 
-    def sum_and_count(self, logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
-        """The summed loss over counted tokens and how many there are."""
+    def sum_and_count(
+        self, logits: Tensor | tuple[Tensor, Tensor], labels: Tensor
+    ) -> tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]:
+        """The summed loss over counted tokens and how many there are; given
+        ``(logits, router_term)`` (a scalar), that term as a third element."""
+        if isinstance(logits, tuple) and len(logits) == 2 and _scalar(logits[1]):
+            total, count, *_ = self.sum_and_count(logits[0], labels)
+            return total, count, logits[1]
         if not isinstance(logits, Tensor) or logits.dim() != 3:
             raise PipelineError(
                 f"causal_lm_loss takes logits [batch, seq, vocab], got "
@@ -75,6 +88,10 @@ class CausalLMLoss:
 
     def __repr__(self) -> str:
         return f"CausalLMLoss(ignore_index={self.ignore_index})"
+
+
+def _scalar(value: object) -> bool:
+    return isinstance(value, Tensor) and value.dim() == 0 and value.is_floating_point()
 
 
 def _shape(value: object) -> str:

@@ -9,6 +9,8 @@ What is supported, and how:
     nn.Sequential        consecutive slices, ``balance`` layers per stage (default: even)
     HF causal LMs        zeropipe.adapters.hf: embedding, decoder layers, norm and head;
                          ``balance`` decoder layers per stage (default: by measured time)
+    HF mixtures of       zeropipe.adapters.hf_moe: the same stages, which also carry the
+      experts            router's statistics when the config asks for its loss
     anything else        refused, naming what to do: cut it into stage modules by hand
 
 Hugging Face models are recognised by their class's module, so transformers is
@@ -22,6 +24,7 @@ from collections.abc import Sequence
 from torch import nn
 
 from zeropipe.adapters.hf import SUPPORTED, hf_family, is_hf_model, split_hf
+from zeropipe.adapters.hf_moe import moe_stage_builder
 from zeropipe.core.errors import PipelineError
 from zeropipe.runtime.step.stage import seed_layers, split_sequential
 
@@ -61,7 +64,10 @@ def split(
             seed_layers(stage.module, {str(k): key for k, key in enumerate(stage.layer_keys or ())})
             for stage in split_sequential(model, num_stages, balance)
         ]
-    if hf_family(model) is not None:
+    family = hf_family(model)
+    if family == "moe":
+        return split_hf(model, num_stages, balance, build=moe_stage_builder(model))
+    if family is not None:
         return split_hf(model, num_stages, balance)
     what = type(model).__name__
     if is_hf_model(model):

@@ -1,10 +1,11 @@
 """A step's loss normalised so that it, and its gradients, equal those of the whole batch.
 
-The batch is cut into microbatches and each one's loss is computed on its own
-on the last stage.  The step's loss is ``sum_i w_i * loss_i`` and the last
-stage's backward of microbatch ``i`` is seeded with ``w_i``, so ``w_i`` must
-be known before the first backward -- that is, from the targets, before the
-step runs (every rank receives the whole batch, so the last stage's rank can).
+It holds one concept, how microbatch losses are weighted.  The batch is cut
+into microbatches and each one's loss is computed on its own on the last stage.
+The step's loss is ``sum_i w_i * loss_i`` and the last stage's backward of
+microbatch ``i`` is seeded with ``w_i``, so ``w_i`` must be known before the
+first backward -- that is, from the targets, before the step runs (every rank
+receives the whole batch, so the last stage's rank can).
 What ``loss_i`` and ``w_i`` are depends on the kind of ``loss_fn``::
 
     loss_fn                                   loss_i                   w_i
@@ -20,6 +21,9 @@ What ``loss_i`` and ``w_i`` are depends on the kind of ``loss_fn``::
     a mean that knows its own count           its sum_and_count        1 / sum_j its count(target_j)
       (``sum_and_count`` and ``count`` methods,
       e.g. zeropipe.causal_lm_loss)
+
+A third element, ``(loss_sum, count, term)``, adds ``term / microbatches`` (a router loss, a
+mean over microbatches; not with data-parallel replicas, whose global count is not known).
 
 "Items" are what the module's mean divides by: the targets not equal to
 ``ignore_index`` (their class-weight sum with ``weight=``) for
@@ -66,7 +70,7 @@ import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal, NoReturn
+from typing import Literal, NoReturn, cast
 
 import torch
 import torch.nn.functional as F
@@ -269,7 +273,8 @@ class LossContract:
         whole = overall(float(sum(counts)))
         # A batch with nothing to count: the whole batch's mean is 0/0 = nan, and so is this.
         share = 1.0 / whole if whole != 0 else math.nan
-        return StepLoss(self, fn, [share] * len(sizes), counts)
+        scale = None if total else whole / len(sizes)  # a term's: see _sum_and_count
+        return StepLoss(self, fn, [share] * len(sizes), counts, term_scale=scale)
 
 
 @dataclass
@@ -296,6 +301,7 @@ class StepLoss:
     ignored: bool = False
     # A microbatch of one row awaiting the next, to probe a mean on the two (see _probe).
     kept: Kept | None = None
+    term_scale: float | None = None  # a term times this, weighted 1 / items, is term / microbatches
 
     def compute(self, output: Tensor | tuple[Tensor, ...], target: Tensor, i: int) -> Tensor:
         """Microbatch ``i``'s loss as the weights expect it: its sum, or its mean for "rows"."""
@@ -392,10 +398,12 @@ class StepLoss:
                 f"returns (loss_sum, count) needs Pipeline(loss_count=fn), fn(target) -> the "
                 f"count, so that the batch's total is known before the first backward"
             )
-        if len(result) != 2 or not isinstance(result[0], Tensor) or result[0].numel() != 1:
+        if len(result) not in (2, 3) or not all(
+            isinstance(t, Tensor) and t.numel() == 1 for t in result[::2]
+        ):
             raise PipelineError(
-                f"microbatch {i}: loss_fn must return (loss_sum, count) with loss_sum a scalar "
-                f"tensor, got {_describe(result)}"
+                f"microbatch {i}: loss_fn must return (loss_sum, count) or (loss_sum, count, term) "
+                f"with loss_sum and term scalar tensors, got {_describe(result)}"
             )
         got = _as_count(result[1], f"the count loss_fn returned for microbatch {i}")
         assert self.counts is not None  # "count" weighting always has counts
@@ -405,7 +413,14 @@ class StepLoss:
                 f"microbatch {i}: loss_fn counted {got:g} item(s) but loss_count(target) says "
                 f"{expected:g}; they must agree (the weights were taken from loss_count)"
             )
-        return result[0]
+        if len(result) == 2:
+            return cast(Tensor, result[0])
+        if self.term_scale is None:
+            raise PipelineError(
+                f"microbatch {i}: a (loss_sum, count, term) loss (a router loss) is not supported "
+                f"with data-parallel replicas yet: use one replica or output_router_logits=False"
+            )
+        return cast(Tensor, result[0]) + cast(Tensor, result[2]) * self.term_scale
 
 
 def _tensors(output: Tensor | tuple[Tensor, ...]) -> tuple[Tensor, ...]:

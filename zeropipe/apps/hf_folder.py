@@ -48,6 +48,7 @@ from torch import nn
 
 from zeropipe.apps import export_target
 from zeropipe.apps.export_target import TOKENIZER_FILES
+from zeropipe.apps.hf_experts import disk_name, disk_parts, fused, to_disk
 from zeropipe.apps.models.hf_presets import ARCHITECTURES, build_hf
 from zeropipe.core.errors import ZeropipeError
 
@@ -215,6 +216,8 @@ def load_stages(
         + [b for s in stages for _, b in s.named_buffers(remove_duplicate=False)]
     )
     plan: dict[str, list[tuple[torch.Tensor, str]]] = {}  # file -> (tensor, key)
+    kind = str(getattr(getattr(model, "config", None), "model_type", ""))
+    experts: list[tuple[torch.Tensor, list[list[str]]]] = []  # fused, from one per expert
     for t in wanted:
         if t.device.type != "meta":
             continue
@@ -222,6 +225,13 @@ def load_stages(
         key = next((k for k in own if k in where), None)
         if key is None:  # an older save without the base model's prefix (gpt2's "h.0...")
             key = next((k[len(prefix) :] for k in own if k[len(prefix) :] in where), None)
+        if key is None:  # a mixture of experts as save_pretrained writes it (hf_experts)
+            key = next((disk_name(kind, k) for k in own if disk_name(kind, k) in where), None)
+            made_of = [p for k in own if (p := disk_parts(kind, k, t.shape[0])) is not None]
+            found = next((p for p in made_of if all(n in where for g in p for n in g)), None)
+            if key is None and found is not None:
+                experts.append((t, found))
+                continue
         if key is None:
             if own and isinstance(t, nn.Parameter):
                 raise ZeropipeError(
@@ -245,9 +255,34 @@ def load_stages(
                 # paged in (and can change under it) until written.
                 loaded[id(t)] = value.to(device=device, dtype=t.dtype, copy=True)
                 read.append(key)
+    for t, parts in experts:
+        loaded[id(t)] = _read_experts(folder, where, t, parts).to(device=device, dtype=t.dtype)
+        read.extend(n for group in parts for n in group)
     _swap(model, stages, loaded)
     _recompute_buffers(stages, device)
     return sorted(read)
+
+
+def _read_experts(
+    folder: Path, where: dict[str, str], t: torch.Tensor, parts: list[list[str]]
+) -> torch.Tensor:
+    """The fused experts' parameter ``t`` (on meta) from its per-expert tensors ``parts``."""
+    from safetensors import safe_open
+
+    by_file: dict[str, list[str]] = {}
+    for name in (n for group in parts for n in group):
+        by_file.setdefault(where[name], []).append(name)
+    got: dict[str, torch.Tensor] = {}
+    for file, keys in sorted(by_file.items()):
+        with safe_open(str(folder / file), framework="pt", device="cpu") as fh:
+            got.update({k: fh.get_tensor(k).clone() for k in keys})
+    value = fused([[got[n] for n in group] for group in parts])
+    if tuple(value.shape) != tuple(t.shape):
+        raise ZeropipeError(
+            f"{folder}: the experts {parts[0][0]}... make a tensor of {list(value.shape)}, "
+            f"the model built from {CONFIG} has {list(t.shape)}"
+        )
+    return value
 
 
 def _swap(model: nn.Module, stages: Sequence[nn.Module], loaded: dict[int, torch.Tensor]) -> None:
@@ -396,7 +431,8 @@ def _hf_config_of_run(settings: dict[str, Any], config_dir: str | None) -> tuple
 
 def _hf_state(config: Any, tensors: dict[str, torch.Tensor], aliases: dict[str, str]) -> dict:
     """The checkpoint's tensors under the names HF saves: a tied group once, under the name
-    the model's ``named_parameters`` gives it first (the embedding)."""
+    the model's ``named_parameters`` gives it first (the embedding); a mixture's experts one
+    tensor per expert (:func:`zeropipe.apps.hf_experts.to_disk`)."""
     with torch.device("meta"):
         model = build_hf(config, 0)
     full = dict(tensors)
@@ -410,7 +446,7 @@ def _hf_state(config: Any, tensors: dict[str, torch.Tensor], aliases: dict[str, 
             f"the checkpoint lacks {missing[:4]} of the model its config builds; "
             f"give --config the folder it was trained from"
         )
-    return {k: full[k].contiguous() for k in keep}
+    return to_disk(str(config.model_type), {k: full[k].contiguous() for k in keep})
 
 
 def export_hf_folder(

@@ -2,8 +2,13 @@
 
     --model llama | qwen3 | gpt2     a preset sized by --width / --blocks (4 heads),
                                      tied embeddings, sized for 2 CPU ranks
+    --model qwen3-moe | mixtral      mixtures of experts sized alike: 4 experts, top-2,
+      | deepseek-v3                  the router's load-balancing loss on (coefficient
+                                     0.01; DeepSeek-V3 has none), DeepSeek-V3 with a
+                                     dense first block, a shared expert and MLA
     --model-config FILE.json         any config of a supported architecture
-                                     (its "model_type": llama, mistral, qwen2, qwen3, gpt2)
+                                     (its "model_type": llama, mistral, qwen2, qwen3, gpt2,
+                                     qwen3_moe, mixtral, deepseek_v3)
     --model-path DIR                 a saved HF folder of those: its config.json sets the
                                      model (as --model-config), its safetensors the weights,
                                      each rank reading its stages' (zeropipe.apps.hf_folder)
@@ -34,8 +39,22 @@ __all__ = [
     "with_blocks",
 ]
 
-PRESETS = ("llama", "qwen3", "gpt2")
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")  # model_type in a config file
+PRESETS = ("llama", "qwen3", "gpt2", "qwen3-moe", "mixtral", "deepseek-v3")
+# model_type in a config file
+ARCHITECTURES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gpt2",
+    "qwen3_moe",
+    "mixtral",
+    "deepseek_v3",
+)
+# The mixtures of experts' presets: 4 experts of which each token takes 2, and the
+# router's load-balancing loss at the coefficient their configs default to for training.
+_EXPERTS = {"num_experts_per_tok": 2, "output_router_logits": True}
+_AUX = 0.01
 
 
 def read_model_config(path: str) -> dict[str, Any]:
@@ -110,6 +129,8 @@ def hf_config(
             bos_token_id=0,
             eos_token_id=0,
         )
+    if model in ("qwen3-moe", "mixtral", "deepseek-v3"):
+        return _moe_config(transformers, model, vocab, width, blocks, heads, seq, dropout)
     return transformers.AutoConfig.for_model(
         model,
         vocab_size=vocab,
@@ -122,6 +143,68 @@ def hf_config(
         max_position_embeddings=max(seq, 128),
         attention_dropout=dropout,
         tie_word_embeddings=True,
+    )
+
+
+def _moe_config(
+    transformers: Any,
+    model: str,
+    vocab: int,
+    width: int,
+    blocks: int,
+    heads: int,
+    seq: int,
+    dropout: float,
+) -> Any:
+    """The config of a mixture-of-experts preset (see the module docstring)."""
+    common = {
+        "vocab_size": vocab,
+        "hidden_size": width,
+        "intermediate_size": width * 8 // 3 // 8 * 8,
+        "num_hidden_layers": blocks,
+        "num_attention_heads": heads,
+        "max_position_embeddings": max(seq, 128),
+        "attention_dropout": dropout,
+        "tie_word_embeddings": True,
+        **_EXPERTS,
+    }
+    head_dim = width // heads
+    if model == "qwen3-moe":
+        return transformers.AutoConfig.for_model(
+            "qwen3_moe",
+            num_experts=4,
+            moe_intermediate_size=width,
+            num_key_value_heads=max(1, heads // 2),
+            head_dim=head_dim,
+            router_aux_loss_coef=_AUX,
+            **common,
+        )
+    if model == "mixtral":
+        return transformers.AutoConfig.for_model(
+            "mixtral",
+            num_local_experts=4,
+            num_key_value_heads=max(1, heads // 2),
+            head_dim=head_dim,
+            router_aux_loss_coef=_AUX,
+            **common,
+        )
+    # DeepSeek-V3: MLA (its keys and values share one low-rank projection, every head its
+    # own), experts in two groups of which each token's top group is searched.
+    return transformers.AutoConfig.for_model(
+        "deepseek_v3",
+        n_routed_experts=4,
+        n_group=2,
+        topk_group=1,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        moe_intermediate_size=width,
+        num_key_value_heads=heads,
+        kv_lora_rank=max(8, width // 2),
+        q_lora_rank=max(8, width // 2),
+        qk_rope_head_dim=max(2, head_dim // 2 // 2 * 2),
+        qk_nope_head_dim=max(2, head_dim // 2),
+        v_head_dim=head_dim,
+        **common,
     )
 
 

@@ -64,7 +64,8 @@ class TrainConfig:
     model_config: str | None = field(
         default=None,
         metadata=flag(
-            "a Hugging Face config.json of llama, mistral, qwen2, qwen3 or gpt2 (built from "
+            "a Hugging Face config.json of llama, mistral, qwen2, qwen3, gpt2, qwen3_moe, "
+            "mixtral or deepseek_v3 (built from "
             "the config, nothing downloaded); --width/--blocks do not apply",
             group=_MODEL,
             metavar="FILE.json",

@@ -46,7 +46,7 @@ large Megatron-LM matmul reaches on an A100, ``matmul_efficiency()``, read from 
 zero-bubble paper's profiled weight-gradient times (``benchmarks/published.py``, its
 Table 9: a W pass is only the linears' weight-gradient matmuls, ``2 T n`` FLOPs a block):
 0.79, where the planner's default is 0.6.  The tensor-parallel constants are the shipped
-ones (:mod:`zeropipe.planning.tensor_parallel`).
+ones (:mod:`zeropipe.planning.pricing.tensor_parallel`).
 
 Not modelled: torch DDP's overlap of the gradient all-reduce with the backward (rows
 1.7B to 18B ran with it; their all-reduce is priced after the backward), Megatron's

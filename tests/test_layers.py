@@ -35,14 +35,17 @@ LAYERS: tuple[str, ...] = ("core", "base", "autograd", "runtime", "planning", "a
 TORCH_FREE_PLANNING = (
     "zeropipe.planning",
     "zeropipe.planning.specs",
+    "zeropipe.planning.catalog",
     "zeropipe.planning.hf_config",
     "zeropipe.planning.balance",
     "zeropipe.planning.cluster",
     "zeropipe.planning.cluster_costs",
     "zeropipe.planning.plan_memory",
     "zeropipe.planning.step_bound",
-    "zeropipe.planning.tensor_parallel",
-    "zeropipe.planning.transformer",
+    "zeropipe.planning.pricing",
+    "zeropipe.planning.pricing.moe",
+    "zeropipe.planning.pricing.tensor_parallel",
+    "zeropipe.planning.pricing.transformer",
 )
 # The package's __init__ is the public surface: it may name anything (lazily for torch).
 TOP = "zeropipe"

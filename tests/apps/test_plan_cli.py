@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from zeropipe.apps import cli
-from zeropipe.apps.plan_cli import candidates_from_json
+from zeropipe.apps.plan_output import candidates_from_json
 from zeropipe.core.costs import CostModel, StageCost
 from zeropipe.planning.cluster import Config
 

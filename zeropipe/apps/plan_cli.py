@@ -6,7 +6,8 @@ Two modes, one table:
   its spec and the accelerator's datasheet (:mod:`zeropipe.planning.specs`) for every pipeline
   depth, data-parallel degree, tensor-parallel degree (inside a node), microbatch size,
   chunking and schedule (:func:`zeropipe.planning.cluster.search`); ``--pp``, ``--dp`` and
-  ``--tp`` fix or restrict a dimension.
+  ``--tp`` fix or restrict a dimension; for a mixture of experts, ``--ep`` the
+  expert-parallel degrees (inside dp).
 * ``--costs COSTS.json --ranks R --microbatches M``: one pipeline whose costs were
   measured (``zeropipe profile --out``, ``zeropipe bench --costs-out``); rank the
   schedules for it, each with the measured layers cut where its own simulated step is
@@ -20,20 +21,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from zeropipe.apps import plan_size
 from zeropipe.apps.cli_args import int_at_least, positive_float, share
+from zeropipe.apps.plan_output import footer, format_table, to_json
 from zeropipe.core import render
 from zeropipe.core.costs import CostModel
 from zeropipe.core.errors import ScheduleError, ZeropipeError
 from zeropipe.core.schedules import GENERATORS
 from zeropipe.planning.cluster import (
-    Candidate,
     GiB,
     Ranking,
     divisors,
@@ -42,6 +41,8 @@ from zeropipe.planning.cluster import (
     search,
 )
 from zeropipe.planning.cluster import spec_costs as spec_cost_factory
+from zeropipe.planning.pricing.moe import check_ep
+from zeropipe.planning.pricing.tensor_parallel import check_tp
 from zeropipe.planning.specs import (
     ATTENTION_KINDS,
     DEFAULT_EFFICIENCY,
@@ -52,7 +53,6 @@ from zeropipe.planning.specs import (
     load_hardware,
     load_model,
 )
-from zeropipe.planning.tensor_parallel import check_tp
 
 __all__ = ["add_arguments", "run_cli"]
 
@@ -138,13 +138,21 @@ def _add_cluster_search_space(spec: Any) -> None:
         ("--pp", "pipeline depths", "every divisor of the GPUs up to the layers"),
         ("--dp", "data-parallel degrees", "whatever the GPUs leave"),
         ("--tp", "tensor-parallel degrees", "every divisor of a node's GPUs"),
+        (
+            "--ep",
+            "expert-parallel degrees of a mixture of experts: its routed experts sharded "
+            "over ep of the dp replicas (ep inside dp, as Megatron-LM and torchtitan lay it "
+            "out: ep neighbouring replicas, on NVLink while they share a node, across the "
+            "network beyond); ep divides dp and the experts, and",
+            "every divisor of the experts; 1 for a dense model",
+        ),
     ):
         spec.add_argument(
             flag,
             type=_int_list,
             metavar="LIST",
-            help=f"comma-separated {what} to consider, one to fix it (default: {default}); "
-            "pp x dp x tp = --gpus",
+            help=f"comma-separated {what} to consider, one to fix it (default: {default})"
+            + ("" if flag == "--ep" else "; pp x dp x tp = --gpus"),
         )
     spec.add_argument(
         "--sequence-parallel",
@@ -165,7 +173,14 @@ def _add_cluster_search_space(spec: Any) -> None:
         action="store_true",
         help="shard the fp32 master weights and Adam moments over the data-parallel "
         "replicas (ZeRO-1 / a distributed optimizer): 6 + 12/dp bytes per parameter "
-        "instead of 18",
+        "instead of 18 (routed experts: over the dp/ep replicas holding them)",
+    )
+    spec.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="shard weights, gradients and optimizer state over the data-parallel replicas "
+        "(FSDP / ZeRO-3): 18/dp bytes per parameter, 18/(dp/ep) per routed-expert weight; "
+        "gradients reduce-scattered, weight all-gathers taken as hidden under compute",
     )
 
 
@@ -245,8 +260,8 @@ def _progress(args: argparse.Namespace) -> Any:
 
 def run_cli(args: argparse.Namespace) -> int:
     if args.costs:
-        cluster_only = ("model", "gpus", "gpu", "seq", "global_batch", "pp", "dp", "tp")
-        given = [f for f in (*cluster_only, "tp_across_nodes") if getattr(args, f)]
+        cluster_only = ("model", "gpus", "gpu", "seq", "global_batch", "pp", "dp", "tp", "ep")
+        given = [f for f in (*cluster_only, "tp_across_nodes", "fsdp") if getattr(args, f)]
         if given:
             flags = ", ".join("--" + f.replace("_", "-") for f in given)
             raise ZeropipeError(f"--costs plans one measured pipeline: drop {flags}")
@@ -270,7 +285,7 @@ def run_cli(args: argparse.Namespace) -> int:
     print()
     print(format_table(ranking.candidates, unit=unit, cluster=cluster))
     print()
-    print(_footer(ranking))
+    print(footer(ranking))
     for note in ranking.notes:
         print(f"note: {note}")
     best = ranking.best
@@ -279,8 +294,9 @@ def run_cli(args: argparse.Namespace) -> int:
         print(f"wrote ranking: {args.json}")
     if args.plot and best is not None and best.timeline is not None:
         title = (
-            f"{best.schedule}, pp {best.pp} x dp {best.dp} x tp {best.tp}, "
-            f"mbs {best.microbatch_size}, "
+            f"{best.schedule}, pp {best.pp} x dp {best.dp} x tp {best.tp}"
+            + (f" (ep {best.ep})" if best.ep > 1 else "")
+            + f", mbs {best.microbatch_size}, "
             f"{best.microbatches} microbatches, memory plan {best.memory_plan}"
         )
         print(f"wrote plot: {render.render_png(best.timeline, args.plot, title)}")
@@ -320,7 +336,12 @@ def _check_cluster_flags(args: argparse.Namespace, model: Any, hw: Any) -> None:
 
 
 def _cluster_header(
-    args: argparse.Namespace, model: Any, hw: Any, memory: float, tp_options: list[int]
+    args: argparse.Namespace,
+    model: Any,
+    hw: Any,
+    memory: float,
+    tp_options: list[int],
+    ep_options: list[int],
 ) -> list[str]:
     """The lines above the table: model, cluster, step and what the prices assume."""
     peak = hw.peak(args.dtype)
@@ -331,9 +352,19 @@ def _cluster_header(
         + ("" if args.tp_across_nodes else " inside a node")
         + (", sequence parallel" if args.sequence_parallel else ", no sequence parallelism")
     )
+    experts = ""
+    if model.is_moe:
+        experts = (
+            f"; a mixture of experts: {model.active_params() / 1e9:.1f}B active, "
+            f"{model.experts_per_token} of {model.experts} experts"
+            + (f" + {model.shared_experts} shared" if model.shared_experts else "")
+            + f", {model.layers - len(set(model.dense_blocks))} MoE blocks"
+            + (", latent attention" if model.mla is not None else "")
+            + f"; expert parallel ep in {{{','.join(map(str, ep_options))}}} inside dp"
+        )
     return [
         f"model: {model.name}, {model.params() / 1e9:.1f}B parameters, {model.layers} blocks, "
-        f"hidden {model.hidden}",
+        f"hidden {model.hidden}{experts}",
         f"cluster: {args.gpus} x {hw.name} ({peak / 1e12:.0f} TFLOP/s {args.dtype}, "
         f"{hw.memory / GiB:.1f} GiB, {hw.gpus_per_node} per node; "
         f"{hw.intra_bandwidth / 1e9:.0f} GB/s in a node, {hw.inter_bandwidth / 1e9:.0f} GB/s "
@@ -342,16 +373,25 @@ def _cluster_header(
         f"memory limit {memory / GiB:.1f} GiB per GPU",
         f"assumed: matmuls at {args.efficiency or DEFAULT_EFFICIENCY:.0%} of peak, "
         f"{args.attention} attention{', dropout' if args.dropout else ''}, "
-        + (
-            "6 + 12/dp bytes of weight/gradient/Adam state per parameter (optimizer sharded "
-            "over dp)"
-            if args.shard_optimizer
-            else f"{DEFAULT_STATE_BYTES:g} bytes of weight/gradient/Adam state per parameter "
-            f"(no optimizer sharding)"
-        )
+        + _state_text(args)
         + f", offload at {hw.host_bandwidth / 1e9:.0f} GB/s to host; {tensor}; ranks laid "
         f"out tp innermost, then dp",
     ]
+
+
+def _state_text(args: argparse.Namespace) -> str:
+    """What the header says a parameter's weight, gradient and Adam state cost."""
+    if args.fsdp:
+        return "18/dp bytes of weight/gradient/Adam state per parameter (FSDP over dp)"
+    if args.shard_optimizer:
+        return (
+            "6 + 12/dp bytes of weight/gradient/Adam state per parameter (optimizer sharded "
+            "over dp)"
+        )
+    return (
+        f"{DEFAULT_STATE_BYTES:g} bytes of weight/gradient/Adam state per parameter "
+        f"(no optimizer sharding)"
+    )
 
 
 def _run_cluster(args: argparse.Namespace) -> tuple[list[str], Ranking, str]:
@@ -361,7 +401,8 @@ def _run_cluster(args: argparse.Namespace) -> tuple[list[str], Ranking, str]:
     _check_cluster_flags(args, model, hw)
     memory = args.memory * GiB if args.memory else hw.memory
     tp_options = _tp_options(args, model, hw)
-    header = _cluster_header(args, model, hw, memory, tp_options)
+    ep_options = _ep_options(args, model)
+    header = _cluster_header(args, model, hw, memory, tp_options, ep_options)
     schedules = _schedules(args)
     plan_size.refuse_largest(args, model, tp_options, schedules)
     ranking = search(
@@ -379,6 +420,7 @@ def _run_cluster(args: argparse.Namespace) -> tuple[list[str], Ranking, str]:
             dropout=args.dropout,
             sequence_parallel=args.sequence_parallel,
             tp_across_nodes=args.tp_across_nodes,
+            fsdp=args.fsdp,
         ),
         memory=memory,
         schedules=schedules,
@@ -392,14 +434,41 @@ def _run_cluster(args: argparse.Namespace) -> tuple[list[str], Ranking, str]:
         pp_options=args.pp,
         dp_options=args.dp,
         tp_options=tp_options,
+        ep_options=ep_options,
     )
     return header, ranking, "bytes"
+
+
+def _ep_options(args: argparse.Namespace, model: ModelSpec) -> list[int]:
+    """The expert-parallel degrees to search: --ep's, each checked against the model (a bad
+    one is an error naming the fix), or every divisor of the experts up to --gpus."""
+    if args.ep is None:
+        return [e for e in divisors(model.experts) if e <= args.gpus] if model.is_moe else [1]
+    for ep in args.ep:
+        try:
+            check_ep(ep, model=model, dp=None, tp=1)
+        except ScheduleError as exc:
+            raise ZeropipeError(f"--ep {ep}: {exc}") from None
+        if args.gpus % ep:
+            raise ZeropipeError(
+                f"--ep {ep} does not divide --gpus {args.gpus}: ep divides dp (ep inside dp); "
+                f"give a divisor of {args.gpus}"
+            )
+    return sorted(set(args.ep))
 
 
 def _tp_options(args: argparse.Namespace, model: ModelSpec, hw: HardwareSpec) -> list[int]:
     """The tensor-parallel degrees to search: --tp's, each checked (a bad one is an error
     naming the fix), or every divisor of a node's GPUs that the model and --gpus take."""
     node = hw.gpus_per_node
+    if model.experts or model.mla is not None:  # priced at tp 1 only (pricing.moe)
+        if args.tp not in (None, [1]):
+            raise ZeropipeError(
+                f"--tp {','.join(map(str, args.tp))}: tensor parallelism of {model.name}, a "
+                f"mixture of experts or a latent-attention model, is not priced; give --tp 1 "
+                f"(and --ep to shard its experts)"
+            )
+        return [1]
     if args.tp is None:
         out = []
         for tp in divisors(node):
@@ -486,77 +555,3 @@ def _run_measured(args: argparse.Namespace) -> tuple[list[str], Ranking, str]:
 
 def _fmt_memory(value: float, unit: str) -> str:
     return f"{value / GiB:.1f} GiB" if unit == "bytes" else f"{value:.4g} {unit}"
-
-
-def _num(value: float, fmt: str) -> str:
-    return "-" if math.isnan(value) else format(value, fmt)
-
-
-def format_table(candidates: Sequence[Candidate], *, unit: str, cluster: bool = True) -> str:
-    """The ranking as an aligned text table; ``cluster=False`` drops dp, tp, mbs and the
-    throughput columns a measured single pipeline does not know."""
-    memory_title = "peak GiB" if unit == "bytes" else f"peak ({unit})"
-    titles = ["#", "pp", "dp", "tp", "mbs", "m", "chunks", "schedule", "memory plan", "step s"]
-    titles += ["tokens/s", "MFU", "bubble", memory_title, "fits"]
-    rows = []
-    for n, c in enumerate(candidates, 1):
-        peak = c.peak_memory / GiB if unit == "bytes" else c.peak_memory
-        row = [str(n), str(c.pp), str(c.dp), str(c.tp), str(c.microbatch_size)]
-        row += [str(c.microbatches)]
-        row += [str(c.chunks), c.schedule, c.memory_plan, f"{c.step_time:.4g}"]
-        row += [_num(c.tokens_per_second, ",.0f"), _num(100 * c.mfu, ".1f") + "%"]
-        row += [f"{c.bubble:.1%}", f"{peak:.3g}" if unit == "bytes" else f"{peak:.4g}"]
-        row += ["yes" if c.fits else "NO"]
-        rows.append(row)
-    drop: set[int] = set()
-    if not cluster:
-        drop = {2, 3, 4, 10, 11} if all(math.isnan(c.mfu) for c in candidates) else {2, 3, 4}
-    keep = [i for i in range(len(titles)) if i not in drop]
-    table = [[titles[i] for i in keep]] + [[r[i].replace("-%", "-") for i in keep] for r in rows]
-    widths = [max(len(r[i]) for r in table) for i in range(len(keep))]
-    left = {keep.index(i) for i in (7, 8) if i in keep}  # text columns
-    lines = []
-    for r in table:
-        pairs = enumerate(zip(r, widths, strict=True))
-        cells = [v.ljust(w) if i in left else v.rjust(w) for i, (v, w) in pairs]
-        lines.append("  ".join(cells).rstrip())
-    return "\n".join(lines)
-
-
-def _footer(ranking: Ranking) -> str:
-    return (
-        f"{ranking.priced} of {ranking.considered} configurations simulated, "
-        f"{ranking.pruned} pruned (a lower bound on their step time, or not fitting, kept "
-        f"them out of the top), {ranking.refused} refused by a schedule or the cost model; "
-        f"{ranking.seconds:.1f} s"
-    )
-
-
-def to_json(ranking: Ranking, header: Sequence[str]) -> dict[str, Any]:
-    """The ranking as a JSON object; :func:`candidates_from_json` reads its candidates."""
-    return {
-        "format": "zeropipe-plan",
-        "version": 1,
-        "header": list(header),
-        "considered": ranking.considered,
-        "priced": ranking.priced,
-        "pruned": ranking.pruned,
-        "refused": ranking.refused,
-        "seconds": ranking.seconds,
-        "notes": list(ranking.notes),
-        "candidates": [_finite(c.to_dict()) for c in ranking.candidates],
-    }
-
-
-def _finite(row: dict[str, Any]) -> dict[str, Any]:
-    # JSON has no NaN: an unknown figure is null.
-    return {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in row.items()}
-
-
-def candidates_from_json(data: dict[str, Any]) -> list[Candidate]:
-    if data.get("format") != "zeropipe-plan":
-        raise ZeropipeError("not a zeropipe plan: field 'format' must be 'zeropipe-plan'")
-    return [
-        Candidate.from_dict({k: math.nan if v is None else v for k, v in row.items()})
-        for row in data.get("candidates", [])
-    ]

@@ -6,6 +6,7 @@ For ``gpus`` accelerators and a model of ``layers`` layers, :func:`search` enume
 
     tp    each of tp_options dividing gpus       (default 1: no tensor parallelism)
     pp    a divisor of gpus / tp, pp <= layers   dp   = gpus / (pp x tp)
+    ep    each of ep_options dividing dp         (default 1: experts on every replica)
     mbs   global_batch divisible by dp x mbs     m    = global_batch / (dp x mbs)
     schedule x chunks (stages = pp x chunks <= layers), as the generator accepts
 
@@ -133,10 +134,12 @@ class _Search:
         layers: int,
         workload: _Workload,
         prune: bool,
+        ep_options: Sequence[int] = (1,),
     ) -> None:
         self.costs_for, self.costs_for_schedule = costs_for, costs_for_schedule
         self.limit = math.inf if memory is None else float(memory)
         self.top, self.layers, self.workload = top, layers, workload
+        self.ep_options = ep_options
         # Bounds from costs_for do not hold for the cuts costs_for_schedule prices.
         self.prune = prune and costs_for_schedule is None
         self._costs: dict[Config, CostModel] = {}
@@ -218,6 +221,7 @@ class _Search:
             fits=memory.fits,
             tp=config.tp,
             timeline=timeline,
+            ep=config.ep,
         )
 
     def price(self, job: _Job) -> Candidate | None:
@@ -310,7 +314,7 @@ def _jobs(
     """Every (configuration, named schedule) the grid of (pp, dp, tp) holds, with its bound;
     ``count``: add them to the ranking's considered and refused."""
     global_batch = state.workload.global_batch
-    for pp, dp, tp in grid:
+    for pp, dp, tp, ep in _with_ep(grid, state.ep_options):
         for mbs in microbatch_sizes:
             if global_batch % (dp * mbs):
                 continue
@@ -324,7 +328,7 @@ def _jobs(
                     if pp * v > state.layers:
                         state.ranking.refused += count
                         continue
-                    config = Config(pp, dp, mbs, m, pp * v, tp=tp)
+                    config = Config(pp, dp, mbs, m, pp * v, tp=tp, ep=ep)
                     try:
                         placement, split = state.probe(name, pp, v, m)
                         costs = state.costs(config)
@@ -337,6 +341,16 @@ def _jobs(
                     )
                     bound = lower_bound(costs, placement, m, split=split)
                     yield _Job(config, name, placement, split, bound, weights <= state.limit)
+
+
+def _with_ep(
+    grid: Sequence[tuple[int, int, int]], ep_options: Sequence[int]
+) -> Iterator[tuple[int, int, int, int]]:
+    """The grid's (pp, dp, tp) with each expert-parallel degree that divides dp."""
+    for pp, dp, tp in grid:
+        for ep in ep_options:
+            if dp % ep == 0:
+                yield pp, dp, tp, ep
 
 
 def search(
@@ -357,6 +371,7 @@ def search(
     pp_options: Sequence[int] | None = None,
     dp_options: Sequence[int] | None = None,
     tp_options: Sequence[int] = (1,),
+    ep_options: Sequence[int] = (1,),
     prune: bool = True,
     auto_runs: int = 3,
     auto_budget: float = 2.0,
@@ -385,6 +400,10 @@ def search(
         tp_options: tensor-parallel degrees to consider (default 1: none); the cost
             factory refuses (:class:`ScheduleError`, counted as refused) those the model
             or the node cannot take.  ``gpus`` = pp x dp x tp.
+        ep_options: expert-parallel degrees to consider for a mixture of experts (default
+            1): the routed experts sharded over ep of the dp replicas (ep inside dp, as
+            Megatron-LM and torchtitan lay it out); those not dividing dp are skipped,
+            those the model cannot take are refused by the cost factory.
         prune: False prices every configuration (slow; the ranking is the same).
         costs_for_schedule: when given, each schedule is priced under the cost model
             it returns for it (e.g. :func:`schedule_cut`: its own cut of measured
@@ -399,10 +418,10 @@ def search(
     """
     start = time.perf_counter()
     _check_arguments(gpus, layers, global_batch, top, schedules, microbatch_sizes)
-    _check_options(pp=pp_options, dp=dp_options, tp=tp_options)
+    _check_options(pp=pp_options, dp=dp_options, tp=tp_options, ep=ep_options)
     grid = layouts(gpus, layers, pp_options, dp_options, tp_options)
     workload = _Workload(global_batch, seq, flops_per_sample, gpus, peak_flops)
-    state = _Search(costs_for, costs_for_schedule, memory, top, layers, workload, prune)
+    state = _Search(costs_for, costs_for_schedule, memory, top, layers, workload, prune, ep_options)
     named = sorted(_jobs(state, grid, schedules, microbatch_sizes, chunks), key=_Job.order)
     report = _Progress(state.ranking, progress)
     _price_named(state, named, report)

@@ -46,6 +46,7 @@ class Config:
     stages: int  # pp x chunks: the model is cut into this many stages
     recompute: bool = False  # price R and what a checkpointed forward keeps
     tp: int = 1  # GPUs per stage (tensor parallel): pp x dp x tp GPUs in all
+    ep: int = 1  # replicas sharing a stage's routed experts (expert parallel, inside dp)
 
     @property
     def chunks(self) -> int:
@@ -61,7 +62,9 @@ ScheduleCosts = Callable[[Config, Schedule], CostModel]
 class Candidate:
     """One configuration, priced.  Times in seconds, memory in the cost model's unit
     (bytes for a spec); ``tokens_per_second`` and ``mfu`` are NaN when not known.
-    ``tp``: GPUs per stage (tensor parallel); pp x dp x tp GPUs in all."""
+    ``tp``: GPUs per stage (tensor parallel); pp x dp x tp GPUs in all; ``ep``: of the dp
+    replicas, those sharing the routed experts of a mixture of experts (written only when
+    above 1)."""
 
     pp: int
     dp: int
@@ -78,8 +81,9 @@ class Candidate:
     fits: bool
     tp: int = 1
     timeline: Timeline | None = field(default=None, compare=False, repr=False)
+    ep: int = 1
 
-    def key(self) -> tuple[bool, float, float, int, int, int, str]:
+    def key(self) -> tuple[bool, float, float, int, int, int, int, str]:
         """Rank order: fitting first, then the shortest step (ties: less memory)."""
         return (
             not self.fits,
@@ -87,6 +91,7 @@ class Candidate:
             self.peak_memory,
             self.pp,
             self.tp,
+            self.ep,
             self.chunks,
             self.schedule,
         )
@@ -94,12 +99,14 @@ class Candidate:
     def to_dict(self) -> dict[str, Any]:
         out = asdict(replace(self, timeline=None))
         del out["timeline"]
+        if self.ep == 1:  # a dense model's plan reads as it always has
+            del out["ep"]
         return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Candidate:
         names = {f.name for f in fields(cls)} - {"timeline"}
-        missing = sorted(names - set(data) - {"tp"})  # a plan written before tp: tp 1
+        missing = sorted(names - set(data) - {"tp", "ep"})  # tp, ep not written: 1
         if missing:
             raise ScheduleError(f"a plan candidate needs {', '.join(missing)}", rule="syntax")
         return cls(**{k: data[k] for k in names if k in data})
@@ -136,6 +143,7 @@ def spec_costs(
     sequence_parallel: bool = True,
     tp_across_nodes: bool = False,
     grad_bytes: float = DEFAULT_GRAD_BYTES,
+    fsdp: bool = False,
 ) -> CostFactory:
     """The cost factory :func:`~zeropipe.planning.cluster.search` takes, from a model and an
     accelerator spec: :func:`zeropipe.planning.specs.costs_from_spec` for each configuration
@@ -146,12 +154,19 @@ def spec_costs(
     optimizer), so a rank keeps ``6 + 12 / dp`` bytes per parameter.  ``attention`` and
     ``dropout``: how the blocks run (:func:`zeropipe.planning.specs.price_stages`).  A
     configuration's ``tp`` GPUs per stage run with ``sequence_parallel`` or not, inside a
-    node unless ``tp_across_nodes`` (:mod:`zeropipe.planning.tensor_parallel`);
+    node unless ``tp_across_nodes`` (:mod:`zeropipe.planning.pricing.tensor_parallel`);
     ``grad_bytes``: bytes per parameter the gradient all-reduce moves.
+
+    A mixture of experts' routed experts are sharded over ``config.ep`` replicas; their
+    sharded state is divided by the ``dp / ep`` replicas that hold the same experts.
+    ``fsdp`` (FSDP, ZeRO-3) shards the weights, gradients and optimizer state alike
+    (``18 / dp`` bytes per parameter, ``18 / (dp / ep)`` per expert weight); its gradients
+    are reduce-scattered once a step (half an all-reduce's bytes) and its weights'
+    all-gathers are taken as prefetched under compute (not priced).
     """
 
     def costs_for(config: Config) -> CostModel:
-        state = 6.0 + 12.0 / config.dp if shard_optimizer else DEFAULT_STATE_BYTES
+        state, expert_state = _state_bytes(config, shard_optimizer=shard_optimizer, fsdp=fsdp)
         return costs_from_spec(
             model,
             hardware,
@@ -169,10 +184,23 @@ def spec_costs(
             tp=config.tp,
             sequence_parallel=sequence_parallel,
             tp_across_nodes=tp_across_nodes,
-            grad_bytes=grad_bytes,
+            grad_bytes=grad_bytes / 2 if fsdp else grad_bytes,
+            ep=config.ep,
+            expert_state_bytes=expert_state,
         )
 
     return costs_for
+
+
+def _state_bytes(config: Config, *, shard_optimizer: bool, fsdp: bool) -> tuple[float, float]:
+    """Bytes of weight, gradient and Adam state per parameter, and per routed-expert weight
+    (sharded over the ``dp / ep`` replicas that hold the same experts)."""
+    expert_replicas = config.dp // config.ep
+    if fsdp:
+        return DEFAULT_STATE_BYTES / config.dp, DEFAULT_STATE_BYTES / expert_replicas
+    if shard_optimizer:
+        return 6.0 + 12.0 / config.dp, 6.0 + 12.0 / expert_replicas
+    return DEFAULT_STATE_BYTES, DEFAULT_STATE_BYTES
 
 
 def fixed_costs(costs: CostModel) -> CostFactory:

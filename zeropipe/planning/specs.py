@@ -2,7 +2,7 @@
 
 Planning a run before the cluster exists needs costs without a profile: this
 module prices a decoder-only transformer stage from its shape
-(:class:`~zeropipe.planning.transformer.ModelSpec`) and the accelerator's datasheet
+(:class:`~zeropipe.planning.pricing.transformer.ModelSpec`) and the accelerator's datasheet
 figures (:class:`HardwareSpec`).  :func:`costs_from_spec` turns the figures into a cost
 model (seconds and bytes).
 
@@ -17,7 +17,7 @@ How a stage is priced (``T`` = tokens per microbatch = microbatch size x sequenc
   from their FLOPs (at ``efficiency`` x the accelerator's dense peak for the dtype) and
   the bytes their memory-bound work moves (at ``memory_efficiency`` x the memory
   bandwidth), with flash or unfused attention and dropout, and what each keeps for
-  backward: :mod:`zeropipe.planning.transformer`.  A stage sums its layers; a
+  backward: :mod:`zeropipe.planning.pricing.transformer`.  A stage sums its layers; a
   checkpointed stage keeps only its input.
 * **Static memory** per parameter: ``state_bytes`` (default 18: bf16 weight, fp32
   gradient, fp32 master copy and two Adam moments, as mixed-precision training
@@ -30,30 +30,47 @@ How a stage is priced (``T`` = tokens per microbatch = microbatch size x sequenc
 * **Tensor parallelism** (``tp`` GPUs per block, optionally with sequence
   parallelism): what it divides, what it adds (two all-reduces of the activation
   per block forward, two backward) and the narrower matmuls' lower rate are in
-  :mod:`zeropipe.planning.tensor_parallel`; every figure above is then one GPU's.
+  :mod:`zeropipe.planning.pricing.tensor_parallel`; every figure above is then one GPU's.
+* **Mixtures of experts** and **expert parallelism** (``ep`` GPUs share the routed
+  experts, inside the data-parallel replicas): compute by active weights, the
+  all-to-alls of each MoE block on the links they cross, the experts' weights apart
+  (their state and gradients per ``expert_state_bytes`` and reduced over ``dp / ep``
+  replicas), the share of an overlapped pair hidden (``CostModel.overlap``):
+  :mod:`zeropipe.planning.pricing.moe`.  Blocks of different kinds (dense first blocks)
+  are cut into stages by their times (:func:`zeropipe.planning.balance.balance`).
 
 Nothing here imports torch.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields, replace
-from functools import cache
-from pathlib import Path
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from zeropipe.core.costs import CostModel, StageCost
 from zeropipe.core.errors import ScheduleError
-from zeropipe.planning.hf_config import read_hf_config
-from zeropipe.planning.tensor_parallel import check_tp, matmul_share, ring_allreduce, split
-from zeropipe.planning.transformer import (
+from zeropipe.planning.catalog import (
+    HardwareSpec,
+    hardware_names,
+    load_hardware,
+    load_model,
+    model_names,
+)
+from zeropipe.planning.pricing.moe import (
+    all_to_all_time,
+    block_kinds,
+    check_ep,
+    cut_by_time,
+    pair_overlap,
+    stage_blocks,
+)
+from zeropipe.planning.pricing.tensor_parallel import check_tp, matmul_share, ring_allreduce, split
+from zeropipe.planning.pricing.transformer import (
     ATTENTION_KINDS,
     LayerPrice,
     LayerRun,
     ModelSpec,
-    price_block,
     price_embedding,
     price_head,
 )
@@ -73,86 +90,12 @@ __all__ = [
     "ring_allreduce_latency",
 ]
 
-_DATA = Path(__file__).with_name("spec_data")
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
 
 DEFAULT_EFFICIENCY = 0.6  # share of the dense peak a large bf16 matmul reaches
 DEFAULT_MEMORY_EFFICIENCY = 0.7  # share of the memory bandwidth elementwise kernels reach
 DEFAULT_STATE_BYTES = 18.0  # bytes of weight, gradient and Adam state per parameter
 DEFAULT_GRAD_BYTES = 4.0  # bytes per parameter a gradient all-reduce moves (fp32)
-
-
-@dataclass(frozen=True)
-class HardwareSpec:
-    """An accelerator and the links around it (bandwidths per GPU, one direction)."""
-
-    name: str
-    flops: dict[str, float]  # dtype -> dense peak FLOP/s
-    memory: float  # bytes
-    memory_bandwidth: float  # bytes/s
-    gpus_per_node: int
-    intra_bandwidth: float  # bytes/s between two GPUs of a node
-    intra_latency: float  # seconds per message inside a node
-    inter_bandwidth: float  # bytes/s of one GPU's share of the network
-    inter_latency: float  # seconds per message across nodes
-    host_bandwidth: float = 25e9  # bytes/s of a pinned copy to or from host memory
-    source: str = ""
-
-    def peak(self, dtype: str) -> float:
-        if dtype not in self.flops:
-            raise ScheduleError(
-                f"{self.name} has no peak given for dtype {dtype!r}; known: "
-                f"{', '.join(sorted(self.flops))}"
-            )
-        return self.flops[dtype]
-
-
-def _read(kind: str) -> dict[str, dict[str, Any]]:
-    data: dict[str, dict[str, Any]] = json.loads((_DATA / f"{kind}.json").read_text())
-    return {k: v for k, v in data.items() if not k.startswith("_")}
-
-
-@cache
-def _shipped(kind: str) -> dict[str, dict[str, Any]]:
-    return _read(kind)
-
-
-def model_names() -> list[str]:
-    return sorted(_shipped("models"))
-
-
-def hardware_names() -> list[str]:
-    return sorted(_shipped("hardware"))
-
-
-def load_model(name_or_path: str) -> ModelSpec:
-    """A shipped model by name, or a Hugging Face ``config.json`` (a file or its folder)."""
-    shipped = _shipped("models")
-    if name_or_path.lower() in shipped:
-        entry = shipped[name_or_path.lower()]
-        return ModelSpec(name=name_or_path.lower(), **entry)
-    path = Path(name_or_path)
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.is_file():
-        raise ScheduleError(
-            f"unknown model {name_or_path!r}: give a Hugging Face config.json (file or folder) "
-            f"or one of {', '.join(model_names())}"
-        )
-    shape = read_hf_config(path)
-    try:
-        return ModelSpec(**shape)
-    except ScheduleError as exc:  # a shape that cannot be (heads and kv_heads, ...)
-        raise ScheduleError(f"{path}: {exc}") from None
-
-
-def load_hardware(name: str) -> HardwareSpec:
-    shipped = _shipped("hardware")
-    entry = shipped.get(name.lower())
-    if entry is None:
-        raise ScheduleError(f"unknown GPU {name!r}; known: {', '.join(hardware_names())}")
-    known = {f.name for f in fields(HardwareSpec)}
-    return HardwareSpec(name=name.lower(), **{k: v for k, v in entry.items() if k in known})
 
 
 # -- pricing -------------------------------------------------------------------------------
@@ -174,6 +117,9 @@ class StagePrice:
     params: int
     blocks: int  # transformer blocks in this stage
     meta: dict[str, Any] = field(default_factory=dict)
+    expert_params: int = 0  # this GPU's routed experts' weights (not in ``params``)
+    all_to_all_f: float = 0.0  # of F, the MoE blocks' all-to-alls
+    all_to_all_i: float = 0.0  # of I, the same
 
 
 def _cut(layers: int, stages: int, block: float, first: float, last: float) -> list[int]:
@@ -218,6 +164,9 @@ class _PriceSettings:
     tp: int
     sequence_parallel: bool
     tp_across_nodes: bool
+    ep: int = 1
+    expert_state_bytes: float | None = None  # None: state_bytes
+    expert_grad_bytes: float | None = None  # None: grad_bytes
 
     def check(self, model: ModelSpec, hardware: HardwareSpec, stages: int) -> None:
         """Refuse settings, or a stage count, that cannot price ``model`` on ``hardware``."""
@@ -249,6 +198,12 @@ class _PriceSettings:
             gpus_per_node=hardware.gpus_per_node,
             cross_node=self.tp_across_nodes,
         )
+        check_ep(self.ep, model=model, dp=None, tp=self.tp)
+        if model.is_moe and stages > model.layers:
+            raise ScheduleError(
+                f"{stages} stages for a {model.layers}-block mixture of experts: at most one "
+                f"stage per block; use fewer stages"
+            )
 
     def layer_run(self, model: ModelSpec, hardware: HardwareSpec) -> LayerRun:
         """The rates and the all-reduce every layer of a stage is priced at."""
@@ -270,7 +225,25 @@ class _PriceSettings:
             ),
             tp=tp,
             sequence_parallel=self.sequence_parallel,
+            **self._expert_run(model, hardware, model.hidden * e),
         )
+
+    def _expert_run(self, model: ModelSpec, hardware: HardwareSpec, row: int) -> dict[str, Any]:
+        """A mixture of experts' ``ep`` and the seconds of one dispatch of a microbatch's
+        hidden states (``row`` bytes a token) to its experts (nothing for a dense model)."""
+        if not model.is_moe:
+            return {}
+        seconds = all_to_all_time(
+            float(row),
+            self.microbatch_size * self.seq,
+            model,
+            self.ep,
+            tp=self.tp,
+            gpus_per_node=hardware.gpus_per_node,
+            intra=(hardware.intra_bandwidth, hardware.intra_latency),
+            inter=(hardware.inter_bandwidth, hardware.inter_latency),
+        )
+        return {"ep": self.ep, "all_to_all": seconds}
 
     def meta(self) -> dict[str, Any]:
         """The settings a cost model records (``sequence_parallel`` only where tp > 1)."""
@@ -284,7 +257,7 @@ class _PriceSettings:
             "dropout": self.dropout,
             "tp": self.tp,
             "sequence_parallel": self.sequence_parallel and self.tp > 1,
-        }
+        } | ({"ep": self.ep} if self.ep > 1 else {})
 
 
 def price_stages(
@@ -305,6 +278,7 @@ def price_stages(
     tp: int = 1,
     sequence_parallel: bool = True,
     tp_across_nodes: bool = False,
+    ep: int = 1,
 ) -> list[StagePrice]:
     """Each stage's F, I, W, R times and memory for one microbatch (see the module docstring).
 
@@ -313,7 +287,9 @@ def price_stages(
     the last the final norm, output head and loss.  ``attention`` is ``"flash"`` or
     ``"unfused"``; ``dropout`` prices the dropout layers of training.  ``tp``: each
     stage runs on ``tp`` GPUs, with ``sequence_parallel`` or not, inside a node unless
-    ``tp_across_nodes`` (:mod:`zeropipe.planning.tensor_parallel`); figures are one GPU's.
+    ``tp_across_nodes`` (:mod:`zeropipe.planning.pricing.tensor_parallel`); figures are one GPU's.
+    ``ep``: a mixture of experts' routed experts sharded over ep GPUs
+    (:mod:`zeropipe.planning.pricing.moe`).
     """
     settings = _PriceSettings(
         seq=seq,
@@ -328,6 +304,7 @@ def price_stages(
         tp=tp,
         sequence_parallel=sequence_parallel,
         tp_across_nodes=tp_across_nodes,
+        ep=ep,
     )
     return _price(model, hardware, settings, stages, blocks)
 
@@ -343,12 +320,14 @@ def _price(
     layer once, cut the blocks into stages (``blocks``, or :func:`_cut`), sum each stage."""
     settings.check(model, hardware, stages)
     run = settings.layer_run(model, hardware)
-    block = price_block(model, run, attention=settings.attention, dropout=settings.dropout)
     embedding, head = price_embedding(model, run), price_head(model, run)
-    if blocks is None:
-        cut = _cut(model.layers, stages, block.time, embedding.time, head.time)
-    else:
+    kinds = block_kinds(model, run, attention=settings.attention, dropout=settings.dropout)
+    if blocks is not None:
         cut = list(blocks)
+    elif len(kinds) == 1:
+        cut = _cut(model.layers, stages, kinds[0][1].time, embedding.time, head.time)
+    else:
+        cut = cut_by_time(model, kinds, stages, embedding.time, head.time)
     if len(cut) != stages or sum(cut) != model.layers or min(cut) < 0:
         raise ScheduleError(
             f"blocks {cut} must give each of the {stages} stage(s) a count >= 0, "
@@ -356,10 +335,10 @@ def _price(
         )
     if model.tied_embeddings and stages == 1:  # the head's weights are the embedding's
         head = replace(head, params=model.hidden)
+    starts = [sum(cut[:s]) for s in range(stages)]
     return [
         _stage_price(
-            k,
-            block,
+            stage_blocks(model, kinds, starts[s], k),
             embedding=embedding if s == 0 else None,
             head=head if s == stages - 1 else None,
             run=run,
@@ -371,8 +350,7 @@ def _price(
 
 
 def _stage_price(
-    blocks: int,
-    block: LayerPrice,
+    parts: list[tuple[int, LayerPrice]],
     *,
     embedding: LayerPrice | None,
     head: LayerPrice | None,
@@ -380,10 +358,13 @@ def _stage_price(
     hidden: int,
     settings: _PriceSettings,
 ) -> StagePrice:
-    """One stage: ``blocks`` blocks, after the ``embedding`` on the first stage, before
-    the ``head`` on the last."""
-    F, I, W = blocks * block.F, blocks * block.I, blocks * block.W
-    act, act_w, params = blocks * block.act, blocks * block.act_w, blocks * block.params
+    """One stage: ``parts``' blocks (a count of each kind), after the ``embedding`` on the
+    first stage, before the ``head`` on the last."""
+    F, I, W = (sum(k * p.F for k, p in parts), sum(k * p.I for k, p in parts),
+               sum(k * p.W for k, p in parts))  # fmt: skip
+    act, act_w = sum(k * p.act for k, p in parts), sum(k * p.act_w for k, p in parts)
+    params = sum(k * p.params for k, p in parts)
+    experts = sum(k * p.expert_params for k, p in parts)
     if embedding is not None:
         params += embedding.params
         F += embedding.F
@@ -395,6 +376,10 @@ def _stage_price(
     t, e, tp, sp = run.tokens, run.element_bytes, run.tp, run.sequence_parallel
     # What a checkpointed stage keeps: its input (the first stage's: 8-byte token ids).
     ckpt = float(split(t * hidden * e, 0.0, tp, sp) if embedding is None else t * 8)
+    weights, grads = params * settings.state_bytes, params * settings.grad_bytes
+    if experts:
+        weights += experts * _or(settings.expert_state_bytes, settings.state_bytes)
+        grads += experts * _or(settings.expert_grad_bytes, settings.grad_bytes)
     return StagePrice(
         F=F,
         I=I,
@@ -403,12 +388,19 @@ def _stage_price(
         act=act,
         act_w=act_w,
         ckpt=ckpt,
-        weights=params * settings.state_bytes,
-        grad_bytes=params * settings.grad_bytes,
+        weights=weights,
+        grad_bytes=grads,
         boundary_bytes=float(t * hidden * e / tp),
         params=params,
-        blocks=blocks,
+        blocks=sum(k for k, _ in parts),
+        expert_params=experts,
+        all_to_all_f=sum(k * p.all_to_all_f for k, p in parts),
+        all_to_all_i=sum(k * p.all_to_all_i for k, p in parts),
     )
+
+
+def _or(value: float | None, default: float) -> float:
+    return default if value is None else value
 
 
 def pipeline_crosses_nodes(pp: int, dp: int, gpus_per_node: int, tp: int = 1) -> bool:
@@ -451,6 +443,8 @@ def costs_from_spec(
     tp: int = 1,
     sequence_parallel: bool = True,
     tp_across_nodes: bool = False,
+    ep: int = 1,
+    expert_state_bytes: float | None = None,
 ) -> CostModel:
     """Price a decoder-only transformer on an accelerator from their specs (no profile).
 
@@ -462,17 +456,18 @@ def costs_from_spec(
     derived is in :mod:`zeropipe.planning.specs`; ``attention`` (``"flash"`` or ``"unfused"``)
     and ``dropout`` say how the blocks run.  Each stage runs on ``tp`` GPUs (tensor
     parallel, with ``sequence_parallel`` or not; inside a node unless ``tp_across_nodes``:
-    :mod:`zeropipe.planning.tensor_parallel`), and every figure is one GPU's; tp = 1 is
+    :mod:`zeropipe.planning.pricing.tensor_parallel`), and every figure is one GPU's; tp = 1 is
     plain pipeline and data parallelism.  ``recompute`` makes R and ``ckpt``
     available for :func:`zeropipe.core.passes.fit.checkpoint`; it does not itself
-    checkpoint anything.  ``meta`` records the inputs and
-    ``flops_per_microbatch`` / ``peak_flops`` for MFU.
+    checkpoint anything.  ``meta`` records the inputs and ``flops_per_microbatch`` /
+    ``peak_flops`` for MFU.  Routed experts: sharded over ``ep`` of the ``dp`` replicas,
+    ``expert_state_bytes`` a weight (default ``state_bytes``), gradients reduced over
+    ``dp / ep`` replicas (:mod:`zeropipe.planning.pricing.moe`).
     """
     m = load_model(model) if isinstance(model, str) else model
     hw = load_hardware(hardware) if isinstance(hardware, str) else hardware
     ranks = stages if pp is None else pp
-    if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1:
-        raise ScheduleError(f"dp = {dp!r} must be a whole number >= 1")
+    _check_dp(dp, ep, m, tp)
     settings = _PriceSettings(
         seq=seq,
         microbatch_size=microbatch_size,
@@ -488,6 +483,9 @@ def costs_from_spec(
         tp=tp,
         sequence_parallel=sequence_parallel,
         tp_across_nodes=tp_across_nodes,
+        ep=ep,
+        expert_state_bytes=expert_state_bytes,
+        expert_grad_bytes=_expert_reduce(grad_bytes, dp, ep),
     )
     priced = _price(m, hw, settings, stages, blocks)
     far = pipeline_crosses_nodes(ranks, dp, hw.gpus_per_node, tp)
@@ -501,7 +499,25 @@ def costs_from_spec(
         dp_latency=ring_allreduce_latency(dp, hw.inter_latency if dp_far else hw.intra_latency),
         dp_bandwidth=hw.inter_bandwidth if dp_far else hw.intra_bandwidth,
         meta=_spec_meta(m, hw, settings, priced, pipeline_far=far, replicas_far=dp_far),
+        **({"overlap": pair_overlap(priced)} if m.is_moe else {}),
     )
+
+
+def _check_dp(dp: int, ep: int, model: ModelSpec, tp: int) -> None:
+    """Refuse a data-parallel degree below 1, or an ep the model or dp cannot take."""
+    if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1:
+        raise ScheduleError(f"dp = {dp!r} must be a whole number >= 1")
+    check_ep(ep, model=model, dp=dp, tp=tp)
+
+
+def _expert_reduce(grad_bytes: float, dp: int, ep: int) -> float:
+    """Bytes per routed-expert weight that, reduced over the ``dp`` replicas as the cost model
+    prices it (``2 (dp - 1) / dp`` of them), take as long as ``grad_bytes`` reduced over the
+    ``dp / ep`` replicas holding the same experts."""
+    replicas = dp // ep
+    if dp == 1 or replicas == 1:
+        return 0.0
+    return grad_bytes * ((replicas - 1) / replicas) / ((dp - 1) / dp)
 
 
 def _stage_cost(price: StagePrice, host_bandwidth: float, recompute: bool) -> StageCost:

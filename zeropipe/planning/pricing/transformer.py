@@ -36,7 +36,12 @@ for one microbatch, at the rates of a :class:`LayerRun`.
   unfused attention and dropout add (above).  Of it, W still needs the linears'
   inputs and the gradients of their outputs (``act_w``).
 * **Tensor parallelism**: what ``tp`` divides, the collectives it adds and the narrower
-  matmuls' lower rate are in :mod:`zeropipe.planning.tensor_parallel`.
+  matmuls' lower rate are in :mod:`zeropipe.planning.pricing.tensor_parallel`.
+* **Mixtures of experts and multi-head latent attention** (``experts`` > 0, ``mla``): a
+  block's FFN is routed experts (``experts_per_token`` of ``experts``, each ``expert_ffn``
+  wide) and ``shared_experts``, but the ``dense_blocks``; such blocks are priced by
+  :mod:`zeropipe.planning.pricing.moe`, which also prices expert parallelism.  A dense
+  model's figures do not depend on these fields.
 
 No torch here, and nothing from :mod:`zeropipe.planning.specs` (which imports this).
 """
@@ -48,12 +53,13 @@ from typing import Any
 
 from zeropipe.core.errors import ScheduleError
 from zeropipe.planning.hf_config import spec_fields
-from zeropipe.planning.tensor_parallel import kv_split, split
+from zeropipe.planning.pricing.tensor_parallel import kv_split, split
 
 __all__ = [
     "ATTENTION_KINDS",
     "LayerPrice",
     "LayerRun",
+    "MLAShape",
     "ModelSpec",
     "price_block",
     "price_embedding",
@@ -64,8 +70,42 @@ ATTENTION_KINDS = ("flash", "unfused")  # how attention is computed (see the doc
 
 
 @dataclass(frozen=True)
+class MLAShape:
+    """Multi-head latent attention (DeepSeek-V2/V3): queries through a ``q_lora_rank``
+    latent (0: a plain ``hidden x heads (qk_nope + qk_rope)`` projection), keys and values
+    through a ``kv_lora_rank`` latent plus one shared ``qk_rope_head_dim``-wide rotary key;
+    each head scores with ``qk_nope + qk_rope`` dims and reads ``v_head_dim`` dims."""
+
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def params(self, hidden: int, heads: int) -> int:
+        """Attention weights of one block: the query path, the key/value latent path and its
+        norms, and the output projection."""
+        qk = heads * self.qk_head_dim
+        if self.q_lora_rank:
+            query = hidden * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * qk
+        else:
+            query = hidden * qk
+        latent = hidden * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank
+        up = self.kv_lora_rank * heads * (self.qk_nope_head_dim + self.v_head_dim)
+        return query + latent + up + heads * self.v_head_dim * hidden
+
+
+@dataclass(frozen=True)
 class ModelSpec:
-    """A decoder-only transformer's shape."""
+    """A decoder-only transformer's shape: dense, or a mixture of experts (``experts`` > 0:
+    every block but the ``dense_blocks`` routes each token to ``experts_per_token`` of
+    ``experts`` gated FFNs ``expert_ffn`` wide, beside ``shared_experts`` every token
+    passes through; ``ffn`` is the dense blocks' width) with, optionally, multi-head latent
+    attention (``mla``)."""
 
     name: str
     layers: int
@@ -78,6 +118,16 @@ class ModelSpec:
     gated: bool = True  # SwiGLU-style FFN (gate, up, down) or a plain two-matrix one
     head_dim: int | None = None  # None: hidden / heads
     source: str = ""
+    experts: int = 0  # routed experts per MoE block (0: a dense model)
+    experts_per_token: int = 0  # top-k routed experts per token
+    shared_experts: int = 0
+    expert_ffn: int = 0  # FFN width of one expert
+    dense_blocks: tuple[int, ...] = ()  # blocks (0-based) with a dense FFN in an MoE model
+    mla: MLAShape | None = None
+    # Group-limited routing (DeepSeek-V3's n_group, topk_group): the experts in
+    # ``expert_groups`` equal groups, a token's top-k drawn from ``groups_per_token`` of them.
+    expert_groups: int = 1
+    groups_per_token: int = 1
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab"):
@@ -94,6 +144,81 @@ class ModelSpec:
                 f"model {self.name!r}: hidden ({self.hidden}) is not a multiple of heads "
                 f"({self.heads}); give head_dim"
             )
+        # JSON gives lists and objects: held as a tuple and an MLAShape.
+        object.__setattr__(self, "dense_blocks", tuple(self.dense_blocks))
+        if isinstance(self.mla, dict):
+            object.__setattr__(self, "mla", MLAShape(**self.mla))
+        if self.experts or self.experts_per_token or self.expert_ffn or self.shared_experts:
+            self._check_experts()
+
+    def _check_experts(self) -> None:
+        """Refuse a mixture of experts whose counts cannot be priced, naming the field."""
+        for name in ("experts", "experts_per_token", "expert_ffn"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ScheduleError(
+                    f"model {self.name!r}: {name} = {value!r} must be an int >= 1 in a mixture "
+                    f"of experts"
+                )
+        if self.experts_per_token > self.experts:
+            raise ScheduleError(
+                f"model {self.name!r}: experts_per_token ({self.experts_per_token}) exceeds the "
+                f"{self.experts} experts"
+            )
+        if not isinstance(self.shared_experts, int) or self.shared_experts < 0:
+            raise ScheduleError(
+                f"model {self.name!r}: shared_experts = {self.shared_experts!r} must be an int >= 0"
+            )
+        groups, chosen = self.expert_groups, self.groups_per_token
+        if groups < 1 or self.experts % groups or not 1 <= chosen <= groups:
+            raise ScheduleError(
+                f"model {self.name!r}: expert_groups = {groups!r} must divide the "
+                f"{self.experts} experts and groups_per_token = {chosen!r} be in 1..{groups}"
+            )
+        outside = [b for b in self.dense_blocks if not 0 <= b < self.layers]
+        if outside:
+            raise ScheduleError(
+                f"model {self.name!r}: dense_blocks {outside} are not blocks of a "
+                f"{self.layers}-block model"
+            )
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether some block routes tokens to experts."""
+        return self.experts > 0 and len(set(self.dense_blocks)) < self.layers
+
+    def moe_blocks(self) -> list[bool]:
+        """For each block, whether its FFN is routed experts."""
+        dense = set(self.dense_blocks)
+        return [self.experts > 0 and b not in dense for b in range(self.layers)]
+
+    def attention_params(self) -> int:
+        """Attention weights of one block (grouped-query or latent)."""
+        if self.mla is not None:
+            return self.mla.params(self.hidden, self.heads)
+        return self.hidden * (self.dim + 2 * self.kv_dim) + self.dim * self.hidden
+
+    def expert_params(self) -> int:
+        """Weights of one routed expert (gated: three matrices)."""
+        return 3 * self.hidden * self.expert_ffn
+
+    def block_params(self, moe: bool, *, active: bool = False) -> int:
+        """Weights of one block, a dense or an MoE one (norms and router included);
+        ``active``: only those a token is multiplied by (its top-k and shared experts)."""
+        if not moe:
+            ffn = (3 if self.gated else 2) * self.hidden * self.ffn
+        else:
+            routed = self.experts_per_token if active else self.experts
+            ffn = (routed + self.shared_experts) * self.expert_params()
+            ffn += self.hidden * self.experts  # the router
+        return self.attention_params() + ffn + 2 * self.hidden
+
+    def score_dims(self) -> tuple[int, int]:
+        """Widths of all heads together that attention scores with (query and key) and
+        reads (value)."""
+        if self.mla is not None:
+            return self.heads * self.mla.qk_head_dim, self.heads * self.mla.v_head_dim
+        return self.dim, self.dim
 
     @property
     def dim(self) -> int:
@@ -114,7 +239,19 @@ class ModelSpec:
         """All weights: embedding, blocks, final norm and (unless tied) the output head."""
         embedding = self.vocab * self.hidden
         head = 0 if self.tied_embeddings else embedding
+        if self.experts or self.mla is not None:
+            blocks = sum(self.block_params(moe) for moe in self.moe_blocks())
+            return embedding + blocks + self.hidden + head
         return embedding + self.layers * self.layer_params() + self.hidden + head
+
+    def active_params(self) -> int:
+        """Weights a token is multiplied by or looks up: :meth:`params` with only the
+        top-k and shared experts of each MoE block."""
+        if not self.experts:
+            return self.params()
+        blocks = sum(self.block_params(moe, active=True) for moe in self.moe_blocks())
+        embedding = self.vocab * self.hidden
+        return embedding + blocks + self.hidden + (0 if self.tied_embeddings else embedding)
 
     def flops_per_token(self, seq: int) -> float:
         """Training FLOPs per token by the usual convention for MFU: ``6 N + 12 L d s``.
@@ -122,8 +259,14 @@ class ModelSpec:
         ``N`` counts every weight a token is multiplied by (blocks and output head,
         not the embedding lookup); ``12 L d s`` is attention's score and value
         products forward and backward without skipping the causal mask.  No
-        recomputation is counted: MFU counts the model's work, not the plan's.
+        recomputation is counted: MFU counts the model's work, not the plan's.  In a
+        mixture of experts ``N`` is the active weights (top-k and shared experts, router);
+        with latent attention ``2 d`` is the score and value widths, ``6 L s (d_qk + d_v)``.
         """
+        if self.experts or self.mla is not None:
+            blocks = sum(self.block_params(moe, active=True) for moe in self.moe_blocks())
+            qk, v = self.score_dims()
+            return 6.0 * (blocks + self.vocab * self.hidden) + 6.0 * self.layers * (qk + v) * seq
         matmul = self.layers * self.layer_params() + self.vocab * self.hidden
         return 6.0 * matmul + 12.0 * self.layers * self.dim * seq
 
@@ -146,6 +289,8 @@ class LayerRun:
     allreduce: float  # seconds of one tensor-parallel all-reduce of the T x h activation
     tp: int = 1
     sequence_parallel: bool = True
+    ep: int = 1  # GPUs the routed experts are sharded over (expert parallel)
+    all_to_all: float = 0.0  # seconds of one dispatch (or combine) of an MoE block's tokens
 
 
 @dataclass(frozen=True)
@@ -157,8 +302,11 @@ class LayerPrice:
     W: float
     act: float  # bytes kept for backward
     act_w: float  # of them, bytes W still needs after I
-    params: int  # this GPU's weights of the layer
+    params: int  # this GPU's weights of the layer (but its routed experts')
     time: float  # F + I + W: what cutting the model into stages weighs
+    expert_params: int = 0  # this GPU's share of the routed experts' weights
+    all_to_all_f: float = 0.0  # of F, seconds of all-to-all (dispatch and combine)
+    all_to_all_i: float = 0.0  # of I, the same
 
 
 def price_block(

@@ -33,7 +33,7 @@ per block and microbatch of ``T`` tokens (``h`` = hidden):
   its node; that all-gather is not priced).
 
 No torch here, and nothing from :mod:`zeropipe.planning.specs` or
-:mod:`zeropipe.planning.transformer` (which import this).
+:mod:`zeropipe.planning.pricing.transformer` (which import this).
 """
 
 from __future__ import annotations

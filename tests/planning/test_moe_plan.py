@@ -23,7 +23,7 @@ from zeropipe.core.errors import ScheduleError
 from zeropipe.core.passes.build import build_schedule
 from zeropipe.core.schedules import generate
 from zeropipe.core.simulate import simulate
-from zeropipe.planning.cluster import Config, search, spec_costs
+from zeropipe.planning.cluster import Config, fixed_costs, search, spec_costs
 from zeropipe.planning.pricing.moe import (
     A2A_LINK_EFFICIENCY,
     all_to_all_time,
@@ -254,6 +254,13 @@ def test_dense_first_blocks_are_cut_by_their_time() -> None:
     assert sum(blocks) == 61 and blocks[0] > blocks[1]  # three light dense blocks first
     times = [s.F + s.I + s.W for s in costs.stages]
     assert max(times) / min(times) < 1.1
+
+
+def test_a_measured_cost_model_refuses_ep() -> None:
+    qwen = load_model("qwen3-30b-a3b")
+    measured = costs_from_spec(qwen, H100, stages=2, pp=2, dp=2, seq=4096)
+    with pytest.raises(ScheduleError, match="cannot price ep 2"):
+        fixed_costs(measured)(Config(2, 2, 1, 4, 2, ep=2))
 
 
 # -- the command -------------------------------------------------------------------------------

@@ -215,10 +215,11 @@ def fixed_costs(costs: CostModel) -> CostFactory:
     have = len(costs.stages)
 
     def costs_for(config: Config) -> CostModel:
-        if config.tp != 1:
+        if config.tp != 1 or config.ep != 1:
+            what = f"tp {config.tp}" if config.tp != 1 else f"ep {config.ep}"
             raise ScheduleError(
-                f"a measured cost model is one GPU per stage; it cannot price tp {config.tp} "
-                f"(measure the tensor-parallel stages, or plan from specs)"
+                f"a measured cost model is one GPU per stage; it cannot price {what} "
+                f"(measure the tensor- or expert-parallel stages, or plan from specs)"
             )
         want = config.stages
         if want == have:

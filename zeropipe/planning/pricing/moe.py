@@ -23,14 +23,15 @@ way :func:`~zeropipe.planning.pricing.transformer.price_block` prices a dense on
   written each way forward, twice that backward).
 * **Expert parallelism** (``ep`` GPUs share the routed experts, ``E / ep`` each): each
   MoE block's forward dispatches every token's hidden state to the GPUs holding its ``k``
-  experts and combines the results back (two all-to-alls; a token's state crosses each
-  link once per GPU, or across nodes once per node, holding some of its experts, as DeepEP
-  sends it: :func:`all_to_all_time`); its input gradient does the same backward.  The ep group is ``ep``
-  neighbouring data-parallel replicas (ep inside dp, as Megatron-LM and torchtitan lay it
-  out: ``ep`` divides ``dp``), ranks ``tp`` apart; the share of the peers inside the node
-  goes over NVLink, the rest over the network, at once (:func:`all_to_all_time`).  Inside a
-  stage nothing hides them (F and I include them); an overlapped pair (DualPipeV) hides
-  each half's all-to-all under the other half's compute, as far as that compute lasts
+  experts and combines the results back (two all-to-alls); its input gradient does the
+  same backward.  A token's state crosses NVLink once per GPU, and the network once per
+  node, holding some of its experts, as DeepEP sends it (a group-limited router, as
+  DeepSeek-V3's, bounds the nodes).  The ep group is ``ep`` neighbouring data-parallel
+  replicas (ep inside dp, as Megatron-LM and torchtitan lay it out: ``ep`` divides
+  ``dp``), ranks ``tp`` apart; what goes to peers inside the node crosses NVLink, the rest
+  the network, both at once (:func:`all_to_all_time`).  Inside a stage nothing hides
+  them (F and I include them); an overlapped pair (DualPipeV) hides each half's
+  all-to-all under the other half's compute, as far as that compute lasts
   (:func:`pair_overlap`).
 * **Memory**: a GPU keeps ``E / ep`` experts of each MoE block (``expert_params``; the
   cost model keeps their weights, gradients and optimizer state apart from the rest,
@@ -186,15 +187,14 @@ def price_moe_block(
     qk, v = model.score_dims()
     attn_n = model.attention_params()
     k = model.experts_per_token + model.shared_experts if moe else 0
-    # FFN weights a token multiplies by, at the dense rate (dense FFN, router) and at the
-    # experts' (active experts).
-    dense_n = (0 if moe else (3 if model.gated else 2) * h * model.ffn) + (
-        h * model.experts if moe else 0
-    )
-    expert_n = k * model.expert_params()
-    linear_s = 2.0 * t * (attn_n + dense_n) / flop + 2.0 * t * expert_n / (
-        flop * expert_share(model)
-    )
+    # FFN weights a token multiplies by: at the dense rate the router (or a dense FFN), at
+    # the experts' the active experts.
+    if moe:
+        dense_n, expert_n = h * model.experts, k * model.expert_params()
+    else:
+        dense_n, expert_n = (3 if model.gated else 2) * h * model.ffn, 0
+    expert_rate = flop * expert_share(model)
+    linear_s = 2.0 * t * (attn_n + dense_n) / flop + 2.0 * t * expert_n / expert_rate
     d = (qk + v) // 2  # attention's mean width
     ffn_width = k * model.expert_ffn if moe else model.ffn
     ffn_act = (3 if model.gated or moe else 2) * ffn_width

@@ -9,125 +9,24 @@ with ``aux_j`` the model's own ``aux_loss`` on microbatch j.  Models come from t
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 pytest.importorskip(
     "transformers", reason="the HF adapter needs transformers: pip install -e '.[hf]'"
 )
 
 import zeropipe
-from tests.adapters import hf_cases, hf_mask_cases
+from tests.adapters import hf_cases, hf_mask_cases, hf_moe_cases
+from tests.adapters.hf_moe_cases import COEF, MOE, M, build, cut, reference, worst
 from zeropipe.core.errors import PipelineError
 from zeropipe.core.passes.fit import checkpoint, offload
 from zeropipe.core.schedules import GENERATORS
 from zeropipe.runtime.step.loss_contract import LossContract
-
-COEF = 0.3  # large, so that a router term lost or counted twice moves the loss a lot
-M = 3  # microbatches of the 6-row batches of hf_cases
-MOE: dict[str, dict[str, Any]] = {
-    # layer 1 dense (mlp_only_layers): routers on layers 0, 2 and 3 only
-    "qwen3_moe": {
-        "num_experts": 4,
-        "num_experts_per_tok": 2,
-        "moe_intermediate_size": 16,
-        "mlp_only_layers": [1],
-        "router_aux_loss_coef": COEF,
-    },
-    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "router_aux_loss_coef": COEF},
-    # dense first block, a shared expert, grouped routing with the correction bias, MLA
-    "deepseek_v3": {
-        "n_routed_experts": 4,
-        "num_experts_per_tok": 2,
-        "moe_intermediate_size": 16,
-        "first_k_dense_replace": 1,
-        "n_shared_experts": 1,
-        "n_group": 2,
-        "topk_group": 1,
-        "kv_lora_rank": 8,
-        "q_lora_rank": 8,
-        "qk_rope_head_dim": 4,
-        "qk_nope_head_dim": 4,
-        "v_head_dim": 8,
-        "num_key_value_heads": 2,
-    },
-}
-
-
-def build(
-    arch: str,
-    aux: bool = True,
-    experts: str = "eager",
-    dtype: torch.dtype = torch.float64,
-    attn: str = "eager",
-) -> nn.Module:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    extra = {"num_key_value_heads": 1, **MOE[arch]}
-    cfg = AutoConfig.for_model(
-        arch,
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=4,
-        num_attention_heads=2,
-        max_position_embeddings=32,
-        attention_dropout=0.0,
-        output_router_logits=aux,
-        **extra,
-    )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(
-        cfg, dtype=dtype, attn_implementation=attn, experts_implementation=experts
-    )
-    if arch == "deepseek_v3":  # a bias that changes which experts are chosen
-        for layer in model.model.layers[1:]:
-            layer.mlp.gate.e_score_correction_bias.copy_(torch.tensor([0.3, -0.2, 0.1, 0.0]))
-    return model
-
-
-def reference(
-    model: nn.Module, ids: Tensor, labels: Tensor, mask: Tensor | None = None
-) -> tuple[float, dict[str, Tensor]]:
-    """The unsplit model, microbatch by microbatch: sum_j ce_sum_j / T + coef * aux_j / M."""
-    model.zero_grad(set_to_none=True)
-    total_tokens = zeropipe.causal_lm_loss.count(labels)
-    loss: Any = 0.0
-    for j, (x, y) in enumerate(zip(ids.chunk(M), labels.chunk(M), strict=True)):
-        pad = None if mask is None else mask.chunk(M)[j]
-        out = model(x, attention_mask=pad, labels=y)
-        ce_sum, _ = zeropipe.causal_lm_loss.sum_and_count(out.logits, y)
-        loss = loss + ce_sum / total_tokens
-        if getattr(out, "aux_loss", None) is not None:
-            loss = loss + model.router_aux_loss_coef * out.aux_loss.double() / M
-    loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return loss.item(), grads
-
-
-def worst(
-    model: nn.Module, pipe: zeropipe.Pipeline, inputs: Any, labels: Tensor, ref: Any
-) -> tuple[float, float]:
-    """Loss and largest gradient difference (relative to float32's precision for the
-    float32 router weights of DeepSeek-V3) of one pipelined step from ``ref``."""
-    ref_loss, ref_grads = ref
-    model.zero_grad(set_to_none=True)
-    loss = pipe.step(inputs, labels).item()
-    grad = 0.0
-    for name, p in model.named_parameters():
-        assert (p.grad is None) == (name not in ref_grads), name
-        if p.grad is not None:
-            scale = 1.0 if p.dtype == torch.float64 else 1e-5
-            grad = max(grad, (p.grad - ref_grads[name]).abs().max().item() * scale)
-    return abs(loss - ref_loss), grad
-
-
-def cut(model: nn.Module, stages: int) -> list[nn.Module]:
-    return zeropipe.split(model, stages, balance=[1, 1, 1, 1] if stages == 4 else [2, 2])
 
 
 @pytest.mark.parametrize("arch", list(MOE))
@@ -221,22 +120,57 @@ def test_a_measured_cut_and_stages_holding_the_models_parameters() -> None:
     assert loss <= hf_cases.TOL and grad <= hf_cases.TOL, (loss, grad)
 
 
-def test_what_cannot_be_exact_is_refused() -> None:
+def test_the_router_term_is_averaged_over_the_global_batchs_microbatches() -> None:
     model = build("qwen3_moe")
     stages = cut(model, 2)
     ids, labels = hf_cases.batch(0, 8)
+    out = stages[1](*stages[0](ids[:2]))
+    ce_sum, count = zeropipe.causal_lm_loss.sum_and_count(out[0], labels[:2])
+    chunks = list(labels.chunk(M))
+    mine = zeropipe.causal_lm_loss.count(labels)
+    # two replicas, each with M microbatches of as many counted tokens: the total sums both
+    step = LossContract(zeropipe.causal_lm_loss).for_step(chunks, [2] * M, total=lambda x: 2 * x)
+    got = step.compute(out, labels[:2], 0) * step.weights[0]
+    assert torch.allclose(got, ce_sum / (2 * mine) + out[1] / (2 * M), rtol=1e-14, atol=0)
+    alone = LossContract(zeropipe.causal_lm_loss).for_step(chunks, [2] * M)
+    got = alone.compute(out, labels[:2], 0) * alone.weights[0]
+    assert torch.allclose(got, ce_sum / mine + out[1] / M, rtol=1e-14, atol=0)
+    assert count == zeropipe.causal_lm_loss.count(labels[:2])
+
+
+def test_what_cannot_be_cut_is_refused() -> None:
+    model = build("qwen3_moe")
+    stages = cut(model, 2)
+    ids, _ = hf_cases.batch(0, 8)
     # the second stage without the first's router sums
     with pytest.raises(PipelineError, match=r"router sums \[2, 4\]"):
         stages[1](stages[0](ids)[0])
-    # the router term averaged over microbatches across data-parallel replicas
-    step = LossContract(zeropipe.causal_lm_loss).for_step(
-        list(labels.chunk(M)), [2] * M, total=lambda local: 2 * local
-    )
-    out = stages[1](*stages[0](ids[:2]))
-    with pytest.raises(PipelineError, match="data-parallel replicas"):
-        step.compute(out, labels[:2], 0)
     # the stages of a mixture of experts are zeropipe.split's to build
     from zeropipe.adapters.hf import split_hf
 
     with pytest.raises(PipelineError, match=r"mixture of experts: cut it with zeropipe\.split"):
         split_hf(model, 2, [2, 2])
+    # no tensor-parallel plan for the experts
+    with pytest.raises(PipelineError, match="Qwen3MoeForCausalLM"):
+        zeropipe.parallelize(model, None)
+
+
+@functools.cache
+def _two_processes() -> list[dict[str, Any]]:
+    return zeropipe.launch(hf_moe_cases.distributed_cases, 2, timeout=600.0)
+
+
+def test_two_processes_pipeline_and_data_parallel_replicas_give_the_reference() -> None:
+    results = _two_processes()
+    for key in ("pp2 1f1b", "pp2 zbv", "dp2"):
+        both = [r[key] for r in results]
+        assert max(w["grad"] for w in both) <= hf_cases.TOL, (key, both)
+        assert min(w["checked"] for w in both) > 0, (key, both)
+    # every parameter compared on one rank or the other; each replica all of them
+    total = len(list(build("qwen3_moe").parameters()))
+    assert sum(r["pp2 1f1b"]["checked"] for r in results) >= total
+    assert all(r["dp2"]["checked"] == total for r in results)
+    # the loss every process returns is the global batch's, the router term averaged over
+    # the microbatches of both replicas (the reference of dp2 runs 2 x M microbatches)
+    for key in ("pp2 1f1b", "pp2 zbv", "dp2"):
+        assert max(r[key]["loss"] for r in results) <= hf_cases.TOL, key

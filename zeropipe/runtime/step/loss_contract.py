@@ -23,7 +23,7 @@ What ``loss_i`` and ``w_i`` are depends on the kind of ``loss_fn``::
       e.g. zeropipe.causal_lm_loss)
 
 A third element, ``(loss_sum, count, term)``, adds ``term / microbatches`` (a router loss, a
-mean over microbatches; not with data-parallel replicas, whose global count is not known).
+mean over the global batch's microbatches, summed over data-parallel replicas like the count).
 
 "Items" are what the module's mean divides by: the targets not equal to
 ``ignore_index`` (their class-weight sum with ``weight=``) for
@@ -273,7 +273,7 @@ class LossContract:
         whole = overall(float(sum(counts)))
         # A batch with nothing to count: the whole batch's mean is 0/0 = nan, and so is this.
         share = 1.0 / whole if whole != 0 else math.nan
-        scale = None if total else whole / len(sizes)  # a term's: see _sum_and_count
+        scale = whole / overall(float(len(sizes)))  # a term's: see _sum_and_count
         return StepLoss(self, fn, [share] * len(sizes), counts, term_scale=scale)
 
 
@@ -301,7 +301,7 @@ class StepLoss:
     ignored: bool = False
     # A microbatch of one row awaiting the next, to probe a mean on the two (see _probe).
     kept: Kept | None = None
-    term_scale: float | None = None  # a term times this, weighted 1 / items, is term / microbatches
+    term_scale: float | None = None  # a term times this, weighted 1 / items: term / microbatches
 
     def compute(self, output: Tensor | tuple[Tensor, ...], target: Tensor, i: int) -> Tensor:
         """Microbatch ``i``'s loss as the weights expect it: its sum, or its mean for "rows"."""
@@ -415,11 +415,7 @@ class StepLoss:
             )
         if len(result) == 2:
             return cast(Tensor, result[0])
-        if self.term_scale is None:
-            raise PipelineError(
-                f"microbatch {i}: a (loss_sum, count, term) loss (a router loss) is not supported "
-                f"with data-parallel replicas yet: use one replica or output_router_logits=False"
-            )
+        assert self.term_scale is not None  # the "count" weighting always sets it
         return cast(Tensor, result[0]) + cast(Tensor, result[2]) * self.term_scale
 
 

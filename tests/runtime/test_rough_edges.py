@@ -262,17 +262,25 @@ if __name__ == "__main__":
 """
 
 
-def _starting_ranks(pid: int) -> int:
-    """How many of ``pid``'s children are Python processes running multiprocessing's start-up."""
-    with open(f"/proc/{pid}/task/{pid}/children") as fh:
-        children = fh.read().split()
-    running = 0
-    for child in children:
+def _starting(pid: int) -> int:
+    """How many of ``pid``'s descendants are Python processes that multiprocessing started
+    (spawned ranks, or the fork server and the ranks it forks)."""
+    running, todo = 0, [pid]
+    while todo:
+        parent = todo.pop()
         try:
-            with open(f"/proc/{child}/cmdline", "rb") as fh:
-                running += b"spawn_main" in fh.read()
+            with open(f"/proc/{parent}/task/{parent}/children") as fh:
+                children = fh.read().split()
         except OSError:  # ended already
-            pass
+            continue
+        for child in children:
+            try:
+                with open(f"/proc/{child}/cmdline", "rb") as fh:
+                    cmdline = fh.read()
+            except OSError:
+                continue
+            running += b"spawn_main" in cmdline or b"forkserver" in cmdline
+            todo.append(int(child))
     return running
 
 
@@ -299,7 +307,8 @@ def test_ctrl_c_while_the_ranks_start_ends_them_quietly_with_one_line(tmp_path: 
     )
     try:
         deadline = time.monotonic() + 30
-        while _starting_ranks(proc.pid) < 2:
+        # The first of them (the fork server) imports torch, the ranks' start-up.
+        while _starting(proc.pid) < 1:
             assert proc.poll() is None and time.monotonic() < deadline, "the ranks never started"
             time.sleep(0.01)
         # Past the interpreter's own start (its SIGINT handler installed), inside the imports

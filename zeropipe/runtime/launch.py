@@ -1,11 +1,18 @@
-"""Start a distributed pipeline: spawn one process per rank, or join one started by torchrun.
+"""Start a distributed pipeline: start one process per rank, or join one started by torchrun.
 
     def train(rank, world, steps):
         pipe = Pipeline(model(), "zbv", microbatches=8, loss_fn=F.mse_loss)
         ...
         return losses                       # picklable: comes back to the caller
 
-    losses_per_rank = launch(train, 4, 100)  # spawn 4 processes, gloo on CPU
+    losses_per_rank = launch(train, 4, 100)  # 4 processes, gloo on CPU
+
+The ranks are forked from a server process that imported torch and zeropipe once
+(``multiprocessing``'s fork server; ``spawn`` where there is none): a launch
+after the first starts its ranks in milliseconds, not a torch import each.  A
+rank shares nothing with the launcher but what is pickled to it: ``fn``, its
+arguments and the launcher's environment variables
+(:mod:`zeropipe.runtime.rank_process`: a rank's side of all this).
 
 The parent hosts the rendezvous store (a TCPStore on a free port of
 127.0.0.1) and watches its children::
@@ -40,8 +47,9 @@ children watch the
 parent in turn: when the launcher dies (killed, or ended by a job
 scheduler) the rendezvous store dies with it, so they end at once, silently,
 instead of training on until the lost store fails them with C++ stack traces
-(Linux: the kernel kills them with the launcher, ``PR_SET_PDEATHSIG``;
-elsewhere a thread sees the launcher's end of a pipe close).
+(a thread sees the launcher's end of a pipe close; a rank that is the
+launcher's own child, under ``spawn`` on Linux, is killed by the kernel with it,
+``PR_SET_PDEATHSIG``).
 
 Under torchrun, call :func:`init_from_env` instead.
 """
@@ -49,7 +57,6 @@ Under torchrun, call :func:`init_from_env` instead.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import math
 import os
@@ -58,19 +65,17 @@ import signal
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from zeropipe.base import _compat
-from zeropipe.core.errors import PipelineError, ZeropipeError
-from zeropipe.runtime.transport.failures import FAILED_KEY, failure_origin
+from zeropipe.core.errors import PipelineError
+from zeropipe.runtime.rank_process import STOP_KEY, RankStart, run_rank, start_method
+from zeropipe.runtime.transport.failures import FAILED_KEY
 
 __all__ = ["SAME_STOP_S", "init_from_env", "launch"]
 
@@ -78,10 +83,6 @@ __all__ = ["SAME_STOP_S", "init_from_env", "launch"]
 # or a shell relaying a signal to the group delivers it twice at once, and reading that as
 # "send it again to end them at once" would kill the ranks before they save.
 SAME_STOP_S = 0.3
-# Set in the rendezvous store when the launcher passes a stop on: a rank that was still
-# starting, deaf to SIGINT, reads it once it listens again.
-_STOP_KEY = "zeropipe/stop"
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>: the signal a process gets when its parent ends
 
 
 def launch(
@@ -120,21 +121,43 @@ def launch(
         timedelta(seconds=timeout),
         wait_for_workers=False,
     )
-    ctx = mp.get_context("spawn")
+    ctx = start_method()
     procs: list[Any] = []
     conns: list[Connection] = []
     lifelines: list[Connection] = []
     stop = _StopSignals(procs, stop_wait, store)
     try:
-        with _deaf_to_sigint() as deaf:
+        # What a rank does on a signal is set in the rank: one forked by the fork server
+        # inherits the server's dispositions, not this process's.
+        hears = {
+            sig: signal.getsignal(sig) is not signal.SIG_IGN
+            for sig in (signal.SIGINT, signal.SIGTERM)
+        }
+        # A rank forked by the fork server starts deaf to SIGINT (the server ignores it),
+        # so this process keeps hearing it while they start; spawned ranks need it ignored here.
+        forked = ctx.get_start_method() == "forkserver"
+        deafness = contextlib.nullcontext(hears[signal.SIGINT]) if forked else _deaf_to_sigint()
+        with deafness as deaf:
             for rank in range(nprocs):
                 reader, writer = ctx.Pipe(duplex=False)
                 # Never written to: the child's end reads EOF once this process has ended.
                 watched, lifeline = ctx.Pipe(duplex=False)
+                start = RankStart(
+                    rank,
+                    nprocs,
+                    store.port,
+                    backend,
+                    timeout,
+                    threads,
+                    parent=os.getpid(),
+                    deaf=deaf,
+                    hears_sigint=hears[signal.SIGINT],
+                    hears_sigterm=hears[signal.SIGTERM],
+                    environ=dict(os.environ),
+                )
                 proc = ctx.Process(
-                    target=_child,
-                    args=(rank, nprocs, store.port, backend, timeout, threads, fn, args, writer),
-                    kwargs={"parent": os.getpid(), "lifeline": watched, "deaf": deaf},
+                    target=run_rank,
+                    args=(start, fn, args, writer, watched),
                     name=f"zeropipe-rank{rank}",
                     daemon=True,
                 )
@@ -402,7 +425,7 @@ class _StopSignals:
         self.name = signal.Signals(signum).name
         if self.store is not None:  # before the ranks are signalled: see _deaf_to_sigint
             with contextlib.suppress(Exception):
-                self.store.set(_STOP_KEY, self.name)
+                self.store.set(STOP_KEY, self.name)
         for proc in self.procs:
             # A terminal's Ctrl-C has reached the ranks already; a second one is harmless
             # to a rank that stops on it, and a SIGTERM sent to the launcher alone is not.
@@ -436,18 +459,20 @@ class _StopSignals:
 
 @contextlib.contextmanager
 def _deaf_to_sigint() -> Iterator[bool]:
-    """Start the ranks deaf to SIGINT; yields whether they are (each then hears it again).
+    """Start spawned ranks deaf to SIGINT; yields whether they are (each then hears it again).
 
-    A rank's first seconds (its interpreter, the main module, torch) run before
-    :func:`_child` can catch anything, and a Ctrl-C there would end each rank with a
-    traceback of the import it interrupted.  A rank inherits an ignored SIGINT, not a
-    blocked one (the mask is reset at exec), so SIGINT is ignored here while the ranks
-    start, milliseconds, and blocked in this thread meanwhile, so that a Ctrl-C that
-    this thread takes waits (Linux keeps a blocked signal pending even while ignored);
-    one that another thread of this process takes then is lost.  Each rank restores it
-    first thing and then reads :data:`_STOP_KEY`, which :class:`_StopSignals` writes
-    before passing a stop on: a stop it missed while deaf ends it there, quietly.  Not from another thread (signal handlers are the main
-    thread's), nor where SIGINT is ignored already (it stays so, in the ranks too).
+    A spawned rank's first seconds (its interpreter, the main module, torch) run before
+    :func:`~zeropipe.runtime.rank_process.run_rank` can catch anything, and a Ctrl-C
+    there would end each rank with a traceback of the import it interrupted.  A rank
+    inherits an ignored SIGINT, so SIGINT is ignored here while the ranks start,
+    milliseconds, and blocked in this thread meanwhile, so that a Ctrl-C that this
+    thread takes waits (Linux keeps a blocked signal pending even while ignored); one
+    that another thread of this process takes then is lost.  Each rank hears it again
+    first thing and then reads :data:`STOP_KEY`, which :class:`_StopSignals` writes
+    before passing a stop on: a stop it missed while deaf ends it there, quietly.  Not
+    from another thread (signal handlers are the main thread's), nor where SIGINT is
+    ignored already (it stays so, in the ranks too).  Ranks forked by the fork server
+    start deaf without it: the server ignores SIGINT.
     """
     if threading.current_thread() is not threading.main_thread() or not hasattr(
         signal, "pthread_sigmask"
@@ -465,117 +490,3 @@ def _deaf_to_sigint() -> Iterator[bool]:
     finally:
         signal.signal(signal.SIGINT, previous)
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-
-
-# -- the child side ----------------------------------------------------------------
-def _child(
-    rank: int,
-    world: int,
-    port: int,
-    backend: str,
-    timeout: float,
-    threads: int,
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
-    conn: Connection,
-    *,
-    parent: int,
-    lifeline: Connection,
-    deaf: bool = False,
-) -> None:
-    """One rank.  ``deaf``: it started ignoring SIGINT (:func:`_deaf_to_sigint`); it hears
-    it again here, and a stop that came meanwhile ends it, quietly, before ``fn`` runs."""
-    code = 0
-    try:
-        if deaf:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-        _end_with_parent(parent, lifeline)
-        torch.set_num_threads(threads)
-        os.environ.update(
-            RANK=str(rank),
-            WORLD_SIZE=str(world),
-            LOCAL_RANK=str(rank),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-        )
-        if backend == "nccl":
-            _compat.bind_device(rank)
-        store = dist.TCPStore("127.0.0.1", port, world, False, timedelta(seconds=timeout))
-        if deaf and store.check([_STOP_KEY]):  # written before the stop was passed on
-            raise KeyboardInterrupt
-        dist.init_process_group(
-            backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout)
-        )
-        result = fn(rank, world, *args)
-        # Plain pickle: torch's multiprocessing pickler would share tensors through
-        # this process, which exits right after sending.
-        conn.send_bytes(pickle.dumps(("ok", result)))
-    except BaseException as exc:
-        code = 1
-        origin = failure_origin(exc)
-        # zeropipe's own errors say what they are; anything else is named by its type.
-        text = str(exc) if isinstance(exc, ZeropipeError) else f"{type(exc).__name__}: {exc}"
-        report = {
-            "message": text,
-            "traceback": "".join(traceback.format_exception(exc)),
-            "origin": rank if origin is None else origin,
-            "died": False,
-            "interrupted": isinstance(exc, KeyboardInterrupt),
-            # Raised on purpose with the whole story (a bad setting, a corrupt file), as
-            # opposed to a failed run or a bug, whose traceback helps.
-            "user": isinstance(exc, ZeropipeError) and not isinstance(exc, RuntimeError),
-        }
-        with contextlib.suppress(Exception):  # the parent is gone: nobody to tell
-            conn.send_bytes(pickle.dumps(("error", report)))
-    finally:
-        conn.close()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        # Every child ends here, its result or error already sent.  Skip interpreter
-        # teardown: a collective a dead peer never joined would block the process
-        # group's destructor until its timeout, and a transport's waiter thread still
-        # blocked on a c10d work makes a normal exit abort.
-        os._exit(code)
-
-
-def _end_with_parent(parent: int, lifeline: Connection) -> None:
-    """End this process as soon as the launcher (pid ``parent``) is gone.
-
-    The launcher hosts the rendezvous store: without it this rank can only
-    fail, and it would do so at its next store access, through C++ warnings
-    with stack traces, or train on until then.  Ended silently: nobody is
-    left to report to, and the launcher's own end is what the user saw.
-    """
-    if _kill_with_parent():
-        if os.getppid() != parent:  # it died before the request was made
-            os._exit(1)
-        lifeline.close()  # the kernel watches instead
-        return
-    threading.Thread(
-        target=_wait_for_eof, args=(lifeline,), name="zeropipe-launcher-watch", daemon=True
-    ).start()
-
-
-def _kill_with_parent() -> bool:
-    """Linux: ask the kernel to SIGKILL this process when its parent ends; False elsewhere.
-
-    A signal from the kernel ends the process even while it is blocked in C++
-    (a collective, a store call) and before a store call that the parent's
-    end fails has printed anything.  It follows the parent *thread* that
-    started the process: the one running :func:`launch`, alive until the
-    ranks have finished.
-    """
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return int(libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)) == 0
-    except (OSError, AttributeError):  # no libc symbol table to read, or no prctl in it
-        return False
-
-
-def _wait_for_eof(lifeline: Connection) -> None:
-    """The fallback watch: the launcher never writes to ``lifeline``; EOF means it ended."""
-    with contextlib.suppress(EOFError, OSError):
-        lifeline.recv_bytes()
-    os._exit(1)

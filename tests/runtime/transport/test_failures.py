@@ -11,6 +11,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -29,6 +30,7 @@ from zeropipe import build_schedule
 from zeropipe.core.errors import PipelineError
 from zeropipe.core.ir import Action, Kind
 from zeropipe.runtime import launch as launch_module
+from zeropipe.runtime import rank_process
 from zeropipe.runtime.launch import init_from_env, launch
 from zeropipe.runtime.pipeline import Pipeline
 from zeropipe.runtime.transport.endpoint import Pending, WaitPool
@@ -276,7 +278,7 @@ def test_ranks_end_silently_when_their_launcher_is_killed(tmp_path: Path) -> Non
 def test_a_rank_ends_when_its_launchers_pipe_closes_where_the_kernel_cannot_watch() -> None:
     ctx = mp.get_context("spawn")
     watched, lifeline = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=launch_module._wait_for_eof, args=(watched,), daemon=True)
+    child = ctx.Process(target=rank_process.wait_for_eof, args=(watched,), daemon=True)
     child.start()
     watched.close()
     try:
@@ -337,6 +339,29 @@ def test_pending_finishes_once_every_work_is_done_and_stays_finished() -> None:
     assert isinstance(pending.error, RuntimeError)
     assert Pending([], [], pool).finished(0)  # nothing to wait for
     pool.close()
+
+
+def _environment_and_sigint(rank: int, world: int, name: str) -> tuple[str | None, bool]:
+    return os.environ.get(name), signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+
+
+def test_ranks_see_the_launchers_environment_and_sigint_as_they_are_at_each_launch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The ranks are forked from a server started at the first launch: what they see of
+    # the launcher must still be the launcher's now, not what it was then.
+    name = "ZEROPIPE_TEST_LAUNCH_ENV"
+    monkeypatch.delenv(name, raising=False)
+    assert launch(_environment_and_sigint, 2, name) == [(None, False)] * 2
+    monkeypatch.setenv(name, "set after the first launch")
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        ignored = launch(_environment_and_sigint, 2, name)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert ignored == [("set after the first launch", True)] * 2
+    monkeypatch.delenv(name)
+    assert launch(_environment_and_sigint, 1, name) == [(None, False)]
 
 
 def test_launch_timeout_kills_everything_and_says_so() -> None:

@@ -3,7 +3,8 @@
 Supported: ``Qwen3MoeForCausalLM``, ``MixtralForCausalLM`` and
 ``DeepseekV3ForCausalLM`` (dense first blocks, shared experts, MLA attention,
 the router's score-correction bias), with any experts implementation of the
-model (``eager``, ``batched_mm``, ``grouped_mm``).  Their decoders are
+model (``eager``, ``batched_mm``, ``grouped_mm``; torch's grouped_mm takes
+no float64).  Their decoders are
 llama-like, so a stage is a :class:`~zeropipe.adapters.hf.LlamaStage`: it runs
 the model's own decoder layers, whose MoE blocks route, run the experts and
 add the shared experts themselves.
@@ -33,7 +34,8 @@ transformers reads them: a forward hook on the router class its
 ``_can_record_outputs["router_logits"]`` names.  DeepSeek-V3 computes no
 load-balancing loss in transformers (its routing is balanced by the
 score-correction bias, updated outside the gradient): its stages add nothing,
-whatever ``output_router_logits`` says.
+whatever ``output_router_logits`` says.  The config is read when the model is
+split: setting ``output_router_logits`` later needs a new split.
 """
 
 from __future__ import annotations

@@ -75,6 +75,14 @@ class RuntimeOptions:
             and the loss under ``torch.autocast`` (on the compute device's type);
             the backward runs outside it, as torch recommends.  Parameters and
             their ``.grad`` keep their dtype (float32).  ``None``: no autocast.
+        overlap: an overlapped pair of the schedule (``(0F3;3B1)``, as ``dualpipev``
+            writes them) runs its forward and its backward at the same time, the
+            backward on a second thread, so that each one's waits for received
+            tensors pass while the other computes
+            (:mod:`zeropipe.runtime.step.pairs`); loss and gradients are the same
+            as with ``False``, which runs the two one after the other.  A stage that
+            draws random numbers inside its backward (its own
+            ``torch.utils.checkpoint`` with dropout) needs ``False``.
     """
 
     seed: int = 0
@@ -86,6 +94,7 @@ class RuntimeOptions:
     count_saved: Literal["once", "always"] = "once"
     timeout: float = 300.0
     autocast: torch.dtype | None = None
+    overlap: bool = True
 
     def __post_init__(self) -> None:
         check_autocast(self.autocast)
@@ -95,6 +104,8 @@ class RuntimeOptions:
             raise PipelineError(f"p2p must be 'auto', 'ordered' or 'tagged', got {self.p2p!r}")
         if self.count_saved not in ("once", "always"):
             raise PipelineError(f"count_saved must be 'once' or 'always', got {self.count_saved!r}")
+        if not isinstance(self.overlap, bool):
+            raise PipelineError(f"overlap must be True or False, got {self.overlap!r}")
         if not self.timeout > 0:
             raise PipelineError(f"timeout must be > 0 seconds, got {self.timeout!r}")
 

@@ -15,8 +15,15 @@ Profiler names.  While a torch profiler records, every action runs inside
 torch.distributed.pipelining gives its actions: ``PP:1F3`` (stage 1, forward of
 microbatch 3), ``PP:0I5``, ``PP:2W0``, ``PP:1R2``, ``PP:0SEND_B3``,
 ``PP:1RELOAD4``, ``PP:1OFFLOAD`` (a stage's weights), ``PP:0REDUCE_GRAD``.  An
-overlapped pair run back to back is also one span around its two,
-``PP:(0F3;3B1)OVERLAP_F_B``, as torch writes it.  With no profiler recording the
+overlapped pair is also one span around its two, ``PP:(0F3;3B1)OVERLAP_F_B``, as
+torch writes it.
+
+Overlapped pairs.  With ``ctx.overlap`` (``RuntimeOptions(overlap=True)``, the
+default) a pair whose two actions come one after the other in the walk runs both at
+once (:func:`zeropipe.runtime.step.pairs.run_pair`): the forward on this thread, the
+backward on a worker; their events are two spans that overlap in time.  Without it,
+the two run one after the other, and so they do while a torch profiler records: torch's
+profiler records the thread that started it, and would lose the worker's half.  With no profiler recording the
 names are skipped (:func:`~zeropipe.base._compat.profiler_active`, asked once per
 step): an idle ``record_function`` costs microseconds per action.
 """
@@ -25,6 +32,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Hashable, Sequence
+from contextlib import nullcontext
 
 from torch import Tensor
 from torch.profiler import record_function
@@ -36,6 +44,7 @@ from zeropipe.core.ir import Action, Schedule
 from zeropipe.core.message_order import receiver_of
 from zeropipe.core.simulate import Event
 from zeropipe.runtime.step.handlers import HANDLERS, StepContext
+from zeropipe.runtime.step.pairs import run_pair
 
 __all__ = ["LocalTransport", "run_local", "run_rank"]
 
@@ -98,10 +107,13 @@ def run_rank(ctx: StepContext, schedule: Schedule, rank: int) -> list[Event]:
 
 
 def _walk(ctx: StepContext, schedule: Schedule, order: Sequence[tuple[int, int]]) -> list[Event]:
-    """Run the ``(rank, step)`` actions of ``order`` one after another: the one loop both
-    executors share, and the one place actions get their profiler names."""
-    if not profiler_active():
-        return [_run(ctx, rank, step, schedule.actions[rank][step]) for rank, step in order]
+    """Run the ``(rank, step)`` actions of ``order`` one after another, an overlapped pair's
+    two at once when ``ctx.overlap``: the one loop both executors share, and the one place
+    actions get their profiler names."""
+    profiling = profiler_active()
+    run = _named if profiling else _run
+    if not schedule.overlaps or not (profiling or ctx.overlap):
+        return [run(ctx, rank, step, schedule.actions[rank][step]) for rank, step in order]
     starts = {r: schedule.overlapped(r) for r in range(schedule.num_ranks)}
     events: list[Event] = []
     k = 0
@@ -110,12 +122,16 @@ def _walk(ctx: StepContext, schedule: Schedule, order: Sequence[tuple[int, int]]
         acts = schedule.actions[rank]
         # A pair's members are adjacent in a rank's list; a local run's order may part them.
         if step in starts[rank] and k + 1 < len(order) and order[k + 1] == (rank, step + 1):
-            with record_function(f"PP:({acts[step]};{acts[step + 1]})OVERLAP_F_B"):
-                events.append(_named(ctx, rank, step, acts[step]))
-                events.append(_named(ctx, rank, step + 1, acts[step + 1]))
+            name = f"PP:({acts[step]};{acts[step + 1]})OVERLAP_F_B"
+            with record_function(name) if profiling else nullcontext():
+                if ctx.overlap and not profiling:
+                    events.extend(run_pair(ctx, rank, step, acts[step], acts[step + 1], _run))
+                else:
+                    events.append(run(ctx, rank, step, acts[step]))
+                    events.append(run(ctx, rank, step + 1, acts[step + 1]))
             k += 2
         else:
-            events.append(_named(ctx, rank, step, acts[step]))
+            events.append(run(ctx, rank, step, acts[step]))
             k += 1
     return events
 

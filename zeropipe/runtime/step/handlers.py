@@ -119,6 +119,8 @@ class StepContext:
     # This replica's first microbatch in the global batch: what dropout and other
     # randomness are seeded by, so that replicas draw differently.
     first_microbatch: int = 0
+    # An overlapped pair's forward and backward run at once (zeropipe.runtime.step.pairs).
+    overlap: bool = True
 
     def receive(self, action: Action) -> tuple[Tensor, ...]:
         """Wait for a posted receive, counting the time blocked."""

@@ -13,13 +13,13 @@ an all-to-all) is waited for while the other half computes::
 Both halves run their ordinary handlers (the one dispatch table).  What they share
 is made safe this way:
 
-- the transport and the memory manager are reached through :class:`_Locked`, which
-  runs each of their calls under one lock: a transport is not written for two
-  threads, and the memory ledger's counters are read-modify-write.  A receive waits
-  inside that lock; the other half's compute needs no lock and goes on meanwhile.
-  The schedule's dependency model guarantees that neither half's input depends on
-  the other half's output (a pair starts when the inputs of both are ready), so a
-  wait held under the lock always ends;
+- the memory manager is reached through :class:`_Locked`, which runs each call under
+  a lock (the ledger's counters are read-modify-write), and the transport through
+  :class:`_PairTransport`: its posts under a lock (a transport is not written for two
+  threads), its sends never blocking the thread that sends, and on the tagged
+  transport (gloo's default) the two halves' receive waits at once.  The schedule's
+  dependency model guarantees that neither half's input depends on the other half's
+  output (a pair starts when the inputs of both are ready), so a wait always ends;
 - each half gets its own copy of the :class:`StepContext` (the same stages, losses,
   memory and transport, its own blocked-time counters), whose waits are added to the
   step's once both halves are done, so each half's event counts its own wait;
@@ -50,18 +50,21 @@ work and communication with the other's kernels, not two kernels at once.
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import replace
 from typing import Any, cast
 
 import torch
+from torch import Tensor
 
 from zeropipe.core.ir import Action
 from zeropipe.core.simulate import Event
 from zeropipe.runtime.memory.manager import MemoryManager
 from zeropipe.runtime.step.handlers import StepContext
 from zeropipe.runtime.transport.base import Transport
+from zeropipe.runtime.transport.tagged import DistributedTransport
 
 __all__ = ["run_pair"]
 
@@ -72,7 +75,7 @@ RunAction = Callable[[StepContext, int, int, Action], Event]
 class _Locked:
     """Every method call of ``target`` made under ``lock``; attributes read as they are."""
 
-    def __init__(self, target: object, lock: threading.RLock) -> None:
+    def __init__(self, target: object, lock: threading.Lock) -> None:
         self._target = target
         self._lock = lock
 
@@ -89,6 +92,58 @@ class _Locked:
         return locked
 
 
+class _PairTransport(_Locked):
+    """The transport as a pair's two halves share it.
+
+    Posts and bookkeeping run under the lock.  A send never blocks its thread: it is
+    queued and posted at once if the lock is free, else by the half holding the lock as
+    it lets go (a backward's early SEND_B, from inside autograd, must not stall the
+    backward while the forward waits for its input).  A receive's wait runs outside the
+    lock on the tagged transport, whose wait touches only its own action's entry and
+    blocks in the endpoint's thread-safe pool, so that the two halves wait at once;
+    other transports wait under the lock (the ordered one advances one shared cursor
+    of messages).
+    """
+
+    def __init__(self, target: Transport, lock: threading.Lock) -> None:
+        super().__init__(target, lock)
+        self._transport = target
+        self._queued: deque[tuple[Action, tuple[Tensor, ...]]] = deque()
+        self._free_waits = isinstance(target, DistributedTransport)
+
+    def __getattr__(self, name: str) -> Any:
+        value = super().__getattr__(name)
+        if not callable(value):
+            return value
+
+        def then_flush(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return value(*args, **kwargs)
+            finally:
+                self.flush()
+
+        return then_flush
+
+    def send(self, action: Action, tensors: tuple[Tensor, ...]) -> None:
+        self._queued.append((action, tensors))
+        self.flush()
+
+    def wait_recv(self, action: Action) -> tuple[Tensor, ...]:
+        if self._free_waits:
+            return self._transport.wait_recv(action)
+        result: tuple[Tensor, ...] = self.__getattr__("wait_recv")(action)
+        return result
+
+    def flush(self) -> None:
+        """Post the queued sends in order, unless the other half holds the lock (it will)."""
+        while self._queued and self._lock.acquire(blocking=False):
+            try:
+                while self._queued:
+                    self._transport.send(*self._queued.popleft())
+            finally:
+                self._lock.release()
+
+
 def run_pair(
     ctx: StepContext, rank: int, step: int, forward: Action, backward: Action, run: RunAction
 ) -> tuple[Event, Event]:
@@ -96,9 +151,11 @@ def run_pair(
 
     Returns their events, each with its own start, end and wait.
     """
-    lock = threading.RLock()
-    transport = cast(Transport, _Locked(ctx.transport, lock))
-    memory = None if ctx.memory is None else cast(MemoryManager, _Locked(ctx.memory, lock))
+    shared = _PairTransport(ctx.transport, threading.Lock())
+    transport = cast(Transport, shared)
+    memory = ctx.memory
+    if memory is not None:
+        memory = cast(MemoryManager, _Locked(memory, threading.Lock()))
     halves = [
         replace(ctx, transport=transport, memory=memory, waited={}, blocked=0.0) for _ in "FB"
     ]
@@ -121,6 +178,7 @@ def run_pair(
         first = exc
     finally:
         worker.join()
+    shared.flush()  # a send queued as the last lock was let go
     for half in halves:
         for kind, seconds in half.waited.items():
             ctx.waited[kind] = ctx.waited.get(kind, 0.0) + seconds

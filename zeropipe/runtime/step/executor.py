@@ -145,6 +145,10 @@ def _named(ctx: StepContext, rank: int, step: int, action: Action) -> Event:
 class LocalTransport:
     """Every rank in one process: sends are hand-offs into a mailbox, nothing is copied."""
 
+    # A wait touches only its own action's mailbox entry and never blocks: an overlapped
+    # pair's two halves may wait at once (zeropipe.runtime.step.pairs).
+    concurrent_waits = True
+
     def __init__(self) -> None:
         self._mailbox: dict[Action, tuple[Tensor, ...]] = {}
         self._posted: set[Action] = set()

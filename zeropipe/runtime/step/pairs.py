@@ -100,16 +100,19 @@ class _PairTransport(_Locked):
     it lets go (a backward's early SEND_B, from inside autograd, must not stall the
     backward while the forward waits for its input).  A receive's wait runs outside the
     lock on the tagged transport, whose wait touches only its own action's entry and
-    blocks in the endpoint's thread-safe pool, so that the two halves wait at once;
-    other transports wait under the lock (the ordered one advances one shared cursor
-    of messages).
+    blocks in the endpoint's thread-safe pool, so that the two halves wait at once,
+    and on a transport that says so (``concurrent_waits = True``, as the in-process
+    one does); other transports wait under the lock (the ordered one advances one
+    shared cursor of messages).
     """
 
     def __init__(self, target: Transport, lock: threading.Lock) -> None:
         super().__init__(target, lock)
         self._transport = target
         self._queued: deque[tuple[Action, tuple[Tensor, ...]]] = deque()
-        self._free_waits = isinstance(target, DistributedTransport)
+        self._free_waits = isinstance(target, DistributedTransport) or bool(
+            getattr(target, "concurrent_waits", False)
+        )
 
     def __getattr__(self, name: str) -> Any:
         value = super().__getattr__(name)
@@ -161,9 +164,13 @@ def run_pair(
     ]
     outcome: list[Event | BaseException] = []
     same_stream = _same_stream(ctx.device)
+    threads = torch.get_num_threads()
 
     def backward_half() -> None:
         try:
+            # A new thread's OpenMP team defaults to every core: without this, its ops would
+            # run on more threads than the rank was given (1 per rank: 2x slower on 2 cores).
+            torch.set_num_threads(threads)
             with same_stream():
                 outcome.append(run(halves[1], rank, step + 1, backward))
         except BaseException as exc:  # raised on the calling thread, after the join

@@ -165,7 +165,31 @@ def _gloo_cases(rank: int, world: int) -> dict[str, Any]:
         min(mine[k].end, mine[k + 1].end) - max(mine[k].start, mine[k + 1].start)
         for k in sorted(pipe.schedule.overlapped(rank))
     ]
+    out["failure"] = _failing_backward_on_rank_0(rank)
     return out
+
+
+def _failing_backward_on_rank_0(rank: int) -> tuple[str, str]:
+    """Rank 0's first pair's backward raises (on the worker thread): (that backward, the
+    error this rank ends its step with)."""
+    pipe, model = _slow_pipe(True, layer=_Trap)
+    x, y = torch.randn(8, WIDTH), torch.randn(8, WIDTH)
+    pipe.step(x, y)
+    k = min(pipe.schedule.overlapped(0))
+    backward = pipe.schedule.actions[0][k + 1]
+    assert backward.microbatch is not None
+    for layer in model:
+        assert isinstance(layer, _Trap)
+        layer.calls = 0
+    if rank == 0:
+        trap = model[backward.stage]
+        assert isinstance(trap, _Trap)
+        trap.call, trap.where = backward.microbatch + 1, "B"
+    try:
+        pipe.step(x, y)
+    except PipelineError as err:
+        return str(backward), str(err)
+    return str(backward), "no error"
 
 
 def test_overlap_on_two_gloo_processes() -> None:
@@ -173,7 +197,9 @@ def test_overlap_on_two_gloo_processes() -> None:
 
     results = launch(_gloo_cases, 2, timeout=120.0)
     for rank, out in enumerate(results):
-        cases = sorted({name.rsplit(" ", 1)[0] for name in out if name != "shared"})
+        cases = sorted(
+            {name.rsplit(" ", 1)[0] for name in out if name not in ("shared", "failure")}
+        )
         assert len(cases) == 6, cases
         for case in cases:
             on, off = out[f"{case} True"], out[f"{case} False"]
@@ -183,6 +209,12 @@ def test_overlap_on_two_gloo_processes() -> None:
                 assert torch.equal(g, h), (rank, case)
         # Every pair of the rank ran its halves at once (each half sleeps 4 ms).
         assert len(out["shared"]) >= 2 and all(t > 0.002 for t in out["shared"]), out["shared"]
+    # A backward that raised on rank 0's worker thread ends rank 0's step naming it, and
+    # rank 1's naming rank 0, instead of hanging.
+    backward, error = results[0]["failure"]
+    assert f"rank 0 failed in training step 1 at action {backward} " in error, error
+    assert "backward trap" in error
+    assert "rank 0" in results[1]["failure"][1], results[1]["failure"]
 
 
 class _Slow(torch.autograd.Function):

@@ -185,7 +185,6 @@ def run_pair(
         first = exc
     finally:
         worker.join()
-    shared.flush()  # a send queued as the last lock was let go
     for half in halves:
         for kind, seconds in half.waited.items():
             ctx.waited[kind] = ctx.waited.get(kind, 0.0) + seconds
@@ -198,6 +197,7 @@ def run_pair(
         raise first
     if isinstance(second, BaseException):
         raise second
+    shared.flush()  # a send queued as the last lock was let go
     return first, second
 
 
@@ -206,6 +206,8 @@ def _same_stream(device: torch.device) -> Callable[[], AbstractContextManager[No
     if device.type == "cpu":
         return nullcontext
     module = torch.get_device_module(device.type)
+    if not all(hasattr(module, name) for name in ("current_stream", "device", "stream")):
+        return nullcontext  # a device type without streams (mps): one queue anyway
     stream = module.current_stream(device)
 
     @contextmanager

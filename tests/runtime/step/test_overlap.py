@@ -5,7 +5,8 @@ half is the PipelineError naming its action.
 
 dualpipev on 2 ranks, in one process and in one 2-process gloo launch; an MLP and a
 transformer-like stage (attention + MLP), both with dropout; with recompute and offload;
-with the user's hooks; under bf16 autocast.
+with the user's hooks; under bf16 autocast; and Hugging Face's Qwen3-MoE and
+DeepSeek-V3 as ``zeropipe.split`` cuts them (router loss included).
 """
 
 from __future__ import annotations
@@ -350,3 +351,33 @@ def test_overlap_on_a_gpu_gives_the_gradients_of_pairs_in_sequence() -> None:
     assert torch.equal(on[0], off[0])
     for g, h in zip(on[1], off[1], strict=True):
         assert torch.equal(g, h)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_overlap_on_unmodified_hugging_face_moe_models(arch: str) -> None:
+    # The models zeropipe.split cuts (tests/adapters/hf_moe_cases: float64, router loss on).
+    pytest.importorskip("transformers")
+    import zeropipe
+    from tests.adapters import hf_cases
+    from tests.adapters.hf_moe_cases import M, build, cut
+
+    model = build(arch)
+    ids, labels = hf_cases.batch(0, 8)
+    out = {}
+    for overlap in (True, False):
+        schedule = build_schedule("dualpipev", ranks=2, microbatches=M)
+        for p in model.parameters():
+            p.grad = None
+        pipe = Pipeline(
+            cut(model, schedule.num_stages),
+            schedule,
+            loss_fn=zeropipe.causal_lm_loss,
+            mesh="local",
+            options=RuntimeOptions(overlap=overlap),
+        )
+        loss = pipe.step(ids, labels)
+        assert loss is not None
+        out[overlap] = (loss, [p.grad.clone() for p in model.parameters() if p.grad is not None])
+        if overlap:
+            assert _concurrent_pairs(pipe)
+    _assert_identical((*out[True], None), out[False])  # type: ignore[arg-type]

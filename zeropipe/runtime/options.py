@@ -80,9 +80,12 @@ class RuntimeOptions:
             backward on a second thread, so that each one's waits for received
             tensors pass while the other computes
             (:mod:`zeropipe.runtime.step.pairs`); loss and gradients are the same
-            as with ``False``, which runs the two one after the other.  A stage that
-            draws random numbers inside its backward (its own
-            ``torch.utils.checkpoint`` with dropout) needs ``False``.
+            as with ``False``, which runs the two one after the other.  A backward
+            that recomputes with Hugging Face's gradient checkpointing runs its
+            pairs one half after the other by itself; a stage calling
+            ``torch.utils.checkpoint`` on its own needs ``False`` when the model
+            draws random numbers (dropout): the recompute restores the global
+            generator while the forward beside it draws from it.
     """
 
     seed: int = 0

@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from zeropipe import Pipeline, RuntimeOptions
 from zeropipe.core.errors import PipelineError
@@ -147,6 +148,45 @@ def test_overlap_with_hooks_and_autocast() -> None:
     on, off = run(True), run(False)
     _assert_identical((on[0], on[1], None), (off[0], off[1]))  # type: ignore[arg-type]
     assert sorted(on[2]) == sorted(off[2]) == ["backward"] * 6 + ["forward"] * 6
+
+
+class Checkpointed(nn.Module):
+    """An MLP block with dropout recomputed in its backward by ``torch.utils.checkpoint``,
+    flagged as Hugging Face flags its layers (``gradient_checkpointing``)."""
+
+    gradient_checkpointing = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Linear(WIDTH, 4 * WIDTH), nn.Dropout(0.3), nn.GELU(), nn.Linear(4 * WIDTH, WIDTH)
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = checkpoint(self.body, x, use_reentrant=False)
+        return out
+
+
+def test_a_backward_that_recomputes_with_dropout_runs_its_pairs_in_sequence() -> None:
+    # Its recompute restores the global generator and draws from it, as the forward beside it
+    # seeds and draws: at once, each would draw the other's numbers.
+    def run(overlap: bool) -> tuple[Tensor, list[Tensor], Pipeline]:
+        torch.manual_seed(0)
+        model = nn.Sequential(*[Checkpointed() for _ in range(4)]).double()
+        options = RuntimeOptions(seed=2, overlap=overlap)
+        pipe = Pipeline(model, _schedule("plain"), loss_fn=F.mse_loss, options=options)
+        x = torch.randn(24, WIDTH, dtype=torch.float64)
+        for _ in range(2):
+            for p in model.parameters():
+                p.grad = None
+            loss = pipe.step(x, x)
+        assert loss is not None
+        return loss, [p.grad.clone() for p in model.parameters() if p.grad is not None], pipe
+
+    on = run(True)
+    _assert_identical(on, run(False)[:2])
+    for forward, backward in _concurrent_pairs(on[2]):
+        assert forward.end <= backward.start
 
 
 def _gloo_cases(rank: int, world: int) -> dict[str, Any]:

@@ -22,8 +22,10 @@ Overlapped pairs.  With ``ctx.overlap`` (``RuntimeOptions(overlap=True)``, the
 default) a pair whose two actions come one after the other in the walk runs both at
 once (:func:`zeropipe.runtime.step.pairs.run_pair`): the forward on this thread, the
 backward on a worker; their events are two spans that overlap in time.  Without it,
-the two run one after the other, and so they do while a torch profiler records: torch's
-profiler records the thread that started it, and would lose the worker's half.  With no profiler recording the
+the two run one after the other, and so they do while a torch profiler records (torch's
+profiler records the thread that started it, and would lose the worker's half) and when
+the backward's stage recomputes inside its backward with Hugging Face's gradient
+checkpointing (:func:`~zeropipe.runtime.step.pairs.recomputes_in_backward`).  With no profiler recording the
 names are skipped (:func:`~zeropipe.base._compat.profiler_active`, asked once per
 step): an idle ``record_function`` costs microseconds per action.
 """
@@ -44,7 +46,7 @@ from zeropipe.core.ir import Action, Schedule
 from zeropipe.core.message_order import receiver_of
 from zeropipe.core.simulate import Event
 from zeropipe.runtime.step.handlers import HANDLERS, StepContext
-from zeropipe.runtime.step.pairs import run_pair
+from zeropipe.runtime.step.pairs import recomputes_in_backward, run_pair
 
 __all__ = ["LocalTransport", "run_local", "run_rank"]
 
@@ -115,6 +117,7 @@ def _walk(ctx: StepContext, schedule: Schedule, order: Sequence[tuple[int, int]]
     if not schedule.overlaps or not (profiling or ctx.overlap):
         return [run(ctx, rank, step, schedule.actions[rank][step]) for rank, step in order]
     starts = {r: schedule.overlapped(r) for r in range(schedule.num_ranks)}
+    apart = {s for s, stage in ctx.stages.items() if recomputes_in_backward(stage.module)}
     events: list[Event] = []
     k = 0
     while k < len(order):
@@ -124,7 +127,7 @@ def _walk(ctx: StepContext, schedule: Schedule, order: Sequence[tuple[int, int]]
         if step in starts[rank] and k + 1 < len(order) and order[k + 1] == (rank, step + 1):
             name = f"PP:({acts[step]};{acts[step + 1]})OVERLAP_F_B"
             with record_function(name) if profiling else nullcontext():
-                if ctx.overlap and not profiling:
+                if ctx.overlap and not profiling and acts[step + 1].stage not in apart:
                     events.extend(run_pair(ctx, rank, step, acts[step], acts[step + 1], _run))
                 else:
                     events.append(run(ctx, rank, step, acts[step]))

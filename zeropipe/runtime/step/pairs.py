@@ -29,9 +29,11 @@ is made safe this way:
   run one half after the other;
 - randomness: the forward seeds the global generator per layer and draws right after
   (``runtime/step/stage.py``) on the calling thread; a backward draws nothing, unless
-  a stage recomputes with its own ``torch.utils.checkpoint`` inside its backward,
-  which restores and draws from the global generator: such a stage should not run
-  in an overlapped pair (``overlap=False``).
+  its stage recomputes with ``torch.utils.checkpoint`` inside it, which restores and
+  draws from the global generator.  A stage with Hugging Face's gradient
+  checkpointing on is found (:func:`recomputes_in_backward`) and its backward's pairs
+  run one half after the other; a stage calling ``torch.utils.checkpoint`` itself
+  needs ``RuntimeOptions(overlap=False)`` when the model draws random numbers.
 
 Errors: each half's error is the :class:`PipelineError` naming its action, as run
 one after the other; the worker is always joined (its waits are bounded by the
@@ -57,7 +59,7 @@ from dataclasses import replace
 from typing import Any, cast
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from zeropipe.core.ir import Action
 from zeropipe.core.simulate import Event
@@ -66,7 +68,7 @@ from zeropipe.runtime.step.handlers import StepContext
 from zeropipe.runtime.transport.base import Transport
 from zeropipe.runtime.transport.tagged import DistributedTransport
 
-__all__ = ["run_pair"]
+__all__ = ["recomputes_in_backward", "run_pair"]
 
 # What runs one action and returns its event (the executor's).
 RunAction = Callable[[StepContext, int, int, Action], Event]
@@ -199,6 +201,15 @@ def run_pair(
         raise second
     shared.flush()  # a send queued as the last lock was let go
     return first, second
+
+
+def recomputes_in_backward(module: nn.Module) -> bool:
+    """Whether ``module``'s backward recomputes with ``torch.utils.checkpoint`` as Hugging
+    Face's gradient checkpointing does (one of its layers has ``gradient_checkpointing``
+    set): that recompute restores the global generator's state and draws from it, which
+    a forward beside it seeds per layer, so the pair it is in runs one half after the other.
+    """
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in module.modules())
 
 
 def _same_stream(device: torch.device) -> Callable[[], AbstractContextManager[None]]:

@@ -189,6 +189,26 @@ def test_a_backward_that_recomputes_with_dropout_runs_its_pairs_in_sequence() ->
         assert forward.end <= backward.start
 
 
+@pytest.mark.parametrize("sharded", [{0, 1, 2, 3}, {0, 3}, {0, 1}])
+def test_pairs_of_two_stages_that_run_collectives_run_in_sequence(sharded: set[int]) -> None:
+    # A DTensor parameter (tensor or expert parallelism) means collectives inside the stage,
+    # whose order every rank of their group must share: two such halves at once would
+    # interleave theirs as the threads' timing falls.  Here a parameter merely carries
+    # DTensor's ``placements`` attribute: the rule reads no more than that.
+    pipe, model = _slow_pipe(True)
+    for s in sharded:
+        layer = model[s]
+        assert isinstance(layer, SlowLayer)
+        layer.linear.weight.placements = ("Shard(0)",)  # type: ignore[attr-defined]
+    pipe.step(torch.randn(8, WIDTH), torch.randn(8, WIDTH))
+    pairs = _concurrent_pairs(pipe)
+    assert len(pairs) >= 3
+    for forward, backward in pairs:
+        shared = min(forward.end, backward.end) - max(forward.start, backward.start)
+        both = {forward.action.stage, backward.action.stage} <= sharded
+        assert (shared <= 0) if both else (shared > 0.002), (forward, backward, shared)
+
+
 def _gloo_cases(rank: int, world: int) -> dict[str, Any]:
     """On each of 2 gloo ranks: per case, the loss and this rank's gradients; and the
     overlap of each pair's halves on the slow model."""

@@ -25,7 +25,8 @@ backward on a worker; their events are two spans that overlap in time.  Without 
 the two run one after the other, and so they do while a torch profiler records (torch's
 profiler records the thread that started it, and would lose the worker's half) and when
 the backward's stage recomputes inside its backward with Hugging Face's gradient
-checkpointing (:func:`~zeropipe.runtime.step.pairs.recomputes_in_backward`).  With no profiler recording the
+checkpointing (:func:`~zeropipe.runtime.step.pairs.recomputes_in_backward`), or both
+stages run collectives of their own (:func:`~zeropipe.runtime.step.pairs.communicates_inside`).  With no profiler recording the
 names are skipped (:func:`~zeropipe.base._compat.profiler_active`, asked once per
 step): an idle ``record_function`` costs microseconds per action.
 """
@@ -33,7 +34,7 @@ step): an idle ``record_function`` costs microseconds per action.
 from __future__ import annotations
 
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from contextlib import nullcontext
 
 from torch import Tensor
@@ -46,7 +47,7 @@ from zeropipe.core.ir import Action, Schedule
 from zeropipe.core.message_order import receiver_of
 from zeropipe.core.simulate import Event
 from zeropipe.runtime.step.handlers import HANDLERS, StepContext
-from zeropipe.runtime.step.pairs import recomputes_in_backward, run_pair
+from zeropipe.runtime.step.pairs import communicates_inside, recomputes_in_backward, run_pair
 
 __all__ = ["LocalTransport", "run_local", "run_rank"]
 
@@ -117,7 +118,7 @@ def _walk(ctx: StepContext, schedule: Schedule, order: Sequence[tuple[int, int]]
     if not schedule.overlaps or not (profiling or ctx.overlap):
         return [run(ctx, rank, step, schedule.actions[rank][step]) for rank, step in order]
     starts = {r: schedule.overlapped(r) for r in range(schedule.num_ranks)}
-    apart = {s for s, stage in ctx.stages.items() if recomputes_in_backward(stage.module)}
+    together = _at_once(ctx) if ctx.overlap and not profiling else None
     events: list[Event] = []
     k = 0
     while k < len(order):
@@ -125,18 +126,29 @@ def _walk(ctx: StepContext, schedule: Schedule, order: Sequence[tuple[int, int]]
         acts = schedule.actions[rank]
         # A pair's members are adjacent in a rank's list; a local run's order may part them.
         if step in starts[rank] and k + 1 < len(order) and order[k + 1] == (rank, step + 1):
-            name = f"PP:({acts[step]};{acts[step + 1]})OVERLAP_F_B"
-            with record_function(name) if profiling else nullcontext():
-                if ctx.overlap and not profiling and acts[step + 1].stage not in apart:
-                    events.extend(run_pair(ctx, rank, step, acts[step], acts[step + 1], _run))
+            first, second = acts[step], acts[step + 1]
+            with (
+                record_function(f"PP:({first};{second})OVERLAP_F_B") if profiling else nullcontext()
+            ):
+                if together is not None and together(first, second):
+                    events.extend(run_pair(ctx, rank, step, first, second, _run))
                 else:
-                    events.append(run(ctx, rank, step, acts[step]))
-                    events.append(run(ctx, rank, step + 1, acts[step + 1]))
+                    events.append(run(ctx, rank, step, first))
+                    events.append(run(ctx, rank, step + 1, second))
             k += 2
         else:
             events.append(run(ctx, rank, step, acts[step]))
             k += 1
     return events
+
+
+def _at_once(ctx: StepContext) -> Callable[[Action, Action], bool]:
+    """Which of this step's pairs run their halves at once: not those whose backward
+    restores the global generator (a recompute inside it), nor those whose two stages both
+    issue collectives of their own (every rank must issue them in one order)."""
+    recomputing = {s for s, st in ctx.stages.items() if recomputes_in_backward(st.module)}
+    talking = {s for s, st in ctx.stages.items() if communicates_inside(st.module)}
+    return lambda f, b: b.stage not in recomputing and not {f.stage, b.stage} <= talking
 
 
 def _named(ctx: StepContext, rank: int, step: int, action: Action) -> Event:

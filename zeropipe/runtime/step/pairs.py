@@ -23,6 +23,9 @@ is made safe this way:
 - each half gets its own copy of the :class:`StepContext` (the same stages, losses,
   memory and transport, its own blocked-time counters), whose waits are added to the
   step's once both halves are done, so each half's event counts its own wait;
+- collectives inside a stage (tensor parallelism, expert parallelism's all-to-all) must
+  be issued in one order on every rank of their group: a pair whose two stages both
+  hold ``DTensor`` parameters (:func:`communicates_inside`) runs one half after the other;
 - per-microbatch state lives per stage and per microbatch, and the two halves touch
   different (stage, microbatch) entries; gradients are written by the backward alone,
   in the order a sequential run writes them, so they are bitwise those of the pair
@@ -68,7 +71,7 @@ from zeropipe.runtime.step.handlers import StepContext
 from zeropipe.runtime.transport.base import Transport
 from zeropipe.runtime.transport.tagged import DistributedTransport
 
-__all__ = ["recomputes_in_backward", "run_pair"]
+__all__ = ["communicates_inside", "recomputes_in_backward", "run_pair"]
 
 # What runs one action and returns its event (the executor's).
 RunAction = Callable[[StepContext, int, int, Action], Event]
@@ -210,6 +213,17 @@ def recomputes_in_backward(module: nn.Module) -> bool:
     a forward beside it seeds per layer, so the pair it is in runs one half after the other.
     """
     return any(getattr(m, "gradient_checkpointing", False) is True for m in module.modules())
+
+
+def communicates_inside(module: nn.Module) -> bool:
+    """Whether ``module``'s forward and backward run collectives of their own: some of its
+    parameters are ``DTensor`` shards (tensor parallelism, experts sharded over "ep").
+
+    Every rank of such a group must issue its collectives in the same order; two halves
+    that both communicate would interleave theirs as each thread's timing falls, so a
+    pair of two such stages runs one half after the other.
+    """
+    return any(getattr(p, "placements", None) is not None for p in module.parameters())
 
 
 def _same_stream(device: torch.device) -> Callable[[], AbstractContextManager[None]]:

@@ -66,6 +66,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -127,34 +128,18 @@ def launch(
     lifelines: list[Connection] = []
     stop = _StopSignals(procs, stop_wait, store)
     try:
-        # What a rank does on a signal is set in the rank: one forked by the fork server
-        # inherits the server's dispositions, not this process's.
-        hears = {
-            sig: signal.getsignal(sig) is not signal.SIG_IGN
-            for sig in (signal.SIGINT, signal.SIGTERM)
-        }
+        where = (nprocs, store.port, backend, timeout, threads, os.getpid())
+        base = RankStart(0, *where, deaf=False, **_dispositions(), environ={})
         # A rank forked by the fork server starts deaf to SIGINT (the server ignores it),
         # so this process keeps hearing it while they start; spawned ranks need it ignored here.
         forked = ctx.get_start_method() == "forkserver"
-        deafness = contextlib.nullcontext(hears[signal.SIGINT]) if forked else _deaf_to_sigint()
+        deafness = contextlib.nullcontext(base.hears_sigint) if forked else _deaf_to_sigint()
         with deafness as deaf:
             for rank in range(nprocs):
                 reader, writer = ctx.Pipe(duplex=False)
                 # Never written to: the child's end reads EOF once this process has ended.
                 watched, lifeline = ctx.Pipe(duplex=False)
-                start = RankStart(
-                    rank,
-                    nprocs,
-                    store.port,
-                    backend,
-                    timeout,
-                    threads,
-                    parent=os.getpid(),
-                    deaf=deaf,
-                    hears_sigint=hears[signal.SIGINT],
-                    hears_sigterm=hears[signal.SIGTERM],
-                    environ=dict(os.environ),
-                )
+                start = replace(base, rank=rank, deaf=deaf, environ=dict(os.environ))
                 proc = ctx.Process(
                     target=run_rank,
                     args=(start, fn, args, writer, watched),
@@ -176,6 +161,15 @@ def launch(
         for conn in (*conns, *lifelines):
             conn.close()
         stop.close()
+
+
+def _dispositions() -> dict[str, Any]:
+    """What a rank does on SIGINT and SIGTERM, set in the rank: one forked by the fork
+    server inherits the server's dispositions, not this process's."""
+    return {
+        "hears_sigint": signal.getsignal(signal.SIGINT) is not signal.SIG_IGN,
+        "hears_sigterm": signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN,
+    }
 
 
 def init_from_env(backend: str | None = None, timeout: float = 300.0) -> tuple[int, int]:

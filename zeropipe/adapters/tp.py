@@ -1,4 +1,7 @@
-"""``zeropipe.parallelize(stages_or_model, tp_mesh)``: the standard tensor-parallel plan on HF models.
+"""``zeropipe.parallelize(stages_or_model, tp_mesh, *, ep_mesh=)``: tensor and expert parallelism.
+
+Tensor parallelism is the standard plan on HF models; expert parallelism
+(``ep_mesh=``) shards a mixture's experts (:mod:`zeropipe.adapters.ep`).
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
     stages = zeropipe.split(model, 4, balance=[1, 1, 1, 1])
@@ -40,6 +43,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from zeropipe.adapters.ep import ep_size, experts_of, shard_experts
 from zeropipe.adapters.hf import SUPPORTED, hf_family, is_hf_model
 from zeropipe.core.errors import PipelineError
 
@@ -57,11 +61,13 @@ _SP_NORMS = ("input_layernorm", "post_attention_layernorm")
 
 def parallelize(
     stages_or_model: nn.Module | Sequence[nn.Module],
-    tp_mesh: Any,
+    tp_mesh: Any = None,
     *,
+    ep_mesh: Any = None,
     sequence_parallel: bool = False,
 ) -> nn.Module | list[nn.Module]:
-    """Apply the tensor-parallel plan over ``tp_mesh`` to every decoder layer, in place.
+    """Apply the tensor-parallel plan over ``tp_mesh`` to every decoder layer, and shard
+    the experts of a mixture over ``ep_mesh`` (:mod:`zeropipe.adapters.ep`), in place.
 
     ``stages_or_model``: a supported Hugging Face causal LM (one of
     ``TP_FAMILIES``), or the stage modules ``zeropipe.split`` made of one.  The
@@ -73,9 +79,26 @@ def parallelize(
 
     ``tp_mesh``: a 1-D ``DeviceMesh``, e.g. ``mesh["tp"]`` of the mesh the
     ``Pipeline`` gets.  Attention heads and key/value heads must both be
-    divisible by its size.  Nothing is changed when a check fails
+    divisible by its size.
+
+    ``ep_mesh``: a 1-D ``DeviceMesh`` the experts of Qwen3-MoE, Mixtral or
+    DeepSeek-V3 are sharded over, each rank holding ``experts / ep`` of them
+    (``mesh["dp"]`` in a pipeline: expert parallelism inside the data-parallel
+    replicas, which then reduce expert gradients only over replicas holding the same
+    experts).  The experts count must be divisible by its size.  At least one of
+    the two meshes is given.  Nothing is changed when a check fails
     (:class:`PipelineError` naming the values and the fix).
     """
+    experts = None if ep_mesh is None else experts_of(stages_or_model, ep_size(ep_mesh))
+    if tp_mesh is not None or ep_mesh is None:  # neither: the tensor-parallel checks refuse
+        _tensor_parallel(stages_or_model, tp_mesh, sequence_parallel)
+    if experts is not None:
+        shard_experts(experts, ep_mesh)
+    return stages_or_model if isinstance(stages_or_model, nn.Module) else list(stages_or_model)
+
+
+def _tensor_parallel(stages_or_model: object, tp_mesh: Any, sequence_parallel: bool) -> None:
+    """The tensor-parallel plan applied to every decoder layer (checked first)."""
     layers = _decoder_layers(stages_or_model)
     size = _tp_size(tp_mesh)
     for layer in layers:
@@ -93,7 +116,6 @@ def parallelize(
             norm = _find(layer, name)
             if norm is not None:
                 _per_head(norm, tp_mesh)
-    return stages_or_model if isinstance(stages_or_model, nn.Module) else list(stages_or_model)
 
 
 def _plan(sequence_parallel: bool) -> dict[str, Any]:
@@ -200,7 +222,8 @@ def _tp_size(tp_mesh: Any) -> int:
     if not isinstance(tp_mesh, DeviceMesh):
         raise PipelineError(
             f"zeropipe.parallelize: tp_mesh must be a 1-D DeviceMesh (the 'tp' dimension of "
-            f"the pipeline's mesh, mesh['tp']), got {type(tp_mesh).__name__}"
+            f"the pipeline's mesh, mesh['tp']), got {type(tp_mesh).__name__}; for expert "
+            f"parallelism alone pass ep_mesh= only"
         )
     if tp_mesh.ndim != 1:
         names = tp_mesh.mesh_dim_names or ()

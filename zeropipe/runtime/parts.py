@@ -44,7 +44,12 @@ from zeropipe.runtime.mesh import (
     resolve_mesh,
 )
 from zeropipe.runtime.options import RuntimeOptions, options_or_default
-from zeropipe.runtime.replicas.data_parallel import GradReducer, Replicas, reduction_owners
+from zeropipe.runtime.replicas.data_parallel import (
+    GradReducer,
+    Replicas,
+    reduction_owners,
+    sharded_over_replicas,
+)
 from zeropipe.runtime.replicas.fsdp import ShardedReducer
 from zeropipe.runtime.step.batch_norm import DeferredNorms
 from zeropipe.runtime.step.executor import LocalTransport
@@ -224,18 +229,27 @@ def reducer_for(
 
     With ``dp_shard`` a :class:`ShardedReducer` over this process's
     ``stages``; else a :class:`GradReducer` of each parameter at the REDUCE_GRAD of the
-    last stage using it, ``shared`` parameters left to the step's end.
+    last stage using it, ``shared`` parameters left to the step's end and experts
+    sharded over the replicas never summed.
     """
     if replicas is None:
         return None
     if not dp_shard:
-        exclude = {id(p) for p in shared}
+        every = [p for st in all_stages for p in st.parameters()]
+        exclude = {id(p) for p in shared} | sharded_over_replicas(every, replicas.group)
         ranks = [where.rank] if where.distributed else range(schedule.num_ranks)
         owners: dict[int, list[nn.Parameter]] = {}
         for r in ranks:
             params = {s: list(all_stages[s].parameters()) for s in schedule.stages_of(r)}
             owners.update(reduction_owners(schedule, r, params, exclude=exclude))
         return GradReducer(replicas.endpoint, owners)
+    if sharded_over_replicas(
+        (p for st in stages.values() for p in st.parameters()), replicas.group
+    ):
+        raise PipelineError(
+            "RuntimeOptions(dp_shard=True) with experts sharded over 'dp' (expert parallelism): "
+            "FSDP2 would shard them again over the same ranks; use dp_shard=False"
+        )
     first_param = next((p for st in stages.values() for p in st.parameters()), None)
     return ShardedReducer(
         replicas,

@@ -16,7 +16,8 @@ What a checkpoint holds (one flat DCP state dict)::
 
     model.<name>              every parameter and persistent buffer, written by the
                               lowest rank that runs a stage holding it (in the first
-                              data-parallel replica: the others hold the same)
+                              data-parallel replica: the others hold the same; each
+                              replica writes its shard of experts sharded over them)
     optim.<name>.<state>      the optimizer's per-parameter state (AdamW: step,
                               exp_avg, exp_avg_sq), keyed by parameter name, so it
                               loads into an optimizer over another subset of them
@@ -38,7 +39,9 @@ each and written once (DCP keeps one copy of identical entries).  The keys,
 the shapes in the metadata and the checks on load are the global ones, so a
 checkpoint saved at one tensor-parallel degree loads at another, or into plain
 tensors (``tp`` 1, or :func:`consolidated_state_dict`): each process reads the
-part of every tensor that its own layout holds.  The processes of a
+part of every tensor that its own layout holds.  The same holds for experts sharded over
+"ep" (``zeropipe.parallelize(ep_mesh=)``): a checkpoint saved at ep 2 loads at ep 1
+or in one process.  The processes of a
 tensor-parallel group save and load together even where the pipeline is one
 rank (:func:`saves_together`), and only the group's rank 0 finishes the folder
 (:func:`is_lead`).

@@ -5,7 +5,8 @@ A pipeline built from an ``nn.Sequential`` uses the Sequential's own keys (a sli
 layers' indices); stages cut from a model passed as ``model=`` take the model's names; other
 stage modules are named as ``nn.Sequential(*stages)`` would name them.  A tensor on several
 stages is written once, by the lowest rank running a stage that holds it, in the first
-data-parallel replica; its other names are aliases (see
+data-parallel replica (every replica writes its shard of a tensor sharded over them, as
+experts under expert parallelism); its other names are aliases (see
 :mod:`zeropipe.runtime.checkpoint.dcp`).
 """
 
@@ -87,9 +88,13 @@ def state_names(pipe: Pipeline, model: nn.Module | None = None) -> StateNames:
             if stage.index in mine:
                 local[canonical] = t
     me = pipe.rank if pipe.distributed else None
-    # Data-parallel replicas hold the same tensors: the first one writes them.
+    # Data-parallel replicas hold the same tensors: the first one writes them.  A DTensor
+    # sharded over the replicas (experts under expert parallelism) is written by each,
+    # its own shard; DCP keeps one copy of a shard several processes offer.
     owned = frozenset(
-        n for n, t in local.items() if pipe.dp_rank == 0 and (me is None or ranks[id(t)] == me)
+        n
+        for n, t in local.items()
+        if (pipe.dp_rank == 0 or _sharded(t)) and (me is None or ranks[id(t)] == me)
     )
     return StateNames(local, owned, frozenset(first.values()), aliases)
 
@@ -117,6 +122,11 @@ def saves_together(pipe: Pipeline, names: StateNames | None = None) -> bool:
         return True
     tensors = (names or state_names(pipe)).tensors.values()
     return any(_mesh_size(t) > 1 for t in tensors)
+
+
+def _sharded(t: Tensor) -> bool:
+    """Whether ``t`` is a DTensor each of whose processes holds a different part of it."""
+    return isinstance(t, DTensor) and not all(p.is_replicate() for p in t.placements)
 
 
 def _mesh_size(t: Tensor) -> int:

@@ -15,6 +15,11 @@ run, so it overlaps the compute of the stages still running::
 
 A parameter used by several stages on one rank (a V placement's tied
 embedding) is reduced by the REDUCE_GRAD that comes last among them, once.
+
+Experts sharded over the replicas (expert parallelism inside data parallelism,
+``zeropipe.parallelize(stages, ep_mesh=mesh["dp"])``: ep = dp) are not reduced at
+all: every replica's tokens were sent to the replica holding their expert, so its
+gradient is already the sum over the replicas (:func:`sharded_over_replicas`).
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ __all__ = [
     "reduction_order",
     "reduction_owners",
     "reductions_as_run",
+    "sharded_over_replicas",
 ]
 
 
@@ -96,6 +102,35 @@ def reduction_owners(
             if id(p) not in seen and id(p) not in exclude and p.requires_grad:
                 seen.add(id(p))
                 out[owner[id(p)]].append(p)
+    return out
+
+
+def sharded_over_replicas(params: Iterable[nn.Parameter], group: object) -> set[int]:
+    """The ids of ``params`` that are DTensors sharded over exactly the replicas' ranks.
+
+    Such a parameter (an expert of a mixture sharded over "ep" = "dp") holds on each
+    replica other experts, whose gradient every replica's tokens already reached:
+    summing it over the replicas would add different experts together.  One sharded
+    over a part of the replicas (ep smaller than dp, the sum over the replicas holding
+    the same experts) is refused.
+    """
+    from torch.distributed.tensor import DTensor
+
+    replicas = dist.get_process_group_ranks(group)  # type: ignore[arg-type]
+    out: set[int] = set()
+    for p in params:
+        if not isinstance(p, DTensor) or all(pl.is_replicate() for pl in p.placements):
+            continue
+        ranks = set(p.device_mesh.mesh.flatten().tolist())
+        if ranks == set(replicas):
+            out.add(id(p))
+        elif ranks < set(replicas):
+            raise PipelineError(
+                f"a parameter of shape {list(p.shape)} is sharded over ranks {sorted(ranks)}, "
+                f"a part of the data-parallel replicas {sorted(replicas)}: expert parallelism "
+                f"inside data parallelism shards over the whole 'dp' dimension (ep = dp, "
+                f"ep_mesh=mesh['dp']); an ep smaller than dp is not supported yet"
+            )
     return out
 
 

@@ -156,6 +156,16 @@ class TrainConfig:
             metavar="N",
         ),
     )
+    ep: int = field(
+        default=1,
+        metadata=flag(
+            "expert parallelism: a mixture of experts' experts sharded over the --dp "
+            "replicas, each holding experts / N of them (ep inside dp, N = --dp; with --dp 1 "
+            "the replicas become N): --ranks x --dp processes (default {default})",
+            group=_LAYOUT,
+            metavar="N",
+        ),
+    )
     microbatches: int = field(
         default=8, metadata=flag("per step, per replica (default {default})", group=_LAYOUT)
     )
@@ -390,6 +400,26 @@ def _counts_at_least_one(cfg: TrainConfig) -> None:
         raise ZeropipeError(f"--dp must be >= 1 (1: one pipeline), got {cfg.dp}")
 
 
+def _experts_inside_replicas(cfg: TrainConfig) -> None:
+    """``--ep N`` shards the experts over the data-parallel replicas: N replicas when
+    ``--dp`` is left at 1, else ``--dp`` must be N (an ep smaller than dp is not run yet)."""
+    if cfg.ep < 1:
+        raise ZeropipeError(f"--ep must be >= 1 (1: no expert parallelism), got {cfg.ep}")
+    if cfg.ep > 1 and cfg.dp == 1:
+        cfg.dp = cfg.ep
+    if cfg.ep > 1 and cfg.dp != cfg.ep:
+        raise ZeropipeError(
+            f"--ep {cfg.ep} with --dp {cfg.dp}: the experts are sharded over all the "
+            f"data-parallel replicas (ep inside dp, ep = dp); use --dp {cfg.ep}, or leave "
+            f"--dp out (--ep {cfg.ep} then makes {cfg.ep} replicas)"
+        )
+    if cfg.ep > 1 and cfg.model_path is not None:
+        raise ZeropipeError(
+            f"--ep {cfg.ep} with --model-path: expert parallelism of a model read from a "
+            f"folder is not supported yet; use --ep 1, or a built-in --model"
+        )
+
+
 def _clip_positive(cfg: TrainConfig) -> None:
     """A ``--clip`` norm, if given, is positive."""
     if cfg.clip is not None and not cfg.clip > 0:
@@ -498,6 +528,7 @@ def _device_here(cfg: TrainConfig) -> None:
 RULES: tuple[Rule, ...] = (
     _known_schedule,
     _counts_at_least_one,
+    _experts_inside_replicas,
     _clip_positive,
     _sequence_of_two,
     _eval_and_checkpoint_steps,

@@ -153,9 +153,12 @@ def processes(cfg: TrainConfig) -> int:
 
 
 def layout(cfg: TrainConfig) -> str:
-    """The run's layout in words, e.g. 'pp 2 x dp 1 x tp 2 = 4 processes'."""
+    """The run's layout in words, e.g. 'pp 2 x dp 1 x tp 2 = 4 processes'; with --ep, the
+    experts sharded over the replicas ('pp 2 x dp 2 (experts over dp: ep 2) x tp 1 = 4
+    processes')."""
     n = processes(cfg)
-    return f"pp {cfg.ranks} x dp {cfg.dp} x tp {cfg.tp} = {n} process{'es' * (n != 1)}"
+    ep = f" (experts over dp: ep {cfg.ep})" if cfg.ep > 1 else ""
+    return f"pp {cfg.ranks} x dp {cfg.dp}{ep} x tp {cfg.tp} = {n} process{'es' * (n != 1)}"
 
 
 def _announce(cfg: TrainConfig) -> None:

@@ -118,7 +118,8 @@ def _set_up(rank: int, world: int, cfg: TrainConfig, stop: _StopRequest) -> _Ran
     schedule = Schedule.from_text(cfg.planned) if cfg.planned else cfg.build_schedule()
     mesh = _mesh(cfg)
     tp_mesh = mesh["tp"] if mesh is not None and cfg.tp > 1 else None
-    stages, cut, model = build_model(cfg, corpus.vocab, schedule.num_stages, tp_mesh)
+    ep_mesh = mesh["dp"] if mesh is not None and cfg.ep > 1 else None  # ep inside dp
+    stages, cut, model = build_model(cfg, corpus.vocab, schedule.num_stages, tp_mesh, ep_mesh)
     pipe = Pipeline(
         stages,
         schedule,

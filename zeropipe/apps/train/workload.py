@@ -110,6 +110,7 @@ class ModelSettings(Protocol):
     memory_limit: float | None  # per-rank activation limit (--memory-limit)
     dp: int  # replicas of the pipeline (--dp)
     tp: int  # tensor-parallel processes per pipeline rank (--tp): ranks x dp x tp processes
+    ep: int  # replicas the experts are sharded over (--ep): 1, or dp
 
 
 def check_model(cfg: ModelSettings) -> None:
@@ -128,12 +129,32 @@ def check_model(cfg: ModelSettings) -> None:
     if cfg.model == "gpt" and cfg.width % cfg.heads:
         raise ZeropipeError(f"--width {cfg.width} must be a multiple of the {cfg.heads} heads")
     _check_tp(cfg)
+    _check_ep(cfg)
     _check_machine(cfg)
 
 
 def _divisors(n: int) -> str:
     found = [str(d) for d in range(1, n + 1) if n % d == 0]
     return ", ".join(found[:-1]) + f" or {found[-1]}" if len(found) > 1 else found[0]
+
+
+def _check_ep(cfg: ModelSettings) -> None:
+    """``--ep``: a mixture of experts whose experts the replicas share out evenly."""
+    if cfg.ep == 1:
+        return
+    config = None if cfg.model == "gpt" else _hf_config(cfg, _vocab(cfg))
+    keys = ("num_experts", "num_local_experts", "n_routed_experts")
+    experts = next((int(getattr(config, k)) for k in keys if getattr(config, k, None)), 0)
+    if not experts:
+        raise ZeropipeError(
+            f"--ep {cfg.ep} with --model {cfg.model}: expert parallelism shards a mixture of "
+            f"experts; use --ep 1, or --model qwen3-moe, mixtral or deepseek-v3"
+        )
+    if experts % cfg.ep:
+        raise ZeropipeError(
+            f"--ep {cfg.ep} must divide the {cfg.model} model's {experts} experts (each "
+            f"replica holds whole experts); use --ep {_divisors(experts)}"
+        )
 
 
 def _check_tp(cfg: ModelSettings) -> None:
@@ -478,7 +499,7 @@ def _balance(blocks: int, stages: int, per_block: int = 1) -> list[int]:
 
 
 def build_model(
-    cfg: ModelSettings, vocab: int, num_stages: int, tp_mesh: Any = None
+    cfg: ModelSettings, vocab: int, num_stages: int, tp_mesh: Any = None, ep_mesh: Any = None
 ) -> tuple[torch.nn.Sequential | list[torch.nn.Module], list[int] | None, torch.nn.Module]:
     """What the pipeline runs: the GPT and its cut, or a Hugging Face model's stages; and the
     whole model, whose ``state_dict`` names are the checkpoint's keys whatever the cut.
@@ -486,6 +507,7 @@ def build_model(
     ``tp_mesh`` (the 1-D "tp" mesh of ``--tp`` > 1): the whole model is made
     tensor-parallel over it before it is cut -- the GPT by :func:`parallelize_gpt`,
     a Hugging Face model by :func:`zeropipe.adapters.tp.parallelize` (Megatron's layout).
+    ``ep_mesh`` (the "dp" mesh of ``--ep`` > 1): a mixture's experts sharded over it.
     """
     if cfg.model == "gpt":
         gpt_cfg = GPTConfig(
@@ -526,6 +548,8 @@ def build_model(
     if tp_mesh is not None:
         # The whole model, before it is cut: the stages hold its own (now parallel) layers.
         _parallelize(parallelize, model, tp_mesh, cfg)
+    if ep_mesh is not None:
+        parallelize(model, ep_mesh=ep_mesh)
     return split(model, num_stages, balance=cut), None, model
 
 

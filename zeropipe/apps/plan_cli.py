@@ -7,7 +7,8 @@ Two modes, one table:
   depth, data-parallel degree, tensor-parallel degree (inside a node), microbatch size,
   chunking and schedule (:func:`zeropipe.planning.cluster.search`); ``--pp``, ``--dp`` and
   ``--tp`` fix or restrict a dimension; for a mixture of experts, ``--ep`` the
-  expert-parallel degrees (inside dp).
+  expert-parallel degrees (inside dp); ``--cp`` the context-parallel degrees (each sequence
+  sharded over cp GPUs, ring attention).
 * ``--costs COSTS.json --ranks R --microbatches M``: one pipeline whose costs were
   measured (``zeropipe profile --out``, ``zeropipe bench --costs-out``); rank the
   schedules for it, each with the measured layers cut where its own simulated step is
@@ -41,6 +42,7 @@ from zeropipe.planning.cluster import (
     search,
 )
 from zeropipe.planning.cluster import spec_costs as spec_cost_factory
+from zeropipe.planning.pricing.context_parallel import check_cp
 from zeropipe.planning.pricing.moe import check_ep
 from zeropipe.planning.pricing.tensor_parallel import check_tp
 from zeropipe.planning.specs import (
@@ -146,13 +148,22 @@ def _add_cluster_search_space(spec: Any) -> None:
             "network beyond); ep divides dp and the experts, and",
             "every divisor of the experts; 1 for a dense model",
         ),
+        (
+            "--cp",
+            "context-parallel degrees (each sequence sharded over cp GPUs, ring attention "
+            "with causal load balancing, cp placed after tp inside a node, across the "
+            "network where tp x cp exceeds it; seq divisible by 2 x cp)",
+            "1",
+        ),
     ):
         spec.add_argument(
             flag,
             type=_int_list,
             metavar="LIST",
             help=f"comma-separated {what} to consider, one to fix it (default: {default})"
-            + ("" if flag == "--ep" else "; pp x dp x tp = --gpus"),
+            + {"--ep": "", "--cp": "; pp x dp x tp x cp = --gpus"}.get(
+                flag, "; pp x dp x tp (x cp) = --gpus"
+            ),
         )
     spec.add_argument(
         "--sequence-parallel",
@@ -260,7 +271,7 @@ def _progress(args: argparse.Namespace) -> Any:
 
 def run_cli(args: argparse.Namespace) -> int:
     if args.costs:
-        cluster_only = ("model", "gpus", "gpu", "seq", "global_batch", "pp", "dp", "tp", "ep")
+        cluster_only = ("model", "gpus", "gpu", "seq", "global_batch", "pp", "dp", "tp", "ep", "cp")
         given = [f for f in (*cluster_only, "tp_across_nodes", "fsdp") if getattr(args, f)]
         if given:
             flags = ", ".join("--" + f.replace("_", "-") for f in given)
@@ -296,6 +307,7 @@ def run_cli(args: argparse.Namespace) -> int:
         title = (
             f"{best.schedule}, pp {best.pp} x dp {best.dp} x tp {best.tp}"
             + (f" (ep {best.ep})" if best.ep > 1 else "")
+            + (f" x cp {best.cp}" if best.cp > 1 else "")
             + f", mbs {best.microbatch_size}, "
             f"{best.microbatches} microbatches, memory plan {best.memory_plan}"
         )
@@ -374,9 +386,20 @@ def _cluster_header(
         f"assumed: matmuls at {args.efficiency or DEFAULT_EFFICIENCY:.0%} of peak, "
         f"{args.attention} attention{', dropout' if args.dropout else ''}, "
         + _state_text(args)
-        + f", offload at {hw.host_bandwidth / 1e9:.0f} GB/s to host; {tensor}; ranks laid "
-        f"out tp innermost, then dp",
+        + f", offload at {hw.host_bandwidth / 1e9:.0f} GB/s to host; {tensor}"
+        + _context_text(args)
+        + f"; ranks laid out tp innermost, then{' cp, then' if args.cp else ''} dp",
     ]
+
+
+def _context_text(args: argparse.Namespace) -> str:
+    """What the header says of context parallelism (nothing without --cp)."""
+    if not args.cp:
+        return ""
+    return (
+        f"; context parallel cp in {{{','.join(map(str, args.cp))}}}: ring attention, "
+        f"causal load balancing, gradients reduced over dp x cp"
+    )
 
 
 def _state_text(args: argparse.Namespace) -> str:
@@ -435,8 +458,26 @@ def _run_cluster(args: argparse.Namespace) -> tuple[list[str], Ranking, str]:
         dp_options=args.dp,
         tp_options=tp_options,
         ep_options=ep_options,
+        cp_options=_cp_options(args, model),
     )
     return header, ranking, "bytes"
+
+
+def _cp_options(args: argparse.Namespace, model: ModelSpec) -> list[int]:
+    """The context-parallel degrees to search: --cp's, each checked against the model and
+    --seq (a bad one is an error naming the fix), or 1."""
+    for cp in args.cp or []:
+        try:
+            moe = model.experts > 0 or model.mla is not None
+            check_cp(cp, seq=args.seq, attention=args.attention, moe=moe, name=model.name)
+        except ScheduleError as exc:
+            raise ZeropipeError(f"--cp {cp}: {exc}") from None
+        if args.gpus % cp:
+            raise ZeropipeError(
+                f"--cp {cp} does not divide --gpus {args.gpus}: pp x dp x tp x cp = gpus; give "
+                f"a divisor of {args.gpus}"
+            )
+    return sorted(set(args.cp or [1]))
 
 
 def _ep_options(args: argparse.Namespace, model: ModelSpec) -> list[int]:

@@ -21,26 +21,31 @@ def format_table(candidates: Sequence[Candidate], *, unit: str, cluster: bool = 
     """The ranking as an aligned text table; ``cluster=False`` drops dp, tp, mbs and the
     throughput columns a measured single pipeline does not know."""
     memory_title = "peak GiB" if unit == "bytes" else f"peak ({unit})"
-    titles = ["#", "pp", "dp", "tp", "ep", "mbs", "m", "chunks", "schedule", "memory plan"]
+    titles = ["#", "pp", "dp", "tp", "ep", "cp", "mbs", "m", "chunks", "schedule", "memory plan"]
     titles += ["step s"]
     titles += ["tokens/s", "MFU", "bubble", memory_title, "fits"]
     rows = []
     for n, c in enumerate(candidates, 1):
         peak = c.peak_memory / GiB if unit == "bytes" else c.peak_memory
-        row = [str(n), str(c.pp), str(c.dp), str(c.tp), str(c.ep), str(c.microbatch_size)]
+        row = [str(n), str(c.pp), str(c.dp), str(c.tp), str(c.ep), str(c.cp)]
+        row += [str(c.microbatch_size)]
         row += [str(c.microbatches)]
         row += [str(c.chunks), c.schedule, c.memory_plan, f"{c.step_time:.4g}"]
         row += [_num(c.tokens_per_second, ",.0f"), _num(100 * c.mfu, ".1f") + "%"]
         row += [f"{c.bubble:.1%}", f"{peak:.3g}" if unit == "bytes" else f"{peak:.4g}"]
         row += ["yes" if c.fits else "NO"]
         rows.append(row)
-    drop = set() if any(c.ep > 1 for c in candidates) else {4}  # ep: a mixture of experts'
+    # ep and cp: shown where some candidate uses them
+    drop = {
+        i for i, name in ((4, "ep"), (5, "cp")) if all(getattr(c, name) == 1 for c in candidates)
+    }
     if not cluster:
-        drop |= {2, 3, 4, 5, 11, 12} if all(math.isnan(c.mfu) for c in candidates) else {2, 3, 4, 5}
+        measured = {2, 3, 4, 5, 6}
+        drop |= measured | {12, 13} if all(math.isnan(c.mfu) for c in candidates) else measured
     keep = [i for i in range(len(titles)) if i not in drop]
     table = [[titles[i] for i in keep]] + [[r[i].replace("-%", "-") for i in keep] for r in rows]
     widths = [max(len(r[i]) for r in table) for i in range(len(keep))]
-    left = {keep.index(i) for i in (8, 9) if i in keep}  # text columns
+    left = {keep.index(i) for i in (9, 10) if i in keep}  # text columns
     lines = []
     for r in table:
         pairs = enumerate(zip(r, widths, strict=True))

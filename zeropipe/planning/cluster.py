@@ -4,8 +4,9 @@ shortest simulated step.
 
 For ``gpus`` accelerators and a model of ``layers`` layers, :func:`search` enumerates::
 
-    tp    each of tp_options dividing gpus       (default 1: no tensor parallelism)
-    pp    a divisor of gpus / tp, pp <= layers   dp   = gpus / (pp x tp)
+    cp    each of cp_options dividing gpus       (default 1: no context parallelism)
+    tp    each of tp_options dividing gpus / cp  (default 1: no tensor parallelism)
+    pp    a divisor of gpus / (tp x cp), pp <= layers   dp = gpus / (pp x tp x cp)
     ep    each of ep_options dividing dp         (default 1: experts on every replica)
     mbs   global_batch divisible by dp x mbs     m    = global_batch / (dp x mbs)
     schedule x chunks (stages = pp x chunks <= layers), as the generator accepts
@@ -49,17 +50,21 @@ from zeropipe.planning.cluster_costs import (
     Candidate,
     Config,
     CostFactory,
+    Layout,
     Ranking,
     ScheduleCosts,
+    divisors,
     fixed_costs,
+    layout_grid,
+    layouts,
     schedule_cut,
     spec_costs,
 )
 from zeropipe.planning.plan_memory import GiB, MemoryPlan, plan_memory
 from zeropipe.planning.step_bound import lower_bound
 
-# Config, Candidate, Ranking, the cost factories and GiB are re-exported: with search
-# they are what a caller needs.
+# Config, Candidate, Ranking, the cost factories, the layouts and GiB are re-exported: with
+# search they are what a caller needs.
 __all__ = [
     "Candidate",
     "Config",
@@ -75,10 +80,6 @@ __all__ = [
     "search",
     "spec_costs",
 ]
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 # -- the search ---------------------------------------------------------------------------
@@ -202,7 +203,7 @@ class _Search:
     def candidate(
         self, config: Config, name: str, sched: Schedule, memory: MemoryPlan, costs: CostModel
     ) -> Candidate:
-        built = build_schedule(memory.final(), reduce_grad=config.dp > 1)
+        built = build_schedule(memory.final(), reduce_grad=config.dp * config.cp > 1)
         timeline = simulate(built, costs, graph=Graph(built))
         step = timeline.makespan
         return Candidate(
@@ -222,6 +223,7 @@ class _Search:
             tp=config.tp,
             timeline=timeline,
             ep=config.ep,
+            cp=config.cp,
         )
 
     def price(self, job: _Job) -> Candidate | None:
@@ -281,40 +283,19 @@ class _Search:
         return self.candidate(stages, "auto", base, memory, costs)
 
 
-def layouts(
-    gpus: int,
-    layers: int,
-    pp_options: Sequence[int] | None = None,
-    dp_options: Sequence[int] | None = None,
-    tp_options: Sequence[int] = (1,),
-) -> list[tuple[int, int, int]]:
-    """Every (pp, dp, tp) with pp x dp x tp = ``gpus`` and pp <= ``layers`` that the
-    options allow (None: any divisor)."""
-    out = []
-    for tp in tp_options:
-        if gpus % tp:
-            continue
-        rest = gpus // tp
-        for pp in pp_options or divisors(rest):
-            dp = rest // pp
-            if pp <= layers and rest % pp == 0 and (dp_options is None or dp in dp_options):
-                out.append((pp, dp, tp))
-    return out
-
-
 def _jobs(
     state: _Search,
-    grid: Sequence[tuple[int, int, int]],
+    grid: Sequence[Layout],
     schedules: Sequence[str],
     microbatch_sizes: Sequence[int],
     chunks: Sequence[int],
     *,
     count: bool = True,
 ) -> Iterator[_Job]:
-    """Every (configuration, named schedule) the grid of (pp, dp, tp) holds, with its bound;
+    """Every (configuration, named schedule) the grid of (pp, dp, tp, cp) holds, with its bound;
     ``count``: add them to the ranking's considered and refused."""
     global_batch = state.workload.global_batch
-    for pp, dp, tp, ep in _with_ep(grid, state.ep_options):
+    for pp, dp, tp, cp, ep in _with_ep(grid, state.ep_options):
         for mbs in microbatch_sizes:
             if global_batch % (dp * mbs):
                 continue
@@ -328,7 +309,7 @@ def _jobs(
                     if pp * v > state.layers:
                         state.ranking.refused += count
                         continue
-                    config = Config(pp, dp, mbs, m, pp * v, tp=tp, ep=ep)
+                    config = Config(pp, dp, mbs, m, pp * v, tp=tp, ep=ep, cp=cp)
                     try:
                         placement, split = state.probe(name, pp, v, m)
                         costs = state.costs(config)
@@ -344,13 +325,13 @@ def _jobs(
 
 
 def _with_ep(
-    grid: Sequence[tuple[int, int, int]], ep_options: Sequence[int]
-) -> Iterator[tuple[int, int, int, int]]:
-    """The grid's (pp, dp, tp) with each expert-parallel degree that divides dp."""
-    for pp, dp, tp in grid:
+    grid: Sequence[Layout], ep_options: Sequence[int]
+) -> Iterator[tuple[int, int, int, int, int]]:
+    """The grid's (pp, dp, tp, cp) with each expert-parallel degree that divides dp."""
+    for pp, dp, tp, cp in grid:
         for ep in ep_options:
             if dp % ep == 0:
-                yield pp, dp, tp, ep
+                yield pp, dp, tp, cp, ep
 
 
 def search(
@@ -372,6 +353,7 @@ def search(
     dp_options: Sequence[int] | None = None,
     tp_options: Sequence[int] = (1,),
     ep_options: Sequence[int] = (1,),
+    cp_options: Sequence[int] = (1,),
     prune: bool = True,
     auto_runs: int = 3,
     auto_budget: float = 2.0,
@@ -404,6 +386,8 @@ def search(
             1): the routed experts sharded over ep of the dp replicas (ep inside dp, as
             Megatron-LM and torchtitan lay it out); those not dividing dp are skipped,
             those the model cannot take are refused by the cost factory.
+        cp_options: context-parallel degrees (default 1): each sequence over cp GPUs, the
+            batch over dp only (``gpus`` = pp x dp x tp x cp); refused as tp is.
         prune: False prices every configuration (slow; the ranking is the same).
         costs_for_schedule: when given, each schedule is priced under the cost model
             it returns for it (e.g. :func:`schedule_cut`: its own cut of measured
@@ -418,8 +402,7 @@ def search(
     """
     start = time.perf_counter()
     _check_arguments(gpus, layers, global_batch, top, schedules, microbatch_sizes)
-    _check_options(pp=pp_options, dp=dp_options, tp=tp_options, ep=ep_options)
-    grid = layouts(gpus, layers, pp_options, dp_options, tp_options)
+    grid = layout_grid(gpus, layers, pp_options, dp_options, tp_options, ep_options, cp_options)
     workload = _Workload(global_batch, seq, flops_per_sample, gpus, peak_flops)
     state = _Search(costs_for, costs_for_schedule, memory, top, layers, workload, prune, ep_options)
     named = sorted(_jobs(state, grid, schedules, microbatch_sizes, chunks), key=_Job.order)
@@ -456,13 +439,6 @@ def _check_arguments(
         )
     if not microbatch_sizes or min(microbatch_sizes) < 1:
         raise ScheduleError(f"microbatch sizes must be >= 1, got {list(microbatch_sizes)}")
-
-
-def _check_options(**options: Sequence[int] | None) -> None:
-    """Refuse an empty list of pp, dp or tp options, or one below 1 (None: any)."""
-    for name, values in options.items():
-        if values is not None and (not values or min(values) < 1):
-            raise ScheduleError(f"{name} options must be whole numbers >= 1, got {values!r}")
 
 
 class _Progress:
@@ -517,7 +493,7 @@ def _price_unpruned(state: _Search, job: _Job) -> Candidate | None:
 
 def _search_auto(
     state: _Search,
-    grid: Sequence[tuple[int, int, int]],
+    grid: Sequence[Layout],
     microbatch_sizes: Sequence[int],
     runs: int,
     budget: float,
@@ -562,18 +538,18 @@ def _search_auto(
 
 
 def _nothing_to_price(
-    gpus: int, layers: int, batch: int, sizes: Sequence[int], grid: Sequence[tuple[int, int, int]]
+    gpus: int, layers: int, batch: int, sizes: Sequence[int], grid: Sequence[Layout]
 ) -> str:
     if not grid:
         return (
             f"no configuration to price for {gpus} GPU(s) and {layers} layers: no pp x dp x tp "
-            f"= {gpus} with pp <= {layers} among the pp, dp and tp options given; give options "
-            f"whose product can be {gpus}"
+            f"= {gpus} / cp with pp <= {layers} among the pp, dp, tp and cp options given; give "
+            f"options whose product can be {gpus}"
         )
-    least = min(dp for _, dp, _ in grid)
+    least = min(layout[1] for layout in grid)
     return (
         f"no configuration to price for {gpus} GPU(s), {layers} layers and a global batch of "
         f"{batch}: the batch must split into dp replicas x microbatches of size {list(sizes)}, "
-        f"with dp = gpus / (pp x tp), pp <= {layers} (so dp >= {least} here); make the global "
+        f"with dp = gpus / (pp x tp x cp), pp <= {layers} (so dp >= {least} here); make the global "
         f"batch a multiple of {least} x a microbatch size, or use fewer GPUs"
     )

@@ -1,4 +1,5 @@
-"""What the cluster search prices and what it gives back: a :class:`Config` (one way to
+"""What the cluster search prices and what it gives back: the layouts it enumerates
+(:func:`layout_grid`: pp x dp x tp x cp), a :class:`Config` (one way to
 run the model), the cost factories that price it, from specs (:func:`spec_costs`) or
 from one measured cost model (:func:`fixed_costs`), and each priced configuration as a
 :class:`Candidate` in the :class:`Ranking` the search returns.  No torch here: this is core.
@@ -6,7 +7,7 @@ from one measured cost model (:func:`fixed_costs`), and each priced configuratio
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
@@ -27,12 +28,72 @@ __all__ = [
     "Candidate",
     "Config",
     "CostFactory",
+    "Layout",
     "Ranking",
     "ScheduleCosts",
+    "divisors",
     "fixed_costs",
+    "layout_grid",
+    "layouts",
     "schedule_cut",
     "spec_costs",
 ]
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts(
+    gpus: int,
+    layers: int,
+    pp_options: Sequence[int] | None = None,
+    dp_options: Sequence[int] | None = None,
+    tp_options: Sequence[int] = (1,),
+) -> list[tuple[int, int, int]]:
+    """Every (pp, dp, tp) with pp x dp x tp = ``gpus`` and pp <= ``layers`` that the
+    options allow (None: any divisor)."""
+    out = []
+    for tp in tp_options:
+        if gpus % tp:
+            continue
+        rest = gpus // tp
+        for pp in pp_options or divisors(rest):
+            dp = rest // pp
+            if pp <= layers and rest % pp == 0 and (dp_options is None or dp in dp_options):
+                out.append((pp, dp, tp))
+    return out
+
+
+#: A placement of the grid: (pp, dp, tp, cp).
+Layout = tuple[int, int, int, int]
+
+
+def layout_grid(
+    gpus: int,
+    layers: int,
+    pp_options: Sequence[int] | None,
+    dp_options: Sequence[int] | None,
+    tp_options: Sequence[int],
+    ep_options: Sequence[int],
+    cp_options: Sequence[int],
+) -> list[Layout]:
+    """Every (pp, dp, tp, cp) with pp x dp x tp x cp = ``gpus`` the options allow, the options
+    checked first (ep's too: the jobs pair each layout with the eps that divide its dp)."""
+    _check_options(pp=pp_options, dp=dp_options, tp=tp_options, ep=ep_options, cp=cp_options)
+    return [
+        (pp, dp, tp, cp)
+        for cp in cp_options
+        if gpus % cp == 0
+        for pp, dp, tp in layouts(gpus // cp, layers, pp_options, dp_options, tp_options)
+    ]
+
+
+def _check_options(**options: Sequence[int] | None) -> None:
+    """Refuse an empty list of pp, dp, tp, ep or cp options, or one below 1 (None: any)."""
+    for name, values in options.items():
+        if values is not None and (not values or min(values) < 1):
+            raise ScheduleError(f"{name} options must be whole numbers >= 1, got {values!r}")
 
 
 @dataclass(frozen=True)
@@ -47,6 +108,7 @@ class Config:
     recompute: bool = False  # price R and what a checkpointed forward keeps
     tp: int = 1  # GPUs per stage (tensor parallel): pp x dp x tp GPUs in all
     ep: int = 1  # replicas sharing a stage's routed experts (expert parallel, inside dp)
+    cp: int = 1  # GPUs sharing each sequence (context parallel): pp x dp x cp x tp GPUs
 
     @property
     def chunks(self) -> int:
@@ -63,8 +125,9 @@ class Candidate:
     """One configuration, priced.  Times in seconds, memory in the cost model's unit
     (bytes for a spec); ``tokens_per_second`` and ``mfu`` are NaN when not known.
     ``tp``: GPUs per stage (tensor parallel); pp x dp x tp GPUs in all; ``ep``: of the dp
-    replicas, those sharing the routed experts of a mixture of experts (written only when
-    above 1)."""
+    replicas, those sharing the routed experts of a mixture of experts; ``cp``: GPUs sharing
+    each sequence (context parallel), pp x dp x cp x tp GPUs (each written only when above
+    1)."""
 
     pp: int
     dp: int
@@ -82,8 +145,9 @@ class Candidate:
     tp: int = 1
     timeline: Timeline | None = field(default=None, compare=False, repr=False)
     ep: int = 1
+    cp: int = 1
 
-    def key(self) -> tuple[bool, float, float, int, int, int, int, str]:
+    def key(self) -> tuple[bool, float, float, int, int, int, int, int, str]:
         """Rank order: fitting first, then the shortest step (ties: less memory)."""
         return (
             not self.fits,
@@ -92,6 +156,7 @@ class Candidate:
             self.pp,
             self.tp,
             self.ep,
+            self.cp,
             self.chunks,
             self.schedule,
         )
@@ -99,14 +164,15 @@ class Candidate:
     def to_dict(self) -> dict[str, Any]:
         out = asdict(replace(self, timeline=None))
         del out["timeline"]
-        if self.ep == 1:  # a dense model's plan reads as it always has
-            del out["ep"]
+        for name in ("ep", "cp"):  # a plan without them reads as it always has
+            if out[name] == 1:
+                del out[name]
         return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Candidate:
         names = {f.name for f in fields(cls)} - {"timeline"}
-        missing = sorted(names - set(data) - {"tp", "ep"})  # tp, ep not written: 1
+        missing = sorted(names - set(data) - {"tp", "ep", "cp"})  # not written: 1
         if missing:
             raise ScheduleError(f"a plan candidate needs {', '.join(missing)}", rule="syntax")
         return cls(**{k: data[k] for k in names if k in data})
@@ -163,6 +229,10 @@ def spec_costs(
     (``18 / dp`` bytes per parameter, ``18 / (dp / ep)`` per expert weight); its gradients
     are reduce-scattered once a step (half an all-reduce's bytes) and its weights'
     all-gathers are taken as prefetched under compute (not priced).
+
+    ``config.cp`` GPUs share each sequence (context parallel: ring attention,
+    :mod:`zeropipe.planning.pricing.context_parallel`); gradients are reduced, and the
+    optimizer or FSDP sharded, over the ``dp x cp`` ranks holding a stage.
     """
 
     def costs_for(config: Config) -> CostModel:
@@ -187,6 +257,7 @@ def spec_costs(
             grad_bytes=grad_bytes / 2 if fsdp else grad_bytes,
             ep=config.ep,
             expert_state_bytes=expert_state,
+            cp=config.cp,
         )
 
     return costs_for
@@ -195,11 +266,11 @@ def spec_costs(
 def _state_bytes(config: Config, *, shard_optimizer: bool, fsdp: bool) -> tuple[float, float]:
     """Bytes of weight, gradient and Adam state per parameter, and per routed-expert weight
     (sharded over the ``dp / ep`` replicas that hold the same experts)."""
-    expert_replicas = config.dp // config.ep
+    expert_replicas, group = config.dp // config.ep, config.dp * config.cp
     if fsdp:
-        return DEFAULT_STATE_BYTES / config.dp, DEFAULT_STATE_BYTES / expert_replicas
+        return DEFAULT_STATE_BYTES / group, DEFAULT_STATE_BYTES / expert_replicas
     if shard_optimizer:
-        return 6.0 + 12.0 / config.dp, 6.0 + 12.0 / expert_replicas
+        return 6.0 + 12.0 / group, 6.0 + 12.0 / expert_replicas
     return DEFAULT_STATE_BYTES, DEFAULT_STATE_BYTES
 
 
@@ -215,11 +286,12 @@ def fixed_costs(costs: CostModel) -> CostFactory:
     have = len(costs.stages)
 
     def costs_for(config: Config) -> CostModel:
-        if config.tp != 1 or config.ep != 1:
-            what = f"tp {config.tp}" if config.tp != 1 else f"ep {config.ep}"
+        wider = {"tp": config.tp, "ep": config.ep, "cp": config.cp}
+        what = ", ".join(f"{k} {v}" for k, v in wider.items() if v != 1)
+        if what:
             raise ScheduleError(
                 f"a measured cost model is one GPU per stage; it cannot price {what} "
-                f"(measure the tensor- or expert-parallel stages, or plan from specs)"
+                f"(measure the tensor-, expert- or context-parallel stages, or plan from specs)"
             )
         want = config.stages
         if want == have:

@@ -38,6 +38,8 @@ How a stage is priced (``T`` = tokens per microbatch = microbatch size x sequenc
   replicas), the share of an overlapped pair hidden (``CostModel.overlap``):
   :mod:`zeropipe.planning.pricing.moe`.  Blocks of different kinds (dense first blocks)
   are cut into stages by their times (:func:`zeropipe.planning.balance.balance`).
+* **Context parallelism** (``cp`` GPUs share each sequence, ring attention, placed after
+  tp inside the node): :mod:`zeropipe.planning.pricing.context_parallel`.
 
 Nothing here imports torch.
 """
@@ -57,6 +59,7 @@ from zeropipe.planning.catalog import (
     load_model,
     model_names,
 )
+from zeropipe.planning.pricing.context_parallel import check_cp, ring_steps
 from zeropipe.planning.pricing.moe import (
     all_to_all_time,
     block_kinds,
@@ -165,6 +168,7 @@ class _PriceSettings:
     sequence_parallel: bool
     tp_across_nodes: bool
     ep: int = 1
+    cp: int = 1
     expert_state_bytes: float | None = None  # None: state_bytes
     expert_grad_bytes: float | None = None  # None: grad_bytes
 
@@ -199,6 +203,8 @@ class _PriceSettings:
             cross_node=self.tp_across_nodes,
         )
         check_ep(self.ep, model=model, dp=None, tp=self.tp)
+        moe = model.experts > 0 or model.mla is not None
+        check_cp(self.cp, seq=self.seq, attention=self.attention, moe=moe, name=model.name)
         if model.is_moe and stages > model.layers:
             raise ScheduleError(
                 f"{stages} stages for a {model.layers}-block mixture of experts: at most one "
@@ -208,9 +214,19 @@ class _PriceSettings:
     def layer_run(self, model: ModelSpec, hardware: HardwareSpec) -> LayerRun:
         """The rates and the all-reduce every layer of a stage is priced at."""
         tp = self.tp
-        t = self.microbatch_size * self.seq  # tokens
+        t = self.microbatch_size * self.seq // self.cp  # one GPU's tokens
         e = _DTYPE_BYTES[self.dtype]
         link_far = tp > hardware.gpus_per_node
+        ring = ring_steps(
+            self.cp,
+            tp,
+            tokens=t,
+            key_values=(model.kv_dim, model.kv_heads),
+            element_bytes=e,
+            gpus_per_node=hardware.gpus_per_node,
+            intra=(hardware.intra_bandwidth, hardware.intra_latency),
+            inter=(hardware.inter_bandwidth, hardware.inter_latency),
+        )
         return LayerRun(
             tokens=t,
             seq=self.seq,
@@ -226,6 +242,7 @@ class _PriceSettings:
             tp=tp,
             sequence_parallel=self.sequence_parallel,
             **self._expert_run(model, hardware, model.hidden * e),
+            **ring,
         )
 
     def _expert_run(self, model: ModelSpec, hardware: HardwareSpec, row: int) -> dict[str, Any]:
@@ -247,6 +264,7 @@ class _PriceSettings:
 
     def meta(self) -> dict[str, Any]:
         """The settings a cost model records (``sequence_parallel`` only where tp > 1)."""
+        wider = {name: n for name, n in (("ep", self.ep), ("cp", self.cp)) if n > 1}
         return {
             "seq": self.seq,
             "microbatch_size": self.microbatch_size,
@@ -257,7 +275,7 @@ class _PriceSettings:
             "dropout": self.dropout,
             "tp": self.tp,
             "sequence_parallel": self.sequence_parallel and self.tp > 1,
-        } | ({"ep": self.ep} if self.ep > 1 else {})
+        } | wider
 
 
 def price_stages(
@@ -279,6 +297,7 @@ def price_stages(
     sequence_parallel: bool = True,
     tp_across_nodes: bool = False,
     ep: int = 1,
+    cp: int = 1,
 ) -> list[StagePrice]:
     """Each stage's F, I, W, R times and memory for one microbatch (see the module docstring).
 
@@ -289,7 +308,8 @@ def price_stages(
     stage runs on ``tp`` GPUs, with ``sequence_parallel`` or not, inside a node unless
     ``tp_across_nodes`` (:mod:`zeropipe.planning.pricing.tensor_parallel`); figures are one GPU's.
     ``ep``: a mixture of experts' routed experts sharded over ep GPUs
-    (:mod:`zeropipe.planning.pricing.moe`).
+    (:mod:`zeropipe.planning.pricing.moe`); ``cp``: each sequence over ``cp`` GPUs
+    (:mod:`zeropipe.planning.pricing.context_parallel`).
     """
     settings = _PriceSettings(
         seq=seq,
@@ -305,6 +325,7 @@ def price_stages(
         sequence_parallel=sequence_parallel,
         tp_across_nodes=tp_across_nodes,
         ep=ep,
+        cp=cp,
     )
     return _price(model, hardware, settings, stages, blocks)
 
@@ -445,37 +466,36 @@ def costs_from_spec(
     tp_across_nodes: bool = False,
     ep: int = 1,
     expert_state_bytes: float | None = None,
+    cp: int = 1,
 ) -> CostModel:
     """Price a decoder-only transformer on an accelerator from their specs (no profile).
 
-    ``model`` and ``hardware`` are specs or names (:func:`zeropipe.planning.specs.load_model`
-    also takes a Hugging Face ``config.json``).  The model is cut into ``stages``
-    (``blocks``: transformer blocks per stage; default even) run by ``pp`` ranks
-    (default ``stages``; zbv's ``2p`` stages run on ``p``), with ``dp`` replicas.
-    Times are seconds, memory bytes (``unit="bytes"``); how each figure is
-    derived is in :mod:`zeropipe.planning.specs`; ``attention`` (``"flash"`` or ``"unfused"``)
-    and ``dropout`` say how the blocks run.  Each stage runs on ``tp`` GPUs (tensor
-    parallel, with ``sequence_parallel`` or not; inside a node unless ``tp_across_nodes``:
-    :mod:`zeropipe.planning.pricing.tensor_parallel`), and every figure is one GPU's; tp = 1 is
-    plain pipeline and data parallelism.  ``recompute`` makes R and ``ckpt``
-    available for :func:`zeropipe.core.passes.fit.checkpoint`; it does not itself
-    checkpoint anything.  ``meta`` records the inputs and ``flops_per_microbatch`` /
-    ``peak_flops`` for MFU.  Routed experts: sharded over ``ep`` of the ``dp`` replicas,
-    ``expert_state_bytes`` a weight (default ``state_bytes``), gradients reduced over
-    ``dp / ep`` replicas (:mod:`zeropipe.planning.pricing.moe`).
+    ``model`` and ``hardware`` are specs or names (:func:`load_model` also takes a Hugging
+    Face ``config.json``).  The model is cut into ``stages`` (``blocks``: transformer blocks
+    per stage; default even) run by ``pp`` ranks (default ``stages``; zbv's ``2p`` stages
+    run on ``p``), with ``dp`` replicas, each sequence over ``cp`` GPUs
+    (:mod:`zeropipe.planning.pricing.context_parallel`; gradients reduced over ``dp x cp``).
+    Times are seconds, memory bytes (``unit="bytes"``); how each figure is derived is in
+    this module's docstring; ``attention`` (``"flash"`` or ``"unfused"``) and ``dropout``
+    say how the blocks run.  Each stage runs on ``tp`` GPUs (tensor parallel, with
+    ``sequence_parallel`` or not; inside a node unless ``tp_across_nodes``:
+    :mod:`zeropipe.planning.pricing.tensor_parallel`), and every figure is one GPU's; tp = 1
+    is plain pipeline and data parallelism.  ``recompute`` makes R and ``ckpt`` available
+    for :func:`zeropipe.core.passes.fit.checkpoint`; it does not itself checkpoint anything.
+    ``meta`` records the inputs and ``flops_per_microbatch`` / ``peak_flops`` for MFU.
+    Routed experts: sharded over ``ep`` of the ``dp`` replicas, ``expert_state_bytes`` a
+    weight (default ``state_bytes``), gradients reduced over ``dp / ep`` replicas
+    (:mod:`zeropipe.planning.pricing.moe`).
     """
     m = load_model(model) if isinstance(model, str) else model
     hw = load_hardware(hardware) if isinstance(hardware, str) else hardware
-    ranks = stages if pp is None else pp
     _check_dp(dp, ep, m, tp)
     settings = _PriceSettings(
         seq=seq,
         microbatch_size=microbatch_size,
         dtype=dtype,
-        efficiency=DEFAULT_EFFICIENCY if efficiency is None else efficiency,
-        memory_efficiency=(
-            DEFAULT_MEMORY_EFFICIENCY if memory_efficiency is None else memory_efficiency
-        ),
+        efficiency=_or(efficiency, DEFAULT_EFFICIENCY),
+        memory_efficiency=_or(memory_efficiency, DEFAULT_MEMORY_EFFICIENCY),
         state_bytes=state_bytes,
         grad_bytes=grad_bytes,
         attention=attention,
@@ -484,19 +504,21 @@ def costs_from_spec(
         sequence_parallel=sequence_parallel,
         tp_across_nodes=tp_across_nodes,
         ep=ep,
+        cp=cp,
         expert_state_bytes=expert_state_bytes,
         expert_grad_bytes=_expert_reduce(grad_bytes, dp, ep),
     )
     priced = _price(m, hw, settings, stages, blocks)
-    far = pipeline_crosses_nodes(ranks, dp, hw.gpus_per_node, tp)
-    dp_far = replicas_cross_nodes(dp, hw.gpus_per_node, tp)
+    group = dp * cp  # the ranks holding a stage: cp inside dp
+    far = pipeline_crosses_nodes(stages if pp is None else pp, group, hw.gpus_per_node, tp)
+    dp_far = replicas_cross_nodes(group, hw.gpus_per_node, tp)
     return CostModel(
         tuple(_stage_cost(p, hw.host_bandwidth, recompute) for p in priced),
         latency=hw.inter_latency if far else hw.intra_latency,
         bandwidth=hw.inter_bandwidth if far else hw.intra_bandwidth,
         unit="bytes",
-        dp=dp,
-        dp_latency=ring_allreduce_latency(dp, hw.inter_latency if dp_far else hw.intra_latency),
+        dp=group,
+        dp_latency=ring_allreduce_latency(group, hw.inter_latency if dp_far else hw.intra_latency),
         dp_bandwidth=hw.inter_bandwidth if dp_far else hw.intra_bandwidth,
         meta=_spec_meta(m, hw, settings, priced, pipeline_far=far, replicas_far=dp_far),
         **({"overlap": pair_overlap(priced)} if m.is_moe else {}),
@@ -551,7 +573,7 @@ def _spec_meta(
 ) -> dict[str, Any]:
     """What a spec cost model records: its inputs, the cut, the links it prices and the
     figures MFU needs."""
-    tokens = settings.microbatch_size * settings.seq
+    tokens = settings.microbatch_size * settings.seq // settings.cp  # one GPU's
     return {
         "source": "spec",
         "time_unit": "s",

@@ -3,5 +3,6 @@
 ``transformer``: a decoder's shape (:class:`~zeropipe.planning.pricing.transformer.ModelSpec`,
 dense or a mixture of experts) and the price of its blocks, embedding and head;
 ``tensor_parallel``: what tp divides and adds; ``moe``: what experts, expert parallelism
-(ep) and multi-head latent attention add.  No torch here.
+(ep) and multi-head latent attention add; ``context_parallel``: what sharding each sequence
+over cp GPUs (ring attention) divides and adds.  No torch here.
 """

@@ -37,6 +37,9 @@ for one microbatch, at the rates of a :class:`LayerRun`.
   inputs and the gradients of their outputs (``act_w``).
 * **Tensor parallelism**: what ``tp`` divides, the collectives it adds and the narrower
   matmuls' lower rate are in :mod:`zeropipe.planning.pricing.tensor_parallel`.
+* **Context parallelism** (``cp`` GPUs a sequence): ``T`` is one GPU's share of the
+  tokens, ``s`` the whole sequence, and the ring's transfers beyond the attention they
+  overlap are added: :mod:`zeropipe.planning.pricing.context_parallel`.
 * **Mixtures of experts and multi-head latent attention** (``experts`` > 0, ``mla``): a
   block's FFN is routed experts (``experts_per_token`` of ``experts``, each ``expert_ffn``
   wide) and ``shared_experts``, but the ``dense_blocks``; such blocks are priced by
@@ -53,6 +56,7 @@ from typing import Any
 
 from zeropipe.core.errors import ScheduleError
 from zeropipe.planning.hf_config import spec_fields
+from zeropipe.planning.pricing.context_parallel import ring_exposed
 from zeropipe.planning.pricing.tensor_parallel import kv_split, split
 
 __all__ = [
@@ -291,6 +295,9 @@ class LayerRun:
     sequence_parallel: bool = True
     ep: int = 1  # GPUs the routed experts are sharded over (expert parallel)
     all_to_all: float = 0.0  # seconds of one dispatch (or combine) of an MoE block's tokens
+    cp: int = 1  # GPUs a sequence is sharded over (context parallel; ``tokens`` is one's)
+    ring_f: float = 0.0  # seconds of one forward ring step (this GPU's keys and values)
+    ring_i: float = 0.0  # seconds of one backward ring step (and their gradients)
 
 
 @dataclass(frozen=True)
@@ -351,6 +358,9 @@ def price_block(
     flop, mem, allreduce = run.flop_rate, run.byte_rate, run.allreduce
     block_f = (2.0 * t * n + attention_f) / tp / flop + elementwise_f / mem + 2 * allreduce
     block_i = (2.0 * t * n + attention_i) / tp / flop + elementwise_i / mem + 2 * allreduce
+    # Context parallel: the ring's steps, each overlapped with the attention in hand.
+    block_f += ring_exposed(run.cp, run.ring_f, attention_f / tp / flop)
+    block_i += ring_exposed(run.cp, run.ring_i, attention_i / tp / flop)
     block_w = 2.0 * t * n / tp / flop
     # W needs each linear's input and its output's gradient: the h-wide ones outside.
     linear_in_out = d + f + (d + 2 * kv_t) + (ffn_mats - 1) * f  # inside; 4 h outside

@@ -1,0 +1,129 @@
+"""What context parallelism (cp) changes in a transformer block's price, as plain numbers.
+
+Context parallelism shards each sequence over ``cp`` GPUs (torchtitan's and Megatron-LM's
+``cp`` dimension): every GPU holds ``T / cp`` of a microbatch's ``T`` tokens through every
+layer, and attention, which needs every earlier token, runs as **ring attention** (Liu et
+al. 2023): the ``cp`` GPUs pass their keys and values around a ring, each computing its
+queries against one shard's keys and values while the next shard arrives.  With causal
+attention the sequence is cut into ``2 cp`` chunks and GPU ``r`` holds chunks ``r`` and
+``2 cp - 1 - r`` (an early and a late one: the causal load balancing of torchtitan and
+Megatron-LM), so every GPU does the same share of the causal work.  Per block and
+microbatch, one GPU's:
+
+* **Compute**: the linears and the memory-bound work see ``T / cp`` tokens; causal
+  attention of the whole sequence ``s`` (``2 T s d`` FLOPs forward, flash style: half of
+  the full square) is divided evenly, ``2 (T / cp) s d`` a GPU, 2.5 times that backward.
+  :mod:`zeropipe.planning.pricing.transformer` prices exactly that once its ``tokens`` are
+  the GPU's ``T / cp`` and its ``seq`` the whole ``s``.
+* **The ring**: ``cp - 1`` steps a block forward, each sending the GPU's keys and values
+  (``2 (T / cp) kv`` elements, ``kv`` the key/value width over ``tp``) to its neighbour;
+  backward, ``cp - 1`` steps sending keys and values and their gradients (twice the bytes),
+  as ring attention's backward passes them.  A step's transfer runs while the GPU computes
+  attention against the shard it already holds (one ``cp``-th of the block's attention):
+  only what the transfer takes beyond that compute is added (:func:`ring_exposed`), with a
+  link latency a step.  A recomputed forward repeats the forward ring.
+* **The link**: ranks are laid out tensor-parallel innermost, then context-parallel, then
+  data-parallel, then pipeline (a ``("pp", "dp", "cp", "tp")`` mesh): a cp group is ``cp``
+  ranks ``tp`` apart, inside a node while ``tp x cp`` GPUs fit one evenly, else its ring
+  crosses the network (:func:`ring_crosses_nodes`); a step's message goes at
+  :data:`~zeropipe.planning.pricing.tensor_parallel.TP_LINK_EFFICIENCY` of the link's
+  one-way bandwidth (every GPU sends one and receives one at once).
+* **Memory**: every activation a block keeps is the GPU's ``T / cp`` tokens' (the received
+  key/value buffers are transient and not counted); weights are whole on every cp rank, and
+  their gradients are reduced over the ``dp x cp`` ranks holding the same stage (FSDP and a
+  sharded optimizer shard over them too, as torchtitan's ``dp_shard_cp`` mesh does).
+
+What is refused (:func:`check_cp`): a ``cp`` below 1, a sequence not divisible by ``2 cp``
+(the load-balanced chunks), unfused attention (ring attention is flash style), and a
+mixture of experts or latent attention with ``cp`` > 1 (not priced).
+
+No torch here, and nothing from :mod:`zeropipe.planning.specs` or
+:mod:`zeropipe.planning.pricing.transformer` (which import this).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from zeropipe.core.errors import ScheduleError
+from zeropipe.planning.pricing.tensor_parallel import TP_LINK_EFFICIENCY, kv_split
+
+__all__ = [
+    "check_cp",
+    "ring_crosses_nodes",
+    "ring_exposed",
+    "ring_step_time",
+    "ring_steps",
+]
+
+
+def check_cp(cp: int, *, seq: int, attention: str, moe: bool, name: str) -> None:
+    """Refuse a context-parallel degree that cannot be priced, naming the fix: ``cp`` a
+    whole number >= 1; above 1, ``seq`` divisible by ``2 cp``, flash attention and a dense
+    model with grouped-query attention (``moe``: experts or latent attention)."""
+    if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1:
+        raise ScheduleError(f"cp = {cp!r} must be a whole number >= 1")
+    if cp == 1:
+        return
+    if seq % (2 * cp):
+        raise ScheduleError(
+            f"cp {cp}: the sequence of {seq} tokens must split into 2 x cp = {2 * cp} equal "
+            f"chunks (an early and a late one a GPU); give a seq divisible by {2 * cp}"
+        )
+    if attention != "flash":
+        raise ScheduleError(f"cp {cp}: ring attention is flash style; give attention flash")
+    if moe:
+        raise ScheduleError(
+            f"{name}: context parallelism of a mixture-of-experts or latent-attention model "
+            f"is not priced; give cp 1"
+        )
+
+
+def ring_crosses_nodes(cp: int, tp: int, gpus_per_node: int) -> bool:
+    """Whether a cp group's ring leaves its node: ``cp`` ranks ``tp`` apart, ``tp x cp``
+    contiguous ranks holding it, inside a node only where they fit it evenly."""
+    return cp > 1 and (tp * cp > gpus_per_node or gpus_per_node % (tp * cp) != 0)
+
+
+def ring_step_time(nbytes: float, bandwidth: float, latency: float) -> float:
+    """Seconds one ring step takes to pass ``nbytes`` to the next GPU (every GPU sends and
+    receives one such message at once) at ``TP_LINK_EFFICIENCY`` of ``bandwidth``."""
+    return latency + nbytes / (bandwidth * TP_LINK_EFFICIENCY)
+
+
+def ring_exposed(cp: int, transfer: float, attention: float) -> float:
+    """Seconds the ring adds to a block's pass: ``cp - 1`` steps, each a ``transfer``
+    overlapped with the attention against the shard in hand (``attention / cp``, for the
+    block's ``attention`` seconds on this GPU), only the excess exposed."""
+    if cp <= 1:
+        return 0.0
+    return (cp - 1) * max(0.0, transfer - attention / cp)
+
+
+def ring_steps(
+    cp: int,
+    tp: int,
+    *,
+    tokens: int,
+    key_values: tuple[int, int],
+    element_bytes: int,
+    gpus_per_node: int,
+    intra: tuple[float, float],
+    inter: tuple[float, float],
+) -> dict[str, Any]:
+    """The seconds of one forward and one backward ring step (``ring_f``, ``ring_i``) for a
+    GPU holding ``tokens`` tokens' keys and values (``key_values``: the model's key/value
+    width and heads, of which the GPU holds its tensor-parallel share, a head copied where
+    there are fewer than ``tp``), on the network where the ring leaves the node
+    (:func:`ring_crosses_nodes`), else on NVLink (``intra`` and ``inter``: bandwidth in
+    bytes/s one way, latency in seconds); nothing for cp 1."""
+    if cp <= 1:
+        return {}
+    bandwidth, latency = inter if ring_crosses_nodes(cp, tp, gpus_per_node) else intra
+    width, heads = key_values
+    keys_values = 2.0 * tokens * (width // kv_split(heads, tp)) * element_bytes
+    return {
+        "cp": cp,
+        "ring_f": ring_step_time(keys_values, bandwidth, latency),
+        "ring_i": ring_step_time(2 * keys_values, bandwidth, latency),
+    }

@@ -22,6 +22,11 @@ becomes a dispatch and combine (one subclass per experts class)::
     index_add_ into the output in the sorted order (each token's experts added in
     expert order, as the eager forward adds them)
 
+The local experts run as transformers' eager loop does (one pair of matmuls per
+expert), whatever ``experts_implementation`` the model was built with; the row
+counts are read on the host (``all_to_all_single`` takes its splits as lists), one
+synchronisation per layer and direction on an accelerator.
+
 Both row exchanges are differentiable (:class:`AllToAll`: its backward is the
 same exchange of the gradient with the splits swapped), so each rank's expert
 gradient sums the contributions of every rank's tokens, and the non-expert

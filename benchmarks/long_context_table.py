@@ -1,0 +1,195 @@
+"""Benchmark: the planner's context-parallel prices against torchtitan's published H100 tables.
+
+pytorch/torchtitan, ``benchmarks/llama3_h100_202412_torchtitan.md`` (end of 2024; torch,
+torchao and torchtitan of 2024-12-23/26; Grand Teton hosts of 8 H100 (96 GB HBM2e, 500 W)
+on NVLink, 400 Gb/s RDMA per GPU) published, in tokens per second per GPU (TPS/GPU):
+
+* **Table 2**, FSDP + CP + torch.compile + Float8, Llama 3.1 8B on 8 GPUs, local batch 1,
+  full activation checkpointing: FSDP 8 / CP 1 at 32,768 tokens a sequence, FSDP 4 / CP 2
+  at 65,536, FSDP 2 / CP 4 at 131,072, FSDP 1 / CP 8 at 262,144.
+* **Table 6**, FSDP + TP + PP + CP + torch.compile + Float8 + AsyncTP + 1F1B, Llama 3.1
+  405B on 512 GPUs, TP 8, PP 8, local batch 8, full activation checkpointing: the same
+  four FSDP / CP pairs and sequences.
+
+Float8 (on the linears) is not priced by the planner, so what is checked is each row's
+throughput over its table's first row, predicted against published: the rows keep the
+tokens a GPU holds (``seq / cp`` = 32,768) and a step's tokens, and change only the
+attention span and the ring.  Each row is priced at its own layout, with nothing fitted
+to it: :func:`zeropipe.planning.cluster.spec_costs` on the shipped ``h100-sxm`` spec
+(bf16, flash attention, matmuls at 60% of peak), FSDP over the ``dp x cp`` ranks (as
+torchtitan's ``dp_shard_cp`` mesh shards), every microbatch recomputed (full activation
+checkpointing), tp placed innermost and cp after it (Table 6: tp 8 fills a node, so its
+ring crosses the network; Table 2: inside the node); Table 6 runs 1F1B on 8 ranks with
+torchtitan's default of as many microbatches as pipeline ranks (8 of one sequence);
+Table 2 one microbatch on one stage.  Ring attention as
+:mod:`zeropipe.planning.pricing.context_parallel` prices it.
+
+    python benchmarks/long_context_table.py
+    python benchmarks/long_context_table.py --json rows.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from zeropipe.core.costs import CostModel
+from zeropipe.core.passes.build import build_schedule
+from zeropipe.core.schedules import generate
+from zeropipe.core.simulate import simulate
+from zeropipe.planning.cluster import Config, spec_costs
+from zeropipe.planning.plan_memory import recompute
+from zeropipe.planning.specs import load_hardware, load_model
+
+SOURCE = (
+    "pytorch/torchtitan, benchmarks/llama3_h100_202412_torchtitan.md (2024-12), Tables 2 "
+    "and 6, TPS/GPU"
+)
+HARDWARE = "h100-sxm"
+BAR = 0.20  # a row's ratio to its table's first, predicted over published, within 20%
+
+
+@dataclass(frozen=True)
+class Row:
+    """One published row: its table, model, layout and tokens per second per GPU."""
+
+    table: int
+    model: str  # the shipped spec
+    gpus: int
+    tp: int
+    pp: int
+    fsdp: int  # data-parallel replicas (FSDP over dp x cp ranks)
+    cp: int
+    seq: int
+    local_batch: int  # sequences a replica runs a step
+    tokens: float  # published TPS/GPU
+
+    @property
+    def microbatches(self) -> int:
+        """torchtitan's default of 2024: as many microbatches as pipeline ranks."""
+        return self.pp if self.pp > 1 else 1
+
+    @property
+    def name(self) -> str:
+        return f"T{self.table} FSDP {self.fsdp} CP {self.cp}"
+
+    def tokens_per_gpu(self, step: float) -> float:
+        return self.local_batch * self.fsdp * self.seq / step / self.gpus
+
+
+ROWS: tuple[Row, ...] = (
+    Row(2, "llama-3-8b", 8, 1, 1, 8, 1, 32_768, 1, 3890),
+    Row(2, "llama-3-8b", 8, 1, 1, 4, 2, 65_536, 1, 2540),
+    Row(2, "llama-3-8b", 8, 1, 1, 2, 4, 131_072, 1, 1071),
+    Row(2, "llama-3-8b", 8, 1, 1, 1, 8, 262_144, 1, 548),
+    Row(6, "llama-3.1-405b", 512, 8, 8, 8, 1, 32_768, 8, 76),
+    Row(6, "llama-3.1-405b", 512, 8, 8, 4, 2, 65_536, 8, 47),
+    Row(6, "llama-3.1-405b", 512, 8, 8, 2, 4, 131_072, 8, 31),
+    Row(6, "llama-3.1-405b", 512, 8, 8, 1, 8, 262_144, 8, 16),
+)
+
+
+def layout(row: Row) -> Config:
+    """The row's configuration: every microbatch recomputed."""
+    size = row.local_batch // row.microbatches
+    return Config(
+        row.pp, row.fsdp, size, row.microbatches, row.pp, recompute=True, tp=row.tp, cp=row.cp
+    )
+
+
+def costs(row: Row) -> CostModel:
+    """The planner's cost model for the row's model and layout on H100s, FSDP over dp x cp."""
+    factory = spec_costs(load_model(row.model), load_hardware(HARDWARE), seq=row.seq, fsdp=True)
+    return factory(layout(row))
+
+
+def predict(row: Row) -> tuple[float, float]:
+    """Simulated seconds a step (1F1B, the gradients reduced over dp x cp) and peak memory
+    (bytes, the fullest GPU)."""
+    schedule = recompute(generate("1f1b", row.pp, row.microbatches))
+    timeline = simulate(build_schedule(schedule, reduce_grad=row.fsdp * row.cp > 1), costs(row))
+    return timeline.makespan, max(timeline.peak_memory)
+
+
+def run(rows: Sequence[Row]) -> list[dict[str, Any]]:
+    """Each row predicted, with its ratio to the first row of its table."""
+    out: list[dict[str, Any]] = []
+    first: dict[int, dict[str, Any]] = {}
+    for row in rows:
+        step, peak = predict(row)
+        entry: dict[str, Any] = {
+            "row": row.name,
+            "table": row.table,
+            "seq": row.seq,
+            "predicted_step_s": step,
+            "predicted_tokens": row.tokens_per_gpu(step),
+            "published_tokens": row.tokens,
+            "predicted_peak_gib": peak / 2**30,
+        }
+        base = first.setdefault(row.table, entry)
+        entry["predicted_ratio"] = entry["predicted_tokens"] / base["predicted_tokens"]
+        entry["published_ratio"] = row.tokens / base["published_tokens"]
+        entry["ratio"] = entry["predicted_ratio"] / entry["published_ratio"]
+        out.append(entry)
+    return out
+
+
+def table(rows: Sequence[dict[str, Any]]) -> str:
+    head = (
+        f"{'row':>20} {'seq':>8} | {'tok/s/GPU':>9} {'published':>9} | "
+        f"{'to first':>8} {'published':>9} {'error':>7} | {'peak GiB':>8}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(
+            f"{r['row']:>20} {r['seq']:>8} | {r['predicted_tokens']:>9.1f} "
+            f"{r['published_tokens']:>9.0f} | {r['predicted_ratio']:>8.3f} "
+            f"{r['published_ratio']:>9.3f} {r['ratio'] - 1:>+7.1%} | "
+            f"{r['predicted_peak_gib']:>8.1f}"
+        )
+    return "\n".join(lines)
+
+
+def summary(rows: Sequence[dict[str, Any]]) -> str:
+    checked = [r for r in rows if r["predicted_ratio"] != 1.0 or r["published_ratio"] != 1.0]
+    worst = max(checked, key=lambda r: abs(r["ratio"] - 1))
+    within = sum(abs(r["ratio"] - 1) <= BAR for r in checked)
+    return (
+        f"rows whose ratio to their table's first is within {BAR:.0%} of the published: "
+        f"{within}/{len(checked)}; worst {worst['ratio'] - 1:+.1%} ({worst['row']})"
+    )
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    args = _parse(argv)
+    t0 = time.perf_counter()
+    out = run(ROWS)
+    print(
+        f"{SOURCE}: tokens/s per GPU against zeropipe's prediction (spec_costs on {HARDWARE}, "
+        f"bf16 where torchtitan ran Float8 linears, flash attention, ring attention over cp "
+        f"after tp, FSDP over dp x cp, every microbatch recomputed, no per-row factor); to "
+        f"first: a row's tokens/s over its table's first row, predicted and published; error: "
+        f"predicted ratio over published"
+    )
+    print(table(out))
+    print(summary(out))
+    print(f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"source": SOURCE, "hardware": HARDWARE, "rows": out}, f, indent=1)
+    return out
+
+
+if __name__ == "__main__":
+    main()

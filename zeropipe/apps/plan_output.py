@@ -18,8 +18,9 @@ def _num(value: float, fmt: str) -> str:
 
 
 def format_table(candidates: Sequence[Candidate], *, unit: str, cluster: bool = True) -> str:
-    """The ranking as an aligned text table; ``cluster=False`` drops dp, tp, mbs and the
-    throughput columns a measured single pipeline does not know."""
+    """The ranking as an aligned text table, with an ep or cp column only where a candidate
+    uses it; ``cluster=False`` drops dp, tp, ep, cp, mbs and the throughput columns a
+    measured single pipeline does not know."""
     memory_title = "peak GiB" if unit == "bytes" else f"peak ({unit})"
     titles = ["#", "pp", "dp", "tp", "ep", "cp", "mbs", "m", "chunks", "schedule", "memory plan"]
     titles += ["step s"]
@@ -35,7 +36,6 @@ def format_table(candidates: Sequence[Candidate], *, unit: str, cluster: bool = 
         row += [f"{c.bubble:.1%}", f"{peak:.3g}" if unit == "bytes" else f"{peak:.4g}"]
         row += ["yes" if c.fits else "NO"]
         rows.append(row)
-    # ep and cp: shown where some candidate uses them
     drop = {
         i for i, name in ((4, "ep"), (5, "cp")) if all(getattr(c, name) == 1 for c in candidates)
     }

@@ -8,7 +8,8 @@ Two launches, each cached for the test session:
   0's experts (rank 1 receives no rows); experts sharded twice, refused.
 - ``four_processes`` (pp 2 x dp 2, ep 2 inside dp: ``ep_mesh=mesh["dp"]``):
   Qwen3-MoE with its router loss under 1f1b and zbv, clip_grad_norm_, and a DCP
-  checkpoint saved at ep 2 and loaded at ep 1 (plain experts) on the same mesh.
+  checkpoint saved at ep 2 and loaded at ep 1 (plain experts) on the same mesh; then
+  pp 1 x dp 4 with the experts over blocks of 2 replicas (ep 2 < dp 4).
 
 Each rank returns the differences from the unsplit, unsharded model it computes
 itself, and what it holds (placements, local shapes, rows received), so the test
@@ -206,6 +207,31 @@ def _load_at_ep1(mesh: Any, path: str) -> dict[str, Any]:
     return {"value": worst, "checked": len(got), "experts": sum("experts" in n for n, _ in got)}
 
 
+def _ep_below_dp() -> dict[str, Any]:
+    """pp 1 x dp 4, the experts over blocks of 2 replicas (ep 2 < dp 4): expert gradients
+    summed over the 2 replicas that hold the same experts, the others over all 4."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1, 4), mesh_dim_names=("pp", "dp"))
+    ep_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "ep"))["ep"]
+    ids, labels = hf_cases.batch(0, 8)
+    ref_loss, ref = hf_moe_cases.reference(hf_moe_cases.build("qwen3_moe", aux=False), ids, labels)
+    model = hf_moe_cases.build("qwen3_moe", aux=False)
+    stages = zeropipe.parallelize(hf_moe_cases.cut(model, 1), ep_mesh=ep_mesh)
+    pipe = zeropipe.Pipeline(
+        stages, "1f1b", loss_fn=zeropipe.causal_lm_loss, microbatches=1, mesh=mesh,
+        options=zeropipe.RuntimeOptions(timeout=60.0),
+    )  # fmt: skip
+    dp = mesh.get_local_rank("dp")
+    loss = pipe.step(torch.tensor_split(ids, 4)[dp], torch.tensor_split(labels, 4)[dp])
+    out = _expert_errors(model, ref, ep_mesh.get_local_rank())
+    out["loss"] = abs(loss.item() - ref_loss)
+    ref_norm = math.sqrt(sum(g.double().pow(2).sum().item() for g in ref.values()))
+    out["norm"] = abs(pipe.clip_grad_norm_(1e-3).item() - ref_norm) / ref_norm
+    out["names"] = len(ref)
+    return out
+
+
 def four_processes(path: str, rank: int, world: int) -> dict[str, Any]:
     """Everything the 4-process launch runs (per rank: its results); the mesh is
     ("pp", "dp"): rank = pp * DP + dp."""
@@ -217,6 +243,7 @@ def four_processes(path: str, rank: int, world: int) -> dict[str, Any]:
     out["1f1b"] = guard(lambda: _ep_pipeline(mesh, "1f1b", path))
     out["zbv"] = guard(lambda: _ep_pipeline(mesh, "zbv", None))
     out["load ep1"] = guard(lambda: _load_at_ep1(mesh, path))
+    out["ep2 dp4"] = guard(_ep_below_dp)
     return out
 
 

@@ -81,6 +81,14 @@ def test_ep_inside_dp_pipeline_gives_the_reference(
     assert sum(per_pp.values()) == len(names), per_pp
 
 
+def test_ep_smaller_than_dp_sums_experts_over_the_replicas_holding_them(
+    pipeline_run: tuple[list[dict[str, Any]], Path],
+) -> None:
+    for rank, got in enumerate(_got(pipeline_run[0], "ep2 dp4")):
+        assert got["loss"] <= TOL and got["grad"] <= TOL and got["norm"] <= TOL, (rank, got)
+        assert got["checked"] == got["names"] and len(got["sharded"]) == 6, (rank, got)
+
+
 def test_a_checkpoint_saved_at_ep2_loads_at_ep1_and_in_one_process(
     pipeline_run: tuple[list[dict[str, Any]], Path],
 ) -> None:

@@ -83,9 +83,9 @@ def parallelize(
 
     ``ep_mesh``: a 1-D ``DeviceMesh`` the experts of Qwen3-MoE, Mixtral or
     DeepSeek-V3 are sharded over, each rank holding ``experts / ep`` of them
-    (``mesh["dp"]`` in a pipeline: expert parallelism inside the data-parallel
-    replicas, which then reduce expert gradients only over replicas holding the same
-    experts).  The experts count must be divisible by its size.  At least one of
+    (``mesh["dp"]`` in a pipeline, or blocks of ep consecutive replicas of it: expert
+    parallelism inside the data-parallel replicas, which then reduce expert gradients
+    only over the replicas holding the same experts).  The experts count must be divisible by its size.  At least one of
     the two meshes is given.  Nothing is changed when a check fails
     (:class:`PipelineError` naming the values and the fix).
     """

@@ -47,6 +47,7 @@ from zeropipe.runtime.options import RuntimeOptions, options_or_default
 from zeropipe.runtime.replicas.data_parallel import (
     GradReducer,
     Replicas,
+    experts_reducer,
     reduction_owners,
     sharded_over_replicas,
 )
@@ -236,16 +237,21 @@ def reducer_for(
         return None
     if not dp_shard:
         every = [p for st in all_stages for p in st.parameters()]
-        exclude = {id(p) for p in shared} | sharded_over_replicas(every, replicas.group)
+        experts = sharded_over_replicas(every, replicas.group)
+        exclude = {id(p) for p in shared} | experts.ids
         ranks = [where.rank] if where.distributed else range(schedule.num_ranks)
         owners: dict[int, list[nn.Parameter]] = {}
+        apart: dict[int, list[nn.Parameter]] = {}
         for r in ranks:
             params = {s: list(all_stages[s].parameters()) for s in schedule.stages_of(r)}
             owners.update(reduction_owners(schedule, r, params, exclude=exclude))
-        return GradReducer(replicas.endpoint, owners)
+            held = {s: [p for p in ps if id(p) in experts.ids] for s, ps in params.items()}
+            apart.update(reduction_owners(schedule, r, held))
+        apart_reducer = experts_reducer(experts, apart, replicas.endpoint.timeout)
+        return GradReducer(replicas.endpoint, owners, apart_reducer)
     if sharded_over_replicas(
         (p for st in stages.values() for p in st.parameters()), replicas.group
-    ):
+    ).ids:
         raise PipelineError(
             "RuntimeOptions(dp_shard=True) with experts sharded over 'dp' (expert parallelism): "
             "FSDP2 would shard them again over the same ranks; use dp_shard=False"

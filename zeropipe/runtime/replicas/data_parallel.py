@@ -16,10 +16,12 @@ run, so it overlaps the compute of the stages still running::
 A parameter used by several stages on one rank (a V placement's tied
 embedding) is reduced by the REDUCE_GRAD that comes last among them, once.
 
-Experts sharded over the replicas (expert parallelism inside data parallelism,
-``zeropipe.parallelize(stages, ep_mesh=mesh["dp"])``: ep = dp) are not reduced at
-all: every replica's tokens were sent to the replica holding their expert, so its
-gradient is already the sum over the replicas (:func:`sharded_over_replicas`).
+Experts sharded over the replicas (expert parallelism inside data parallelism:
+``zeropipe.parallelize(stages, ep_mesh=)`` over "dp", or over blocks of ep
+consecutive replicas) are summed only over the replicas that hold the same
+experts (none when ep = dp): every replica's tokens were sent to the replicas
+holding their experts, so each shard's gradient already holds its block's tokens
+(:func:`sharded_over_replicas`).
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ __all__ = [
     "GradReducer",
     "Reduction",
     "Replicas",
+    "ShardedOverReplicas",
+    "experts_reducer",
     "reduction_order",
     "reduction_owners",
     "reductions_as_run",
@@ -105,33 +109,61 @@ def reduction_owners(
     return out
 
 
-def sharded_over_replicas(params: Iterable[nn.Parameter], group: object) -> set[int]:
-    """The ids of ``params`` that are DTensors sharded over exactly the replicas' ranks.
+@dataclass(frozen=True)
+class ShardedOverReplicas:
+    """Parameters sharded over the replicas (experts under expert parallelism, ep inside dp).
 
-    Such a parameter (an expert of a mixture sharded over "ep" = "dp") holds on each
-    replica other experts, whose gradient every replica's tokens already reached:
-    summing it over the replicas would add different experts together.  One sharded
-    over a part of the replicas (ep smaller than dp, the sum over the replicas holding
-    the same experts) is refused.
+    ``ids``: those parameters (DTensors sharded over all the replicas or over a block of
+    them); ``same_shard``: the global ranks of the replicas holding this process's shard
+    of them, in order (this process alone when ep = dp).
+    """
+
+    ids: frozenset[int]
+    same_shard: tuple[int, ...]
+
+
+def sharded_over_replicas(params: Iterable[nn.Parameter], group: object) -> ShardedOverReplicas:
+    """Which of ``params`` the replicas (``group``) hold in shards, and who shares this one's.
+
+    A DTensor sharded over the replicas' ranks (an expert of a mixture sharded over
+    "ep" = "dp") holds on each replica other experts, whose gradient every replica's
+    tokens already reached: summing it over the replicas would add different experts
+    together.  Sharded over a block of ``ep`` consecutive replicas (ep inside dp, ep
+    dividing dp), its gradient is summed over the replicas at the same place in the
+    other blocks, which hold the same experts.  Any other layout is refused.
     """
     from torch.distributed.tensor import DTensor
 
     replicas = dist.get_process_group_ranks(group)  # type: ignore[arg-type]
-    out: set[int] = set()
+    me = dist.get_rank()
+    ids: set[int] = set()
+    blocks: set[tuple[int, ...]] = set()
     for p in params:
         if not isinstance(p, DTensor) or all(pl.is_replicate() for pl in p.placements):
             continue
-        ranks = set(p.device_mesh.mesh.flatten().tolist())
-        if ranks == set(replicas):
-            out.add(id(p))
-        elif ranks < set(replicas):
-            raise PipelineError(
-                f"a parameter of shape {list(p.shape)} is sharded over ranks {sorted(ranks)}, "
-                f"a part of the data-parallel replicas {sorted(replicas)}: expert parallelism "
-                f"inside data parallelism shards over the whole 'dp' dimension (ep = dp, "
-                f"ep_mesh=mesh['dp']); an ep smaller than dp is not supported yet"
-            )
-    return out
+        ranks = tuple(p.device_mesh.mesh.flatten().tolist())
+        if not set(ranks) <= set(replicas) or len(ranks) == 1:
+            continue  # tensor parallelism: its peers are not replicas
+        ids.add(id(p))
+        blocks.add(ranks)
+    if not ids:
+        return ShardedOverReplicas(frozenset(), (me,))
+    block = next(iter(blocks))
+    ep = len(block)
+    starts = range(0, len(replicas), ep)
+    if (
+        len(blocks) > 1
+        or len(replicas) % ep
+        or block not in {tuple(replicas[i : i + ep]) for i in starts}
+    ):
+        raise PipelineError(
+            f"parameters are sharded over ranks {sorted(map(list, blocks))}, which are not "
+            f"one block of consecutive data-parallel replicas {replicas}: expert parallelism "
+            f"inside data parallelism shards over ep consecutive replicas, ep dividing dp "
+            f"(ep_mesh=mesh['dp'] for ep = dp)"
+        )
+    place = replicas.index(me) % ep
+    return ShardedOverReplicas(frozenset(ids), tuple(replicas[place::ep]))
 
 
 class GradReducer:
@@ -140,12 +172,20 @@ class GradReducer:
     ``post(stage)`` flattens the stage's gradients (one buffer per dtype and
     device), posts ``all_reduce(SUM)`` without waiting and returns;
     ``wait_all()`` (end of step) waits for every posted reduction, within the
-    endpoint's time limit, and copies the sums back into ``.grad``.
+    endpoint's time limit, and copies the sums back into ``.grad``.  ``apart``: the
+    reducer of parameters summed over another group (experts, over the replicas that
+    hold the same ones), posted and waited with this one.
     """
 
-    def __init__(self, endpoint: Endpoint, owners: dict[int, list[nn.Parameter]]) -> None:
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        owners: dict[int, list[nn.Parameter]],
+        apart: GradReducer | None = None,
+    ) -> None:
         self.endpoint = endpoint
         self.owners = owners
+        self.apart = apart
         self.pending: list[Reduction] = []
         self.last: list[Reduction] = []  # the last step's reductions, for the timeline
 
@@ -169,6 +209,8 @@ class GradReducer:
             red.flats.append(flat)
             red.works.append(work)
         self.pending.append(red)
+        if self.apart is not None:
+            self.apart.post(stage)
 
     def wait_all(self) -> None:
         done, self.pending = self.pending, []
@@ -181,6 +223,21 @@ class GradReducer:
                 unflatten(group, flat)
             red.flats = []
         self.last = done
+        if self.apart is not None:
+            self.apart.wait_all()
+
+
+def experts_reducer(
+    experts: ShardedOverReplicas, owners: dict[int, list[nn.Parameter]], timeout: float
+) -> GradReducer | None:
+    """The sums of ``experts``' gradients over the replicas holding the same experts, at
+    each stage's REDUCE_GRAD (``owners``); None when this replica alone holds its shard."""
+    if len(experts.same_shard) < 2:
+        return None
+    # Only the replicas of the group make it: each block of replicas has its own.
+    group = dist.new_group(list(experts.same_shard), use_local_synchronization=True)
+    rank = experts.same_shard.index(dist.get_rank())
+    return GradReducer(connect(rank, group, timeout), owners)
 
 
 def _note_completion(work: object, red: Reduction) -> None:

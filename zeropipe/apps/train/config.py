@@ -159,9 +159,9 @@ class TrainConfig:
     ep: int = field(
         default=1,
         metadata=flag(
-            "expert parallelism: a mixture of experts' experts sharded over the --dp "
-            "replicas, each holding experts / N of them (ep inside dp, N = --dp; with --dp 1 "
-            "the replicas become N): --ranks x --dp processes (default {default})",
+            "expert parallelism: a mixture of experts' experts sharded over N data-parallel "
+            "replicas, each holding experts / N of them (ep inside dp: N divides --dp, and "
+            "with --dp 1 the replicas become N): --ranks x --dp processes (default {default})",
             group=_LAYOUT,
             metavar="N",
         ),
@@ -401,17 +401,17 @@ def _counts_at_least_one(cfg: TrainConfig) -> None:
 
 
 def _experts_inside_replicas(cfg: TrainConfig) -> None:
-    """``--ep N`` shards the experts over the data-parallel replicas: N replicas when
-    ``--dp`` is left at 1, else ``--dp`` must be N (an ep smaller than dp is not run yet)."""
+    """``--ep N`` shards the experts over blocks of N data-parallel replicas: N replicas
+    when ``--dp`` is left at 1, else N must divide ``--dp``."""
     if cfg.ep < 1:
         raise ZeropipeError(f"--ep must be >= 1 (1: no expert parallelism), got {cfg.ep}")
     if cfg.ep > 1 and cfg.dp == 1:
         cfg.dp = cfg.ep
-    if cfg.ep > 1 and cfg.dp != cfg.ep:
+    if cfg.dp % cfg.ep:
         raise ZeropipeError(
-            f"--ep {cfg.ep} with --dp {cfg.dp}: the experts are sharded over all the "
-            f"data-parallel replicas (ep inside dp, ep = dp); use --dp {cfg.ep}, or leave "
-            f"--dp out (--ep {cfg.ep} then makes {cfg.ep} replicas)"
+            f"--ep {cfg.ep} with --dp {cfg.dp}: the experts are sharded over blocks of "
+            f"--ep replicas (ep inside dp), so --ep must divide --dp; use --dp a multiple of "
+            f"{cfg.ep}, or leave --dp out (--ep {cfg.ep} then makes {cfg.ep} replicas)"
         )
     if cfg.ep > 1 and cfg.model_path is not None:
         raise ZeropipeError(

@@ -118,7 +118,7 @@ def _set_up(rank: int, world: int, cfg: TrainConfig, stop: _StopRequest) -> _Ran
     schedule = Schedule.from_text(cfg.planned) if cfg.planned else cfg.build_schedule()
     mesh = _mesh(cfg)
     tp_mesh = mesh["tp"] if mesh is not None and cfg.tp > 1 else None
-    ep_mesh = mesh["dp"] if mesh is not None and cfg.ep > 1 else None  # ep inside dp
+    ep_mesh = _experts_mesh(cfg, mesh)
     stages, cut, model = build_model(cfg, corpus.vocab, schedule.num_stages, tp_mesh, ep_mesh)
     pipe = Pipeline(
         stages,
@@ -406,6 +406,20 @@ def _mesh(cfg: TrainConfig) -> Any:
         (cfg.ranks, cfg.dp, cfg.tp),
         mesh_dim_names=("pp", "dp", "tp"),
     )
+
+
+def _experts_mesh(cfg: TrainConfig, mesh: Any) -> Any:
+    """What ``--ep N`` shards the experts over: blocks of N consecutive replicas of each
+    pipeline rank (all of "dp" when N is ``--dp``); None without expert parallelism."""
+    if mesh is None or cfg.ep == 1:
+        return None
+    if cfg.ep == cfg.dp:
+        return mesh["dp"]
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = (cfg.ranks, cfg.dp // cfg.ep, cfg.ep, cfg.tp)
+    names = ("pp", "replicas", "ep", "tp")
+    return init_device_mesh(torch.device(cfg.device).type, shape, mesh_dim_names=names)["ep"]
 
 
 def _mine(pipe: Pipeline, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

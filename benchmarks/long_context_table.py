@@ -31,12 +31,12 @@ Table 2 one microbatch on one stage.  Ring attention as
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from table_report import finish, within_summary
 
 from zeropipe.core.costs import CostModel
 from zeropipe.core.passes.build import build_schedule
@@ -156,13 +156,9 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def summary(rows: Sequence[dict[str, Any]]) -> str:
+    """How many rows but each table's first have a ratio to it within the bar."""
     checked = [r for r in rows if r["predicted_ratio"] != 1.0 or r["published_ratio"] != 1.0]
-    worst = max(checked, key=lambda r: abs(r["ratio"] - 1))
-    within = sum(abs(r["ratio"] - 1) <= BAR for r in checked)
-    return (
-        f"rows whose ratio to their table's first is within {BAR:.0%} of the published: "
-        f"{within}/{len(checked)}; worst {worst['ratio'] - 1:+.1%} ({worst['row']})"
-    )
+    return within_summary(checked, BAR, "of the published in their ratio to their table's first")
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -182,12 +178,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         f"first: a row's tokens/s over its table's first row, predicted and published; error: "
         f"predicted ratio over published"
     )
-    print(table(out))
-    print(summary(out))
-    print(f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"source": SOURCE, "hardware": HARDWARE, "rows": out}, f, indent=1)
+    lines = [table(out), summary(out)]
+    finish(out, lines, source=SOURCE, hardware=HARDWARE, json_path=args.json, started=t0)
     return out
 
 

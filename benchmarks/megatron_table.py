@@ -63,7 +63,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import statistics
 import sys
 import time
@@ -73,6 +72,8 @@ from functools import cache
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+
+from table_report import finish, within_summary
 
 from zeropipe.core.costs import CostModel
 from zeropipe.core.passes.build import build_schedule
@@ -329,12 +330,7 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def summary(rows: Sequence[dict[str, Any]]) -> str:
-    worst = max(rows, key=lambda r: abs(r["ratio"] - 1))
-    within = sum(abs(r["ratio"] - 1) <= 0.15 for r in rows)
-    return (
-        f"rows within 15% at their own layout: {within}/{len(rows)}; worst "
-        f"{worst['ratio'] - 1:+.1%} ({worst['row']})"
-    )
+    return within_summary(rows, 0.15, "at their own layout")
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -368,12 +364,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         f"(t), pipeline (p), data (d) parallel sizes; v: chunks per rank; peak: the fullest "
         f"GPU's predicted memory"
     )
-    print(table(out))
-    print(summary(out))
-    print(f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"source": SOURCE, "hardware": HARDWARE, "rows": out}, f, indent=1)
+    lines = [table(out), summary(out)]
+    finish(out, lines, source=SOURCE, hardware=HARDWARE, json_path=args.json, started=t0)
     return out
 
 

@@ -45,12 +45,13 @@ beyond their bandwidth.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from table_report import finish, within_summary
 
 from zeropipe.core.costs import CostModel
 from zeropipe.core.passes.build import build_schedule
@@ -248,12 +249,7 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def summary(rows: Sequence[dict[str, Any]]) -> str:
-    worst = max(rows, key=lambda r: abs(r["ratio"] - 1))
-    within = sum(abs(r["ratio"] - 1) <= 0.25 for r in rows)
-    return (
-        f"rows within 25% at their own layout: {within}/{len(rows)}; worst "
-        f"{worst['ratio'] - 1:+.1%} ({worst['row']})"
-    )
+    return within_summary(rows, 0.25, "at their own layout")
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -276,12 +272,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         f"parallel sizes; tok/s/GPU and TFLOP/s per GPU: predicted/published; peak: the "
         f"fullest GPU's predicted memory"
     )
-    print(table(out))
-    print(summary(out))
-    print(f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"source": SOURCE, "hardware": HARDWARE, "rows": out}, f, indent=1)
+    lines = [table(out), summary(out)]
+    finish(out, lines, source=SOURCE, hardware=HARDWARE, json_path=args.json, started=t0)
     return out
 
 

@@ -212,6 +212,8 @@ def _load() -> ModuleType:
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up by name
+    if str(path.parent) not in sys.path:  # as when run as a script: table_report beside it
+        sys.path.insert(0, str(path.parent))
     spec.loader.exec_module(module)
     return module
 

@@ -42,8 +42,10 @@ def test_stages_pass_the_mask_along_and_the_last_returns_logits() -> None:
         out1 = stages[1](*out0)
         logits = stages[2](*out1)
         plain = stages[0](ids)
-    assert isinstance(out0, tuple) and len(out0) == 2 and out0[1] is mask
-    assert isinstance(out1, tuple) and out1[1] is mask
+    # the mask crosses stages as bool, as transformers reads it (an integer tensor that
+    # crosses is the position ids of packed documents)
+    assert isinstance(out0, tuple) and len(out0) == 2 and torch.equal(out0[1], mask != 0)
+    assert isinstance(out1, tuple) and out1[1] is out0[1]
     assert isinstance(plain, torch.Tensor) and plain.shape == (6, 8, 16)  # no mask: as before
     assert isinstance(logits, torch.Tensor)
     assert torch.equal(logits, model(ids, attention_mask=mask).logits)

@@ -25,10 +25,19 @@ gradient it all-reduces when they sit on different ranks.
 
 Padding: a pipeline whose inputs are ``(input_ids, attention_mask)`` (mask
 ``[batch, seq]``, 1 = token, 0 = padding) gets stages that take and pass on
-``(hidden, attention_mask)``; each builds the 4-D masks from it as the model
+``(hidden, attention_mask)`` (the mask as bool); each builds the 4-D masks from it as the model
 does, and the last returns the logits only.  Position ids stay ``0..t-1`` in
 padded rows too, as the model computes them (label pads ``-100``).  Without a
 mask only the hidden states cross stages.
+
+Packed documents: a dict batch (``pipe.step({"input_ids": ..., "position_ids": ...},
+labels)``, the model's own keyword names; ``attention_mask`` may join them) passes the
+position ids on; positions that restart mark the documents of a row, and each stage builds
+the mask transformers builds for them (attention never crosses a document: without an
+attention mask and without a cache, transformers reads packed rows from the position ids)
+and the rotary positions of each document.  Between stages a bool ``[batch, seq]`` tensor
+is the padding mask and an integer one the position ids.  Mixtures of experts refuse a dict
+batch for now.
 
 transformers is imported here only, and only when a model of it is passed;
 the internals used were checked on transformers 5.24 and need
@@ -229,30 +238,57 @@ class _DecoderStage(nn.Module):
         self.kinds = kinds  # per layer: "full_attention" or "sliding_attention"
         self.first = self.last = False
 
-    def forward(self, *inputs: Tensor) -> Tensor | tuple[Tensor, ...]:
-        x, pad = self._unpack(inputs)
-        h = self.embed(x) if self.first else x
+    def forward(self, *inputs: Tensor, **named: Tensor) -> Tensor | tuple[Tensor, ...]:
+        x, pad, pos = self._unpack(inputs, named) if named else self._unpack_positional(inputs)
+        h = self.embed(x, pos) if self.first else x
         if len(self.layers):
-            pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
-            masks = {k: _mask(k, self.config, h, pos, pad) for k in set(self.kinds)}
-            h = self.run_layers(h, pos, masks)
+            at = pos if pos is not None else torch.arange(h.shape[1], device=h.device)[None]
+            masks = {k: _mask(k, self.config, h, at, pad) for k in set(self.kinds)}
+            h = self.run_layers(h, at, masks)
         if self.last:
             return self.head(h)
-        return h if pad is None else (h, pad)
+        passed = tuple(t for t in (pad, pos) if t is not None)
+        return (h, *passed) if passed else h
 
-    def _unpack(self, inputs: tuple[Tensor, ...]) -> tuple[Tensor, Tensor | None]:
-        """``(input_ids | hidden, attention_mask | None)``, checked; a float mask as bool."""
-        x, pad = (inputs[0], inputs[1] if len(inputs) == 2 else None) if inputs else (None, None)
+    def _unpack(
+        self, inputs: tuple[Tensor, ...], named: dict[str, Tensor]
+    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """The first stage's keyword inputs, as the model takes them: ``input_ids``, and
+        optionally ``attention_mask`` and ``position_ids`` (positions that restart mark the
+        documents of a packed row, which attention never crosses when there is no mask)."""
+        unknown = sorted(set(named) - {"input_ids", "attention_mask", "position_ids"})
+        if not self.first or inputs or "input_ids" not in named or unknown:
+            raise PipelineError(
+                f"a split Hugging Face model takes a dict batch of input_ids and optionally "
+                f"attention_mask and position_ids, on its first stage only; got "
+                f"{sorted(named)}" + (f" ({', '.join(unknown)} unknown)" if unknown else "")
+            )
+        ids, mask = named["input_ids"], named.get("attention_mask")
+        x, pad, _ = self._unpack_positional((ids,) if mask is None else (ids, mask))
+        return x, pad, _positions(named.get("position_ids"), x)
+
+    def _unpack_positional(
+        self, inputs: tuple[Tensor, ...]
+    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """``(input_ids | hidden, attention_mask?, position_ids?)``, checked.  Between stages
+        a bool ``[batch, seq]`` tensor is the padding mask, an integer one the positions."""
+        x = inputs[0] if inputs else None
+        rest = inputs[1:]
         if (
             isinstance(x, Tensor)
-            and len(inputs) in (1, 2)
+            and len(rest) <= (1 if self.first else 2)
             and x.dim() >= 2
             and x.is_floating_point() != self.first
-            and (pad is None or (isinstance(pad, Tensor) and pad.shape == x.shape[:2]))
+            and all(isinstance(t, Tensor) and t.shape == x.shape[:2] for t in rest)
         ):
-            if pad is not None and pad.is_floating_point():
-                pad = pad != 0  # what transformers makes of a 2-D mask; a bool crosses stages
-            return x, pad
+            if self.first:
+                pad = rest[0] if rest else None
+                if pad is not None and pad.dtype != torch.bool:
+                    pad = pad != 0  # what transformers makes of a 2-D mask; a bool crosses stages
+                return x, pad, None
+            pad = next((t for t in rest if t.dtype == torch.bool), None)
+            pos = next((t for t in rest if t.dtype != torch.bool), None)
+            return x, pad, pos
         got = ", ".join(
             f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)}"
             if isinstance(t, Tensor)
@@ -264,11 +300,11 @@ class _DecoderStage(nn.Module):
         takes = "(integer token ids [batch, seq])" if self.first else "(float [batch, seq, dim])"
         raise PipelineError(
             f"{where} of a split Hugging Face model takes {x_name} only {takes} or "
-            f"({x_name}, attention_mask [batch, seq]; 1 = token, 0 = padding), got "
-            f"{len(inputs)} tensor(s): {got}"
+            f"({x_name}, attention_mask [batch, seq]; 1 = token, 0 = padding), or a dict "
+            f"batch with position_ids, got {len(inputs)} tensor(s): {got}"
         )
 
-    def embed(self, ids: Tensor) -> Tensor:
+    def embed(self, ids: Tensor, pos: Tensor | None) -> Tensor:
         raise NotImplementedError
 
     def head(self, h: Tensor) -> Tensor:
@@ -286,7 +322,7 @@ class LlamaStage(_DecoderStage):
     norm: nn.Module
     lm_head: nn.Module
 
-    def embed(self, ids: Tensor) -> Tensor:
+    def embed(self, ids: Tensor, pos: Tensor | None) -> Tensor:
         return self.embed_tokens(ids)
 
     def head(self, h: Tensor) -> Tensor:
@@ -313,8 +349,9 @@ class _GPT2Stage(_DecoderStage):
     ln_f: nn.Module
     lm_head: nn.Module
 
-    def embed(self, ids: Tensor) -> Tensor:
-        pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
+    def embed(self, ids: Tensor, pos: Tensor | None) -> Tensor:
+        if pos is None:
+            pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
         return self.drop(self.wte(ids) + self.wpe(pos))
 
     def head(self, h: Tensor) -> Tensor:
@@ -397,6 +434,18 @@ def _hidden(out: object) -> Tensor:
 
 
 # -- masks ------------------------------------------------------------------------------
+def _positions(pos: Tensor | None, ids: Tensor) -> Tensor | None:
+    """The caller's ``position_ids``, checked: integers, one per token of ``ids``."""
+    if pos is None:
+        return None
+    if pos.is_floating_point() or pos.dtype == torch.bool or pos.shape != ids.shape[:2]:
+        raise PipelineError(
+            f"position_ids must be integers shaped like input_ids {list(ids.shape[:2])}, got "
+            f"{str(pos.dtype).removeprefix('torch.')} {list(pos.shape)}"
+        )
+    return pos.long()
+
+
 def _mask(kind: str, config: Any, h: Tensor, pos: Tensor, pad: Tensor | None = None) -> Any:
     """The causal mask of ``kind`` for hidden states ``h`` and the padding mask ``pad``
     (``[batch, seq]``, 1 = token, 0 = padding, or None), built as the model builds it."""

@@ -150,7 +150,12 @@ class MoEStage(LlamaStage):
 
     balance: RouterLoss | None = None
 
-    def forward(self, *inputs: Tensor) -> Tensor | tuple[Tensor, ...]:
+    def forward(self, *inputs: Tensor, **named: Tensor) -> Tensor | tuple[Tensor, ...]:
+        if named:
+            raise PipelineError(
+                "a mixture of experts takes input_ids or (input_ids, attention_mask), not a "
+                "dict batch: packed documents (position_ids) are not supported for it yet"
+            )
         balance = self.balance
         if balance is None:
             return super().forward(*inputs)

@@ -28,7 +28,7 @@ pipeline is made of -- stages, transport, memory manager, reducer -- is built on
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
@@ -58,14 +58,25 @@ from zeropipe.runtime.replicas.grad_sums import (
 from zeropipe.runtime.step.executor import run_local, run_rank
 from zeropipe.runtime.step.handlers import BoundaryMeta, StepContext
 from zeropipe.runtime.step.loss_contract import LossContract, LossCountFn, LossFn
-from zeropipe.runtime.step.stage import Stage, preserved_rng, split_step, step_signature
+from zeropipe.runtime.step.stage import (
+    Stage,
+    batch_names,
+    preserved_rng,
+    split_step,
+    step_signature,
+)
 from zeropipe.runtime.transport.base import Transport
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["Pipeline", "RuntimeOptions", "forward_only"]
+__all__ = ["Batch", "Pipeline", "RuntimeOptions", "forward_only"]
+
+Batch = Tensor | Sequence[Tensor] | Mapping[str, Tensor]
+"""A step's inputs: a tensor, a tuple of tensors (the first stage's positional inputs), or a
+dict of tensors (its keyword inputs, e.g. a split Hugging Face model's ``input_ids``,
+``attention_mask`` and ``position_ids``); each cut into microbatches along dim 0."""
 
 
 class Pipeline:
@@ -269,7 +280,7 @@ class Pipeline:
             self.rank,
         )
 
-    def step(self, inputs: Tensor | Sequence[Tensor], target: Tensor) -> Tensor:
+    def step(self, inputs: Batch, target: Tensor) -> Tensor:
         """One training step: forward and backward of every microbatch; returns the loss."""
         if self.parts.loss is None:
             raise PipelineError("Pipeline(loss_fn=...) is needed for a training step")
@@ -282,7 +293,7 @@ class Pipeline:
 
     @torch.no_grad()
     def eval_step(
-        self, inputs: Tensor | Sequence[Tensor], target: Tensor | None = None
+        self, inputs: Batch, target: Tensor | None = None
     ) -> Tensor | tuple[Tensor, ...] | None:
         """Forward only: the loss if ``target`` is given, else the last stage's output.
 
@@ -336,7 +347,7 @@ class Pipeline:
         return self._eval_plan
 
     def _run(
-        self, inputs: Tensor | Sequence[Tensor], target: Tensor | None, training: bool
+        self, inputs: Batch, target: Tensor | None, training: bool
     ) -> Tensor | tuple[Tensor, ...] | None:
         """One step: prepared, executed, finished; a failed one told to the peers."""
         parts = self.parts
@@ -359,9 +370,7 @@ class Pipeline:
                 raise cause from exc
             raise
 
-    def _prepare(
-        self, inputs: Tensor | Sequence[Tensor], target: Tensor | None, training: bool
-    ) -> _Step:
+    def _prepare(self, inputs: Batch, target: Tensor | None, training: bool) -> _Step:
         """The batch cut into microbatches, their loss weights and the step's context.
 
         Also opens the step: the transport learns its shapes, the memory manager starts
@@ -369,12 +378,14 @@ class Pipeline:
         sums some (so that the sums add only this step's).
         """
         parts = self.parts
+        names, batch = batch_names(inputs)
+        self._name_inputs(names)
         micro_inputs, sizes, targets = split_step(
-            inputs, target, parts.schedule.microbatches, parts.device
+            batch, target, parts.schedule.microbatches, parts.device
         )
         # Boundary shapes follow from the shapes of the step's inputs: learnt again when
         # those change (every rank sees the same batch, so every rank agrees).
-        signature = step_signature(micro_inputs, target)
+        signature = step_signature(micro_inputs, target, names)
         if self._signature != signature:
             self._signature = signature
             self.boundary.reset()
@@ -421,6 +432,20 @@ class Pipeline:
         if training:
             parts.memory.begin_step(micro_inputs, targets)
         return _Step(ctx, graph, earlier)
+
+    def _name_inputs(self, names: tuple[str, ...] | None) -> None:
+        """A dict batch's names, for the first stage's call (on the rank that holds it)."""
+        first = self.parts.stages.get(0)
+        if first is None:
+            return
+        if names is not None and first.layer_keys is not None:
+            raise PipelineError(
+                f"a dict batch ({', '.join(names)}) is passed to the first stage by name, but "
+                f"that stage is a slice of an nn.Sequential, whose layers take positional "
+                f"inputs: pass a tensor or a tuple, or a first stage that takes those keywords "
+                f"(a split Hugging Face model)"
+            )
+        first.input_names = names
 
     def _execute(self, step: _Step) -> Tensor | None:
         """Run the step's schedule; returns its loss (None without a target).

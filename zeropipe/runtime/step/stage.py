@@ -45,6 +45,7 @@ __all__ = [
     "MicrobatchState",
     "Stage",
     "as_tuple",
+    "batch_names",
     "derive_seed",
     "preserved_rng",
     "seed_layers",
@@ -198,6 +199,9 @@ class Stage:
         # module again (None: looked up on every forward).  The pipeline may leave some
         # linears plain (Pipeline: PLAIN_BELOW_BYTES); they are not in it.
         self.linears: tuple[nn.Module, ...] | None = None
+        # The first stage of a step whose batch is a dict: the names its inputs are passed
+        # by, as the model's own keyword arguments (set by the pipeline each step).
+        self.input_names: tuple[str, ...] | None = None
 
     def forward(
         self, inputs: tuple[Tensor, ...], seed: int, step: int, mb: int, device: torch.device
@@ -212,14 +216,19 @@ class Stage:
         if self.layer_keys is None:
             seeded(seed, step, mb, self.index, device)
             if not self.keyed:  # a context entered per action costs microseconds: skipped
-                return as_tuple(self.module(*inputs), f"stage {self.index}'s output")
+                return as_tuple(self._call(inputs), f"stage {self.index}'s output")
             with self._seeding_layers(seed, step, mb, device):
-                return as_tuple(self.module(*inputs), f"stage {self.index}'s output")
+                return as_tuple(self._call(inputs), f"stage {self.index}'s output")
         value: tuple[Tensor, ...] = inputs
         for key, layer in zip(self.layer_keys, self.module.children(), strict=True):
             seeded(seed, step, mb, _LAYER_SEED_BASE + key, device)
             value = as_tuple(layer(*value), f"layer {key}'s output")
         return value
+
+    def _call(self, inputs: tuple[Tensor, ...]) -> object:
+        if self.input_names is None:
+            return self.module(*inputs)
+        return self.module(**dict(zip(self.input_names, inputs, strict=True)))
 
     @contextmanager
     def _seeding_layers(
@@ -340,6 +349,26 @@ def split_target(target: Tensor, m: int, sizes: list[int]) -> list[Tensor]:
     return targets
 
 
+def batch_names(
+    inputs: Tensor | Sequence[Tensor] | Mapping[str, Tensor],
+) -> tuple[tuple[str, ...] | None, Tensor | Sequence[Tensor]]:
+    """A dict batch as (its names, its tensors in that order); anything else as (None, itself).
+
+    A dict's entries are the first stage's keyword arguments (a split Hugging Face
+    model's ``input_ids``, ``attention_mask``, ``position_ids``), each cut along dim 0.
+    """
+    if not isinstance(inputs, Mapping):
+        return None, inputs
+    if not inputs:
+        raise PipelineError("the batch is an empty dict: give the first stage's inputs by name")
+    bad = [str(k) for k, v in inputs.items() if not isinstance(k, str) or not isinstance(v, Tensor)]
+    if bad:
+        raise PipelineError(
+            f"a dict batch maps argument names to tensors; these entries are not: {bad}"
+        )
+    return tuple(inputs), tuple(inputs.values())
+
+
 def split_step(
     inputs: Tensor | Sequence[Tensor], target: Tensor | None, m: int, device: torch.device | None
 ) -> tuple[list[tuple[Tensor, ...]], list[int], list[Tensor] | None]:
@@ -354,9 +383,12 @@ def split_step(
 
 
 def step_signature(
-    micro_inputs: list[tuple[Tensor, ...]], target: Tensor | None
+    micro_inputs: list[tuple[Tensor, ...]],
+    target: Tensor | None,
+    names: tuple[str, ...] | None = None,
 ) -> tuple[object, ...]:
-    """The shapes and dtypes of a step's microbatches and target (what boundary shapes follow)."""
+    """The shapes and dtypes of a step's microbatches and target (what boundary shapes follow),
+    and the names of a dict batch's inputs."""
     first, last = micro_inputs[0], micro_inputs[-1]
     meta = tuple((t.dtype, tuple(t.shape)) for t in (*first, *last))
-    return (meta, None if target is None else (target.dtype, tuple(target.shape)))
+    return (meta, None if target is None else (target.dtype, tuple(target.shape)), names)

@@ -7,7 +7,8 @@ Two launches, each cached for the test session:
   global token count; and one experts module whose every routing points at rank
   0's experts (rank 1 receives no rows); experts sharded twice, refused.
 - ``four_processes`` (pp 2 x dp 2, ep 2 inside dp: ``ep_mesh=mesh["dp"]``):
-  Qwen3-MoE with its router loss under 1f1b and zbv, clip_grad_norm_, and a DCP
+  Qwen3-MoE with its router loss under 1f1b, zbv and 1f1b with every forward
+  recomputed, clip_grad_norm_, and a DCP
   checkpoint saved at ep 2 and loaded at ep 1 (plain experts) on the same mesh; then
   pp 1 x dp 4 with the experts over blocks of 2 replicas (ep 2 < dp 4).
 
@@ -31,6 +32,7 @@ from tests.adapters import hf_cases, hf_moe_cases
 from tests.runtime.dist_cases import guard
 from zeropipe.adapters.ep import shard_experts
 from zeropipe.core.errors import PipelineError
+from zeropipe.core.passes.fit import checkpoint
 
 ARCHS = ("qwen3_moe", "mixtral", "deepseek_v3")
 EXPERTS = 4  # every model of hf_moe_cases
@@ -159,14 +161,20 @@ PP, DP = 2, 2
 
 
 def _pipeline(mesh: Any, name: str, ep: bool) -> tuple[nn.Module, zeropipe.Pipeline]:
+    """Qwen3-MoE under schedule ``name`` ("1f1b+recompute": every forward recomputed
+    before its backward, the experts' exchanges issued again)."""
     model = hf_moe_cases.build("qwen3_moe")
     chunks = 2 if name == "zbv" else 1
     stages = hf_moe_cases.cut(model, PP * chunks)
     if ep:
         zeropipe.parallelize(stages, ep_mesh=mesh["dp"])
+    schedule: Any = name
+    if name.endswith("+recompute"):
+        base = zeropipe.build_schedule(name.split("+")[0], ranks=PP, microbatches=hf_moe_cases.M)
+        schedule = checkpoint(base.compute_only())
     pipe = zeropipe.Pipeline(
         stages,
-        name,
+        schedule,
         loss_fn=zeropipe.causal_lm_loss,
         microbatches=hf_moe_cases.M,
         mesh=mesh,
@@ -242,6 +250,7 @@ def four_processes(path: str, rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {"pp": mesh.get_local_rank("pp"), "dp": mesh.get_local_rank("dp")}
     out["1f1b"] = guard(lambda: _ep_pipeline(mesh, "1f1b", path))
     out["zbv"] = guard(lambda: _ep_pipeline(mesh, "zbv", None))
+    out["1f1b+recompute"] = guard(lambda: _ep_pipeline(mesh, "1f1b+recompute", None))
     out["load ep1"] = guard(lambda: _load_at_ep1(mesh, path))
     out["ep2 dp4"] = guard(_ep_below_dp)
     return out

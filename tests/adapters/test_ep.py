@@ -3,7 +3,7 @@ gradients, exactly, in float64 on gloo.
 
 Two launches (tests/adapters/ep_cases.py): 2 processes at ep 2 without a pipeline
 (Qwen3-MoE, Mixtral, DeepSeek-V3; a routing that leaves one rank without rows), and
-4 processes at pp 2 x dp 2 with the experts sharded over "dp" (1f1b and zbv,
+4 processes at pp 2 x dp 2 with the experts sharded over "dp" (1f1b, zbv, recompute,
 clip_grad_norm_, a DCP checkpoint saved at ep 2 and loaded at ep 1).  The checkpoint is
 also loaded here, in one process.  Refusals that need no processes run here too.
 """
@@ -65,7 +65,7 @@ def pipeline_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[st
     return ep_cases.four_process_results(str(path)), path
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv", "1f1b+recompute"])
 def test_ep_inside_dp_pipeline_gives_the_reference(
     pipeline_run: tuple[list[dict[str, Any]], Path], schedule: str
 ) -> None:

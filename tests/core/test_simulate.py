@@ -319,3 +319,21 @@ def test_finite_costs_whose_sums_overflow_are_a_schedule_error() -> None:
     assert info.value.rule == "costs"
     tiny = simulate(schedule, CostModel.parse("F=5e-324,I=5e-324,W=0", 4))
     assert tiny.makespan > 0  # small is fine
+
+
+def test_busy_counts_the_halves_of_a_pair_that_ran_at_once_once() -> None:
+    # A measured timeline where rank 0's F and B ran at once (an overlapped pair): its busy
+    # time is the union of their spans, so the bubble rate is not understated.
+    from zeropipe.core.simulate import Event, Timeline
+
+    schedule = generate("1f1b", ranks=1, microbatches=2)
+    f0, b0, f1, b1 = schedule.actions[0][:4]
+    events = [
+        Event(0, 0, f0, 0.0, 1.0),
+        Event(0, 1, f1, 1.0, 3.0),  # F of microbatch 1 from 1 to 3 ...
+        Event(0, 2, b0, 2.0, 4.0, wait=0.5),  # ... and B of microbatch 0, working from 2.5 to 4
+        Event(0, 3, b1, 5.0, 6.0),
+    ]
+    timeline = Timeline(schedule, [events], peak_memory=[0.0], measured=True)
+    assert timeline.busy(0) == pytest.approx(1.0 + 3.0 + 1.0)  # [0, 4) and [5, 6)
+    assert timeline.bubble_rate == pytest.approx(1 - 5.0 / 6.0)

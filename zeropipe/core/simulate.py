@@ -110,8 +110,17 @@ class Timeline:
         return self.end - self.start
 
     def busy(self, rank: int) -> float:
-        """Time ``rank`` spends computing (copies and comms overlap it; waits are idle)."""
-        return sum(e.work for e in self._compute(rank))
+        """Time ``rank`` spends computing (copies and comms overlap it; waits are idle).
+
+        The union of its compute actions' ``[ready, end)``: the two halves of an
+        overlapped pair that ran at once count their shared time once.
+        """
+        total, reach = 0.0, -math.inf
+        for ready, end in sorted((e.ready, e.end) for e in self._compute(rank)):
+            if end > reach:
+                total += end - max(ready, reach)
+                reach = end
+        return total
 
     def reductions(self, rank: int) -> list[Event]:
         """``rank``'s gradient all-reduces (REDUCE_GRAD), each from start to end."""

@@ -195,6 +195,17 @@ def test_zeropipe_plan_refuses_a_cp_it_cannot_price(
     assert code != 0 and what in capsys.readouterr().err
 
 
+def test_zeropipe_plan_sizes_its_largest_search_with_cp(capsys: pytest.CaptureFixture[str]) -> None:
+    # cp 8 on 64 GPUs at pp 8 leaves one replica: 20,000 microbatches a pipeline, refused
+    # up front (without cp the largest is 8 replicas of 2,500, which runs).
+    code = cli.main([
+        "plan", "--model", "llama-3-8b", "--gpus", "64", "--gpu", "h100-sxm", "--seq", "8192",
+        "--global-batch", "20000", "--pp", "8", "--tp", "1", "--cp", "1,8", "--quiet",
+    ])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code != 0 and "the largest configuration, pp 8 x dp 1 x tp 1" in err
+
+
 def test_zeropipe_plan_refuses_cp_for_a_mixture_of_experts(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

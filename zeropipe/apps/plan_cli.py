@@ -427,7 +427,8 @@ def _run_cluster(args: argparse.Namespace) -> tuple[list[str], Ranking, str]:
     ep_options = _ep_options(args, model)
     header = _cluster_header(args, model, hw, memory, tp_options, ep_options)
     schedules = _schedules(args)
-    plan_size.refuse_largest(args, model, tp_options, schedules)
+    cp_options = _cp_options(args, model)
+    plan_size.refuse_largest(args, model, tp_options, schedules, cp_options)
     ranking = search(
         gpus=args.gpus,
         layers=model.layers,
@@ -458,7 +459,7 @@ def _run_cluster(args: argparse.Namespace) -> tuple[list[str], Ranking, str]:
         dp_options=args.dp,
         tp_options=tp_options,
         ep_options=ep_options,
-        cp_options=_cp_options(args, model),
+        cp_options=cp_options,
     )
     return header, ranking, "bytes"
 

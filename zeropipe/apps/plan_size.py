@@ -69,12 +69,23 @@ def refuse_too_big(
 
 
 def refuse_largest(
-    args: argparse.Namespace, model: Any, tp_options: list[int], schedules: Sequence[str]
+    args: argparse.Namespace,
+    model: Any,
+    tp_options: list[int],
+    schedules: Sequence[str],
+    cp_options: Sequence[int] = (1,),
 ) -> None:
-    """Refuse up front a search whose largest configuration would take minutes to simulate."""
+    """Refuse up front a search whose largest configuration would take minutes to simulate
+    (cp GPUs sharing each sequence leave fewer replicas, so more microbatches each)."""
     mbs = min(args.microbatch_sizes)
+    every = [
+        layout
+        for cp in cp_options
+        if args.gpus % cp == 0
+        for layout in layouts(args.gpus // cp, model.layers, args.pp, args.dp, tp_options)
+    ]
     pp, dp, tp = max(
-        layouts(args.gpus, model.layers, args.pp, args.dp, tp_options) or [(1, 1, 1)],
+        every or [(1, 1, 1)],
         key=lambda layout: layout[0] * math.ceil(args.global_batch / (layout[1] * mbs)),
     )
     refuse_too_big(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import sys
@@ -245,3 +246,34 @@ def test_grid_walks_each_ranks_events_a_bounded_number_of_times(ranks: int) -> N
     # each drawn row its own rank once more: linear.  Walking every rank for each
     # row (as the grid once did, to find the start time) is quadratic and fails this.
     assert _CountingList.walks <= 12 * ranks + 8 * 64
+
+
+def test_a_pair_run_at_once_gets_a_thread_of_its_own_in_the_trace() -> None:
+    # Perfetto draws a thread's "X" events as a stack: the backward of an overlapped pair that
+    # ran beside its forward goes to the rank's "at once" thread, so no thread's events overlap.
+    from zeropipe.core.render import to_chrome_trace
+    from zeropipe.core.schedules import generate
+    from zeropipe.core.simulate import Event, Timeline
+
+    schedule = generate("1f1b", ranks=1, microbatches=2)
+    f0, b0, f1, b1 = schedule.actions[0][:4]
+    events = [
+        Event(0, 0, f0, 0.0, 1.0),
+        Event(0, 1, f1, 1.0, 3.0),
+        Event(0, 2, b0, 1.0, 4.0, wait=0.5),
+        Event(0, 3, b1, 4.0, 5.0),
+    ]
+    trace = to_chrome_trace(Timeline(schedule, [events], peak_memory=[0.0], measured=True))
+    spans: dict[int, list[tuple[float, float]]] = {}
+    names: dict[int, str] = {}
+    for ev in trace["traceEvents"]:
+        if ev["ph"] == "X":
+            spans.setdefault(ev["tid"], []).append((ev["ts"], ev["ts"] + ev["dur"]))
+        elif ev["name"] == "thread_name":
+            names[ev["tid"]] = ev["args"]["name"]
+    assert sorted(names.values()) == ["rank 0 at once", "rank 0 compute"]
+    for tid, pieces in spans.items():
+        pieces.sort()
+        assert all(a[1] <= b[0] + 1e-9 for a, b in itertools.pairwise(pieces)), names[tid]
+    at_once = next(t for t, n in names.items() if n.endswith("at once"))
+    assert len(spans[at_once]) == 2  # B0's wait and its work

@@ -260,7 +260,9 @@ def to_chrome_trace(timeline: Timeline) -> dict[str, Any]:
     """Chrome trace event format (opens in Perfetto and chrome://tracing).
 
     One process; one thread per rank and lane (compute, copy, comm, reduce: the
-    gradient all-reduces, running beside the compute that follows them), and one
+    gradient all-reduces, running beside the compute that follows them; "at once":
+    a compute action that began before the rank's previous one ended, the backward
+    half of an overlapped pair run at once, so that no thread's events overlap), and one
     "X" (complete) event per action, named by its text (``1F3``), from when its
     data had arrived; a measured wait for that data is an "X" event of its own
     before it, named ``wait`` (category ``wait``, the action in its args).  Measured
@@ -274,15 +276,22 @@ def to_chrome_trace(timeline: Timeline) -> dict[str, Any]:
     trace: list[dict[str, Any]] = [_metadata("process_name", 0, {"name": name})]
     used: set[tuple[int, str]] = set()
     for rank, events in enumerate(timeline.events):
+        reach = -math.inf  # when the rank's compute lane is free again
         for e in events:
-            used.add((rank, e.lane))
+            lane = e.lane
+            if lane == "compute":
+                if e.start < reach:
+                    lane = "at once"
+                else:
+                    reach = e.end
+            used.add((rank, lane))
             if e.wait > 0:
-                trace.append(_wait_event(rank, e, t0, scale))
-            trace.append(_action_event(rank, e, t0, scale))
-    for rank, lane in sorted(used, key=lambda rl: _tid(*rl)):
+                trace.append(_wait_event(rank, e, t0, scale, lane))
+            trace.append(_action_event(rank, e, t0, scale, lane))
+    for rank, lane in sorted(used, key=lambda rl: _sort_index(*rl)):
         tid = _tid(rank, lane)
         trace.append(_metadata("thread_name", tid, {"name": f"rank {rank} {lane}"}))
-        trace.append(_metadata("thread_sort_index", tid, {"sort_index": tid}))
+        trace.append(_metadata("thread_sort_index", tid, {"sort_index": _sort_index(rank, lane)}))
     return {
         "traceEvents": trace,
         "displayTimeUnit": "ms",
@@ -303,21 +312,21 @@ def _metadata(name: str, tid: int, args: dict[str, Any]) -> dict[str, Any]:
     return {"ph": "M", "name": name, "pid": 0, "tid": tid, "args": args}
 
 
-def _wait_event(rank: int, e: Event, t0: float, scale: float) -> dict[str, Any]:
+def _wait_event(rank: int, e: Event, t0: float, scale: float, lane: str) -> dict[str, Any]:
     """The measured wait of ``e`` for its data, as an "X" event before it."""
     return {
         "ph": "X",
         "name": "wait",
         "cat": "wait",
         "pid": 0,
-        "tid": _tid(rank, e.lane),
+        "tid": _tid(rank, lane),
         "ts": (e.start - t0) * scale,
         "dur": e.wait * scale,
         "args": {"rank": rank, "step": e.step, "for": str(e.action)},
     }
 
 
-def _action_event(rank: int, e: Event, t0: float, scale: float) -> dict[str, Any]:
+def _action_event(rank: int, e: Event, t0: float, scale: float, lane: str) -> dict[str, Any]:
     """The work of ``e`` as an "X" event, from when its data had arrived."""
     a = e.action
     return {
@@ -325,7 +334,7 @@ def _action_event(rank: int, e: Event, t0: float, scale: float) -> dict[str, Any
         "name": str(a),
         "cat": a.kind.value,
         "pid": 0,
-        "tid": _tid(rank, e.lane),
+        "tid": _tid(rank, lane),
         "ts": (e.ready - t0) * scale,
         "dur": e.work * scale,
         "args": {
@@ -338,8 +347,20 @@ def _action_event(rank: int, e: Event, t0: float, scale: float) -> dict[str, Any
     }
 
 
+# A rank's threads in the trace, in the order drawn: an overlapped pair's second half just
+# under the compute it ran beside.
+_TRACE_LANES = ("compute", "at once", *_LANES[1:])
+_AT_ONCE_TIDS = 1_000_000  # past every rank's lanes: the lanes' tids stay rank x 4 + lane
+
+
 def _tid(rank: int, lane: str) -> int:
+    if lane == "at once":
+        return _AT_ONCE_TIDS + rank
     return rank * len(_LANES) + _LANES.index(lane)
+
+
+def _sort_index(rank: int, lane: str) -> int:
+    return rank * len(_TRACE_LANES) + _TRACE_LANES.index(lane)
 
 
 def write_chrome_trace(timeline: Timeline, path: str | Path) -> Path:

@@ -8,15 +8,12 @@ published long-context H100 tables (``benchmarks/long_context_table.py``).  No t
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from dataclasses import replace
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
+from tests.planning import benchmark_modules
 from zeropipe.apps import cli
 from zeropipe.core.errors import ScheduleError
 from zeropipe.planning.cluster import Candidate, Config, fixed_costs, search, spec_costs
@@ -217,19 +214,7 @@ def test_zeropipe_plan_refuses_cp_for_a_mixture_of_experts(
 # -- the published tables -------------------------------------------------------------------------
 
 
-def _load() -> ModuleType:
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "long_context_table.py"
-    spec = importlib.util.spec_from_file_location("long_context_table_benchmark", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    if str(path.parent) not in sys.path:  # as when run as a script: table_report beside it
-        sys.path.insert(0, str(path.parent))
-    spec.loader.exec_module(module)
-    return module
-
-
-lt = _load()
+lt = benchmark_modules.load("long_context_table")
 
 
 def test_the_published_tables_are_consistent_with_themselves() -> None:

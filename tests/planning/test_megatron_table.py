@@ -4,28 +4,13 @@ cost model (nothing fitted per row), and the planner's own best plan for it."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from dataclasses import replace
-from pathlib import Path
-from types import ModuleType
 
 import pytest
 
+from tests.planning import benchmark_modules
 
-def _load() -> ModuleType:
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "megatron_table.py"
-    spec = importlib.util.spec_from_file_location("megatron_table_benchmark", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    if str(path.parent) not in sys.path:  # as when run as a script: table_report beside it
-        sys.path.insert(0, str(path.parent))
-    spec.loader.exec_module(module)
-    return module
-
-
-mt = _load()
+mt = benchmark_modules.load("megatron_table")
 ROWS = {row.params: row for row in mt.ROWS}
 # The planner's search over a row's whole grid simulates a handful of pipelines of p x m
 # (stage, microbatch) pairs; from 145.6B on (p 8-64, m 48-840 in the plans it prices:

@@ -7,17 +7,15 @@ published DGX-H100 table (``benchmarks/moe_table.py``) predicted within 25%.  No
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import json
-import sys
 from dataclasses import replace
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
+from tests.planning import benchmark_modules
 from zeropipe.apps import cli
 from zeropipe.core.errors import ScheduleError
 from zeropipe.core.passes.build import build_schedule
@@ -304,19 +302,7 @@ def test_zeropipe_plan_refuses_what_a_mixture_of_experts_cannot_take(
 # -- the published table ------------------------------------------------------------------------
 
 
-def _load() -> ModuleType:
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "moe_table.py"
-    spec = importlib.util.spec_from_file_location("moe_table_benchmark", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    if str(path.parent) not in sys.path:  # as when run as a script: table_report beside it
-        sys.path.insert(0, str(path.parent))
-    spec.loader.exec_module(module)
-    return module
-
-
-mt = _load()
+mt = benchmark_modules.load("moe_table")
 
 
 def test_the_published_table_is_consistent_with_itself() -> None:

@@ -3,33 +3,20 @@ the published setting alone (no per-row factor), checked by properties of the mo
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from dataclasses import replace
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
+from tests.planning import benchmark_modules
 from zeropipe.core.costs import CostModel, peak_memory
 from zeropipe.core.passes.lower import lower
 from zeropipe.core.schedules import generate
 from zeropipe.core.simulate import simulate
 from zeropipe.planning.specs import costs_from_spec
 
-
-def _load() -> ModuleType:
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "published.py"
-    spec = importlib.util.spec_from_file_location("published_benchmark", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-pub = _load()
+pub = benchmark_modules.load("published")
 SMALL = pub.Setting("small", 14, 16, 2048, 4, 1, (8,))  # a reduced GPT: 4 ranks, 8 microbatches
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -48,12 +49,22 @@ def _start(out: Path, seed: int) -> subprocess.Popen[str]:
 def test_two_trainings_on_one_folder_give_one_run_and_one_refusal(tmp_path: Path) -> None:
     out = tmp_path / "run"
     first = _start(out, seed=1)
-    time.sleep(0.3)
-    second = _start(out, seed=2)
-    results = {}
-    for seed, proc in ((1, first), (2, second)):
-        _, err = proc.communicate(timeout=240)
-        results[seed] = (proc.returncode, err)
+    # Once the first holds the folder, it is paused while the second tries: however loaded
+    # the machine, the first cannot finish (and leave a finished run) before the second asks.
+    deadline = time.monotonic() + 120
+    while not (out / LOCK_FILE).exists():
+        assert first.poll() is None, first.communicate()
+        assert time.monotonic() < deadline, "the first training never took the folder"
+        time.sleep(0.02)
+    os.kill(first.pid, signal.SIGSTOP)
+    try:
+        second = _start(out, seed=2)
+        _, err = second.communicate(timeout=240)
+        results = {2: (second.returncode, err)}
+    finally:
+        os.kill(first.pid, signal.SIGCONT)
+    _, err = first.communicate(timeout=240)
+    results[1] = (first.returncode, err)
     codes = sorted(code for code, _ in results.values())
     assert codes == [0, 2], results
     winner = next(seed for seed, (code, _) in results.items() if code == 0)

@@ -134,3 +134,35 @@ def test_dict_batches_that_cannot_be_passed_are_refused() -> None:
     plain = zeropipe.Pipeline(layers, two_ranks, loss_fn=nn.MSELoss())
     with pytest.raises(PipelineError, match=r"slice of an nn.Sequential.*positional"):
         plain.step({"x": torch.randn(4, 4)}, torch.randn(4, 4))
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_a_mixture_of_experts_masks_documents_apart_with_its_router_loss(arch: str) -> None:
+    from tests.adapters import hf_moe_cases
+
+    model = hf_moe_cases.build(arch)
+    batch, labels = packed(2)
+    m = 3
+    # The reference: the unsplit model microbatch by microbatch on the same packed rows.
+    total = zeropipe.causal_lm_loss.count(labels)
+    loss_ref: Tensor | float = 0.0
+    parts = [t.chunk(m) for t in (batch["input_ids"], batch["position_ids"], labels)]
+    for ids, pos, lab in zip(*parts, strict=True):
+        out = model(ids, position_ids=pos, use_cache=False)
+        ce_sum, _ = zeropipe.causal_lm_loss.sum_and_count(out.logits, lab)
+        loss_ref = loss_ref + ce_sum / total
+        if getattr(out, "aux_loss", None) is not None:
+            loss_ref = loss_ref + model.config.router_aux_loss_coef * out.aux_loss.double() / m
+    assert isinstance(loss_ref, Tensor)
+    loss_ref.backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    schedule = zeropipe.build_schedule("zbv", ranks=2, microbatches=m)
+    pipe = zeropipe.Pipeline(hf_moe_cases.cut(model, 4), schedule, loss_fn=zeropipe.causal_lm_loss)
+    loss = pipe.step(batch, labels)
+    assert abs(loss.item() - loss_ref.item()) <= hf_cases.TOL
+    for n, p in model.named_parameters():
+        scale = 1.0 if p.dtype == torch.float64 else 1e-5  # DeepSeek's float32 router weights
+        assert (p.grad is None) == (n not in ref), n
+        if p.grad is not None:
+            assert (p.grad - ref[n]).abs().max().item() * scale <= hf_cases.TOL, n

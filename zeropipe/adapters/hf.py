@@ -36,8 +36,7 @@ position ids on; positions that restart mark the documents of a row, and each st
 the mask transformers builds for them (attention never crosses a document: without an
 attention mask and without a cache, transformers reads packed rows from the position ids)
 and the rotary positions of each document.  Between stages a bool ``[batch, seq]`` tensor
-is the padding mask and an integer one the position ids.  Mixtures of experts refuse a dict
-batch for now.
+is the padding mask and an integer one the position ids.
 
 transformers is imported here only, and only when a model of it is passed;
 the internals used were checked on transformers 5.24 and need

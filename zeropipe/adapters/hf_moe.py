@@ -151,29 +151,36 @@ class MoEStage(LlamaStage):
     balance: RouterLoss | None = None
 
     def forward(self, *inputs: Tensor, **named: Tensor) -> Tensor | tuple[Tensor, ...]:
-        if named:
-            raise PipelineError(
-                "a mixture of experts takes input_ids or (input_ids, attention_mask), not a "
-                "dict batch: packed documents (position_ids) are not supported for it yet"
-            )
         balance = self.balance
         if balance is None:
-            return super().forward(*inputs)
+            return super().forward(*inputs, **named)
         rest, stats = self._split_stats(inputs, balance)
         routers = [m for m in self.layers.modules() if isinstance(m, balance.router)]
         with _recorded(routers, balance.index) as logits:
-            out = super().forward(*rest)
-        pad = rest[1] if len(rest) == 2 else None
+            out = super().forward(*rest, **named)
+        x, pad = self._tokens_and_padding(rest, named)
         if stats is None:
-            stats = balance.zeros(rest[0].device)
+            stats = balance.zeros(x.device)
         for one in logits:
             stats = balance.add_layer(stats, one, pad)
         if self.last:
             assert isinstance(out, Tensor)  # the last stage returns the logits alone
             kind = torch.promote_types(out.dtype, torch.float32)
-            aux = balance.aux(stats, rest[0].shape[0] * rest[0].shape[1], pad)
+            aux = balance.aux(stats, x.shape[0] * x.shape[1], pad)
             return out, balance.coef * aux.to(kind)
         return (*out, stats) if isinstance(out, tuple) else (out, stats)
+
+    def _tokens_and_padding(
+        self, rest: tuple[Tensor, ...], named: dict[str, Tensor]
+    ) -> tuple[Tensor, Tensor | None]:
+        """The stage's ids or hidden states, and its padding mask (None: none): the first
+        stage's as given, a later stage's the bool ``[batch, seq]`` input (an integer one
+        is the position ids of packed documents)."""
+        if named:
+            return named["input_ids"], named.get("attention_mask")
+        if self.first:
+            return rest[0], rest[1] if len(rest) > 1 else None
+        return rest[0], next((t for t in rest[1:] if t.dtype == torch.bool), None)
 
     def _split_stats(
         self, inputs: tuple[Tensor, ...], balance: RouterLoss
@@ -186,8 +193,9 @@ class MoEStage(LlamaStage):
             got = list(stats.shape) if isinstance(stats, Tensor) else type(stats).__name__
             raise PipelineError(
                 f"a stage of a split mixture of experts whose router loss is on "
-                f"(output_router_logits=True) takes (hidden, [attention_mask,] router sums "
-                f"[2, {balance.experts}]), the previous stage's outputs; its last input is {got}"
+                f"(output_router_logits=True) takes (hidden, [attention_mask,] [position_ids,] "
+                f"router sums [2, {balance.experts}]), the previous stage's outputs; its last "
+                f"input is {got}"
             )
         return inputs[:-1], stats
 

@@ -307,3 +307,39 @@ def test_two_builds_at_once_leave_one_whole_cache(tmp_path: Path) -> None:
     files = sorted(p.suffix for p in (tmp_path / "cache").iterdir())
     assert files == [".json", ".lock", ".tokens"]
     assert _build([jl], tmp_path, tokenizer=CharTokenizer()).cached
+
+
+def test_document_positions_restart_after_every_eos() -> None:
+    from zeropipe.apps.data.tokens import document_positions
+
+    ids = torch.tensor([[5, 6, 0, 7, 8, 9, 0, 4], [0, 1, 2, 0, 0, 3, 4, 5]])
+    assert document_positions(ids, 0).tolist() == [
+        [0, 1, 2, 0, 1, 2, 3, 0],  # the eos ends its document; the next starts after it
+        [0, 0, 1, 2, 0, 0, 1, 2],  # a row's first token starts one, wherever it falls
+    ]
+
+
+def test_a_hugging_face_models_data_rows_mask_documents_apart(tmp_path: Path) -> None:
+    # What zeropipe train feeds a Hugging Face model from --data: position ids per document,
+    # each document's first token unpredicted; --cross-documents (and the GPT) as before.
+    from types import SimpleNamespace
+
+    from zeropipe.apps.data.tokens import document_positions
+    from zeropipe.apps.train.workload import batch
+
+    docs = _unique_docs(6, 5)
+    data = _build([_jsonl(tmp_path / "d.jsonl", docs)], tmp_path, tokenizer=CharTokenizer(), seq=8)
+    cfg = SimpleNamespace(
+        model="llama", batch_size=2, seq=8, seed=0, device="cpu", cross_documents=False
+    )
+    x, labels = batch(data, cfg, 0)  # type: ignore[arg-type]
+    assert isinstance(x, dict) and set(x) == {"input_ids", "position_ids"}
+    ids = x["input_ids"]
+    assert torch.equal(x["position_ids"], document_positions(ids, 0))
+    starts = x["position_ids"] == 0
+    assert starts[:, 1:].any()  # the windows do hold a document boundary
+    assert torch.equal(labels, ids.masked_fill(starts, -100))
+    plain_x, plain_y = batch(data, SimpleNamespace(**{**vars(cfg), "cross_documents": True}), 0)  # type: ignore[arg-type]
+    assert torch.equal(plain_x, ids) and torch.equal(plain_y, ids)
+    gpt_x, gpt_y = batch(data, SimpleNamespace(**{**vars(cfg), "model": "gpt"}), 0)  # type: ignore[arg-type]
+    assert isinstance(gpt_x, torch.Tensor) and not torch.equal(gpt_y, gpt_x)  # next tokens

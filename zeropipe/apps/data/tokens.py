@@ -19,9 +19,11 @@ Packing
     The documents are concatenated, separators included, and cut into consecutive windows:
     window ``k`` covers tokens ``[k*seq, k*seq + seq + 1)``, its first ``seq`` the inputs and
     its last ``seq`` the targets, so there are ``(n_tokens - 1) // seq`` windows and nothing
-    is dropped but the remainder at the end.  Attention crosses document boundaries inside a
-    window, as in GPT-2's and Llama's pretraining: no padding is spent, and the separator
-    tells the model that what follows is unrelated.
+    is dropped but the remainder at the end.  No padding is spent.  The trainer feeds a
+    Hugging Face model each window's documents masked apart (:func:`document_positions`:
+    position ids restart after every end-of-text token); otherwise attention crosses
+    document boundaries inside a window, as in GPT-2's pretraining, the separator telling
+    the model that what follows is unrelated.
 
 Held-out split
     The last ``max(1, round(eval_fraction * windows))`` windows are held out
@@ -70,7 +72,7 @@ from torch import Tensor
 
 from zeropipe.core.errors import ZeropipeError
 
-__all__ = ["TokenData", "changed_files", "data_paths", "data_vocab"]
+__all__ = ["TokenData", "changed_files", "data_paths", "data_vocab", "document_positions"]
 
 # Bump when the token file or its json changes meaning: old caches then miss, not mislead.
 # 2: the json holds the token file's sha256 (what a checkpoint records of its data).
@@ -439,6 +441,11 @@ class TokenData:
         paths: each file's path, size and mtime, the token count and the tokens' sha256."""
         return {"sources": self.sources, "tokens": int(self.tokens.numel()), "sha256": self.sha256}
 
+    @property
+    def eos(self) -> int | None:
+        """The end-of-text id after every document (None: bytes, separated by a blank line)."""
+        return None if self.tokenizer is None else self.tokenizer.eos_id
+
     def batch(
         self, step: int, batch_size: int, seq: int, seed: int = 0, split: str = "train"
     ) -> tuple[Tensor, Tensor]:
@@ -586,3 +593,14 @@ def data_vocab(data: str | None, tokenizer: str | None, seed: int) -> int:
     from zeropipe.apps.data.tokenizer import TextTokenizer
 
     return TextTokenizer.load(tokenizer).vocab
+
+
+def document_positions(ids: Tensor, eos: int) -> Tensor:
+    """Position ids ``[batch, seq]`` that restart after every ``eos`` in each row of ``ids``:
+    a packed row's documents, as a model masks them apart (a row's first token is a start)."""
+    starts = torch.zeros_like(ids, dtype=torch.bool)
+    starts[:, 0] = True
+    starts[:, 1:] = ids[:, :-1] == eos
+    index = torch.arange(ids.shape[1]).expand_as(ids)
+    last_start = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
+    return index - last_start

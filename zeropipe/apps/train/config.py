@@ -132,6 +132,16 @@ class TrainConfig:
     seq: int = field(
         default=48, metadata=flag("tokens per sequence (default {default})", group=_DATA)
     )
+    cross_documents: bool = field(
+        default=False,
+        metadata=flag(
+            "let attention cross the end-of-text token between packed documents, as GPT-2's "
+            "pretraining did; by default a Hugging Face model's --data rows restart their "
+            "position ids at each document, attention never crosses one and no document's "
+            "first token is predicted from the one before (the reference GPT always crosses)",
+            group=_DATA,
+        ),
+    )
     schedule: str = field(
         default="zbv", metadata=flag("schedule generator (default {default})", group=_LAYOUT)
     )

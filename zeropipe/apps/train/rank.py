@@ -279,7 +279,7 @@ def _step(
     pipe: Pipeline,
     optimizer: torch.optim.Optimizer,
     cfg: TrainConfig,
-    x: torch.Tensor,
+    x: torch.Tensor | dict[str, torch.Tensor],
     y: torch.Tensor,
     profile_to: Path | None,
 ) -> tuple[torch.Tensor, float | None, float]:
@@ -422,8 +422,16 @@ def _experts_mesh(cfg: TrainConfig, mesh: Any) -> Any:
     return init_device_mesh(torch.device(cfg.device).type, shape, mesh_dim_names=names)["ep"]
 
 
-def _mine(pipe: Pipeline, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """This replica's slice of the global batch (the whole batch without data parallelism)."""
+def _mine(
+    pipe: Pipeline, x: torch.Tensor | dict[str, torch.Tensor], y: torch.Tensor
+) -> tuple[torch.Tensor | dict[str, torch.Tensor], torch.Tensor]:
+    """This replica's slice of the global batch (the whole batch without data parallelism);
+    a dict batch (packed documents) sliced entry by entry."""
     if pipe.dp_size == 1:
         return x, y
-    return x.tensor_split(pipe.dp_size)[pipe.dp_rank], y.tensor_split(pipe.dp_size)[pipe.dp_rank]
+
+    def slice_(t: torch.Tensor) -> torch.Tensor:
+        return t.tensor_split(pipe.dp_size)[pipe.dp_rank]
+
+    mine = {k: slice_(v) for k, v in x.items()} if isinstance(x, dict) else slice_(x)
+    return mine, slice_(y)

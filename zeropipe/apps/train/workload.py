@@ -42,7 +42,7 @@ from zeropipe.adapters.loss import causal_lm_loss
 from zeropipe.adapters.split import split
 from zeropipe.adapters.tp import TP_FAMILIES, parallelize
 from zeropipe.apps.data.corpus import Corpus
-from zeropipe.apps.data.tokens import TokenData, data_paths, data_vocab
+from zeropipe.apps.data.tokens import TokenData, data_paths, data_vocab, document_positions
 from zeropipe.apps.models.gpt import (
     LAYERS,
     GPTConfig,
@@ -111,6 +111,7 @@ class ModelSettings(Protocol):
     dp: int  # replicas of the pipeline (--dp)
     tp: int  # tensor-parallel processes per pipeline rank (--tp): ranks x dp x tp processes
     ep: int  # replicas the experts are sharded over (--ep): 1, or dp
+    cross_documents: bool  # --data rows: attention crosses documents (--cross-documents)
 
 
 def check_model(cfg: ModelSettings) -> None:
@@ -582,9 +583,22 @@ def loss_fn(cfg: ModelSettings) -> Callable[..., Any]:
 
 def batch(
     corpus: Corpus | TokenData, cfg: ModelSettings, step: int, split_name: str = "train"
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs and targets: next tokens for the GPT; HF models take labels = inputs and shift."""
+) -> tuple[torch.Tensor | dict[str, torch.Tensor], torch.Tensor]:
+    """Inputs and targets: next tokens for the GPT; HF models take labels = inputs and shift.
+
+    A Hugging Face model's rows of ``--data`` documents (with an end-of-text token) come as
+    ``{"input_ids", "position_ids"}``: the positions restart at each document, so the
+    stages mask documents apart, and each document's first token is labelled -100, so
+    nothing predicts it from the document before (unless ``--cross-documents``).
+    """
     x, y = corpus.batch(step, cfg.batch_size, cfg.seq, seed=cfg.seed, split=split_name)
-    if cfg.model != "gpt":
-        y = x
-    return x.to(cfg.device), y.to(cfg.device)
+    if cfg.model == "gpt":
+        return x.to(cfg.device), y.to(cfg.device)
+    eos = corpus.eos if isinstance(corpus, TokenData) else None
+    if eos is None or cfg.cross_documents:
+        return x.to(cfg.device), x.to(cfg.device)
+    pos = document_positions(x, eos)
+    labels = x.masked_fill(pos == 0, -100)
+    return {"input_ids": x.to(cfg.device), "position_ids": pos.to(cfg.device)}, labels.to(
+        cfg.device
+    )

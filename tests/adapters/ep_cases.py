@@ -9,7 +9,8 @@ Two launches, each cached for the test session:
 - ``four_processes`` (pp 2 x dp 2, ep 2 inside dp: ``ep_mesh=mesh["dp"]``):
   Qwen3-MoE with its router loss under 1f1b, zbv and 1f1b with every forward
   recomputed, clip_grad_norm_, and a DCP
-  checkpoint saved at ep 2 and loaded at ep 1 (plain experts) on the same mesh; then
+  checkpoint saved at ep 2 and loaded at ep 1 (plain experts) on the same mesh;
+  dualpipev with its overlapped pairs run at once and in sequence; then
   pp 1 x dp 4 with the experts over blocks of 2 replicas (ep 2 < dp 4).
 
 Each rank returns the differences from the unsplit, unsharded model it computes
@@ -160,25 +161,27 @@ def two_process_results() -> list[dict[str, Any]]:
 PP, DP = 2, 2
 
 
-def _pipeline(mesh: Any, name: str, ep: bool) -> tuple[nn.Module, zeropipe.Pipeline]:
+def _pipeline(
+    mesh: Any, name: str, ep: bool, overlap: bool = True, microbatches: int = hf_moe_cases.M
+) -> tuple[nn.Module, zeropipe.Pipeline]:
     """Qwen3-MoE under schedule ``name`` ("1f1b+recompute": every forward recomputed
     before its backward, the experts' exchanges issued again)."""
     model = hf_moe_cases.build("qwen3_moe")
-    chunks = 2 if name == "zbv" else 1
+    chunks = 2 if name in ("zbv", "dualpipev") else 1
     stages = hf_moe_cases.cut(model, PP * chunks)
     if ep:
         zeropipe.parallelize(stages, ep_mesh=mesh["dp"])
     schedule: Any = name
     if name.endswith("+recompute"):
-        base = zeropipe.build_schedule(name.split("+")[0], ranks=PP, microbatches=hf_moe_cases.M)
+        base = zeropipe.build_schedule(name.split("+")[0], ranks=PP, microbatches=microbatches)
         schedule = checkpoint(base.compute_only())
     pipe = zeropipe.Pipeline(
         stages,
         schedule,
         loss_fn=zeropipe.causal_lm_loss,
-        microbatches=hf_moe_cases.M,
+        microbatches=microbatches,
         mesh=mesh,
-        options=zeropipe.RuntimeOptions(timeout=60.0),
+        options=zeropipe.RuntimeOptions(timeout=60.0, overlap=overlap),
     )
     return model, pipe
 
@@ -198,6 +201,49 @@ def _ep_pipeline(mesh: Any, name: str, path: str | None) -> dict[str, Any]:
     out["norm"] = abs(pipe.clip_grad_norm_(1e-3).item() - ref_norm) / ref_norm
     if path is not None:
         zeropipe.save_checkpoint(pipe, None, path, model=model)
+    return out
+
+
+OVERLAP_M = 6  # one row each: 7 overlapped pairs on each rank of dualpipev at pp 2
+
+
+def _ep_overlap(mesh: Any) -> dict[str, Any]:
+    """dualpipev, its pairs run at once and in sequence: the loss and this rank's gradients
+    bitwise equal between the two, and the reference's; per pair of this rank's schedule,
+    the time its halves shared and whether both stages hold sharded experts (layer 1 of
+    the model is dense: rank 1's stage 1)."""
+    batches = [hf_cases.batch(seed, 8) for seed in (0, 1)]  # 12 rows, 6 a replica
+    ids, labels = (torch.cat(parts) for parts in zip(*batches, strict=True))
+    dp = mesh.get_local_rank("dp")
+    half = torch.tensor_split(ids, DP)[dp], torch.tensor_split(labels, DP)[dp]
+    runs = []
+    for overlap in (True, False):
+        model, pipe = _pipeline(mesh, "dualpipev", True, overlap, OVERLAP_M)
+        loss = pipe.step(*half)
+        grads = [_local(p.grad).clone() for p in pipe.parameters() if p.grad is not None]
+        runs.append((loss, grads, model, pipe))
+    (loss, grads, model, pipe), (loss_off, grads_off, _, _) = runs
+    ref_loss, ref = hf_moe_cases.reference(
+        hf_moe_cases.build("qwen3_moe"), ids, labels, m=DP * OVERLAP_M
+    )
+    out = _expert_errors(model, ref, dp, {id(p) for p in pipe.parameters()})
+    out["loss"] = abs(loss.item() - ref_loss)
+    out["equal"] = bool(torch.equal(loss, loss_off)) and len(grads) == len(grads_off) > 0
+    out["equal"] &= all(torch.equal(g, h) for g, h in zip(grads, grads_off, strict=True))
+    rank = mesh.get_local_rank("pp")
+    mine = {e.step: e for e in pipe.last_events[rank]}
+    experts = {
+        s
+        for s, st in pipe.stages.items()
+        if any("experts" in n for n, _ in st.module.named_parameters())
+    }
+    out["pairs"] = [
+        (
+            min(mine[k].end, mine[k + 1].end) - max(mine[k].start, mine[k + 1].start),
+            {mine[k].action.stage, mine[k + 1].action.stage} <= experts,
+        )
+        for k in sorted(pipe.schedule.overlapped(rank))
+    ]
     return out
 
 
@@ -252,6 +298,7 @@ def four_processes(path: str, rank: int, world: int) -> dict[str, Any]:
     out["zbv"] = guard(lambda: _ep_pipeline(mesh, "zbv", None))
     out["1f1b+recompute"] = guard(lambda: _ep_pipeline(mesh, "1f1b+recompute", None))
     out["load ep1"] = guard(lambda: _load_at_ep1(mesh, path))
+    out["dualpipev overlap"] = guard(lambda: _ep_overlap(mesh))
     out["ep2 dp4"] = guard(_ep_below_dp)
     return out
 

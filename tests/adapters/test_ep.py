@@ -4,7 +4,8 @@ gradients, exactly, in float64 on gloo.
 Two launches (tests/adapters/ep_cases.py): 2 processes at ep 2 without a pipeline
 (Qwen3-MoE, Mixtral, DeepSeek-V3; a routing that leaves one rank without rows), and
 4 processes at pp 2 x dp 2 with the experts sharded over "dp" (1f1b, zbv, recompute,
-clip_grad_norm_, a DCP checkpoint saved at ep 2 and loaded at ep 1).  The checkpoint is
+clip_grad_norm_, a DCP checkpoint saved at ep 2 and loaded at ep 1; dualpipev with its
+overlapped pairs of expert stages run at once, against the same pairs in sequence).  The checkpoint is
 also loaded here, in one process.  Refusals that need no processes run here too.
 """
 
@@ -79,6 +80,26 @@ def test_ep_inside_dp_pipeline_gives_the_reference(
     # the two pipeline ranks of a replica compare every parameter between them
     per_pp = {r["pp"]: r[schedule]["checked"] for r in results if r["dp"] == 0}
     assert sum(per_pp.values()) == len(names), per_pp
+
+
+def test_dualpipev_pairs_of_expert_stages_run_at_once_with_the_gradients_of_pairs_in_sequence(
+    pipeline_run: tuple[list[dict[str, Any]], Path],
+) -> None:
+    # The forward's all-to-alls go on one group, the backward's on another: a pair whose
+    # two stages both exchange rows runs its halves at once, and every rank's loss and
+    # gradients are bitwise those of the pairs run one half after the other.
+    results, _ = pipeline_run
+    for r, got in zip(results, _got(results, "dualpipev overlap"), strict=True):
+        where = f"pp {r['pp']} dp {r['dp']}"
+        assert got["equal"], where
+        assert got["loss"] <= TOL and got["grad"] <= TOL and got["sharded"], (where, got)
+        assert len(got["pairs"]) == 7, (where, got["pairs"])
+        # pipeline rank 0 holds stages 0 and 3, each with experts: every pair of it is
+        # the case in point, and its two spans overlap in time (rank 1's stage 1 is the
+        # dense layer, whose short forward may end before the worker's backward starts)
+        assert all(both for _, both in got["pairs"]) == (r["pp"] == 0), (where, got["pairs"])
+        if r["pp"] == 0:
+            assert min(shared for shared, _ in got["pairs"]) > 0, (where, got["pairs"])
 
 
 def test_ep_smaller_than_dp_sums_experts_over_the_replicas_holding_them(

@@ -34,6 +34,18 @@ gradients are each rank's own, as without expert parallelism.  A rank may send
 or receive no rows at all.  Every rank of the group must run its experts'
 forward and backward in the same order (as the replicas of a pipeline do).
 
+Two process groups with the same members carry the exchanges: the forward's (the
+counts, the dispatch, the combine) on the ep mesh's group, the backward's on a
+second one made for it (:func:`backward_group`).  Each rank then issues the
+forwards' collectives in one order on the first and the backwards' in one order on
+the second, even when an overlapped pair runs a forward and a backward at once on
+two threads; the modules say so (``collectives_split_by_direction``), and such a
+pair runs at once (:func:`zeropipe.runtime.step.pairs.communicates_inside`).  A
+forward recomputed inside a backward issues forward exchanges from the backward's
+thread: Hugging Face's gradient checkpointing is found and its pairs run one half
+after the other; ``torch.utils.checkpoint`` called around experts by the model
+itself needs ``RuntimeOptions(overlap=False)``.
+
 Refused (:class:`~zeropipe.core.errors.PipelineError`, nothing changed): other
 expert layouts (biases, transposed or interleaved weights, no gate, a norm after
 each expert: gpt-oss and others), an expert count the group does not divide,
@@ -52,7 +64,15 @@ from torch import Tensor, nn
 
 from zeropipe.core.errors import PipelineError
 
-__all__ = ["EP_EXPERTS", "AllToAll", "ExpertParallel", "ep_size", "experts_of", "shard_experts"]
+__all__ = [
+    "EP_EXPERTS",
+    "AllToAll",
+    "ExpertParallel",
+    "backward_group",
+    "ep_size",
+    "experts_of",
+    "shard_experts",
+]
 
 # The transformers experts classes whose layout the expert-parallel forward computes.
 EP_EXPERTS = ("Qwen3MoeExperts", "MixtralExperts", "DeepseekV3Experts")
@@ -67,17 +87,26 @@ _LAYOUT = {
 
 
 class AllToAll(torch.autograd.Function):
-    """``dist.all_to_all_single`` of rows with uneven splits; backward: the gradient's
-    exchange with the splits swapped."""
+    """``dist.all_to_all_single`` of rows with uneven splits on ``group``; backward: the
+    gradient's exchange with the splits swapped, on ``backward_group`` (same members;
+    ``None``: ``group``)."""
 
     @staticmethod
-    def forward(ctx: Any, rows: Tensor, send: list[int], receive: list[int], group: Any) -> Tensor:
-        ctx.send, ctx.receive, ctx.group = send, receive, group
+    def forward(
+        ctx: Any,
+        rows: Tensor,
+        send: list[int],
+        receive: list[int],
+        group: Any,
+        backward_group: Any = None,
+    ) -> Tensor:
+        ctx.send, ctx.receive = send, receive
+        ctx.group = group if backward_group is None else backward_group
         return _exchange(rows, send, receive, group)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
-        return _exchange(grad, ctx.receive, ctx.send, ctx.group), None, None, None
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None, None]:
+        return _exchange(grad, ctx.receive, ctx.send, ctx.group), None, None, None, None
 
 
 def _exchange(rows: Tensor, send: list[int], receive: list[int], group: Any) -> Tensor:
@@ -91,14 +120,21 @@ class ExpertParallel(nn.Module):
 
     Mixed into a subclass of the module's own class (its ``__class__`` is swapped),
     so everything else of the module stays as transformers wrote it.  ``ep_group``
+    (the forward's exchanges), ``ep_backward_group`` (the backward's: same members)
     and ``ep_size`` are set by :func:`shard_experts`.
     """
+
+    # Its forward's collectives go on one group, its backward's on another: a pair
+    # running a forward and a backward at once keeps each group's order on every rank
+    # (zeropipe.runtime.step.pairs.communicates_inside reads this).
+    collectives_split_by_direction = True
 
     num_experts: int
     gate_up_proj: nn.Parameter
     down_proj: nn.Parameter
     act_fn: Any
     ep_group: Any
+    ep_backward_group: Any
     ep_size: int
 
     def forward(self, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
@@ -112,9 +148,10 @@ class ExpertParallel(nn.Module):
         dist.all_to_all_single(got_counts, sent_counts, group=self.ep_group)
         send, receive = sent_counts.sum(1).tolist(), got_counts.sum(1).tolist()
         tokens = order // k
-        rows = AllToAll.apply(hidden[tokens], send, receive, self.ep_group)
+        groups = self.ep_group, self.ep_backward_group
+        rows = AllToAll.apply(hidden[tokens], send, receive, *groups)
         done = self._local_experts(rows, got_counts)
-        back = AllToAll.apply(done, receive, send, self.ep_group)
+        back = AllToAll.apply(done, receive, send, *groups)
         weights = top_k_weights.reshape(-1)[order]
         out = torch.zeros_like(hidden)
         return out.index_add_(0, tokens, (back * weights.unsqueeze(-1)).to(out.dtype))
@@ -236,6 +273,7 @@ def shard_experts(modules: Sequence[nn.Module], ep_mesh: Any) -> None:
     from torch.distributed.tensor import Shard, distribute_tensor
 
     group = ep_mesh.get_group()
+    backward = backward_group(group)
     for module in modules:
         cls: Any = type(module)
         for name in ("gate_up_proj", "down_proj"):
@@ -245,7 +283,19 @@ def shard_experts(modules: Sequence[nn.Module], ep_mesh: Any) -> None:
         module.__class__ = _parallel_class(cls)
         parallel: Any = module
         parallel.ep_group = group
+        parallel.ep_backward_group = backward
         parallel.ep_size = int(ep_mesh.size())
+
+
+def backward_group(group: Any) -> Any:
+    """A second process group with ``group``'s members, for the backward's exchanges.
+
+    Made by those members alone (``use_local_synchronization``): the other ranks of the
+    world need not call it, so each replica's ep group makes its own, at the point of
+    the program where it shards its experts (every member at the same point, as
+    ``distribute_tensor`` asks already), on the default group's backend.
+    """
+    return dist.new_group(dist.get_process_group_ranks(group), use_local_synchronization=True)
 
 
 @functools.cache

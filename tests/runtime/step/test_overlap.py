@@ -29,6 +29,7 @@ from zeropipe.core.ir import Schedule
 from zeropipe.core.passes import fit
 from zeropipe.core.passes.build import build_schedule
 from zeropipe.core.simulate import Event
+from zeropipe.runtime.step.pairs import communicates_inside
 
 WIDTH, SEQ = 16, 6
 
@@ -210,6 +211,27 @@ def test_pairs_of_two_stages_that_run_collectives_run_in_sequence(sharded: set[i
         shared = min(forward.end, backward.end) - max(forward.start, backward.start)
         both = {forward.action.stage, backward.action.stage} <= sharded
         assert (shared <= 0) if both else (shared > 0), (forward, backward, shared)
+
+
+def test_pairs_whose_collectives_are_split_by_direction_run_at_once() -> None:
+    # A module whose forward issues its collectives on one group and its backward on
+    # another (expert parallelism's all-to-alls) keeps each group's order on every rank
+    # with its pair's halves at once: its DTensor parameters do not count.  A DTensor
+    # parameter of another module of the same stage still does.
+    pipe, model = _slow_pipe(True)
+    for layer in model:
+        assert isinstance(layer, SlowLayer)
+        layer.linear.weight.placements = ("Shard(0)",)  # type: ignore[attr-defined]
+        layer.linear.collectives_split_by_direction = True  # type: ignore[assignment]
+    pipe.step(torch.randn(8, WIDTH), torch.randn(8, WIDTH))
+    pairs = _concurrent_pairs(pipe)
+    assert len(pairs) >= 3
+    for forward, backward in pairs:
+        assert min(forward.end, backward.end) - max(forward.start, backward.start) > 0
+    assert all(communicates_inside(layer) is False for layer in model)
+    tp = nn.Linear(2, 2)
+    tp.weight.placements = ("Shard(0)",)  # type: ignore[attr-defined]
+    assert communicates_inside(nn.Sequential(model[0], tp))
 
 
 def _gloo_cases(rank: int, world: int) -> dict[str, Any]:

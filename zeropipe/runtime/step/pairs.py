@@ -26,7 +26,10 @@ is made safe this way:
   step's once both halves are done, so each half's event counts its own wait;
 - collectives inside a stage (tensor parallelism, expert parallelism's all-to-all) must
   be issued in one order on every rank of their group: a pair whose two stages both
-  hold ``DTensor`` parameters (:func:`communicates_inside`) runs one half after the other;
+  hold ``DTensor`` parameters (:func:`communicates_inside`) runs one half after the
+  other, unless those parameters belong to modules whose forward and backward issue
+  their collectives on two groups (``collectives_split_by_direction``: expert
+  parallelism's all-to-alls), where each group sees one thread, in schedule order;
 - per-microbatch state lives per stage and per microbatch, and the two halves touch
   different (stage, microbatch) entries; gradients are written by the backward alone,
   in the order a sequential run writes them, so they are bitwise those of the pair
@@ -246,14 +249,24 @@ def recomputes_in_backward(module: nn.Module) -> bool:
 
 
 def communicates_inside(module: nn.Module) -> bool:
-    """Whether ``module``'s forward and backward run collectives of their own: some of its
-    parameters are ``DTensor`` shards (tensor parallelism, experts sharded over "ep").
+    """Whether ``module``'s forward and backward run collectives on one group: some of its
+    parameters are ``DTensor`` shards (tensor parallelism) outside modules that set
+    ``collectives_split_by_direction`` (experts sharded over "ep").
 
     Every rank of such a group must issue its collectives in the same order; two halves
     that both communicate would interleave theirs as each thread's timing falls, so a
-    pair of two such stages runs one half after the other.
+    pair of two such stages runs one half after the other.  A module with
+    ``collectives_split_by_direction = True`` issues its forward's collectives on one
+    group and its backward's on a second with the same members: a pair's forward half
+    uses only the first and its backward half only the second, each in the schedule's
+    order on every rank, so its parameters do not count.
     """
-    return any(getattr(p, "placements", None) is not None for p in module.parameters())
+    for part in module.modules():
+        if getattr(part, "collectives_split_by_direction", False) is True:
+            continue
+        if any(getattr(p, "placements", None) is not None for p in part.parameters(recurse=False)):
+            return True
+    return False
 
 
 def _same_stream(device: torch.device) -> Callable[[], AbstractContextManager[None]]:

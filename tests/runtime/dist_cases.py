@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import os
-import signal
 import sys
 import time
 import traceback
@@ -39,7 +38,7 @@ from tests.gradcheck import (
     token_loss,
     token_model,
 )
-from tests.runtime.transport import agreement_cases
+from tests.runtime.transport import agreement_cases, failure_cases
 from zeropipe import build_schedule
 from zeropipe.core.costs import CostModel
 from zeropipe.core.errors import PipelineError, ScheduleError
@@ -57,8 +56,6 @@ OPTIONS = RuntimeOptions(timeout=TIMEOUT)
 def seeded(seed: int) -> RuntimeOptions:
     return replace(OPTIONS, seed=seed)
 
-
-SHORT_TIMEOUT, STALL = 1.0, 2.5  # the stalled-peer case: a wait times out, the peer wakes later
 
 MODELS: dict[str, tuple[Callable[[], nn.Sequential], Callable[..., Tensor]]] = {
     "mlp-dropout": (lambda: mlp(dropout=0.3), F.mse_loss),
@@ -367,94 +364,6 @@ def _transport_case(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-# -- failures -----------------------------------------------------------------------
-class _Flex(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin, self.extra = nn.Linear(4, 4), 0
-
-    def forward(self, x: Tensor) -> Tensor:
-        h = self.lin(x)
-        return torch.cat([h, h[:, : self.extra]], dim=1) if self.extra else h
-
-
-class _Sink(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.lin(x[:, :4])
-
-
-class _Trap(nn.Module):
-    """A stage that, once armed, raises, kills its process, or stalls (``how``)."""
-
-    def __init__(self, how: str) -> None:
-        super().__init__()
-        self.lin, self.how, self.armed = nn.Linear(4, 4), how, False
-
-    def forward(self, x: Tensor) -> Tensor:
-        if self.armed and self.how == "raise":
-            raise ValueError("boom from stage 1")
-        if self.armed and self.how == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        if self.armed and self.how == "stall":
-            self.armed = False
-            time.sleep(STALL)
-        return self.lin(x)
-
-
-def _steps_until_failure(pipe: Pipeline, arm: Callable[[], None]) -> dict[str, Any]:
-    x, y = torch.randn(8, 4), torch.randn(8, 4)
-    pipe.step(x, y)
-    arm()
-    start = time.monotonic()
-    try:
-        pipe.step(x, y)
-        return {"error": None, "seconds": time.monotonic() - start}
-    except PipelineError as err:
-        return {"error": str(err), "seconds": time.monotonic() - start}
-
-
-def _mismatch_case(rank: int, world: int) -> dict[str, Any]:
-    first = _Flex()
-    stages = [first, *[_Sink() for _ in range(world - 1)]]
-    pipe = Pipeline(stages, "1f1b", microbatches=4, loss_fn=F.mse_loss, options=OPTIONS)
-    out = _steps_until_failure(pipe, lambda: setattr(first, "extra", 1))
-    try:  # a failed pipeline refuses further steps instead of mixing up messages
-        pipe.step(torch.randn(8, 4), torch.randn(8, 4))
-        out["after"] = None
-    except PipelineError as err:
-        out["after"] = str(err)
-    return out
-
-
-def _forward_error_case(rank: int, world: int) -> dict[str, Any]:
-    trap = _Trap("raise")
-    stages = [nn.Linear(4, 4), trap, *[nn.Linear(4, 4) for _ in range(world - 2)]]
-    pipe = Pipeline(stages, "1f1b", microbatches=4, loss_fn=F.mse_loss, options=OPTIONS)
-    return _steps_until_failure(pipe, lambda: setattr(trap, "armed", True))
-
-
-def _stalled_peer_case(rank: int, world: int) -> dict[str, Any]:
-    """Stage 1 stalls (alive, silent) longer than the pipeline's timeout on step 2."""
-    trap = _Trap("stall")
-    stages = [nn.Linear(4, 4), trap, *[nn.Linear(4, 4) for _ in range(world - 2)]]
-    pipe = Pipeline(stages, "1f1b", microbatches=4, loss_fn=F.mse_loss, options=OPTIONS)
-    transport = pipe.transport
-    assert isinstance(transport, DistributedTransport)
-
-    def arm() -> None:
-        # Start step 2 together, with the short timeout: on a busy host the ranks'
-        # skew from earlier cases would otherwise eat into it.
-        dist.barrier()
-        transport.timeout = SHORT_TIMEOUT
-        trap.armed = True
-
-    return _steps_until_failure(pipe, arm)
-
-
 def _fit_case(rank: int, world: int) -> list[str]:
     messages = []
     for make in (
@@ -515,65 +424,13 @@ def main_cases(rank: int, world: int) -> dict[str, Any]:
     out["healthy_seconds"] = time.monotonic() - start
     # Each failure poisons only its own pipeline (own store keys and tags).
     out["transport"] = guard(lambda: _transport_case(rank, world))
-    out["mismatch"] = guard(lambda: _mismatch_case(rank, world))
-    out["forward_error"] = guard(lambda: _forward_error_case(rank, world))
-    out["stalled"] = guard(lambda: _stalled_peer_case(rank, world))
+    out["mismatch"] = guard(lambda: failure_cases.mismatch_case(rank, world))
+    out["forward_error"] = guard(lambda: failure_cases.forward_error_case(rank, world))
+    out["stalled"] = guard(lambda: failure_cases.stalled_peer_case(rank, world))
     if world == 2:  # refused losses, then ranks out of step: one pipeline each
         out["loss"] = guard(lambda: test_loss.two_ranks(rank, world))
         out["agreement"] = guard(lambda: agreement_cases.two_ranks(rank, world))
     return out
-
-
-def killed_case(rank: int, world: int) -> None:
-    """Rank 1 SIGKILLs itself inside a stage's forward on the second step."""
-    trap = _Trap("kill")
-    stages = [nn.Linear(4, 4), trap, *[nn.Linear(4, 4) for _ in range(world - 2)]]
-    pipe = Pipeline(stages, "1f1b", microbatches=4, loss_fn=F.mse_loss, options=OPTIONS)
-    x, y = torch.randn(8, 4), torch.randn(8, 4)
-    pipe.step(x, y)
-    trap.armed = True
-    pipe.step(x, y)  # the survivors' PipelineError goes to the launcher
-
-
-def raise_on_rank1(rank: int, world: int) -> str:
-    """Ranks 0-1 pipeline over a subgroup; 1 raises outside any step, 2 idles forever.
-
-    Rank 0 can learn of it only from the launcher (through the store); rank 2
-    only the launcher can end.
-    """
-    sub = dist.new_group([0, 1])
-    if rank == 2:
-        time.sleep(600)
-    pipe = Pipeline(
-        [nn.Linear(4, 4), nn.Linear(4, 4)],
-        "1f1b",
-        loss_fn=F.mse_loss,
-        microbatches=2,
-        mesh=sub,
-        options=OPTIONS,
-    )
-    if rank == 1:
-        raise ValueError("bad input on rank 1")
-    pipe.step(torch.randn(4, 4), torch.randn(4, 4))
-    return "unreachable"
-
-
-def train_forever(rank: int, world: int, folder: str) -> None:
-    """Train until killed; after the first step, write this process's pid to ``folder``."""
-    stages = [nn.Linear(4, 4) for _ in range(world)]
-    pipe = Pipeline(stages, "1f1b", microbatches=4, loss_fn=F.mse_loss, options=OPTIONS)
-    x, y = torch.randn(8, 4), torch.randn(8, 4)
-    pipe.step(x, y)
-    path = os.path.join(folder, f"rank{rank}.pid")
-    with open(path + ".tmp", "w") as f:
-        f.write(str(os.getpid()))
-    os.replace(path + ".tmp", path)  # whole, or not there yet
-    while True:
-        pipe.step(x, y)
-
-
-def sleep_forever(rank: int, world: int) -> None:
-    time.sleep(600)
 
 
 def _store_check(rank: int, world: int) -> bool:
@@ -614,7 +471,7 @@ def _torchrun_raise() -> None:
 
     torch.set_num_threads(1)
     init_from_env(timeout=60)
-    trap = _Trap("raise")
+    trap = failure_cases.Trap("raise")
     pipe = Pipeline([nn.Linear(4, 4), trap], "1f1b", microbatches=4, loss_fn=F.mse_loss,
                     options=RuntimeOptions(timeout=60))  # fmt: skip
     x, y = torch.randn(8, 4), torch.randn(8, 4)

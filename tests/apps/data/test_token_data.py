@@ -310,7 +310,7 @@ def test_two_builds_at_once_leave_one_whole_cache(tmp_path: Path) -> None:
 
 
 def test_document_positions_restart_after_every_eos() -> None:
-    from zeropipe.apps.data.tokens import document_positions
+    from zeropipe.apps.data.packing import document_positions
 
     ids = torch.tensor([[5, 6, 0, 7, 8, 9, 0, 4], [0, 1, 2, 0, 0, 3, 4, 5]])
     assert document_positions(ids, 0).tolist() == [
@@ -324,7 +324,7 @@ def test_a_hugging_face_models_data_rows_mask_documents_apart(tmp_path: Path) ->
     # each document's first token unpredicted; --cross-documents (and the GPT) as before.
     from types import SimpleNamespace
 
-    from zeropipe.apps.data.tokens import document_positions
+    from zeropipe.apps.data.packing import document_positions
     from zeropipe.apps.train.workload import batch
 
     docs = _unique_docs(6, 5)

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.runtime import dist_cases
+from tests.runtime.transport import failure_cases
 from zeropipe import build_schedule
 from zeropipe.core.errors import PipelineError
 from zeropipe.core.ir import Action, Kind
@@ -112,7 +113,7 @@ def test_exception_in_a_stage_forward_fails_every_rank_with_its_message(world: i
 
 
 def test_an_error_in_a_stage_names_the_training_step_and_the_action_position() -> None:
-    trap = dist_cases._Trap("raise")
+    trap = failure_cases.Trap("raise")
     pipe = Pipeline(
         [nn.Linear(4, 4), trap], build_schedule("1f1b", ranks=2, microbatches=4), loss_fn=F.mse_loss
     )
@@ -137,7 +138,7 @@ def test_an_error_in_a_stage_names_the_training_step_and_the_action_position() -
 @pytest.mark.parametrize("world", WORLDS)
 def test_a_stalled_peer_times_a_wait_out_and_every_rank_hears_of_it(world: int) -> None:
     outs = _case(world, "stalled")
-    limit = dist_cases.SHORT_TIMEOUT
+    limit = failure_cases.SHORT_TIMEOUT
     # Stage 1 (rank 1) sleeps past the 1 s timeout.  The ranks waiting on it (directly
     # or down the pipe) time out; ranks that time out together may each report their
     # own, the first one recorded is what every other rank relays.
@@ -164,7 +165,7 @@ def test_a_stalled_peer_times_a_wait_out_and_every_rank_hears_of_it(world: int) 
     assert cause in own, (cause, outs)
     for rank, message in relays.items():
         assert message == f"rank {cause} failed: {own[cause]}", (rank, message)
-        assert outs[rank]["seconds"] < dist_cases.STALL + 5, (rank, outs[rank])
+        assert outs[rank]["seconds"] < failure_cases.STALL + 5, (rank, outs[rank])
 
 
 @pytest.mark.parametrize("noticed_by", ["launcher", "gloo"])
@@ -176,7 +177,7 @@ def test_a_killed_rank_ends_the_others_with_a_clear_error(
         monkeypatch.setattr(launch_module, "_tell_store", lambda *args: None)
     start = time.monotonic()
     with pytest.raises(PipelineError) as err:
-        launch(dist_cases.killed_case, 2, timeout=90, grace=10)
+        launch(failure_cases.killed_case, 2, timeout=90, grace=10)
     took = time.monotonic() - start
     msg = str(err.value)
     assert msg.startswith("rank 1 failed: rank 1 was killed by SIGKILL"), msg
@@ -203,7 +204,7 @@ def test_a_killed_rank_ends_the_others_with_a_clear_error(
 def test_launch_reports_the_raising_rank_tells_its_peers_and_ends_the_rest() -> None:
     start = time.monotonic()
     with pytest.raises(PipelineError) as err:
-        launch(dist_cases.raise_on_rank1, 3, timeout=90, grace=3)
+        launch(failure_cases.raise_on_rank1, 3, timeout=90, grace=3)
     msg = str(err.value)
     assert msg.startswith("rank 1 failed: ValueError: bad input on rank 1"), msg
     assert "--- rank 1 traceback ---" in msg and 'raise ValueError("bad input on rank 1")' in msg
@@ -232,9 +233,9 @@ def _alive(pid: int) -> bool:
 def test_ranks_end_silently_when_their_launcher_is_killed(tmp_path: Path) -> None:
     code = (
         "import sys\n"
-        "from tests.runtime import dist_cases\n"
+        "from tests.runtime.transport import failure_cases\n"
         "from zeropipe.runtime.launch import launch\n"
-        "launch(dist_cases.train_forever, 2, sys.argv[1], timeout=300)\n"
+        "launch(failure_cases.train_forever, 2, sys.argv[1], timeout=300)\n"
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     launcher = subprocess.Popen(
@@ -367,15 +368,15 @@ def test_ranks_see_the_launchers_environment_and_sigint_as_they_are_at_each_laun
 def test_launch_timeout_kills_everything_and_says_so() -> None:
     start = time.monotonic()
     with pytest.raises(PipelineError, match=r"launch timed out after 3 s; rank\(s\) \[0\]"):
-        launch(dist_cases.sleep_forever, 1, timeout=3)
+        launch(failure_cases.sleep_forever, 1, timeout=3)
     assert time.monotonic() - start < 20
 
 
 def test_launch_arguments_are_checked() -> None:
     with pytest.raises(PipelineError, match="nprocs must be >= 1"):
-        launch(dist_cases.sleep_forever, 0)
+        launch(failure_cases.sleep_forever, 0)
     with pytest.raises(PipelineError, match="timeout must be positive"):
-        launch(dist_cases.sleep_forever, 1, timeout=0)
+        launch(failure_cases.sleep_forever, 1, timeout=0)
 
 
 def test_init_from_env_names_what_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:

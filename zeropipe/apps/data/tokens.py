@@ -19,11 +19,9 @@ Packing
     The documents are concatenated, separators included, and cut into consecutive windows:
     window ``k`` covers tokens ``[k*seq, k*seq + seq + 1)``, its first ``seq`` the inputs and
     its last ``seq`` the targets, so there are ``(n_tokens - 1) // seq`` windows and nothing
-    is dropped but the remainder at the end.  No padding is spent.  The trainer feeds a
-    Hugging Face model each window's documents masked apart (:func:`document_positions`:
-    position ids restart after every end-of-text token); otherwise attention crosses
-    document boundaries inside a window, as in GPT-2's pretraining, the separator telling
-    the model that what follows is unrelated.
+    is dropped but the remainder at the end: no padding is spent.  How a model sees the
+    documents inside a window (masked apart, or attention across the separator, as in
+    GPT-2's pretraining) is ``zeropipe.apps.data.packing``'s.
 
 Held-out split
     The last ``max(1, round(eval_fraction * windows))`` windows are held out
@@ -72,7 +70,7 @@ from torch import Tensor
 
 from zeropipe.core.errors import ZeropipeError
 
-__all__ = ["TokenData", "changed_files", "data_paths", "data_vocab", "document_positions"]
+__all__ = ["TokenData", "changed_files", "data_paths", "data_vocab"]
 
 # Bump when the token file or its json changes meaning: old caches then miss, not mislead.
 # 2: the json holds the token file's sha256 (what a checkpoint records of its data).
@@ -593,14 +591,3 @@ def data_vocab(data: str | None, tokenizer: str | None, seed: int) -> int:
     from zeropipe.apps.data.tokenizer import TextTokenizer
 
     return TextTokenizer.load(tokenizer).vocab
-
-
-def document_positions(ids: Tensor, eos: int) -> Tensor:
-    """Position ids ``[batch, seq]`` that restart after every ``eos`` in each row of ``ids``:
-    a packed row's documents, as a model masks them apart (a row's first token is a start)."""
-    starts = torch.zeros_like(ids, dtype=torch.bool)
-    starts[:, 0] = True
-    starts[:, 1:] = ids[:, :-1] == eos
-    index = torch.arange(ids.shape[1]).expand_as(ids)
-    last_start = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
-    return index - last_start

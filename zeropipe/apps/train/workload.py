@@ -42,7 +42,8 @@ from zeropipe.adapters.loss import causal_lm_loss
 from zeropipe.adapters.split import split
 from zeropipe.adapters.tp import TP_FAMILIES, parallelize
 from zeropipe.apps.data.corpus import Corpus
-from zeropipe.apps.data.tokens import TokenData, data_paths, data_vocab, document_positions
+from zeropipe.apps.data.packing import packed_rows
+from zeropipe.apps.data.tokens import TokenData, data_paths, data_vocab
 from zeropipe.apps.models.gpt import (
     LAYERS,
     GPTConfig,
@@ -584,21 +585,14 @@ def loss_fn(cfg: ModelSettings) -> Callable[..., Any]:
 def batch(
     corpus: Corpus | TokenData, cfg: ModelSettings, step: int, split_name: str = "train"
 ) -> tuple[torch.Tensor | dict[str, torch.Tensor], torch.Tensor]:
-    """Inputs and targets: next tokens for the GPT; HF models take labels = inputs and shift.
-
-    A Hugging Face model's rows of ``--data`` documents (with an end-of-text token) come as
-    ``{"input_ids", "position_ids"}``: the positions restart at each document, so the
-    stages mask documents apart, and each document's first token is labelled -100, so
-    nothing predicts it from the document before (unless ``--cross-documents``).
-    """
+    """Inputs and targets: next tokens for the GPT; HF models take labels = inputs and shift,
+    their ``--data`` rows with documents masked apart (``apps.data.packing``) unless
+    ``--cross-documents`` (or the data has no end-of-text token: bytes)."""
     x, y = corpus.batch(step, cfg.batch_size, cfg.seq, seed=cfg.seed, split=split_name)
     if cfg.model == "gpt":
         return x.to(cfg.device), y.to(cfg.device)
     eos = corpus.eos if isinstance(corpus, TokenData) else None
     if eos is None or cfg.cross_documents:
         return x.to(cfg.device), x.to(cfg.device)
-    pos = document_positions(x, eos)
-    labels = x.masked_fill(pos == 0, -100)
-    return {"input_ids": x.to(cfg.device), "position_ids": pos.to(cfg.device)}, labels.to(
-        cfg.device
-    )
+    inputs, labels = packed_rows(x, eos)
+    return {k: v.to(cfg.device) for k, v in inputs.items()}, labels.to(cfg.device)

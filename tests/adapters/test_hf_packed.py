@@ -166,3 +166,18 @@ def test_a_mixture_of_experts_masks_documents_apart_with_its_router_loss(arch: s
         assert (p.grad is None) == (n not in ref), n
         if p.grad is not None:
             assert (p.grad - ref[n]).abs().max().item() * scale <= hf_cases.TOL, n
+
+
+def test_a_dict_batch_is_described_by_its_names_in_step_messages() -> None:
+    # What an out-of-step error says of a dict batch (ranks must agree on it, names included).
+    from zeropipe.runtime.step.stage import split_step, step_signature
+    from zeropipe.runtime.transport.wire import describe_batch
+
+    batch, labels = packed()
+    micro, _, _ = split_step(tuple(batch.values()), labels, 3, None)
+    text = describe_batch(step_signature(micro, labels, tuple(batch)))
+    assert text == (
+        "inputs (input_ids, position_ids) int64[2, 12], int64[2, 12] per microbatch, "
+        "target int64[6, 12]"
+    ), text
+    assert describe_batch(step_signature(micro, labels)).startswith("inputs int64[2, 12]")

@@ -213,18 +213,21 @@ def describe_batch(signature: Hashable) -> str:
     """``inputs float32[4, 8] per microbatch, target int64[16]``: a step's batch, for messages.
 
     ``signature`` is :func:`zeropipe.runtime.step.stage.step_signature`'s (the first
-    and the last microbatch's inputs, then the target); anything else is shown as it is.
+    and the last microbatch's inputs, the target, and a dict batch's names); anything else
+    is shown as it is.
     """
     try:
         inputs: Meta
         target: tuple[torch.dtype, tuple[int, ...]] | None
-        inputs, target = signature  # type: ignore[misc]
+        names: tuple[str, ...] | None
+        inputs, target, names = signature  # type: ignore[misc]
         half = len(inputs) // 2
         first, last = describe_meta(inputs[:half]), describe_meta(inputs[half:])
+        what = "inputs" if names is None else f"inputs ({', '.join(names)})"
         text = (
-            f"inputs {first} per microbatch"
+            f"{what} {first} per microbatch"
             if first == last
-            else f"inputs {first} (first microbatch) to {last} (last)"
+            else f"{what} {first} (first microbatch) to {last} (last)"
         )
         return text if target is None else f"{text}, target {describe_meta((target,))}"
     except (TypeError, ValueError, AttributeError):

@@ -71,6 +71,7 @@ __all__ = [
     "backward_group",
     "ep_size",
     "experts_of",
+    "parallelized_roots",
     "shard_experts",
 ]
 
@@ -192,20 +193,24 @@ def _experts_class(module: nn.Module) -> str | None:
     return None
 
 
+def parallelized_roots(given: object) -> list[nn.Module]:
+    """What ``zeropipe.parallelize`` was given, as modules to walk: the model, or its stages."""
+    if isinstance(given, nn.Module):
+        return [given]
+    if isinstance(given, Sequence) and given and all(isinstance(s, nn.Module) for s in given):
+        return list(given)
+    raise PipelineError(
+        f"zeropipe.parallelize takes a Hugging Face causal LM or the list of stage modules "
+        f"zeropipe.split made of one, got {type(given).__name__}"
+    )
+
+
 def experts_of(given: object, size: int) -> list[nn.Module]:
     """The experts modules of a model or of its stages, each once, checked for ``size`` ranks.
 
     Refuses what :func:`shard_experts` cannot shard (module docstring).
     """
-    if isinstance(given, nn.Module):
-        roots: list[nn.Module] = [given]
-    elif isinstance(given, Sequence) and given and all(isinstance(s, nn.Module) for s in given):
-        roots = list(given)
-    else:
-        raise PipelineError(
-            f"zeropipe.parallelize takes a Hugging Face causal LM or the list of stage modules "
-            f"zeropipe.split made of one, got {type(given).__name__}"
-        )
+    roots = parallelized_roots(given)
     found: dict[int, nn.Module] = {}
     for root in roots:
         for module in root.modules():

@@ -43,7 +43,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from zeropipe.adapters.ep import ep_size, experts_of, shard_experts
+from zeropipe.adapters.ep import ep_size, experts_of, parallelized_roots, shard_experts
 from zeropipe.adapters.hf import SUPPORTED, hf_family, is_hf_model
 from zeropipe.core.errors import PipelineError
 
@@ -170,17 +170,9 @@ def _sequence_boundary(layer: nn.Module, tp_mesh: Any) -> None:
 # -- what is parallelized -----------------------------------------------------------------
 def _decoder_layers(given: object) -> list[nn.Module]:
     """The supported decoder layers of a model or of its stages, each once, in order."""
-    if isinstance(given, nn.Module):
-        if hf_family(given) != "llama":
-            raise PipelineError(_unsupported(type(given).__name__, given))
-        roots: list[nn.Module] = [given]
-    elif isinstance(given, Sequence) and given and all(isinstance(s, nn.Module) for s in given):
-        roots = list(given)
-    else:
-        raise PipelineError(
-            f"zeropipe.parallelize takes a Hugging Face causal LM or the list of stage modules "
-            f"zeropipe.split made of one, got {type(given).__name__}"
-        )
+    if isinstance(given, nn.Module) and hf_family(given) != "llama":
+        raise PipelineError(_unsupported(type(given).__name__, given))
+    roots = parallelized_roots(given)
     layers: dict[int, nn.Module] = {}
     others: set[str] = set()
     for root in roots:

@@ -158,7 +158,9 @@ class MoEStage(LlamaStage):
         routers = [m for m in self.layers.modules() if isinstance(m, balance.router)]
         with _recorded(routers, balance.index) as logits:
             out = super().forward(*rest, **named)
-        x, pad = self._tokens_and_padding(rest, named)
+        # The stage's ids or hidden states and its padding mask, read as the base stage reads
+        # them (a bool [batch, seq] between stages; an integer one is the position ids).
+        x, pad, _ = self._unpack(rest, named) if named else self._unpack_positional(rest)
         if stats is None:
             stats = balance.zeros(x.device)
         for one in logits:
@@ -169,18 +171,6 @@ class MoEStage(LlamaStage):
             aux = balance.aux(stats, x.shape[0] * x.shape[1], pad)
             return out, balance.coef * aux.to(kind)
         return (*out, stats) if isinstance(out, tuple) else (out, stats)
-
-    def _tokens_and_padding(
-        self, rest: tuple[Tensor, ...], named: dict[str, Tensor]
-    ) -> tuple[Tensor, Tensor | None]:
-        """The stage's ids or hidden states, and its padding mask (None: none): the first
-        stage's as given, a later stage's the bool ``[batch, seq]`` input (an integer one
-        is the position ids of packed documents)."""
-        if named:
-            return named["input_ids"], named.get("attention_mask")
-        if self.first:
-            return rest[0], rest[1] if len(rest) > 1 else None
-        return rest[0], next((t for t in rest[1:] if t.dtype == torch.bool), None)
 
     def _split_stats(
         self, inputs: tuple[Tensor, ...], balance: RouterLoss

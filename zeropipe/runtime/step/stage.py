@@ -215,20 +215,18 @@ class Stage:
     ) -> tuple[Tensor, ...]:
         if self.layer_keys is None:
             seeded(seed, step, mb, self.index, device)
+            # A dict batch's first stage takes its inputs by name (input_names).
+            names = self.input_names
+            call = self.module if names is None else _by_name(self.module, names)
             if not self.keyed:  # a context entered per action costs microseconds: skipped
-                return as_tuple(self._call(inputs), f"stage {self.index}'s output")
+                return as_tuple(call(*inputs), f"stage {self.index}'s output")
             with self._seeding_layers(seed, step, mb, device):
-                return as_tuple(self._call(inputs), f"stage {self.index}'s output")
+                return as_tuple(call(*inputs), f"stage {self.index}'s output")
         value: tuple[Tensor, ...] = inputs
         for key, layer in zip(self.layer_keys, self.module.children(), strict=True):
             seeded(seed, step, mb, _LAYER_SEED_BASE + key, device)
             value = as_tuple(layer(*value), f"layer {key}'s output")
         return value
-
-    def _call(self, inputs: tuple[Tensor, ...]) -> object:
-        if self.input_names is None:
-            return self.module(*inputs)
-        return self.module(**dict(zip(self.input_names, inputs, strict=True)))
 
     @contextmanager
     def _seeding_layers(
@@ -253,6 +251,11 @@ class Stage:
 
     def parameters(self) -> list[nn.Parameter]:
         return list(self.module.parameters())
+
+
+def _by_name(module: nn.Module, names: tuple[str, ...]) -> Any:
+    """``module`` called with its inputs as the keyword arguments ``names``."""
+    return lambda *inputs: module(**dict(zip(names, inputs, strict=True)))
 
 
 def split_layers(

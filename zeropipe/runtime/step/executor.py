@@ -33,6 +33,7 @@ step): an idle ``record_function`` costs microseconds per action.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Hashable, Sequence
 from contextlib import nullcontext
@@ -146,9 +147,10 @@ def _at_once(ctx: StepContext) -> Callable[[Action, Action], bool]:
     """Which of this step's pairs run their halves at once: not those whose backward
     restores the global generator (a recompute inside it), nor those whose two stages both
     issue collectives of their own (every rank must issue them in one order)."""
-    recomputing = {s for s, st in ctx.stages.items() if recomputes_in_backward(st.module)}
-    talking = {s for s, st in ctx.stages.items() if communicates_inside(st.module)}
-    return lambda f, b: b.stage not in recomputing and not {f.stage, b.stage} <= talking
+    # Asked of the stages in pairs only, once each per step (each question walks a module).
+    recomputing = functools.cache(lambda s: recomputes_in_backward(ctx.stages[s].module))
+    talking = functools.cache(lambda s: communicates_inside(ctx.stages[s].module))
+    return lambda f, b: not recomputing(b.stage) and not (talking(f.stage) and talking(b.stage))
 
 
 def _named(ctx: StepContext, rank: int, step: int, action: Action) -> Event:

@@ -27,6 +27,7 @@ __all__ = [
     "CostModel",
     "DeferredBatchNorm",
     "Kind",
+    "Microbatches",
     "Pipeline",
     "PipelineError",
     "Plan",
@@ -59,6 +60,7 @@ __version__ = "0.1.0"
 # name -> module that defines it; imported on first access (these need torch).
 _LAZY = {
     "Pipeline": "zeropipe.runtime.pipeline",
+    "Microbatches": "zeropipe.runtime.step.stage",
     "RuntimeOptions": "zeropipe.runtime.options",
     "Plan": "zeropipe.planning.plan",
     "auto_plan": "zeropipe.planning.plan",

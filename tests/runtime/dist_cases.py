@@ -421,6 +421,9 @@ def main_cases(rank: int, world: int) -> dict[str, Any]:
         # test_profiler_names reads the 2-rank launch's; starting a torch profiler costs each
         # process about a second (it imports torch._inductor), for nothing in the 4-rank one.
         out["profiler_names"] = guard(lambda: _profiler_names(rank, world))
+        from tests.runtime.step import varlen_cases  # microbatches of different lengths
+
+        out["microbatches"] = guard(lambda: varlen_cases.two_ranks(rank, world))
     out["healthy_seconds"] = time.monotonic() - start
     # Each failure poisons only its own pipeline (own store keys and tags).
     out["transport"] = guard(lambda: _transport_case(rank, world))

@@ -59,11 +59,11 @@ from zeropipe.runtime.step.executor import run_local, run_rank
 from zeropipe.runtime.step.handlers import BoundaryMeta, StepContext
 from zeropipe.runtime.step.loss_contract import LossContract, LossCountFn, LossFn
 from zeropipe.runtime.step.stage import (
+    Microbatches,
+    Outputs,
     Stage,
-    batch_names,
     preserved_rng,
-    split_step,
-    step_signature,
+    step_microbatches,
 )
 from zeropipe.runtime.transport.base import Transport
 
@@ -280,10 +280,20 @@ class Pipeline:
             self.rank,
         )
 
-    def step(self, inputs: Batch, target: Tensor) -> Tensor:
-        """One training step: forward and backward of every microbatch; returns the loss."""
+    def step(self, inputs: Batch | Microbatches, target: Tensor | None = None) -> Tensor:
+        """One training step: forward and backward of every microbatch; returns the loss.
+
+        ``inputs`` is the batch, cut into the pipeline's microbatches along dim 0 (and
+        ``target`` with it), or a :class:`~zeropipe.runtime.step.stage.Microbatches` of
+        microbatches already made, each its own shape, holding their targets.
+        """
         if self.parts.loss is None:
             raise PipelineError("Pipeline(loss_fn=...) is needed for a training step")
+        if (inputs.targets if isinstance(inputs, Microbatches) else target) is None:
+            raise PipelineError(
+                "a training step needs targets: pipe.step(inputs, target), or "
+                "pipe.step(Microbatches(inputs=[...], targets=[...]))"
+            )
         if self.parts.tied:
             refuse_split_hooks(self.parts.tied)  # a hook on a parameter of several stages
         loss = self._run(inputs, target, training=True)
@@ -293,11 +303,13 @@ class Pipeline:
 
     @torch.no_grad()
     def eval_step(
-        self, inputs: Batch, target: Tensor | None = None
-    ) -> Tensor | tuple[Tensor, ...] | None:
+        self, inputs: Batch | Microbatches, target: Tensor | None = None
+    ) -> Outputs | None:
         """Forward only: the loss if ``target`` is given, else the last stage's output.
 
-        The output is a tensor, or a tuple when the last stage returns several.
+        The output is a tensor, or a tuple when the last stage returns several; for
+        :class:`~zeropipe.runtime.step.stage.Microbatches` (whose targets, when it holds
+        some, give the loss) a list of those, one per microbatch.
         In a distributed pipeline it exists on the last stage's rank only (other
         ranks get ``None``); the loss is returned on every rank.
         """
@@ -347,8 +359,8 @@ class Pipeline:
         return self._eval_plan
 
     def _run(
-        self, inputs: Batch, target: Tensor | None, training: bool
-    ) -> Tensor | tuple[Tensor, ...] | None:
+        self, inputs: Batch | Microbatches, target: Tensor | None, training: bool
+    ) -> Outputs | None:
         """One step: prepared, executed, finished; a failed one told to the peers."""
         parts = self.parts
         # In one process a failed step can be caught and the next batch run: the gradients
@@ -370,7 +382,9 @@ class Pipeline:
                 raise cause from exc
             raise
 
-    def _prepare(self, inputs: Batch, target: Tensor | None, training: bool) -> _Step:
+    def _prepare(
+        self, inputs: Batch | Microbatches, target: Tensor | None, training: bool
+    ) -> _Step:
         """The batch cut into microbatches, their loss weights and the step's context.
 
         Also opens the step: the transport learns its shapes, the memory manager starts
@@ -378,14 +392,13 @@ class Pipeline:
         sums some (so that the sums add only this step's).
         """
         parts = self.parts
-        names, batch = batch_names(inputs)
-        self._name_inputs(names)
-        micro_inputs, sizes, targets = split_step(
-            batch, target, parts.schedule.microbatches, parts.device
+        rows_weighted = parts.loss is not None and parts.loss.weighting == "rows"
+        names, micro_inputs, sizes, targets, signature = step_microbatches(
+            inputs, target, parts.schedule.microbatches, parts.device, rows_weighted
         )
+        self._name_inputs(names)
         # Boundary shapes follow from the shapes of the step's inputs: learnt again when
         # those change (every rank sees the same batch, so every rank agrees).
-        signature = step_signature(micro_inputs, target, names)
         if self._signature != signature:
             self._signature = signature
             self.boundary.reset()
@@ -431,7 +444,7 @@ class Pipeline:
         earlier = set_aside(summed) if held else {}
         if training:
             parts.memory.begin_step(micro_inputs, targets)
-        return _Step(ctx, graph, earlier)
+        return _Step(ctx, graph, earlier, given=isinstance(inputs, Microbatches))
 
     def _name_inputs(self, names: tuple[str, ...] | None) -> None:
         """A dict batch's names, for the first stage's call (on the rank that holds it)."""
@@ -471,8 +484,9 @@ class Pipeline:
                     self.last_events = run_local(ctx, step.graph)
                 loss = None
                 if ctx.targets is not None and parts.owns_last:
+                    # Each microbatch's loss where its route ends (DualPipe: two ranks).
                     loss = sum(
-                        (ctx.losses[i] * ctx.weights[i] for i in range(schedule.microbatches)),
+                        (ctx.losses[i] * ctx.weights[i] for i in sorted(ctx.losses)),
                         torch.zeros(()),
                     )
                 if ctx.reducer is not None:
@@ -490,7 +504,7 @@ class Pipeline:
                 sharded.reshard()
         return loss
 
-    def _finish(self, step: _Step, loss: Tensor | None) -> Tensor | tuple[Tensor, ...] | None:
+    def _finish(self, step: _Step, loss: Tensor | None) -> Outputs | None:
         """A training step counted, with the gradient sums no REDUCE_GRAD made: shared
         parameters' across ranks and replicas, then the earlier steps' gradients added back.
         Returns the loss, or (no target) the last stage's outputs, None on other ranks."""
@@ -506,6 +520,8 @@ class Pipeline:
             if not parts.owns_last:
                 return None
             outs = [ctx.outputs[i] for i in range(len(ctx.inputs))]
+            if step.given:  # each its own shape: one output per microbatch
+                return [o[0] if len(o) == 1 else o for o in outs]
             cat = tuple(torch.cat([o[k] for o in outs]) for k in range(len(outs[0])))
             return cat[0] if len(cat) == 1 else cat
         if loss is None:
@@ -521,6 +537,7 @@ class _Step:
     ctx: StepContext
     graph: Graph  # the schedule the step runs (forward-only for eval_step) and its order
     earlier: dict[int, Tensor]  # the gradients of earlier steps, set aside until the sums
+    given: bool = False  # its microbatches were given made (Microbatches), not cut here
 
 
 # -- a step that fails in one process leaves .grad as it found it ------------------

@@ -43,17 +43,23 @@ if TYPE_CHECKING:
 __all__ = [
     "LAYER_KEYS",
     "MicrobatchState",
+    "Microbatches",
+    "Outputs",
     "Stage",
     "as_tuple",
     "batch_names",
     "derive_seed",
+    "given_signature",
+    "given_step",
     "preserved_rng",
+    "refuse_rows_weighting",
     "seed_layers",
     "seeded",
     "split_batch",
     "split_sequential",
     "split_step",
     "split_target",
+    "step_microbatches",
     "step_signature",
 ]
 
@@ -185,6 +191,9 @@ class Stage:
 
     def __init__(self, index: int, module: nn.Module, layer_keys: Sequence[int] | None) -> None:
         self.index = index
+        # What seeds its randomness: its index, or for a copy of a stage (DualPipe's second
+        # direction) the original's, so that a microbatch draws alike whichever copy runs it.
+        self.seed_index = index
         self.module = module
         # One key per child layer (Sequential slice) or None: one key for the stage.
         self.layer_keys = tuple(layer_keys) if layer_keys is not None else None
@@ -214,7 +223,7 @@ class Stage:
         self, inputs: tuple[Tensor, ...], seed: int, step: int, mb: int, device: torch.device
     ) -> tuple[Tensor, ...]:
         if self.layer_keys is None:
-            seeded(seed, step, mb, self.index, device)
+            seeded(seed, step, mb, self.seed_index, device)
             # A dict batch's first stage takes its inputs by name (input_names).
             names = self.input_names
             call = self.module if names is None else _by_name(self.module, names)
@@ -372,6 +381,43 @@ def batch_names(
     return tuple(inputs), tuple(inputs.values())
 
 
+Outputs = Tensor | tuple[Tensor, ...] | list[Tensor | tuple[Tensor, ...]]
+"""What ``eval_step`` returns without a target: the last stage's output (a tensor, or a tuple
+of several), or for :class:`Microbatches` a list of them, one per microbatch."""
+
+
+def step_microbatches(
+    inputs: Tensor | Sequence[Tensor] | Mapping[str, Tensor] | Microbatches,
+    target: Tensor | None,
+    m: int,
+    device: torch.device | None,
+    rows_weighted: bool,
+) -> tuple[
+    tuple[str, ...] | None,
+    list[tuple[Tensor, ...]],
+    list[int],
+    list[Tensor] | None,
+    tuple[object, ...],
+]:
+    """A step's microbatches: a dict batch's names, each microbatch's inputs, rows and target,
+    and the step's signature (:func:`step_signature`).  A batch is cut into ``m``
+    (:func:`split_step`); :class:`Microbatches` are checked as given (``rows_weighted``: the
+    loss is a mean weighted by rows, refused for targets that differ beyond their rows)."""
+    if not isinstance(inputs, Microbatches):
+        names, batch = batch_names(inputs)
+        micro, sizes, targets = split_step(batch, target, m, device)
+        return names, micro, sizes, targets, step_signature(micro, target, names)
+    if target is not None:
+        raise PipelineError(
+            "with Microbatches the targets are given inside it: "
+            "pipe.step(Microbatches(inputs=[...], targets=[...])), no second argument"
+        )
+    names, micro, sizes, targets = given_step(inputs, m, device)
+    if rows_weighted:
+        refuse_rows_weighting(targets)
+    return names, micro, sizes, targets, given_signature(micro, targets, names)
+
+
 def split_step(
     inputs: Tensor | Sequence[Tensor], target: Tensor | None, m: int, device: torch.device | None
 ) -> tuple[list[tuple[Tensor, ...]], list[int], list[Tensor] | None]:
@@ -395,3 +441,148 @@ def step_signature(
     first, last = micro_inputs[0], micro_inputs[-1]
     meta = tuple((t.dtype, tuple(t.shape)) for t in (*first, *last))
     return (meta, None if target is None else (target.dtype, tuple(target.shape)), names)
+
+
+# -- a step's microbatches, given already made --------------------------------------
+MicrobatchInput = Tensor | Sequence[Tensor] | Mapping[str, Tensor]
+
+
+@dataclass(frozen=True)
+class Microbatches:
+    """A step's microbatches, already made, each its own shape::
+
+        batches = zeropipe.Microbatches(inputs=[x0, x1, x2], targets=[y0, y1, y2])
+        loss = pipe.step(batches)
+
+    ``inputs[i]`` is microbatch ``i`` as ``Pipeline.step`` takes a batch: a tensor, a tuple
+    of tensors (the first stage's positional inputs) or a dict of tensors (its keyword
+    inputs); every microbatch alike in kind, count and names, with its own rows and
+    sequence length.  ``targets[i]`` is its target, one row per input row (``None``: for
+    ``eval_step``'s outputs, one per microbatch).  There are as many as the pipeline's
+    microbatches.  Boundary shapes are learnt per microbatch, and the loss weights each
+    microbatch by what it counts, so the step's loss and gradients are those of the
+    unsplit model run on the same sequences.
+    """
+
+    inputs: Sequence[MicrobatchInput]
+    targets: Sequence[Tensor] | None = None
+
+    def __post_init__(self) -> None:
+        inputs = self.inputs
+        if isinstance(inputs, (Tensor, Mapping)) or not isinstance(inputs, Sequence):
+            raise PipelineError(
+                f"Microbatches(inputs=...) takes one batch per microbatch (a list), got "
+                f"{type(inputs).__name__}"
+            )
+        object.__setattr__(self, "inputs", tuple(inputs))
+        if not self.inputs:
+            raise PipelineError("Microbatches(inputs=...) holds no microbatch")
+        if self.targets is not None:
+            targets = self.targets
+            if isinstance(targets, Tensor) or not isinstance(targets, Sequence):
+                raise PipelineError(
+                    f"Microbatches(targets=...) takes one target per microbatch (a list), got "
+                    f"{type(targets).__name__}"
+                )
+            object.__setattr__(self, "targets", tuple(targets))
+            if len(self.targets) != len(self.inputs):
+                raise PipelineError(
+                    f"Microbatches has {len(self.inputs)} inputs but {len(self.targets)} "
+                    f"targets; give one target per microbatch"
+                )
+
+    def __len__(self) -> int:
+        return len(self.inputs)
+
+
+def given_step(
+    batch: Microbatches, m: int, device: torch.device | None
+) -> tuple[tuple[str, ...] | None, list[tuple[Tensor, ...]], list[int], list[Tensor] | None]:
+    """Microbatches given already made, checked and on ``device`` (when given): a dict
+    batch's names, each microbatch's inputs, its rows, and its target."""
+    if len(batch) != m:
+        raise PipelineError(
+            f"Microbatches holds {len(batch)} microbatches but the pipeline runs {m} per step "
+            f"(its schedule's); give {m}, or build the pipeline with microbatches={len(batch)}"
+        )
+    names: tuple[str, ...] | None = None
+    micro: list[tuple[Tensor, ...]] = []
+    sizes: list[int] = []
+    for i, given in enumerate(batch.inputs):
+        mb_names, tensors = batch_names(given)
+        inputs = as_tuple(tensors, f"microbatch {i}'s inputs")
+        if i == 0:
+            names = mb_names
+        elif mb_names != names or len(inputs) != len(micro[0]):
+            raise PipelineError(
+                f"microbatch {i}'s inputs are {_kind_of(mb_names, inputs)}, but microbatch "
+                f"0's are {_kind_of(names, micro[0])}; every microbatch takes the same inputs"
+            )
+        sizes.append(_rows_of(inputs, i))
+        micro.append(inputs if device is None else tuple(t.to(device) for t in inputs))
+    targets = None
+    if batch.targets is not None:
+        targets = []
+        for i, target in enumerate(batch.targets):
+            if not isinstance(target, Tensor) or target.dim() == 0 or len(target) != sizes[i]:
+                got = _describe_target(target)
+                raise PipelineError(
+                    f"microbatch {i}'s target must be a tensor of one row per input row "
+                    f"({sizes[i]}), got {got}"
+                )
+            targets.append(target if device is None else target.to(device))
+    return names, micro, sizes, targets
+
+
+def _rows_of(inputs: tuple[Tensor, ...], i: int) -> int:
+    """Microbatch ``i``'s rows: dim 0 of each input, the same for all."""
+    if any(t.dim() == 0 for t in inputs):
+        raise PipelineError(
+            f"microbatch {i} has a 0-dimensional input (a scalar); give every input a batch "
+            f"dimension (rows along dim 0)"
+        )
+    rows = {len(t) for t in inputs}
+    if len(rows) != 1 or 0 in rows:
+        raise PipelineError(
+            f"microbatch {i}'s inputs must share one row count along dim 0, at least one, got "
+            f"{[len(t) for t in inputs]}"
+        )
+    return rows.pop()
+
+
+def _kind_of(names: tuple[str, ...] | None, inputs: tuple[Tensor, ...]) -> str:
+    return f"a dict ({', '.join(names)})" if names is not None else f"{len(inputs)} tensor(s)"
+
+
+def _describe_target(target: object) -> str:
+    if not isinstance(target, Tensor):
+        return type(target).__name__
+    return f"{str(target.dtype).removeprefix('torch.')}{list(target.shape)}"
+
+
+def given_signature(
+    micro_inputs: list[tuple[Tensor, ...]],
+    targets: list[Tensor] | None,
+    names: tuple[str, ...] | None,
+) -> tuple[object, ...]:
+    """:func:`step_signature` of microbatches given already made: every microbatch's shapes
+    and dtypes, inputs and target, so the boundary shapes each follows are learnt anew
+    whenever any of them changes (``"microbatches"`` first marks the form)."""
+    inputs = tuple(tuple((t.dtype, tuple(t.shape)) for t in mb) for mb in micro_inputs)
+    target = None if targets is None else tuple((t.dtype, tuple(t.shape)) for t in targets)
+    return ("microbatches", inputs, target, names)
+
+
+def refuse_rows_weighting(targets: list[Tensor] | None) -> None:
+    """A mean weighted by rows is exact only when every row counts as many items: refused
+    for microbatches whose targets differ beyond their rows (e.g. in sequence length)."""
+    if targets is None or len({tuple(t.shape[1:]) for t in targets}) < 2:
+        return
+    shapes = ", ".join(_describe_target(t) for t in targets[:4])
+    raise PipelineError(
+        f"the microbatches' targets differ beyond their rows ({shapes}, ...), so their rows "
+        f"count different numbers of items, and a loss_fn returning a mean is weighted by "
+        f"rows, which cannot be exact; pass zeropipe.causal_lm_loss, a torch loss module "
+        f"(nn.CrossEntropyLoss()) or F.cross_entropy itself, or a function returning "
+        f"(loss_sum, count) with Pipeline(loss_count=...)"
+    )

@@ -213,9 +213,12 @@ def describe_batch(signature: Hashable) -> str:
     """``inputs float32[4, 8] per microbatch, target int64[16]``: a step's batch, for messages.
 
     ``signature`` is :func:`zeropipe.runtime.step.stage.step_signature`'s (the first
-    and the last microbatch's inputs, the target, and a dict batch's names); anything else
-    is shown as it is.
+    and the last microbatch's inputs, the target, and a dict batch's names), or
+    :func:`~zeropipe.runtime.step.stage.given_signature`'s (every microbatch's); anything
+    else is shown as it is.
     """
+    if isinstance(signature, tuple) and signature[:1] == ("microbatches",):
+        return _describe_given(signature)
     try:
         inputs: Meta
         target: tuple[torch.dtype, tuple[int, ...]] | None
@@ -232,6 +235,20 @@ def describe_batch(signature: Hashable) -> str:
         return text if target is None else f"{text}, target {describe_meta((target,))}"
     except (TypeError, ValueError, AttributeError):
         return "no batch yet" if signature is None else repr(signature)
+
+
+def _describe_given(signature: tuple[Any, ...]) -> str:
+    """``3 microbatches: inputs int64[2, 12] to int64[1, 40]``: microbatches given made."""
+    try:
+        _, inputs, targets, names = signature
+        what = "inputs" if names is None else f"inputs ({', '.join(names)})"
+        first, last = describe_meta(inputs[0]), describe_meta(inputs[-1])
+        text = f"{len(inputs)} microbatches: {what} {first} to {last}"
+        if targets is not None:
+            text += f", targets {describe_meta(targets[:1])} to {describe_meta(targets[-1:])}"
+        return text
+    except (TypeError, ValueError, AttributeError, IndexError):
+        return repr(signature)
 
 
 def encode_header(meta: Meta, action: Action, device: torch.device, stamp: Stamp) -> Tensor:

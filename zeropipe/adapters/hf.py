@@ -236,13 +236,18 @@ class _DecoderStage(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.kinds = kinds  # per layer: "full_attention" or "sliding_attention"
         self.first = self.last = False
+        self.context_parallel: Any = None  # this rank's share of the sequence (context_parallel.py)
 
     def forward(self, *inputs: Tensor, **named: Tensor) -> Tensor | tuple[Tensor, ...]:
         x, pad, pos = self._unpack(inputs, named) if named else self._unpack_positional(inputs)
+        shards = self.context_parallel
+        if shards is not None:  # the rank's tokens, with their positions in the whole sequence
+            x, pos = shards.local(x, pad, pos, self.first)
         h = self.embed(x, pos) if self.first else x
         if len(self.layers):
             at = pos if pos is not None else torch.arange(h.shape[1], device=h.device)[None]
-            masks = {k: _mask(k, self.config, h, at, pad) for k in set(self.kinds)}
+            build = _mask if shards is None else shards.mask
+            masks = {k: build(k, self.config, h, at, pad) for k in set(self.kinds)}
             h = self.run_layers(h, at, masks)
         if self.last:
             return self.head(h)

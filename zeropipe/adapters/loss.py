@@ -26,9 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from zeropipe.adapters.context_parallel import shard_indices
 from zeropipe.core.errors import PipelineError
 
-__all__ = ["CausalLMLoss", "causal_lm_loss"]
+__all__ = ["CausalLMLoss", "ShardedCausalLMLoss", "causal_lm_loss"]
 
 
 class CausalLMLoss:
@@ -86,8 +87,68 @@ class CausalLMLoss:
             )
         return (labels[:, 1:] != self.ignore_index).sum()
 
+    def context_parallel(self, rank: int, size: int) -> ShardedCausalLMLoss:
+        """This loss on cp rank ``rank``'s tokens of ``size`` (a pipeline whose mesh has a
+        "cp" dimension asks for it): :class:`ShardedCausalLMLoss`."""
+        return ShardedCausalLMLoss(rank, size, self.ignore_index)
+
     def __repr__(self) -> str:
         return f"CausalLMLoss(ignore_index={self.ignore_index})"
+
+
+class ShardedCausalLMLoss(CausalLMLoss):
+    """:class:`CausalLMLoss` on one context-parallel rank's share of the sequence.
+
+    The logits are the rank's tokens (``shard_indices``: chunks ``rank`` and
+    ``2 x size - 1 - rank``) and the labels the whole rows: the labels are shifted on the
+    whole sequence first (token ``t``'s target is label ``t + 1``; the last token has
+    none), then the rank's tokens' targets are kept.  Its sum and its count are those of
+    the rank's tokens, so over the cp ranks they add up to the whole sequence's.
+    """
+
+    def __init__(self, rank: int, size: int, ignore_index: int = -100) -> None:
+        super().__init__(ignore_index)
+        self.rank, self.size = rank, size
+
+    def sum_and_count(
+        self, logits: Tensor | tuple[Tensor, Tensor], labels: Tensor
+    ) -> tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]:
+        if isinstance(logits, tuple) or not isinstance(logits, Tensor) or logits.dim() != 3:
+            raise PipelineError(
+                f"causal_lm_loss under context parallelism takes the last stage's logits "
+                f"[batch, local seq, vocab], got {_shape(logits)}"
+            )
+        targets = self._targets(labels)
+        if targets.shape != logits.shape[:2]:
+            raise PipelineError(
+                f"causal_lm_loss under context parallelism: the logits {list(logits.shape)} "
+                f"are not cp rank {self.rank}'s {list(targets.shape)} of the labels "
+                f"{list(labels.shape)}; shard every stage with zeropipe.parallelize(stages, "
+                f"cp_mesh=mesh['cp'])"
+            )
+        if logits.dtype in (torch.float16, torch.bfloat16):
+            logits = logits.float()
+        total = F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]),
+            targets.reshape(-1),
+            ignore_index=self.ignore_index,
+            reduction="sum",
+        )
+        return total, (targets != self.ignore_index).sum()
+
+    def count(self, labels: Tensor) -> Tensor:
+        """How many of this rank's tokens have a counted target."""
+        return (self._targets(labels) != self.ignore_index).sum()
+
+    def _targets(self, labels: Tensor) -> Tensor:
+        """The shifted labels of this rank's tokens ``[batch, seq / cp]``."""
+        super().count(labels)  # the shape checked
+        shifted = torch.full_like(labels, self.ignore_index)
+        shifted[:, :-1] = labels[:, 1:]
+        return shifted[:, shard_indices(labels.shape[1], self.rank, self.size, labels.device)]
+
+    def __repr__(self) -> str:
+        return f"ShardedCausalLMLoss(rank={self.rank}, size={self.size})"
 
 
 def _scalar(value: object) -> bool:

@@ -43,6 +43,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from zeropipe.adapters.context_parallel import context_parallel
 from zeropipe.adapters.ep import ep_size, experts_of, parallelized_roots, shard_experts
 from zeropipe.adapters.hf import SUPPORTED, hf_family, is_hf_model
 from zeropipe.core.errors import PipelineError
@@ -64,6 +65,7 @@ def parallelize(
     tp_mesh: Any = None,
     *,
     ep_mesh: Any = None,
+    cp_mesh: Any = None,
     sequence_parallel: bool = False,
 ) -> nn.Module | list[nn.Module]:
     """Apply the tensor-parallel plan over ``tp_mesh`` to every decoder layer, and shard
@@ -85,15 +87,28 @@ def parallelize(
     DeepSeek-V3 are sharded over, each rank holding ``experts / ep`` of them
     (``mesh["dp"]`` in a pipeline, or blocks of ep consecutive replicas of it: expert
     parallelism inside the data-parallel replicas, which then reduce expert gradients
-    only over the replicas holding the same experts).  The experts count must be divisible by its size.  At least one of
-    the two meshes is given.  Nothing is changed when a check fails
+    only over the replicas holding the same experts).  The experts count must be divisible by its size.
+
+    ``cp_mesh``: a 1-D ``DeviceMesh`` (``mesh["cp"]``) the sequence of every row is
+    sharded over, each rank running the stages on its tokens and attending to every
+    rank's keys and values (:mod:`zeropipe.adapters.context_parallel`); stages only
+    (split first), of the Llama family, with eager or sdpa attention.  At least one of
+    the meshes is given.  Nothing is changed when a check fails
     (:class:`PipelineError` naming the values and the fix).
     """
     experts = None if ep_mesh is None else experts_of(stages_or_model, ep_size(ep_mesh))
-    if tp_mesh is not None or ep_mesh is None:  # neither: the tensor-parallel checks refuse
+    if cp_mesh is not None and sequence_parallel:
+        raise PipelineError(
+            "zeropipe.parallelize: cp_mesh= shards the sequence already; use "
+            "sequence_parallel=False with it"
+        )
+    shard_sequence = None if cp_mesh is None else context_parallel(stages_or_model, cp_mesh)
+    if tp_mesh is not None or (ep_mesh is None and cp_mesh is None):  # none: tp's checks refuse
         _tensor_parallel(stages_or_model, tp_mesh, sequence_parallel)
     if experts is not None:
         shard_experts(experts, ep_mesh)
+    if shard_sequence is not None:
+        shard_sequence()
     return stages_or_model if isinstance(stages_or_model, nn.Module) else list(stages_or_model)
 
 

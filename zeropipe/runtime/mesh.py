@@ -2,7 +2,9 @@
 
 ``Pipeline(mesh=)`` resolved into process groups and this process's pipeline rank
 (:class:`Where`); the data-parallel replicas; the check that every replica and
-tensor-parallel peer builds the same pipeline; the device the stages compute on.
+tensor-parallel peer builds the same pipeline; the device the stages compute on; with a
+"cp" dimension, the loss on this process's share of the sequence and the check that the
+stages are sharded as the mesh says.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import datetime
 import hashlib
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +24,15 @@ from zeropipe.core.ir import Schedule
 from zeropipe.runtime.replicas.data_parallel import Replicas
 from zeropipe.runtime.step.stage import Stage
 
-__all__ = ["Where", "check_same_pipeline", "compute_device", "replicas_for", "resolve_mesh"]
+__all__ = [
+    "Where",
+    "check_context_parallel",
+    "check_same_pipeline",
+    "compute_device",
+    "context_parallel_loss",
+    "replicas_for",
+    "resolve_mesh",
+]
 
 
 @dataclass(frozen=True)
@@ -37,6 +47,11 @@ class Where:
     dp_mesh: object | None = None  # the mesh's "dp" dimension: FSDP2 shards over it
     tp_size: int = 1  # the mesh's "tp" dimension: the user's tensor parallelism
     tp_group: object | None = None
+    # The mesh's "cp" dimension (context parallelism, applied to the stages by the user):
+    # its ranks are replicas of the weights that hold different tokens of the same rows,
+    # so ``dp_group`` then spans dp x cp.
+    cp_size: int = 1
+    cp_rank: int = 0
 
 
 def resolve_mesh(mesh: object | None) -> Where:
@@ -55,6 +70,7 @@ def resolve_mesh(mesh: object | None) -> Where:
             f"every rank) or None (torch.distributed's default group, when initialised)"
         )
     pp_group, dp_group, dp_mesh, tp_size, tp_group = None, None, None, 1, None
+    cp_size, cp_rank = 1, 0
     if mesh is None:
         world = os.environ.get("WORLD_SIZE", "1")
         if not initialised and world.isdigit() and int(world) > 1:
@@ -66,13 +82,14 @@ def resolve_mesh(mesh: object | None) -> Where:
             )
     elif hasattr(mesh, "get_group") and hasattr(mesh, "mesh_dim_names"):
         names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
-        unknown = [n for n in names if n not in ("pp", "dp", "tp")]
+        unknown = [n for n in names if n not in ("pp", "dp", "cp", "tp")]
         if "pp" not in names or unknown or len(set(names)) != len(names):
             raise PipelineError(
                 f"mesh has dimensions {names}; Pipeline needs one named 'pp' and, optionally, "
-                f"'dp' (data parallel) and 'tp' (tensor parallel, applied to the stages by "
-                f"the user): init_device_mesh(device, (pp, dp, tp), "
-                f"mesh_dim_names=('pp', 'dp', 'tp'))"
+                f"'dp' (data parallel), 'cp' (context parallel) and 'tp' (tensor parallel; "
+                f"both applied to the stages with zeropipe.parallelize): "
+                f"init_device_mesh(device, (pp, dp, cp, tp), "
+                f"mesh_dim_names=('pp', 'dp', 'cp', 'tp'))"
             )
         get_group = mesh.get_group
         pp_group = get_group("pp")
@@ -80,6 +97,9 @@ def resolve_mesh(mesh: object | None) -> Where:
             dp_group, dp_mesh = get_group("dp"), mesh["dp"]  # type: ignore[index]
         if "tp" in names:
             tp_size, tp_group = int(mesh["tp"].size()), get_group("tp")  # type: ignore[index]
+        if "cp" in names and int(mesh["cp"].size()) > 1:  # type: ignore[index]
+            cp_size, cp_rank = int(mesh["cp"].size()), int(mesh.get_local_rank("cp"))  # type: ignore[index,attr-defined]
+            dp_group = _replicas_over_dp_and_cp(mesh, names)
     elif initialised and isinstance(mesh, dist.ProcessGroup):
         pp_group = mesh
     else:
@@ -90,10 +110,60 @@ def resolve_mesh(mesh: object | None) -> Where:
     if not initialised:
         return Where(False, 0, 1)
     world_size = dist.get_world_size(pp_group)
+    groups = (dp_group, dp_mesh, tp_size, tp_group, cp_size, cp_rank)
     if world_size == 1:
-        return Where(False, 0, 1, None, dp_group, dp_mesh, tp_size, tp_group)
-    rank = dist.get_rank(pp_group)
-    return Where(True, rank, world_size, pp_group, dp_group, dp_mesh, tp_size, tp_group)
+        return Where(False, 0, 1, None, *groups)
+    return Where(True, dist.get_rank(pp_group), world_size, pp_group, *groups)
+
+
+def _replicas_over_dp_and_cp(mesh: object, names: tuple[str, ...]) -> object:
+    """The group that sums gradients, counts and losses: this process's dp x cp ranks
+    (its "cp" group without "dp"), every such group made by its own members only."""
+    import torch.distributed as dist
+
+    if "dp" not in names:
+        return mesh.get_group("cp")  # type: ignore[attr-defined]
+    here = mesh.get_coordinate()  # type: ignore[attr-defined]
+    along = tuple(slice(None) if n in ("dp", "cp") else here[i] for i, n in enumerate(names))
+    ranks = sorted(int(r) for r in mesh.mesh[along].flatten().tolist())  # type: ignore[attr-defined]
+    return dist.new_group(ranks, use_local_synchronization=True)
+
+
+def context_parallel_loss(loss_fn: Callable[..., object], where: Where) -> Callable[..., object]:
+    """``loss_fn`` on this process's share of the sequence when the mesh has a "cp"
+    dimension: the loss's own ``context_parallel(rank, size)`` (``zeropipe.causal_lm_loss``
+    has one); any other loss is refused, since it would pair the shard's logits with the
+    whole rows' targets."""
+    if where.cp_size == 1:
+        return loss_fn
+    shard = getattr(loss_fn, "context_parallel", None)
+    if not callable(shard):
+        raise PipelineError(
+            f"a mesh with a 'cp' dimension of {where.cp_size} shards every sequence, but "
+            f"loss_fn {loss_fn!r} cannot take one rank's tokens: pass "
+            f"loss_fn=zeropipe.causal_lm_loss (or a loss with a context_parallel(rank, size) "
+            f"method returning the shard's loss)"
+        )
+    return shard(where.cp_rank, where.cp_size)
+
+
+def check_context_parallel(where: Where, modules: Sequence[object], dp_shard: bool) -> None:
+    """Refuse a pipeline whose stages and mesh disagree about context parallelism: every
+    stage sharded over as many cp ranks as the mesh's "cp" dimension, or none; and
+    ``dp_shard``, which would shard over "dp" weights that dp x cp sums."""
+    sizes = {getattr(getattr(m, "context_parallel", None), "size", 1) for m in modules}
+    if sizes != {where.cp_size} and modules:
+        raise PipelineError(
+            f"the mesh's 'cp' dimension has {where.cp_size} rank(s) but the stages are "
+            f"sharded over {sorted(sizes)}: call zeropipe.parallelize(stages, "
+            f"cp_mesh=mesh['cp']) on the stages of a mesh with a 'cp' dimension, and only "
+            f"on those"
+        )
+    if dp_shard and where.cp_size > 1:
+        raise PipelineError(
+            "RuntimeOptions(dp_shard=True) with a 'cp' dimension: FSDP2 shards over 'dp' "
+            "only, but context parallelism sums gradients over dp x cp; use dp_shard=False"
+        )
 
 
 def replicas_for(

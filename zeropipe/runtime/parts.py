@@ -38,8 +38,10 @@ from zeropipe.core.schedules import GENERATORS
 from zeropipe.runtime.memory.manager import MemoryManager
 from zeropipe.runtime.mesh import (
     Where,
+    check_context_parallel,
     check_same_pipeline,
     compute_device,
+    context_parallel_loss,
     replicas_for,
     resolve_mesh,
 )
@@ -125,11 +127,14 @@ def build_parts(
     order of :class:`Parts`' fields."""
     check_stages(stages)
     opts = options_or_default(options)
-    loss = None if loss_fn is None else LossContract(loss_fn, loss_count, autocast=opts.autocast)
     where = resolve_mesh(mesh)
+    if loss_fn is not None:  # with a "cp" dimension: the loss of this process's tokens
+        loss_fn = context_parallel_loss(loss_fn, where)
+    loss = None if loss_fn is None else LossContract(loss_fn, loss_count, autocast=opts.autocast)
     replicas = replicas_for(where.dp_group, opts.timeout, shard=opts.dp_shard)
     plan = schedule_for(schedule, stages, microbatches, where, replicas, opts.dp_shard)
     all_stages = build_stages(stages, plan.num_stages, balance)
+    check_context_parallel(where, [st.module for st in all_stages], opts.dp_shard)
     check_same_pipeline(where, plan, all_stages, opts.timeout)
     deps = Dependencies(plan)
     ran_here = plan.stages_of(where.rank) if where.distributed else range(plan.num_stages)

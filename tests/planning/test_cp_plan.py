@@ -2,13 +2,16 @@
 linears and memory-bound work see 1/cp of the tokens, causal attention of the whole sequence
 is divided evenly, activations per GPU fall by cp, the ring's key/value transfers are priced
 on the link they cross (NVLink while tp x cp fits a node, the network beyond) and only where
-they outlast the attention they overlap; gradients are reduced, and FSDP shards, over dp x
-cp; what cannot be priced is refused in one line; ``zeropipe plan --cp``; and torchtitan's
-published long-context H100 tables (``benchmarks/long_context_table.py``).  No torch."""
+they outlast the attention they overlap (a ring step by step, an all-gather under the first
+sub-attention only); gradients are reduced, and FSDP shards, over dp x cp; a run's kernels
+(attention's own efficiency, float8 linears, keys and values as wide as the queries); what
+cannot be priced is refused in one line; ``zeropipe plan --cp``; and torchtitan's published
+long-context H100 tables (``benchmarks/long_context_table.py``).  No torch."""
 
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import cache
 from typing import Any
 
 import pytest
@@ -18,11 +21,16 @@ from zeropipe.apps import cli
 from zeropipe.core.errors import ScheduleError
 from zeropipe.planning.cluster import Candidate, Config, fixed_costs, search, spec_costs
 from zeropipe.planning.pricing.context_parallel import (
+    GRADIENT_BYTES,
+    RingAttention,
+    gather_exposed,
     ring_crosses_nodes,
     ring_exposed,
     ring_step_time,
+    ring_steps,
 )
 from zeropipe.planning.pricing.tensor_parallel import TP_LINK_EFFICIENCY
+from zeropipe.planning.pricing.transformer import FLOAT8_LINEAR_SPEEDUP, Kernels
 from zeropipe.planning.specs import (
     HardwareSpec,
     StagePrice,
@@ -37,19 +45,34 @@ LLAMA_8B = load_model("llama-3-8b")
 SEQ = 16_384
 
 
-def _block(cp: int, *, seq: int = SEQ, tp: int = 1, hardware: HardwareSpec = H100) -> StagePrice:
+def _block(
+    cp: int,
+    *,
+    seq: int = SEQ,
+    tp: int = 1,
+    hardware: HardwareSpec = H100,
+    kernels: Kernels | None = None,
+) -> StagePrice:
     """One block's price (a stage of one block, without embedding or head: a middle one)."""
     one = replace(LLAMA_8B, layers=3)
-    return price_stages(one, hardware, stages=3, seq=seq, cp=cp, tp=tp, blocks=[1, 1, 1])[1]
+    return price_stages(
+        one, hardware, stages=3, seq=seq, cp=cp, tp=tp, blocks=[1, 1, 1], kernels=kernels
+    )[1]
 
 
 # -- what a block costs ---------------------------------------------------------------------------
 
 
-def test_cp_1_prices_exactly_as_without_it() -> None:
+def test_cp_1_and_the_default_kernels_price_exactly_as_without_them() -> None:
     plain = costs_from_spec(LLAMA_8B, H100, stages=4, seq=SEQ, dp=2, recompute=True)
     one = costs_from_spec(LLAMA_8B, H100, stages=4, seq=SEQ, dp=2, recompute=True, cp=1)
     assert one == plain and "cp" not in one.meta
+    default = costs_from_spec(LLAMA_8B, H100, stages=4, seq=SEQ, dp=2, kernels=Kernels(), cp=1)
+    assert default == costs_from_spec(LLAMA_8B, H100, stages=4, seq=SEQ, dp=2)
+    assert "kernels" not in default.meta
+    # cp 1 has nothing to move: the rotation does not change its price.
+    gathered = Kernels(ring=RingAttention("allgather", expanded_kv=True))
+    assert _block(1, kernels=gathered) == _block(1)
 
 
 @pytest.mark.parametrize("cp", [2, 4, 8])
@@ -89,6 +112,75 @@ def test_the_ring_adds_only_what_outlasts_the_attention_it_overlaps() -> None:
     )
     assert pytest.approx(3 * (step - attention / 4), rel=1e-9) == crawl.F - fast.F
     assert crawl.W == fast.W
+
+
+def test_an_all_gather_hides_under_the_first_sub_attention_only() -> None:
+    assert gather_exposed(1, 5.0, 1.0) == 0.0
+    assert gather_exposed(4, 1.0, 16.0) == 0.0  # 3 s of shards under 4 s of attention
+    assert gather_exposed(4, 2.0, 16.0) == pytest.approx(3 * 2.0 - 4.0)
+    # Forward: the other cp - 1 shards beyond the first of cp sub-attentions.  Backward: the
+    # all-gather again, the float32 gradients' ring steps, and the last of them exposed.
+    gather = Kernels(ring=RingAttention("allgather"))
+    slow = replace(H100, intra_bandwidth=H100.intra_bandwidth / 1000)
+    fast, crawl = _block(4, kernels=gather), _block(4, hardware=slow, kernels=gather)
+    tokens = SEQ // 4
+    shard = ring_step_time(2.0 * tokens * LLAMA_8B.kv_dim * 2, slow.intra_bandwidth, 10e-6)
+    gradients = 2.0 * tokens * LLAMA_8B.kv_dim * GRADIENT_BYTES
+    grads = ring_step_time(gradients, slow.intra_bandwidth, 10e-6)
+    attention = 2.0 * tokens * SEQ * LLAMA_8B.dim / (H100.peak("bf16") * 0.6)
+    assert slow.intra_latency == 10e-6
+    assert pytest.approx(3 * shard - attention / 4, rel=1e-9) == crawl.F - fast.F
+    backward = (3 * shard - 2.5 * attention / 4) + 3 * (grads - 2.5 * attention / 4) + grads
+    # On NVLink all of it hides but the last gradient step.
+    last = ring_step_time(gradients, H100.intra_bandwidth, 10e-6)
+    assert pytest.approx(backward - last, rel=1e-9) == crawl.I - fast.I
+    assert crawl.W == fast.W
+
+
+def test_keys_and_values_as_wide_as_the_queries_move_heads_over_kv_heads_the_bytes() -> None:
+    link = {"gpus_per_node": 8, "intra": (450e9, 0.0), "inter": (50e9, 0.0)}
+    own = ring_steps(2, 1, tokens=SEQ, key_values=(1024, 8), element_bytes=2, **link)
+    wide = Kernels(ring=RingAttention(expanded_kv=True)).key_values(LLAMA_8B)
+    assert wide == (LLAMA_8B.dim, LLAMA_8B.heads)
+    expanded = ring_steps(2, 1, tokens=SEQ, key_values=wide, element_bytes=2, **link)
+    assert expanded["ring_f"] == pytest.approx(4 * own["ring_f"])  # 32 heads over 8
+    gathered = ring_steps(
+        2, 1, tokens=SEQ, key_values=wide, element_bytes=2, ring=RingAttention("allgather"), **link
+    )
+    assert gathered["ring_i"] == pytest.approx(expanded["ring_f"] * GRADIENT_BYTES / 2)
+    assert gathered["rotation"] == "allgather" and "rotation" not in own
+
+
+def test_attention_runs_at_its_own_efficiency_and_float8_speeds_the_blocks_linears() -> None:
+    plain = _block(1)
+    flash = _block(1, kernels=Kernels(attention_efficiency=0.3))
+    attention = 2.0 * SEQ * SEQ * LLAMA_8B.dim  # forward FLOPs
+    slower = 1 / (H100.peak("bf16") * 0.3) - 1 / (H100.peak("bf16") * 0.6)
+    assert pytest.approx(attention * slower, rel=1e-9) == flash.F - plain.F
+    assert pytest.approx(2.5 * attention * slower, rel=1e-9) == flash.I - plain.I
+    assert flash.W == plain.W and flash.act == plain.act
+    float8 = _block(1, kernels=Kernels(float8_linears=True))
+    assert pytest.approx(plain.W / FLOAT8_LINEAR_SPEEDUP, rel=1e-12) == float8.W
+    linears = plain.W  # forward and input gradient cost the linears' W each
+    assert pytest.approx(plain.F - float8.F, rel=1e-9) == linears * (1 - 1 / FLOAT8_LINEAR_SPEEDUP)
+    assert float8.act == plain.act and float8.params == plain.params
+
+
+def test_kernels_record_themselves_and_what_they_cannot_price_is_refused() -> None:
+    kernels = Kernels(0.33, float8_linears=True, ring=RingAttention("allgather"))
+    costs = costs_from_spec(LLAMA_8B, H100, stages=2, seq=SEQ, cp=2, kernels=kernels)
+    assert costs.meta["kernels"] == {
+        "attention_efficiency": 0.33,
+        "float8_linears": True,
+        "cp_rotation": "allgather",
+        "cp_expanded_kv": False,
+    }
+    with pytest.raises(ScheduleError, match="cp rotation 'p2p': give one of ring, allgather"):
+        RingAttention("p2p")
+    with pytest.raises(ScheduleError, match=r"attention_efficiency = 1\.5 must be in"):
+        Kernels(1.5)
+    with pytest.raises(ScheduleError, match="kernels are priced for a dense model only"):
+        costs_from_spec("qwen3-30b-a3b", H100, stages=2, seq=4096, kernels=kernels)
 
 
 def test_the_ring_crosses_the_network_once_tp_x_cp_outgrows_a_node() -> None:
@@ -224,8 +316,21 @@ def test_the_published_tables_are_consistent_with_themselves() -> None:
         assert row.seq % (2 * row.cp) == 0
 
 
+@cache
+def _rows(kernels: Kernels = lt.TORCHTITAN) -> tuple[dict[str, Any], ...]:
+    """The benchmark's rows, priced once per set of kernels."""
+    return tuple(lt.run(lt.ROWS, kernels))
+
+
+def test_the_float8_speedup_reproduces_torchtitans_table_1() -> None:
+    # FLOAT8_LINEAR_SPEEDUP is where the 8B's Float8 step on 8 GPUs (Table 1) comes out.
+    check = lt.float8_check()
+    assert check["published"] == pytest.approx(8532 / 6667)
+    assert check["predicted"] == pytest.approx(check["published"], rel=0.01)
+
+
 def test_predicted_throughput_falls_with_the_sequence_as_published() -> None:
-    rows = lt.run(lt.ROWS)
+    rows = _rows()
     for table in (2, 6):
         mine = [r for r in rows if r["table"] == table]
         assert [r["seq"] for r in mine] == sorted(r["seq"] for r in mine)
@@ -233,15 +338,41 @@ def test_predicted_throughput_falls_with_the_sequence_as_published() -> None:
         published = [r["published_ratio"] for r in mine]
         assert predicted == sorted(predicted, reverse=True) and predicted[0] == 1.0
         assert published == sorted(published, reverse=True)
-        # Ring attention's prices fall slower than torchtitan's measures: never faster.
-        assert all(p >= q for p, q in zip(predicted, published, strict=True))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 44 item 4 not met: ring attention priced from FLOPs and bytes falls slower "
-    "than torchtitan's rows (worst +143%, Table 6 CP 8); see benchmarks/long_context_table.py",
-)
-def test_each_rows_ratio_to_its_tables_first_is_within_20_percent() -> None:
-    rows = lt.run(lt.ROWS)
-    assert all(abs(r["ratio"] - 1) <= lt.BAR for r in rows)
+def test_the_rows_kernels_explain_part_of_the_fall_one_efficiency_misses() -> None:
+    # Attention at FlashAttention-2's rate, Float8 linears and torch's all-gather: every
+    # row's ratio nearer the published than with every matmul at one efficiency.
+    one, rows = _rows(Kernels()), _rows()
+    for plain, kernels in zip(one, rows, strict=True):
+        if plain["published_ratio"] != 1.0:
+            assert abs(kernels["ratio"] - 1) < abs(plain["ratio"] - 1) / 2
+
+
+# Rows the priced mechanisms leave outside the bar (python benchmarks/long_context_table.py).
+OUTSIDE = {
+    "T2 FSDP 2 CP 4": "+30%",
+    "T2 FSDP 1 CP 8": "+38%",
+    "T6 FSDP 4 CP 2": "+21%",
+    "T6 FSDP 2 CP 4": "+26%",
+    "T6 FSDP 1 CP 8": "+43%",
+}
+
+
+def _checked(row: Any) -> Any:
+    """A row's check, xfailed (strictly) where the pricing leaves it outside the bar."""
+    why = OUTSIDE.get(row.name)
+    if why is None:
+        return pytest.param(row.name, id=row.name)
+    reason = (
+        f"issue 44 item 4: {row.name} {why}: torchtitan's rows fall faster than attention at "
+        f"FlashAttention-2's rate and the all-gather's exposed transfers explain; see "
+        f"docs/planning.md, Context parallelism"
+    )
+    return pytest.param(row.name, id=row.name, marks=pytest.mark.xfail(strict=True, reason=reason))
+
+
+@pytest.mark.parametrize("name", [_checked(r) for r in lt.ROWS if r.cp > 1])
+def test_each_rows_ratio_to_its_tables_first_is_within_20_percent(name: str) -> None:
+    (row,) = [r for r in _rows() if r["row"] == name]
+    assert abs(row["ratio"] - 1) <= lt.BAR

@@ -16,6 +16,7 @@ from zeropipe.core.errors import ScheduleError
 from zeropipe.core.ir import Kind, Schedule
 from zeropipe.core.simulate import Timeline
 from zeropipe.planning.balance import balance, balance_schedule, stage_costs
+from zeropipe.planning.pricing.transformer import Kernels
 from zeropipe.planning.specs import (
     DEFAULT_GRAD_BYTES,
     DEFAULT_STATE_BYTES,
@@ -210,6 +211,7 @@ def spec_costs(
     tp_across_nodes: bool = False,
     grad_bytes: float = DEFAULT_GRAD_BYTES,
     fsdp: bool = False,
+    kernels: Kernels | None = None,
 ) -> CostFactory:
     """The cost factory :func:`~zeropipe.planning.cluster.search` takes, from a model and an
     accelerator spec: :func:`zeropipe.planning.specs.costs_from_spec` for each configuration
@@ -232,7 +234,8 @@ def spec_costs(
 
     ``config.cp`` GPUs share each sequence (context parallel: ring attention,
     :mod:`zeropipe.planning.pricing.context_parallel`); gradients are reduced, and the
-    optimizer or FSDP sharded, over the ``dp x cp`` ranks holding a stage.
+    optimizer or FSDP sharded, over the ``dp x cp`` ranks holding a stage.  ``kernels``: how
+    attention, the linears and cp's ring run (:class:`~zeropipe.planning.pricing.transformer.Kernels`).
     """
 
     def costs_for(config: Config) -> CostModel:
@@ -258,6 +261,7 @@ def spec_costs(
             ep=config.ep,
             expert_state_bytes=expert_state,
             cp=config.cp,
+            kernels=kernels,
         )
 
     return costs_for

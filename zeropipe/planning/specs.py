@@ -71,6 +71,7 @@ from zeropipe.planning.pricing.moe import (
 from zeropipe.planning.pricing.tensor_parallel import check_tp, matmul_share, ring_allreduce, split
 from zeropipe.planning.pricing.transformer import (
     ATTENTION_KINDS,
+    Kernels,
     LayerPrice,
     LayerRun,
     ModelSpec,
@@ -171,6 +172,7 @@ class _PriceSettings:
     cp: int = 1
     expert_state_bytes: float | None = None  # None: state_bytes
     expert_grad_bytes: float | None = None  # None: grad_bytes
+    kernels: Kernels = field(default_factory=Kernels)  # attention's rate, float8, cp's ring
 
     def check(self, model: ModelSpec, hardware: HardwareSpec, stages: int) -> None:
         """Refuse settings, or a stage count, that cannot price ``model`` on ``hardware``."""
@@ -205,6 +207,8 @@ class _PriceSettings:
         check_ep(self.ep, model=model, dp=None, tp=self.tp)
         moe = model.experts > 0 or model.mla is not None
         check_cp(self.cp, seq=self.seq, attention=self.attention, moe=moe, name=model.name)
+        if moe and self.kernels != Kernels():
+            raise ScheduleError(f"{model.name}: kernels are priced for a dense model only")
         if model.is_moe and stages > model.layers:
             raise ScheduleError(
                 f"{stages} stages for a {model.layers}-block mixture of experts: at most one "
@@ -221,11 +225,12 @@ class _PriceSettings:
             self.cp,
             tp,
             tokens=t,
-            key_values=(model.kv_dim, model.kv_heads),
+            key_values=self.kernels.key_values(model),
             element_bytes=e,
             gpus_per_node=hardware.gpus_per_node,
             intra=(hardware.intra_bandwidth, hardware.intra_latency),
             inter=(hardware.inter_bandwidth, hardware.inter_latency),
+            ring=self.kernels.ring,
         )
         return LayerRun(
             tokens=t,
@@ -243,6 +248,7 @@ class _PriceSettings:
             sequence_parallel=self.sequence_parallel,
             **self._expert_run(model, hardware, model.hidden * e),
             **ring,
+            **self.kernels.rates(hardware.peak(self.dtype)),
         )
 
     def _expert_run(self, model: ModelSpec, hardware: HardwareSpec, row: int) -> dict[str, Any]:
@@ -264,7 +270,8 @@ class _PriceSettings:
 
     def meta(self) -> dict[str, Any]:
         """The settings a cost model records (``sequence_parallel`` only where tp > 1)."""
-        wider = {name: n for name, n in (("ep", self.ep), ("cp", self.cp)) if n > 1}
+        wider: dict[str, Any] = {n: v for n, v in (("ep", self.ep), ("cp", self.cp)) if v > 1}
+        wider |= {"kernels": self.kernels.describe()} if self.kernels != Kernels() else {}
         return {
             "seq": self.seq,
             "microbatch_size": self.microbatch_size,
@@ -298,6 +305,7 @@ def price_stages(
     tp_across_nodes: bool = False,
     ep: int = 1,
     cp: int = 1,
+    kernels: Kernels | None = None,
 ) -> list[StagePrice]:
     """Each stage's F, I, W, R times and memory for one microbatch (see the module docstring).
 
@@ -309,7 +317,7 @@ def price_stages(
     ``tp_across_nodes`` (:mod:`zeropipe.planning.pricing.tensor_parallel`); figures are one GPU's.
     ``ep``: a mixture of experts' routed experts sharded over ep GPUs
     (:mod:`zeropipe.planning.pricing.moe`); ``cp``: each sequence over ``cp`` GPUs
-    (:mod:`zeropipe.planning.pricing.context_parallel`).
+    (:mod:`zeropipe.planning.pricing.context_parallel`); ``kernels``: :class:`Kernels`.
     """
     settings = _PriceSettings(
         seq=seq,
@@ -326,6 +334,7 @@ def price_stages(
         tp_across_nodes=tp_across_nodes,
         ep=ep,
         cp=cp,
+        kernels=kernels or Kernels(),
     )
     return _price(model, hardware, settings, stages, blocks)
 
@@ -467,25 +476,24 @@ def costs_from_spec(
     ep: int = 1,
     expert_state_bytes: float | None = None,
     cp: int = 1,
+    kernels: Kernels | None = None,
 ) -> CostModel:
     """Price a decoder-only transformer on an accelerator from their specs (no profile).
 
-    ``model`` and ``hardware`` are specs or names (:func:`load_model` also takes a Hugging
-    Face ``config.json``).  The model is cut into ``stages`` (``blocks``: transformer blocks
-    per stage; default even) run by ``pp`` ranks (default ``stages``; zbv's ``2p`` stages
-    run on ``p``), with ``dp`` replicas, each sequence over ``cp`` GPUs
-    (:mod:`zeropipe.planning.pricing.context_parallel`; gradients reduced over ``dp x cp``).
-    Times are seconds, memory bytes (``unit="bytes"``); how each figure is derived is in
-    this module's docstring; ``attention`` (``"flash"`` or ``"unfused"``) and ``dropout``
-    say how the blocks run.  Each stage runs on ``tp`` GPUs (tensor parallel, with
-    ``sequence_parallel`` or not; inside a node unless ``tp_across_nodes``:
-    :mod:`zeropipe.planning.pricing.tensor_parallel`), and every figure is one GPU's; tp = 1
-    is plain pipeline and data parallelism.  ``recompute`` makes R and ``ckpt`` available
-    for :func:`zeropipe.core.passes.fit.checkpoint`; it does not itself checkpoint anything.
-    ``meta`` records the inputs and ``flops_per_microbatch`` / ``peak_flops`` for MFU.
-    Routed experts: sharded over ``ep`` of the ``dp`` replicas, ``expert_state_bytes`` a
-    weight (default ``state_bytes``), gradients reduced over ``dp / ep`` replicas
-    (:mod:`zeropipe.planning.pricing.moe`).
+    ``model`` and ``hardware`` are specs or names (:func:`load_model` also takes a Hugging Face
+    ``config.json``).  The model is cut into ``stages`` (``blocks``: transformer blocks per
+    stage; default even) run by ``pp`` ranks (default ``stages``; zbv's ``2p`` stages run on
+    ``p``), with ``dp`` replicas, each sequence over ``cp`` GPUs (gradients reduced over ``dp x
+    cp``).  Times are seconds, memory bytes (``unit="bytes"``), derived as this module's
+    docstring says; ``attention`` (``"flash"`` or ``"unfused"``), ``dropout`` and ``kernels``
+    say how the blocks run (:func:`price_stages`).  Each stage runs on ``tp`` GPUs (tensor
+    parallel, with ``sequence_parallel`` or not; inside a node unless ``tp_across_nodes``:
+    :mod:`zeropipe.planning.pricing.tensor_parallel`), and every figure is one GPU's; tp = 1 is
+    plain pipeline and data parallelism.  ``recompute`` makes R and ``ckpt`` available for
+    :func:`zeropipe.core.passes.fit.checkpoint`; it does not itself checkpoint anything.
+    ``meta`` records the inputs and ``flops_per_microbatch`` / ``peak_flops`` for MFU.  Routed
+    experts: sharded over ``ep`` of the ``dp`` replicas, ``expert_state_bytes`` a weight
+    (default ``state_bytes``), gradients reduced over ``dp / ep`` replicas (pricing.moe).
     """
     m = load_model(model) if isinstance(model, str) else model
     hw = load_hardware(hardware) if isinstance(hardware, str) else hardware
@@ -507,6 +515,7 @@ def costs_from_spec(
         cp=cp,
         expert_state_bytes=expert_state_bytes,
         expert_grad_bytes=_expert_reduce(grad_bytes, dp, ep),
+        kernels=kernels or Kernels(),
     )
     priced = _price(m, hw, settings, stages, blocks)
     group = dp * cp  # the ranks holding a stage: cp inside dp

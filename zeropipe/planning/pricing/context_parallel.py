@@ -15,13 +15,24 @@ microbatch, one GPU's:
   the full square) is divided evenly, ``2 (T / cp) s d`` a GPU, 2.5 times that backward.
   :mod:`zeropipe.planning.pricing.transformer` prices exactly that once its ``tokens`` are
   the GPU's ``T / cp`` and its ``seq`` the whole ``s``.
-* **The ring**: ``cp - 1`` steps a block forward, each sending the GPU's keys and values
+* **The ring** (:class:`RingAttention`, rotation ``"ring"``, Megatron-LM's point-to-point
+  ring): ``cp - 1`` steps a block forward, each sending the GPU's keys and values
   (``2 (T / cp) kv`` elements, ``kv`` the key/value width over ``tp``) to its neighbour;
   backward, ``cp - 1`` steps sending keys and values and their gradients (twice the bytes),
   as ring attention's backward passes them.  A step's transfer runs while the GPU computes
   attention against the shard it already holds (one ``cp``-th of the block's attention):
   only what the transfer takes beyond that compute is added (:func:`ring_exposed`), with a
   link latency a step.  A recomputed forward repeats the forward ring.
+* **The all-gather** (rotation ``"allgather"``, the default of torch's
+  ``context_parallel`` and of torchtitan's ``context_parallel_rotate_method``): forward,
+  one all-gather of the ``cp - 1`` other shards, issued before the first sub-attention
+  and waited on after it, so only that one ``cp``-th of the attention hides it
+  (:func:`gather_exposed`); backward, the keys and values all-gathered again the same way,
+  and their gradients, accumulated in float32 (torch's ``convert_to_f32``,
+  :data:`GRADIENT_BYTES`), passed around the ring, each step hidden under the next
+  sub-attention's backward but the last, which is waited on after the last sub-attention.
+  torch's attention takes the keys and values as wide as the queries (torchtitan's Llama
+  repeats the key/value heads before it: ``expanded_kv``), so those are what travel.
 * **The link**: ranks are laid out tensor-parallel innermost, then context-parallel, then
   data-parallel, then pipeline (a ``("pp", "dp", "cp", "tp")`` mesh): a cp group is ``cp``
   ranks ``tp`` apart, inside a node while ``tp x cp`` GPUs fit one evenly, else its ring
@@ -43,18 +54,46 @@ No torch here, and nothing from :mod:`zeropipe.planning.specs` or
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from zeropipe.core.errors import ScheduleError
 from zeropipe.planning.pricing.tensor_parallel import TP_LINK_EFFICIENCY, kv_split
 
 __all__ = [
+    "GRADIENT_BYTES",
+    "ROTATIONS",
+    "RingAttention",
+    "backward_exposed",
     "check_cp",
+    "forward_exposed",
+    "gather_exposed",
     "ring_crosses_nodes",
     "ring_exposed",
     "ring_step_time",
     "ring_steps",
 ]
+
+ROTATIONS = ("ring", "allgather")  # how the keys and values reach every cp rank (docstring)
+# Bytes of a key/value gradient element the all-gather rotation's backward ring passes:
+# torch's ring attention accumulates them in float32 (``_cp_options.convert_to_f32``).
+GRADIENT_BYTES = 4
+
+
+@dataclass(frozen=True)
+class RingAttention:
+    """How context-parallel attention moves keys and values: ``rotation`` one of
+    :data:`ROTATIONS`; ``expanded_kv``: the keys and values travel as wide as the queries
+    (a model that repeats its key/value heads before attention), else at their own width."""
+
+    rotation: str = "ring"
+    expanded_kv: bool = False
+
+    def __post_init__(self) -> None:
+        if self.rotation not in ROTATIONS:
+            raise ScheduleError(
+                f"cp rotation {self.rotation!r}: give one of {', '.join(ROTATIONS)}"
+            )
 
 
 def check_cp(cp: int, *, seq: int, attention: str, moe: bool, name: str) -> None:
@@ -100,6 +139,36 @@ def ring_exposed(cp: int, transfer: float, attention: float) -> float:
     return (cp - 1) * max(0.0, transfer - attention / cp)
 
 
+def gather_exposed(cp: int, transfer: float, attention: float) -> float:
+    """Seconds an all-gather of the ``cp - 1`` other shards (``transfer`` seconds each)
+    adds to a block's pass: issued before the first sub-attention and waited on after it,
+    it hides under that one ``cp``-th of the block's ``attention`` seconds only."""
+    if cp <= 1:
+        return 0.0
+    return max(0.0, (cp - 1) * transfer - attention / cp)
+
+
+def forward_exposed(cp: int, rotation: str, ring_f: float, attention: float) -> float:
+    """Seconds the keys' and values' travel adds to a block's forward (``attention``: its
+    seconds of attention on this GPU), by ``rotation`` (:data:`ROTATIONS`)."""
+    if rotation == "allgather":
+        return gather_exposed(cp, ring_f, attention)
+    return ring_exposed(cp, ring_f, attention)
+
+
+def backward_exposed(
+    cp: int, rotation: str, ring_f: float, ring_i: float, attention: float
+) -> float:
+    """Seconds the travel adds to a block's backward (``attention``: its seconds of
+    attention backward): the ring's steps; or the all-gather again, the gradients' ring
+    steps, and the last gradient step, waited on after the last sub-attention."""
+    if rotation != "allgather":
+        return ring_exposed(cp, ring_i, attention)
+    if cp <= 1:
+        return 0.0
+    return gather_exposed(cp, ring_f, attention) + ring_exposed(cp, ring_i, attention) + ring_i
+
+
 def ring_steps(
     cp: int,
     tp: int,
@@ -110,20 +179,28 @@ def ring_steps(
     gpus_per_node: int,
     intra: tuple[float, float],
     inter: tuple[float, float],
+    ring: RingAttention | None = None,
 ) -> dict[str, Any]:
-    """The seconds of one forward and one backward ring step (``ring_f``, ``ring_i``) for a
-    GPU holding ``tokens`` tokens' keys and values (``key_values``: the model's key/value
-    width and heads, of which the GPU holds its tensor-parallel share, a head copied where
-    there are fewer than ``tp``), on the network where the ring leaves the node
+    """The seconds of one shard's keys and values on the link (``ring_f``) and of one
+    backward ring step (``ring_i``) for a GPU holding ``tokens`` tokens' keys and values
+    (``key_values``: the key/value width and heads, as they travel (see
+    :class:`RingAttention`), of which the GPU holds its tensor-parallel share, a head copied
+    where there are fewer than ``tp``), on the network where the ring leaves the node
     (:func:`ring_crosses_nodes`), else on NVLink (``intra`` and ``inter``: bandwidth in
-    bytes/s one way, latency in seconds); nothing for cp 1."""
+    bytes/s one way, latency in seconds).  A backward step carries the keys and values and
+    their gradients in the ``element_bytes`` of the ring rotation; the all-gather
+    rotation's carries only the gradients, in :data:`GRADIENT_BYTES`.  Nothing for cp 1."""
     if cp <= 1:
         return {}
+    ring = ring or RingAttention()
     bandwidth, latency = inter if ring_crosses_nodes(cp, tp, gpus_per_node) else intra
     width, heads = key_values
-    keys_values = 2.0 * tokens * (width // kv_split(heads, tp)) * element_bytes
+    elements = 2.0 * tokens * (width // kv_split(heads, tp))
+    keys_values = elements * element_bytes
+    backward = 2 * keys_values if ring.rotation == "ring" else elements * GRADIENT_BYTES
     return {
         "cp": cp,
         "ring_f": ring_step_time(keys_values, bandwidth, latency),
-        "ring_i": ring_step_time(2 * keys_values, bandwidth, latency),
+        "ring_i": ring_step_time(backward, bandwidth, latency),
+        **({"rotation": ring.rotation} if ring.rotation != "ring" else {}),
     }

@@ -40,6 +40,10 @@ for one microbatch, at the rates of a :class:`LayerRun`.
 * **Context parallelism** (``cp`` GPUs a sequence): ``T`` is one GPU's share of the
   tokens, ``s`` the whole sequence, and the ring's transfers beyond the attention they
   overlap are added: :mod:`zeropipe.planning.pricing.context_parallel`.
+* **Kernels** (:class:`Kernels`, optional): attention at its own share of the peak (a
+  flash kernel reaches less of it than a large matmul), the blocks' linears in float8
+  (:data:`FLOAT8_LINEAR_SPEEDUP`), and how context-parallel attention moves keys and
+  values.  Without them every matmul, attention included, runs at one ``efficiency``.
 * **Mixtures of experts and multi-head latent attention** (``experts`` > 0, ``mla``): a
   block's FFN is routed experts (``experts_per_token`` of ``experts``, each ``expert_ffn``
   wide) and ``shared_experts``, but the ``dense_blocks``; such blocks are priced by
@@ -51,16 +55,23 @@ No torch here, and nothing from :mod:`zeropipe.planning.specs` (which imports th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from zeropipe.core.errors import ScheduleError
 from zeropipe.planning.hf_config import spec_fields
-from zeropipe.planning.pricing.context_parallel import ring_exposed
+from zeropipe.planning.pricing.context_parallel import (
+    RingAttention,
+    backward_exposed,
+    forward_exposed,
+)
 from zeropipe.planning.pricing.tensor_parallel import kv_split, split
 
 __all__ = [
     "ATTENTION_KINDS",
+    "FLASH_ATTENTION_2_EFFICIENCY",
+    "FLOAT8_LINEAR_SPEEDUP",
+    "Kernels",
     "LayerPrice",
     "LayerRun",
     "MLAShape",
@@ -71,6 +82,62 @@ __all__ = [
 ]
 
 ATTENTION_KINDS = ("flash", "unfused")  # how attention is computed (see the docstring)
+
+# Share of an H100's dense bf16 peak FlashAttention-2 reaches: torch's flash SDPA backend
+# (FlashAttention-2 kernels; cuDNN's is opt-in, pytorch/pytorch#138522) measured 329 of
+# 989 TFLOP/s on a 2024-12-04 nightly (pytorch/pytorch#142132); the FlashAttention-3 paper
+# (Shah et al. 2024) puts FlashAttention-2 at 35% of the H100's peak.
+FLASH_ATTENTION_2_EFFICIENCY = 0.33
+# How much faster the blocks' linears run in float8 (torchao's dynamic scaling, the
+# output head kept in bf16): the speedup that, priced by this module with attention at
+# FLASH_ATTENTION_2_EFFICIENCY, turns torchtitan's published Llama 3.1 8B step on 8 H100s
+# (benchmarks/llama3_h100_202412_torchtitan.md, Table 1: FSDP + torch.compile 6,667
+# tokens/s per GPU) into its Float8 one (8,532): tests/planning/test_cp_plan.py derives it.
+FLOAT8_LINEAR_SPEEDUP = 1.53
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """How a run's kernels differ from one matmul efficiency for everything:
+    ``attention_efficiency``: the share of the dense peak attention reaches (None: the
+    matmuls' ``efficiency``); ``float8_linears``: the blocks' linears
+    :data:`FLOAT8_LINEAR_SPEEDUP` times faster (their weights, activations and the head
+    stay in the compute dtype); ``ring``: how context-parallel attention moves keys and
+    values."""
+
+    attention_efficiency: float | None = None
+    float8_linears: bool = False
+    ring: RingAttention = field(default_factory=RingAttention)
+
+    def __post_init__(self) -> None:
+        value = self.attention_efficiency
+        if value is not None and not (0 < value <= 1):
+            raise ScheduleError(f"attention_efficiency = {value!r} must be in (0, 1]")
+
+    def key_values(self, model: ModelSpec) -> tuple[int, int]:
+        """The width and heads of the keys and values context parallelism moves."""
+        if self.ring.expanded_kv:
+            return model.dim, model.heads
+        return model.kv_dim, model.kv_heads
+
+    def rates(self, peak: float) -> dict[str, Any]:
+        """:class:`LayerRun`'s attention rate (FLOP/s, of a dense ``peak``) and the linears'
+        speedup where these kernels set them."""
+        rates: dict[str, Any] = {}
+        if self.attention_efficiency is not None:
+            rates["attention_rate"] = peak * self.attention_efficiency
+        if self.float8_linears:
+            rates["linear_speedup"] = FLOAT8_LINEAR_SPEEDUP
+        return rates
+
+    def describe(self) -> dict[str, Any]:
+        """The settings a cost model records."""
+        return {
+            "attention_efficiency": self.attention_efficiency,
+            "float8_linears": self.float8_linears,
+            "cp_rotation": self.ring.rotation,
+            "cp_expanded_kv": self.ring.expanded_kv,
+        }
 
 
 @dataclass(frozen=True)
@@ -298,6 +365,21 @@ class LayerRun:
     cp: int = 1  # GPUs a sequence is sharded over (context parallel; ``tokens`` is one's)
     ring_f: float = 0.0  # seconds of one forward ring step (this GPU's keys and values)
     ring_i: float = 0.0  # seconds of one backward ring step (and their gradients)
+    rotation: str = "ring"  # how the keys and values travel (context_parallel.ROTATIONS)
+    attention_rate: float = 0.0  # FLOP/s attention reaches (0: flop_rate)
+    linear_speedup: float = 1.0  # the blocks' linears run at flop_rate times this
+
+    def matmul_seconds(self, linear: float, attention: float) -> float:
+        """Seconds of ``linear`` FLOPs of the blocks' linears and ``attention`` FLOPs of
+        attention, over ``tp``, each at its rate."""
+        if not self.attention_rate and self.linear_speedup == 1.0:
+            return (linear + attention) / self.tp / self.flop_rate
+        linear_rate = self.flop_rate * self.linear_speedup
+        return linear / self.tp / linear_rate + self.attention_seconds(attention)
+
+    def attention_seconds(self, attention: float) -> float:
+        """Seconds of ``attention`` FLOPs of attention over ``tp``."""
+        return attention / self.tp / (self.attention_rate or self.flop_rate)
 
 
 @dataclass(frozen=True)
@@ -355,13 +437,14 @@ def price_block(
     elementwise_f = split(ew_out, ew_in, tp, sp)
     elementwise_i = split(ew_out_i, ew_in_i, tp, sp)
     block_act = split(act_out, act_in, tp, sp)
-    flop, mem, allreduce = run.flop_rate, run.byte_rate, run.allreduce
-    block_f = (2.0 * t * n + attention_f) / tp / flop + elementwise_f / mem + 2 * allreduce
-    block_i = (2.0 * t * n + attention_i) / tp / flop + elementwise_i / mem + 2 * allreduce
-    # Context parallel: the ring's steps, each overlapped with the attention in hand.
-    block_f += ring_exposed(run.cp, run.ring_f, attention_f / tp / flop)
-    block_i += ring_exposed(run.cp, run.ring_i, attention_i / tp / flop)
-    block_w = 2.0 * t * n / tp / flop
+    mem, allreduce = run.byte_rate, run.allreduce
+    block_f = run.matmul_seconds(2.0 * t * n, attention_f) + elementwise_f / mem + 2 * allreduce
+    block_i = run.matmul_seconds(2.0 * t * n, attention_i) + elementwise_i / mem + 2 * allreduce
+    # Context parallel: the keys' and values' travel, hidden under attention where it can.
+    seconds_f, seconds_i = run.attention_seconds(attention_f), run.attention_seconds(attention_i)
+    block_f += forward_exposed(run.cp, run.rotation, run.ring_f, seconds_f)
+    block_i += backward_exposed(run.cp, run.rotation, run.ring_f, run.ring_i, seconds_i)
+    block_w = run.matmul_seconds(2.0 * t * n, 0.0)
     # W needs each linear's input and its output's gradient: the h-wide ones outside.
     linear_in_out = d + f + (d + 2 * kv_t) + (ffn_mats - 1) * f  # inside; 4 h outside
     return LayerPrice(

@@ -2,16 +2,20 @@
 
 Every rule about data flow between actions lives here and nowhere else; the
 validator, the send/receive lowering pass, the memory passes, the simulator
-and the auto search's list scheduler all ask this module.  For stage ``s`` of ``S`` and microbatch ``i``::
+and the auto search's list scheduler all ask this module.  For stage ``s`` and microbatch ``i``, whose route
+(``Schedule.route(i)``: consecutive stages ``first(i) .. last(i)``, by default
+every stage ``0 .. S-1``) holds ``s``::
 
-    F(s,i)      <- output of F(s-1,i)                      (s > 0)
+    F(s,i)      <- output of F(s-1,i)                      (s > first(i))
     R(s,i)      <- F(s,i), RELOAD(s,i) if offloaded
     B|I(s,i)    <- F(s,i), R(s,i) if checkpointed, else RELOAD(s,i) if offloaded,
-                   input-gradient of B|I(s+1,i)             (s < S-1)
+                   input-gradient of B|I(s+1,i)             (s < last(i); the loss at last(i))
     W(s,i)      <- I(s,i)
     OFFLOAD(s,i)<- F(s,i);   RELOAD(s,i) <- OFFLOAD(s,i)
     SEND_F(s,i) <- F(s,i);   SEND_B(s,i) <- B|I(s,i)
-    REDUCE_GRAD(s) <- B(s,i) or W(s,i), every i           (nothing needs it)
+    REDUCE_GRAD(s) <- B(s,i) or W(s,i), every i visiting s (nothing needs it)
+
+A (stage, microbatch) off the microbatch's route has no actions at all.
 
 REDUCE_GRAD(s) all-reduces stage ``s``'s weight gradients over the
 data-parallel replicas; they are final once every B and W of ``s`` has run.
@@ -123,6 +127,10 @@ class Dependencies:
                 masks[key] = get(key, 0) | (1 << a.kind_no)
         self._masks = masks
         self._requires: dict[Action, tuple[Dep, ...]] = {}
+        # Each microbatch's first and last stage; None: every route is every stage.
+        routes = schedule.routes
+        self._firsts = [r[0] for r in routes] if routes else None
+        self._lasts = [r[-1] for r in routes] if routes else None
 
     @classmethod
     def planned(cls, placement: Sequence[int], microbatches: int, *, split: bool) -> Dependencies:
@@ -167,6 +175,25 @@ class Dependencies:
             Action(Kind.R, stage, mb) if self.checkpointed(stage, mb) else self.backward(stage, mb)
         )
 
+    # -- routes --------------------------------------------------------------------
+    def first_stage(self, mb: int) -> int:
+        """The stage where ``mb`` enters: it runs on the step's input."""
+        return 0 if self._firsts is None else self._firsts[mb]
+
+    def last_stage(self, mb: int) -> int:
+        """The stage where ``mb`` leaves: its output goes to the loss."""
+        return self.num_stages - 1 if self._lasts is None else self._lasts[mb]
+
+    def visits(self, stage: int, mb: int) -> bool:
+        """Whether ``stage`` is on ``mb``'s route."""
+        return self.first_stage(mb) <= stage <= self.last_stage(mb)
+
+    def visitors(self, stage: int) -> list[int]:
+        """The microbatches whose route holds ``stage``."""
+        if self._firsts is None:
+            return list(range(self.schedule.microbatches))
+        return [i for i in range(self.schedule.microbatches) if self.visits(stage, i)]
+
     def crosses(self, src_stage: int, dst_stage: int) -> bool:
         return self.placement[src_stage] != self.placement[dst_stage]
 
@@ -206,12 +233,13 @@ class Dependencies:
             if kind == _REDUCE_GRAD:
                 return tuple(
                     (_code(_W if self.split(s, m) else _B, s, m), False, _NO_VIA)
-                    for m in range(self.schedule.microbatches)
+                    for m in self.visitors(s)
                 )
             return ()  # weight copies: residency, not data (see module doc)
         base = (i << 32) | (s << 4)
         if kind == _F:
-            return self._input(True, s - 1, s, i) if 1 <= s <= self.num_stages else ()
+            first = 0 if self._firsts is None else self._firsts[i]
+            return self._input(True, s - 1, s, i) if first < s <= self.num_stages else ()
         if kind in (_B, _I):
             saved = self._masks.get((i << 32) | s, 0)
             own: tuple[_Entry, ...]
@@ -221,7 +249,8 @@ class Dependencies:
                 own = ((base | _F, False, _NO_VIA), (base | _RELOAD, False, _NO_VIA))
             else:
                 own = ((base | _F, False, _NO_VIA),)
-            return own + self._input(False, s + 1, s, i) if s + 1 < self.num_stages else own
+            last = self.num_stages - 1 if self._lasts is None else self._lasts[i]
+            return own + self._input(False, s + 1, s, i) if s < last else own
         if kind == _W:
             return ((base | _I, False, _NO_VIA),)
         if kind == _R:
@@ -250,15 +279,15 @@ class Dependencies:
         recv = (i << 32) | (dst << 4) | (_RECV_F if forward else _RECV_B)
         return ((recv, False, _NO_VIA), (send, True, recv))
 
-    def _upstream_stage(self, direction: Kind, stage: int) -> int | None:
-        """The stage whose activation (F) or input gradient (B) ``stage`` consumes."""
+    def _upstream_stage(self, direction: Kind, stage: int, mb: int) -> int | None:
+        """The stage whose activation (F) or input gradient (B) ``stage`` consumes for ``mb``."""
         up = stage - 1 if direction is Kind.F else stage + 1
-        return up if 0 <= up < self.num_stages else None
+        return up if self.visits(up, mb) else None
 
-    def _downstream_stage(self, direction: Kind, stage: int) -> int | None:
-        """The stage that consumes ``stage``'s activation (F) or input gradient (B)."""
+    def _downstream_stage(self, direction: Kind, stage: int, mb: int) -> int | None:
+        """The stage that consumes ``stage``'s activation (F) or input gradient (B) for ``mb``."""
         down = stage + 1 if direction is Kind.F else stage - 1
-        return down if 0 <= down < self.num_stages else None
+        return down if self.visits(down, mb) else None
 
     @staticmethod
     def comm_pair(direction: Kind, src: int, dst: int, i: int) -> tuple[Action, Action]:
@@ -279,11 +308,11 @@ class Dependencies:
             return (), ()
         direction = Kind.F if action.kind is Kind.F else Kind.B
         s = action.stage
-        up = self._upstream_stage(direction, s)
+        up = self._upstream_stage(direction, s, i)
         incoming = (
             (self.comm_pair(direction, up, s, i),) if up is not None and self.crosses(up, s) else ()
         )
-        down = self._downstream_stage(direction, s)
+        down = self._downstream_stage(direction, s, i)
         outgoing = (
             (self.comm_pair(direction, s, down, i),)
             if down is not None and self.crosses(s, down)
@@ -297,8 +326,9 @@ class Dependencies:
             if not self.crosses(s, s + 1):
                 continue
             for i in range(self.schedule.microbatches):
-                yield Kind.F, s, s + 1, i
-                yield Kind.B, s + 1, s, i
+                if self._firsts is None or (self.visits(s, i) and self.visits(s + 1, i)):
+                    yield Kind.F, s, s + 1, i
+                    yield Kind.B, s + 1, s, i
 
     def expected_comm(self) -> Counter[Action]:
         """The SEND/RECV actions a lowered version of this schedule must contain."""

@@ -31,7 +31,7 @@ import io
 import json
 import operator
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -41,6 +41,10 @@ __all__ = [
     "Fields",
     "as_integer",
     "as_integers",
+    "check_copies",
+    "check_routes",
+    "expand_routes",
+    "format_grid",
     "format_text",
     "format_torch_csv",
     "pair_members",
@@ -48,6 +52,7 @@ __all__ = [
     "read_json",
     "read_text",
     "refuse_torch_only",
+    "route_runs",
     "schedule_dict",
     "torch_csv_rows",
 ]
@@ -68,6 +73,8 @@ class Fields(Generic[T]):
     ranks: list[T]
     microbatches: int
     name: str
+    routes: tuple[tuple[int, tuple[int, ...]], ...] = ()  # (microbatch, its stages), as written
+    copies: tuple[tuple[int, int], ...] = ()  # (stage, the stage it is a copy of)
 
 
 def as_integer(what: str, value: object) -> int:
@@ -110,16 +117,42 @@ def pair_members(token: str) -> tuple[str, str] | None:
 
 
 # -- text ----------------------------------------------------------------------
+def route_runs(routes: Sequence[Sequence[int]]) -> list[tuple[int, int, tuple[int, ...]]]:
+    """Per-microbatch routes as runs ``(first, last, stages)`` of consecutive equal ones."""
+    runs: list[tuple[int, int, tuple[int, ...]]] = []
+    for mb, route in enumerate(routes):
+        stages = tuple(route)
+        if runs and runs[-1][2] == stages and runs[-1][1] == mb - 1:
+            runs[-1] = (runs[-1][0], mb, stages)
+        else:
+            runs.append((mb, mb, stages))
+    return runs
+
+
 def format_text(
-    name: str, microbatches: int, placement: Sequence[int], ranks: Iterable[Sequence[str]]
+    name: str,
+    microbatches: int,
+    placement: Sequence[int],
+    ranks: Iterable[Sequence[str]],
+    routes: Sequence[Sequence[int]] = (),
+    copies: Iterable[tuple[int, int]] = (),
 ) -> str:
-    """The text form, ``ranks`` holding each rank's action tokens."""
+    """The text form, ``ranks`` holding each rank's action tokens.
+
+    ``routes`` (one per microbatch, or none: every microbatch visits every stage)
+    are written ``route 0-3: 0 1 2 3``; ``copies`` as ``copies: 4=0 5=1``.
+    """
     lines = [
         "# zeropipe schedule",
         f"name: {name}",
         f"microbatches: {microbatches}",
         "placement: " + " ".join(str(r) for r in placement),
     ]
+    for lo, hi, stages in route_runs(routes):
+        span = str(lo) if lo == hi else f"{lo}-{hi}"
+        lines.append(f"route {span}: " + " ".join(str(s) for s in stages))
+    if copies:
+        lines.append("copies: " + " ".join(f"{s}={of}" for s, of in copies))
     for rank, tokens in enumerate(ranks):
         lines.append(f"rank {rank}: " + " ".join(tokens))
     return "\n".join(lines) + "\n"
@@ -129,6 +162,7 @@ def read_text(text: str, read_rank: Callable[[list[str]], T]) -> Fields[T]:
     """Read the text form; anything malformed is a ScheduleError naming its line."""
     header: dict[str, str] = {}
     ranks: dict[int, T] = {}
+    routes: list[tuple[int, tuple[int, ...]]] = []
     for lineno, raw in enumerate(text.splitlines(), start=1):
         line = raw.split("#", 1)[0].strip()
         if not line:
@@ -150,11 +184,14 @@ def read_text(text: str, read_rank: Callable[[list[str]], T]) -> Fields[T]:
             if rank in ranks:
                 raise ScheduleError(f"line {lineno}: rank {rank} listed twice", rule="syntax")
             ranks[rank] = read_rank(value.split())
-        elif key in ("name", "microbatches", "placement"):
+        elif key.startswith("route"):
+            routes.extend(_read_route(lineno, key[5:], value))
+        elif key in ("name", "microbatches", "placement", "copies"):
             header[key] = value.strip()
         else:
             raise ScheduleError(
-                f"line {lineno}: unknown key {key!r} (known: name, microbatches, placement, rank N)",
+                f"line {lineno}: unknown key {key!r} (known: name, microbatches, placement, "
+                f"rank N, route A-B, copies)",
                 rule="syntax",
             )
     for needed in ("microbatches", "placement"):
@@ -170,15 +207,119 @@ def read_text(text: str, read_rank: Callable[[list[str]], T]) -> Fields[T]:
         ranks=[ranks[r] for r in range(len(ranks))],
         microbatches=as_integer("microbatches", header["microbatches"]),
         name=header.get("name", "custom"),
+        routes=tuple(routes),
+        copies=_read_copies(header.get("copies", "").split()),
     )
+
+
+def _read_route(lineno: int, span: str, value: str) -> list[tuple[int, tuple[int, ...]]]:
+    """``route A-B: s0 s1 ...`` (or ``route A: ...``) as one (microbatch, stages) per microbatch."""
+    lo, sep, hi = span.strip().partition("-")
+    try:
+        first = int(lo)
+        last = int(hi) if sep else first
+    except ValueError:
+        raise ScheduleError(
+            f"line {lineno}: bad route header 'route{span}', expected 'route A-B' or 'route A'",
+            rule="syntax",
+        ) from None
+    stages = as_integers("route", value.split())
+    return [(mb, stages) for mb in range(first, last + 1)]
+
+
+def _read_copies(items: Iterable[object]) -> tuple[tuple[int, int], ...]:
+    """``4=0 5=1`` (text) or ``{"4": 0}`` items (JSON) as (stage, copied stage) pairs."""
+    out = []
+    for item in items:
+        stage, sep, of = str(item).partition("=")
+        if not sep:
+            raise ScheduleError(
+                f"copies: expected STAGE=STAGE such as '4=0', got {item!r:.40}", rule="syntax"
+            )
+        out.append((as_integer("copies", stage), as_integer("copies", of)))
+    return tuple(out)
+
+
+# -- routes and copies ---------------------------------------------------------
+def check_routes(routes: object, microbatches: int, stages: int) -> tuple[tuple[int, ...], ...]:
+    """One route per microbatch (or none), each consecutive stages in range; else a ScheduleError."""
+    items = [as_integers("route", r) for r in routes]  # type: ignore[attr-defined]
+    if not items:
+        return ()
+    if len(items) != microbatches:
+        raise ScheduleError(
+            f"routes: one per microbatch, got {len(items)} for {microbatches} microbatches",
+            rule="route",
+        )
+    for mb, route in enumerate(items):
+        # Consecutive stages: the stage after s on any route is s + 1, so a send's receiver
+        # is known from the send alone (what the transports need); number stages to suit.
+        if (
+            not route
+            or route != tuple(range(route[0], route[-1] + 1))
+            or not 0 <= route[0] <= route[-1] < stages
+        ):
+            raise ScheduleError(
+                f"route of microbatch {mb} is {list(route)}: a route is consecutive stages of "
+                f"0..{stages - 1} in increasing order (number the stages so that it is)",
+                rule="route",
+            )
+    return tuple(items)
+
+
+def expand_routes(
+    written: Sequence[tuple[int, tuple[int, ...]]], microbatches: int, stages: int
+) -> tuple[tuple[int, ...], ...]:
+    """A form's ``route A-B`` lines as one route per microbatch: unnamed ones visit every stage."""
+    if not written:
+        return ()
+    every = tuple(range(stages))
+    out: list[tuple[int, ...] | None] = [None] * microbatches
+    for mb, route in written:
+        if not 0 <= mb < microbatches or out[mb] is not None:
+            raise ScheduleError(
+                f"route of microbatch {mb}: "
+                + (
+                    "given twice"
+                    if 0 <= mb < microbatches
+                    else f"no such microbatch (0..{microbatches - 1})"
+                ),
+                rule="route",
+            )
+        out[mb] = route
+    return tuple(every if r is None else r for r in out)
+
+
+def check_copies(copies: object, stages: int) -> tuple[tuple[int, int], ...]:
+    """``{stage: copied stage}`` (or its pairs) as sorted pairs; a stage copies an original."""
+    items = copies.items() if isinstance(copies, Mapping) else copies
+    pairs = sorted((int(s), int(of)) for s, of in items)  # type: ignore[attr-defined]
+    copied = {s for s, _ in pairs}
+    for s, of in pairs:
+        if not (0 <= s < stages and 0 <= of < stages) or of == s or of in copied:
+            raise ScheduleError(
+                f"copies: stage {s} as a copy of stage {of}: both must be stages of "
+                f"0..{stages - 1}, and the copied stage an original (not itself a copy)",
+                rule="route",
+            )
+    return tuple(pairs)
 
 
 # -- JSON ----------------------------------------------------------------------
 def schedule_dict(
-    name: str, microbatches: int, placement: Sequence[int], ranks: Iterable[Sequence[str]]
+    name: str,
+    microbatches: int,
+    placement: Sequence[int],
+    ranks: Iterable[Sequence[str]],
+    routes: Sequence[Sequence[int]] = (),
+    copies: Iterable[tuple[int, int]] = (),
 ) -> dict[str, Any]:
-    """The JSON form as a dict, ``ranks`` holding each rank's action tokens."""
-    return {
+    """The JSON form as a dict, ``ranks`` holding each rank's action tokens.
+
+    Routes and copies appear only when there are some: ``"routes": {"0-3": [0, 1, 2, 3]}``,
+    ``"copies": {"4": 0}``.
+    """
+    out: dict[str, Any] = {
         "format": "zeropipe-schedule",
         "version": 1,
         "name": name,
@@ -186,6 +327,14 @@ def schedule_dict(
         "placement": list(placement),
         "actions": [list(tokens) for tokens in ranks],
     }
+    if routes:
+        out["routes"] = {
+            (str(lo) if lo == hi else f"{lo}-{hi}"): list(stages)
+            for lo, hi, stages in route_runs(routes)
+        }
+    if copies:
+        out["copies"] = {str(s): of for s, of in copies}
+    return out
 
 
 def read_json(text: str) -> Any:
@@ -231,7 +380,28 @@ def read_dict(data: dict[str, Any], read_rank: Callable[[list[str]], T]) -> Fiel
         ranks=parsed,
         microbatches=as_integer("microbatches", data["microbatches"]),
         name=str(data.get("name", "custom")),
+        routes=tuple(_dict_routes(data.get("routes", {}))),
+        copies=_read_copies(_items("copies", data.get("copies", {}))),
     )
+
+
+def _items(what: str, value: object) -> list[str]:
+    """A JSON object's entries as ``key=value`` strings; anything else is a ScheduleError."""
+    if not isinstance(value, dict):
+        raise ScheduleError(f"schedule JSON '{what}' must be an object, got {value!r:.40}")
+    return [f"{k}={v}" for k, v in value.items()]
+
+
+def _dict_routes(value: object) -> list[tuple[int, tuple[int, ...]]]:
+    """The JSON form's ``{"0-3": [0, 1, 2, 3]}`` as one (microbatch, stages) per microbatch."""
+    if not isinstance(value, dict):
+        raise ScheduleError(f"schedule JSON 'routes' must be an object, got {value!r:.40}")
+    out: list[tuple[int, tuple[int, ...]]] = []
+    for span, stages in value.items():
+        if not isinstance(stages, list):
+            raise ScheduleError(f"schedule JSON route {span!r}: stages must be a list")
+        out.extend(_read_route(0, " " + str(span), " ".join(str(s) for s in stages)))
+    return out
 
 
 # -- torch.distributed.pipelining CSV --------------------------------------------
@@ -263,3 +433,39 @@ def refuse_torch_only(cell: str) -> None:
             rule="unsupported",
             actions=(text,),
         )
+
+
+# -- errors --------------------------------------------------------------------
+def format_grid(
+    actions: Sequence[Sequence[object]],
+    mark: Iterable[tuple[int, int]] = (),
+    *,
+    window: int = 6,
+) -> str:
+    """Rank x step grid of a schedule, with ``(rank, step)`` cells in ``mark`` shown as ``>x<``.
+
+    Only the steps within ``window`` of a marked cell are shown, so the grid of a
+    long schedule stays readable; without marks the first ``2 * window`` steps are.
+    """
+    marks = set(mark)
+    length = max((len(a) for a in actions), default=0)
+    if marks:
+        lo = max(0, min(s for _, s in marks) - window)
+        hi = min(length, max(s for _, s in marks) + window + 1)
+    else:
+        lo, hi = 0, min(length, 2 * window)
+    cells = [
+        [
+            (f">{acts[s]}<" if (r, s) in marks else str(acts[s])) if s < len(acts) else "."
+            for s in range(lo, hi)
+        ]
+        for r, acts in enumerate(actions)
+    ]
+    width = max([len(c) for row in cells for c in row] + [len(str(hi))])
+    header = "step    " + " ".join(f"{s:>{width}}" for s in range(lo, hi))
+    lines = [header]
+    for r, row in enumerate(cells):
+        lines.append(f"rank {r:<3}" + " ".join(f"{c:>{width}}" for c in row))
+    if lo > 0 or hi < length:
+        lines.append(f"(steps {lo}..{hi - 1} of 0..{length - 1})")
+    return "\n".join(lines)

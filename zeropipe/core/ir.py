@@ -44,6 +44,10 @@ from zeropipe.core.errors import ScheduleError
 from zeropipe.core.forms import (
     Fields,
     as_integers,
+    check_copies,
+    check_routes,
+    expand_routes,
+    format_grid,
     format_text,
     format_torch_csv,
     pair_members,
@@ -220,6 +224,12 @@ class Schedule:
 
     ``overlaps`` are the overlapped (F, B-or-I) pairs (see the module docstring):
     each pair's two actions sit next to each other on their rank, forward first.
+
+    ``routes`` (none, or one per microbatch) are the stages each microbatch
+    visits, in order: by default every stage, ``0 .. S-1``.  ``copies`` maps a
+    stage to the stage whose module it runs (its own parameters' gradients are
+    that stage's): DualPipe's two directions run every model stage twice, on two
+    ranks.  See :meth:`route` and :meth:`copy_of`.
     """
 
     placement: Sequence[int]
@@ -227,6 +237,8 @@ class Schedule:
     microbatches: int
     name: str = "custom"
     overlaps: Collection[Overlap] = frozenset()
+    routes: Sequence[Sequence[int]] = ()
+    copies: Sequence[tuple[int, int]] = ()  # (copy, original) pairs; a dict is read too
     _index: dict[Action, tuple[int, int]] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
@@ -266,6 +278,10 @@ class Schedule:
                 rule="placement",
             )
         object.__setattr__(self, "overlaps", _overlaps(self.overlaps))
+        object.__setattr__(
+            self, "routes", check_routes(self.routes, self.microbatches, self.num_stages)
+        )
+        object.__setattr__(self, "copies", check_copies(self.copies, self.num_stages))
 
     # -- shape -----------------------------------------------------------------
     @property
@@ -286,6 +302,16 @@ class Schedule:
                 by_rank[r].append(s)
             object.__setattr__(self, "_stages", tuple(tuple(b) for b in by_rank))
         return self._stages[rank] if 0 <= rank < len(self._stages) else ()
+
+    def route(self, microbatch: int) -> tuple[int, ...]:
+        """The stages ``microbatch`` visits, in order (every stage unless ``routes`` say)."""
+        if self.routes:
+            return self.routes[microbatch]  # type: ignore[return-value]  # tuples, see check_routes
+        return tuple(range(self.num_stages))
+
+    def copy_of(self, stage: int) -> int:
+        """The stage whose module ``stage`` runs: itself unless ``copies`` name another."""
+        return dict(self.copies).get(stage, stage)
 
     @property
     def chunks_per_rank(self) -> int:
@@ -341,6 +367,8 @@ class Schedule:
             self.microbatches,
             self.name if name is None else name,
             self.overlaps if overlaps is None else overlaps,
+            self.routes,
+            self.copies,
         )
 
     def overlapped(self, rank: int) -> frozenset[int]:
@@ -397,7 +425,9 @@ class Schedule:
     # -- text ------------------------------------------------------------------
     def to_text(self) -> str:
         self.check_overlaps_adjacent()
-        return format_text(self.name, self.microbatches, self.placement, self._tokens())
+        return format_text(
+            self.name, self.microbatches, self.placement, self._tokens(), *self._extras()
+        )
 
     @classmethod
     def from_text(cls, text: str) -> Schedule:
@@ -407,7 +437,15 @@ class Schedule:
     # -- JSON ------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         self.check_overlaps_adjacent()
-        return schedule_dict(self.name, self.microbatches, self.placement, self._tokens())
+        return schedule_dict(
+            self.name, self.microbatches, self.placement, self._tokens(), *self._extras()
+        )
+
+    def _extras(self) -> tuple[Sequence[Sequence[int]], tuple[tuple[int, int], ...]]:
+        """Routes and copies as the forms write them: none when every route is the default."""
+        every = tuple(range(self.num_stages))
+        routes = self.routes if any(r != every for r in self.routes) else ()
+        return routes, tuple(self.copies)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
@@ -430,6 +468,8 @@ class Schedule:
             microbatches=fields.microbatches,
             name=fields.name,
             overlaps=pairs,
+            routes=expand_routes(fields.routes, fields.microbatches, len(fields.placement)),
+            copies=fields.copies,
         )
         schedule.check_stages()
         return schedule
@@ -553,38 +593,3 @@ def _read_tokens(tokens: Iterable[str], pairs: list[Overlap]) -> list[Action]:
         pairs.append((first, second))
         out.extend((first, second))
     return out
-
-
-def format_grid(
-    actions: Sequence[Sequence[Action]],
-    mark: Iterable[tuple[int, int]] = (),
-    *,
-    window: int = 6,
-) -> str:
-    """Rank x step grid of a schedule, with ``(rank, step)`` cells in ``mark`` shown as ``>x<``.
-
-    Only the steps within ``window`` of a marked cell are shown, so the grid of a
-    long schedule stays readable; without marks the first ``2 * window`` steps are.
-    """
-    marks = set(mark)
-    length = max((len(a) for a in actions), default=0)
-    if marks:
-        lo = max(0, min(s for _, s in marks) - window)
-        hi = min(length, max(s for _, s in marks) + window + 1)
-    else:
-        lo, hi = 0, min(length, 2 * window)
-    cells = [
-        [
-            (f">{acts[s]}<" if (r, s) in marks else str(acts[s])) if s < len(acts) else "."
-            for s in range(lo, hi)
-        ]
-        for r, acts in enumerate(actions)
-    ]
-    width = max([len(c) for row in cells for c in row] + [len(str(hi))])
-    header = "step    " + " ".join(f"{s:>{width}}" for s in range(lo, hi))
-    lines = [header]
-    for r, row in enumerate(cells):
-        lines.append(f"rank {r:<3}" + " ".join(f"{c:>{width}}" for c in row))
-    if lo > 0 or hi < length:
-        lines.append(f"(steps {lo}..{hi - 1} of 0..{length - 1})")
-    return "\n".join(lines)

@@ -4,8 +4,8 @@ Checks, in order (the first broken rule raises ``ScheduleError`` naming the
 offending actions and showing the rank x step grid with them marked):
 
 1. shape: stages and microbatches in range, each action on the rank owning its stage;
-2. completeness: per (stage, microbatch) one F, one B or one I + one W, at most
-   one R, OFFLOAD/RELOAD in pairs; in a lowered schedule exactly the SEND/RECV
+2. completeness: per (stage, microbatch) on the microbatch's route one F, one B
+   or one I + one W, at most one R, OFFLOAD/RELOAD in pairs, and nothing off it; in a lowered schedule exactly the SEND/RECV
    actions the dependency model asks for; weight OFFLOAD/RELOAD alternate;
    gradient reduction: no REDUCE_GRAD at all, or exactly one per stage;
 3. order: a dependency on the same rank comes earlier in that rank's list (so a
@@ -103,18 +103,19 @@ def _looks_valid(schedule: Schedule, deps: Dependencies) -> bool:
                 counted += 1
     if reduced and sorted(reduced) != list(range(stages)):
         return False
-    comm = [0] * stages  # the SEND/RECV bits a lowered schedule has at each stage
-    if schedule.is_lowered:
-        for s in range(stages - 1):
-            if deps.crosses(s, s + 1):
-                comm[s] |= _BIT[Kind.SEND_F] | _BIT[Kind.RECV_B]
-                comm[s + 1] |= _BIT[Kind.RECV_F] | _BIT[Kind.SEND_B]
+    lowered = schedule.is_lowered
+    cross = [deps.crosses(s, s + 1) for s in range(stages - 1)]
     offload, reload = _NO[Kind.OFFLOAD], _NO[Kind.RELOAD]
     bits_total = 0
-    for s in range(stages):
-        want = comm[s]
-        for i in range(m):
+    for i in range(m):
+        first, last = deps.first_stage(i), deps.last_stage(i)
+        for s in range(first, last + 1):
             bits = deps.kind_bits(s, i)
+            want = 0  # the SEND/RECV bits a lowered schedule has here
+            if lowered and s < last and cross[s]:
+                want |= _BIT[Kind.SEND_F] | _BIT[Kind.RECV_B]
+            if lowered and s > first and cross[s - 1]:
+                want |= _BIT[Kind.RECV_F] | _BIT[Kind.SEND_B]
             if (
                 (bits & _CORE) not in _WHOLE
                 or (bits & _COMM_BITS) != want
@@ -122,7 +123,7 @@ def _looks_valid(schedule: Schedule, deps: Dependencies) -> bool:
             ):
                 return False
             bits_total += bits.bit_count()
-    return bits_total == counted  # else some action appears twice
+    return bits_total == counted  # else some action appears twice, or one is off its route
 
 
 def _fail(
@@ -215,6 +216,17 @@ def _check_microbatches(schedule: Schedule, deps: Dependencies, where: _Places) 
     for s in range(schedule.num_stages):
         for i in range(schedule.microbatches):
             have = deps.kinds(s, i)
+            if not deps.visits(s, i):
+                if have:
+                    raise _fail(
+                        schedule,
+                        f"stage {s} is not on the route of microbatch {i} "
+                        f"({list(schedule.route(i))}), but the schedule has "
+                        f"{', '.join(str(Action(k, s, i)) for k in sorted(have, key=KINDS.index))}",
+                        "route",
+                        _first_of(where, s, i),
+                    )
+                continue
             if Kind.F not in have:
                 raise _fail(
                     schedule,

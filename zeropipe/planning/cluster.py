@@ -170,6 +170,8 @@ class _Search:
                     s = generate(name, pp, small, chunks)
                 except ScheduleError:
                     continue
+                if s.copies:  # dualpipe: stages that copy others, which the planner cannot price
+                    break
                 split = any(a.kind in (Kind.I, Kind.W) for acts in s.actions for a in acts)
                 found = (tuple(s.placement), split)
                 break

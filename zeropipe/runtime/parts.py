@@ -133,7 +133,9 @@ def build_parts(
     loss = None if loss_fn is None else LossContract(loss_fn, loss_count, autocast=opts.autocast)
     replicas = replicas_for(where.dp_group, opts.timeout, shard=opts.dp_shard)
     plan = schedule_for(schedule, stages, microbatches, where, replicas, opts.dp_shard)
-    all_stages = build_stages(stages, plan.num_stages, balance)
+    all_stages = with_copies(
+        build_stages(stages, plan.num_stages - len(plan.copies), balance), plan
+    )
     check_context_parallel(where, [st.module for st in all_stages], opts.dp_shard)
     check_same_pipeline(where, plan, all_stages, opts.timeout)
     deps = Dependencies(plan)
@@ -172,7 +174,7 @@ def build_parts(
         graph=Graph(plan, deps),
         fused_weights=fused_weights(plan),
         stages=mine,
-        owns_last=plan.num_stages - 1 in mine,
+        owns_last=any(deps.last_stage(i) in mine for i in range(plan.microbatches)),
         norms=norms if norms.norms else None,
         device=device,
         tied=tied,
@@ -452,6 +454,29 @@ def build_stages(
         if not isinstance(mod, nn.Module):
             raise PipelineError(f"stage {i} is a {type(mod).__name__}, not an nn.Module")
     return [Stage(s, m, None) for s, m in enumerate(modules)]
+
+
+def with_copies(originals: list[Stage], schedule: Schedule) -> list[Stage]:
+    """The stages of ``schedule``: ``originals`` (the model's), then each copy (DualPipe's
+    second direction) running the module of the stage it copies.
+
+    A copy shares its original's parameters, so :func:`split_params` finds them used by
+    two stages: in one process both add into the same ``.grad``; on two ranks the step's
+    end sums them as it sums any parameter tied across ranks.
+    """
+    copies = dict(schedule.copies)
+    out = list(originals)
+    for s in range(len(originals), schedule.num_stages):
+        if s not in copies:
+            raise PipelineError(
+                f"schedule {schedule.name!r} has {schedule.num_stages} stages, {len(copies)} of "
+                f"them copies, but stage {s} is neither given nor a copy"
+            )
+        original = originals[copies[s]]
+        copy = Stage(original.index, original.module, original.layer_keys)
+        copy.index = s
+        out.append(copy)
+    return out
 
 
 def split_params(stages: Sequence[Stage]) -> list[SplitParam]:

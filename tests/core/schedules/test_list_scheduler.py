@@ -114,6 +114,8 @@ def test_named_orders_with_w_placed_anew_are_timed_as_simulated(ranks: int) -> N
             continue
         for m in (2 * ranks, 3 * ranks):
             sched = gen.build(ranks, m, gen.default_chunks)
+            if sched.routes:
+                continue  # the list scheduler plans microbatches that visit every stage
             costs = CostModel.parse(COSTS["wire, W cheap, W holds memory"], sched.num_stages,
                                     sched.chunks_per_rank)  # fmt: skip
             policy = Policy("order", sched.chunks_per_rank, True, 0.5)

@@ -130,7 +130,13 @@ def _weight_copies(acts: Sequence[Action], chosen: set[int], prefetch: int) -> l
 
 
 def _select(schedule: Schedule, which: Which) -> list[Pair]:
-    pairs = [(s, i) for s in range(schedule.num_stages) for i in range(schedule.microbatches)]
+    routes = [schedule.route(i) for i in range(schedule.microbatches)]
+    pairs = [
+        (s, i)
+        for s in range(schedule.num_stages)
+        for i, route in enumerate(routes)
+        if route[0] <= s <= route[-1]  # off its route a microbatch has nothing to keep
+    ]
     if which is None:
         return pairs
     if callable(which):
@@ -140,7 +146,7 @@ def _select(schedule: Schedule, which: Which) -> list[Pair]:
     if bad:
         raise ScheduleError(
             f"no (stage, microbatch) {bad[0]} in a schedule of {schedule.num_stages} stages "
-            f"and {schedule.microbatches} microbatches",
+            f"and {schedule.microbatches} microbatches (on that microbatch's route)",
             rule="range",
         )
     return chosen
@@ -416,7 +422,7 @@ class _Evaluator:
             (s, i)
             for s in range(base.num_stages)
             for i in range(base.microbatches)
-            if not deps.checkpointed(s, i) and not deps.offloaded(s, i)
+            if deps.visits(s, i) and not deps.checkpointed(s, i) and not deps.offloaded(s, i)
         ]
         self._cache: dict[
             tuple[frozenset[tuple[Pair, int]], frozenset[tuple[Pair, int]]], _Eval

@@ -13,7 +13,7 @@ from __future__ import annotations
 from zeropipe.core.schedules import (  # noqa: F401
     auto,
     basic,
-    dualpipev,
+    dualpipe,
     interleaved,
     looped_bfs,
     zbv,

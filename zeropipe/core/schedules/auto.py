@@ -211,6 +211,10 @@ def _named_schedules(
                 sched = gen.build(ranks, m, v)
             except ScheduleError:
                 continue  # this (ranks, m, chunks) is outside what the generator makes
+            if sched.copies:
+                # Stages that copy others (dualpipe): the cut the plan balances is one stage
+                # per IR stage, which such a schedule does not run.
+                continue
             c = costs_for(costs, sched.num_stages)
             if c is not None:
                 out.append((name if not gen.takes_chunks else f"{name} v={v}", sched, c))

@@ -131,9 +131,9 @@ class StepContext:
         self.blocked += took
         return data
 
-    @property
-    def last(self) -> int:
-        return self.deps.num_stages - 1
+    def last(self, mb: int) -> int:
+        """The stage that computes ``mb``'s loss: the last of its route."""
+        return self.deps.last_stage(mb)
 
     def state(self, stage: int, mb: int) -> MicrobatchState:
         try:
@@ -146,7 +146,7 @@ class StepContext:
 
 def _forward(ctx: StepContext, action: Action) -> None:
     s, i = action.stage, _mb(action)
-    if s == 0:
+    if s == ctx.deps.first_stage(i):
         inputs = ctx.inputs[i]
     elif not ctx.deps.crosses(s - 1, s):
         inputs = detach_for_stage(ctx.state(s - 1, i).outputs)
@@ -159,7 +159,7 @@ def _forward(ctx: StepContext, action: Action) -> None:
     # A checkpointed forward keeps only its inputs (and outputs, to send on); R redoes it.
     checkpointed = ctx.training and ctx.deps.checkpointed(s, i)
     _run_forward(ctx, s, i, state, grad=ctx.training and not checkpointed)
-    if s < ctx.last:
+    if s < ctx.last(i):
         ctx.boundary.check(s, i, state.outputs)
 
 
@@ -188,7 +188,7 @@ def _run_forward(
     # their weight gradients from autograd, inside I or B.
     stash = WeightGradStash(stage=s, microbatch=i, grad_memory=ctx.grad_memory) if grad else None
     saved = ctx.memory.saving(s, i, state.inputs) if grad and ctx.memory is not None else None
-    last = s == ctx.last and ctx.targets is not None
+    last = s == ctx.last(i) and ctx.targets is not None
     # Only the contexts that change something are entered: each costs a few microseconds
     # per action, which on small stages is a visible share of the step.
     with (
@@ -205,7 +205,7 @@ def _run_forward(
     state.stash, state.saved = stash, saved
     if loss is None:
         state.outputs = outputs
-        if s == ctx.last:
+        if s == ctx.last(i):
             ctx.outputs[i] = tuple(t.detach() for t in outputs)
     else:
         if not recompute:
@@ -229,7 +229,7 @@ def _backward(ctx: StepContext, action: Action) -> None:
     state = ctx.state(s, i)
     if ctx.memory is not None:
         ctx.memory.before_compute(s)
-    if s == ctx.last:
+    if s == ctx.last(i):
         if state.loss is None:
             raise PipelineError(f"{action}: the last stage has no loss to differentiate")
         roots: list[Tensor] = [state.loss]
@@ -256,7 +256,7 @@ def _backward(ctx: StepContext, action: Action) -> None:
                 grads.append(g)
     if state.stash is None:
         raise PipelineError(f"{action}: the forward was not recorded for backward")
-    early = action.kind is Kind.B and s > 0 and ctx.deps.crosses(s - 1, s)
+    early = action.kind is Kind.B and s > ctx.deps.first_stage(i) and ctx.deps.crosses(s - 1, s)
     if roots:
         if ctx.input_first and early:
             _input_backward_first(ctx, state, Action(Kind.SEND_B, s, i), roots, grads)
@@ -271,7 +271,7 @@ def _backward(ctx: StepContext, action: Action) -> None:
         # .grad in one fused step, cheaper than autograd's compute-then-add.
         state.stash.weight_backward()
         state.stash = None
-    if s > 0:
+    if s > ctx.deps.first_stage(i):
         # An input the stage ignored has no gradient; upstream still expects one.
         state.input_grads = tuple(
             t.grad if t.grad is not None else torch.zeros_like(t)

@@ -19,6 +19,7 @@ import torch
 
 from zeropipe.apps.cli_args import add_dataclass_arguments, flag
 from zeropipe.apps.models.hf_presets import PRESETS
+from zeropipe.apps.train.context_parallel import check_context_parallel
 from zeropipe.apps.train.workload import (
     check_model,
     describe_layers,
@@ -161,7 +162,18 @@ class TrainConfig:
         metadata=flag(
             "tensor parallelism: each pipeline rank's layers cut across N processes "
             "(Megatron's layout, whole attention heads each; N must divide the heads): "
-            "--ranks x --dp x --tp processes (default {default})",
+            "--ranks x --dp x --cp x --tp processes (default {default})",
+            group=_LAYOUT,
+            metavar="N",
+        ),
+    )
+    cp: int = field(
+        default=1,
+        metadata=flag(
+            "context parallelism: every sequence sharded over N processes per pipeline rank, "
+            "each an early and a late chunk, attention over all of it (Llama, Mistral, Qwen2, "
+            "Qwen3; --seq divisible by 2 x N): --ranks x --dp x --cp x --tp processes "
+            "(default {default})",
             group=_LAYOUT,
             metavar="N",
         ),
@@ -539,6 +551,7 @@ RULES: tuple[Rule, ...] = (
     _known_schedule,
     _counts_at_least_one,
     _experts_inside_replicas,
+    check_context_parallel,
     _clip_positive,
     _sequence_of_two,
     _eval_and_checkpoint_steps,

@@ -1,6 +1,6 @@
 """``zeropipe train``: a small GPT (or a Hugging Face causal LM) trained across pipeline ranks.
 
-One call of :func:`train` spawns ``ranks x dp x tp`` processes over gloo (or,
+One call of :func:`train` spawns ``ranks x dp x cp x tp`` processes over gloo (or,
 under torchrun, runs as the rank it was started as; :func:`layout` says it in
 words and the run's first line prints it), trains the GPT of
 :mod:`zeropipe.apps.models.gpt` (``--model gpt``, the default) or a Hugging Face
@@ -10,7 +10,8 @@ corpus of :mod:`zeropipe.apps.data.corpus` (or ``--data``'s documents, tokenized
 :mod:`zeropipe.apps.data.tokens`, held-out windows scored every ``--eval-every`` steps) under the
 chosen schedule -- :mod:`zeropipe.apps.train.workload` builds the model, its cut, its
 loss and its batches; with ``--tp`` > 1 it is tensor-parallel over the "tp" dimension
-of a (pp, dp, tp) mesh -- and leaves in ``--out``::
+of a (pp, dp, tp) mesh, with ``--cp`` > 1 its sequences sharded over a "cp" dimension
+(:mod:`zeropipe.apps.train.context_parallel`) -- and leaves in ``--out``::
 
     metrics.jsonl      one JSON object per step: step, loss, tokens_per_s, ... (and
                        eval_loss every --eval-every steps and at the last); the eval loss
@@ -113,11 +114,12 @@ def _launch(cfg: TrainConfig) -> dict[str, Any]:
         from zeropipe.runtime.launch import init_from_env
 
         rank, world = init_from_env(timeout=cfg.timeout)
-        if world % (cfg.dp * cfg.tp):
+        if world % (cfg.dp * cfg.cp * cfg.tp):
             shared = f"--dp {cfg.dp} replicas" + (f" of --tp {cfg.tp}" if cfg.tp > 1 else "")
+            shared += f" x --cp {cfg.cp}" if cfg.cp > 1 else ""
             raise ZeropipeError(f"torchrun started {world} processes, which {shared} cannot share")
-        if world != cfg.ranks * cfg.dp * cfg.tp:
-            cfg.ranks = world // (cfg.dp * cfg.tp)
+        if world != cfg.ranks * cfg.dp * cfg.cp * cfg.tp:
+            cfg.ranks = world // (cfg.dp * cfg.cp * cfg.tp)
         if cfg.resume:
             check_resume(cfg, warn=rank == 0)
         if rank == 0:
@@ -148,8 +150,9 @@ def _launch(cfg: TrainConfig) -> dict[str, Any]:
 
 
 def processes(cfg: TrainConfig) -> int:
-    """The processes a run takes: pipeline ranks x replicas x tensor-parallel processes."""
-    return cfg.ranks * cfg.dp * cfg.tp
+    """The processes a run takes: pipeline ranks x replicas x context-parallel x
+    tensor-parallel processes."""
+    return cfg.ranks * cfg.dp * cfg.cp * cfg.tp
 
 
 def layout(cfg: TrainConfig) -> str:
@@ -158,7 +161,8 @@ def layout(cfg: TrainConfig) -> str:
     processes')."""
     n = processes(cfg)
     ep = f" (experts over dp: ep {cfg.ep})" if cfg.ep > 1 else ""
-    return f"pp {cfg.ranks} x dp {cfg.dp}{ep} x tp {cfg.tp} = {n} process{'es' * (n != 1)}"
+    cp = f" x cp {cfg.cp}" if cfg.cp > 1 else ""
+    return f"pp {cfg.ranks} x dp {cfg.dp}{ep}{cp} x tp {cfg.tp} = {n} process{'es' * (n != 1)}"
 
 
 def _announce(cfg: TrainConfig) -> None:

@@ -29,6 +29,7 @@ from zeropipe.apps.train import log as train_log
 from zeropipe.apps.train import report, state
 from zeropipe.apps.train import resume as train_resume
 from zeropipe.apps.train.config import TrainConfig
+from zeropipe.apps.train.context_parallel import shard_sequences, slice_of_replica
 from zeropipe.apps.train.workload import batch, build_model, load_corpus, loss_fn
 from zeropipe.base.storage import local_tensor
 from zeropipe.core.errors import PipelineError
@@ -120,6 +121,7 @@ def _set_up(rank: int, world: int, cfg: TrainConfig, stop: _StopRequest) -> _Ran
     tp_mesh = mesh["tp"] if mesh is not None and cfg.tp > 1 else None
     ep_mesh = _experts_mesh(cfg, mesh)
     stages, cut, model = build_model(cfg, corpus.vocab, schedule.num_stages, tp_mesh, ep_mesh)
+    shard_sequences(stages, mesh, cfg.cp)
     pipe = Pipeline(
         stages,
         schedule,
@@ -392,19 +394,21 @@ def _evaluate(
 
 
 def _mesh(cfg: TrainConfig) -> Any:
-    """The (pp, dp, tp) mesh of a data- or tensor-parallel run (None for a pipeline alone).
+    """The (pp, dp, tp) mesh of a data- or tensor-parallel run, (pp, dp, cp, tp) with
+    ``--cp`` (None for a pipeline alone).
 
     torchtitan's order: pipeline outermost, tensor parallelism innermost, so a
     tensor-parallel group is consecutive ranks (one node under torchrun).
     """
-    if cfg.dp == 1 and cfg.tp == 1:
+    if cfg.dp == 1 and cfg.tp == 1 and cfg.cp == 1:
         return None
     from torch.distributed.device_mesh import init_device_mesh
 
+    cp = ("cp",) if cfg.cp > 1 else ()
     return init_device_mesh(
         torch.device(cfg.device).type,
-        (cfg.ranks, cfg.dp, cfg.tp),
-        mesh_dim_names=("pp", "dp", "tp"),
+        (cfg.ranks, cfg.dp, *(cfg.cp,) * len(cp), cfg.tp),
+        mesh_dim_names=("pp", "dp", *cp, "tp"),
     )
 
 
@@ -425,13 +429,15 @@ def _experts_mesh(cfg: TrainConfig, mesh: Any) -> Any:
 def _mine(
     pipe: Pipeline, x: torch.Tensor | dict[str, torch.Tensor], y: torch.Tensor
 ) -> tuple[torch.Tensor | dict[str, torch.Tensor], torch.Tensor]:
-    """This replica's slice of the global batch (the whole batch without data parallelism);
-    a dict batch (packed documents) sliced entry by entry."""
-    if pipe.dp_size == 1:
+    """This replica's slice of the global batch (the whole batch without data parallelism;
+    every cp process of a replica its whole slice); a dict batch (packed documents) sliced
+    entry by entry."""
+    slices, which = slice_of_replica(pipe.dp_size, pipe.dp_rank, pipe.parts.where.cp_size)
+    if slices == 1:
         return x, y
 
     def slice_(t: torch.Tensor) -> torch.Tensor:
-        return t.tensor_split(pipe.dp_size)[pipe.dp_rank]
+        return t.tensor_split(slices)[which]
 
     mine = {k: slice_(v) for k, v in x.items()} if isinstance(x, dict) else slice_(x)
     return mine, slice_(y)

@@ -110,7 +110,8 @@ class ModelSettings(Protocol):
     offload: str | None  # stages whose activations are offloaded (--offload)
     memory_limit: float | None  # per-rank activation limit (--memory-limit)
     dp: int  # replicas of the pipeline (--dp)
-    tp: int  # tensor-parallel processes per pipeline rank (--tp): ranks x dp x tp processes
+    tp: int  # tensor-parallel processes per pipeline rank (--tp)
+    cp: int  # processes sharing each sequence (--cp): ranks x dp x cp x tp processes
     ep: int  # replicas the experts are sharded over (--ep): 1, or dp
     cross_documents: bool  # --data rows: attention crosses documents (--cross-documents)
 
@@ -144,7 +145,7 @@ def _check_ep(cfg: ModelSettings) -> None:
     """``--ep``: a mixture of experts whose experts the replicas share out evenly."""
     if cfg.ep == 1:
         return
-    config = None if cfg.model == "gpt" else _hf_config(cfg, _vocab(cfg))
+    config = None if cfg.model == "gpt" else hf_model_config(cfg, _vocab(cfg))
     keys = ("num_experts", "num_local_experts", "n_routed_experts")
     experts = next((int(getattr(config, k)) for k in keys if getattr(config, k, None)), 0)
     if not experts:
@@ -169,7 +170,7 @@ def _check_tp(cfg: ModelSettings) -> None:
     if cfg.model == "gpt":
         heads, what = cfg.heads, "the GPT's"
     else:
-        config = _hf_config(cfg, _vocab(cfg))
+        config = hf_model_config(cfg, _vocab(cfg))
         kind = hf_class_name(config, cfg.seed)
         if kind not in TP_FAMILIES:
             raise ZeropipeError(
@@ -235,7 +236,7 @@ def model_size(cfg: ModelSettings, vocab: int) -> tuple[int, int]:
         def build(k: int) -> torch.nn.Module:
             return gpt(replace(gpt_cfg, layers=k), seed=cfg.seed)
     else:
-        config = _hf_config(cfg, vocab)
+        config = hf_model_config(cfg, vocab)
 
         def build(k: int) -> torch.nn.Module:
             return build_hf(with_blocks(config, k), cfg.seed)
@@ -256,10 +257,11 @@ def _check_machine(cfg: ModelSettings) -> None:
     """Refuse, before anything is launched or built, what would only end when the kernel
     kills a rank: more processes than may run, more ranks than layers, or more memory than
     the machine has."""
-    world = cfg.ranks * cfg.dp * cfg.tp
+    world = cfg.ranks * cfg.dp * cfg.cp * cfg.tp
     asked = (
         f"--ranks {cfg.ranks}"
         + (f" x --dp {cfg.dp}" if cfg.dp != 1 else "")
+        + (f" x --cp {cfg.cp}" if cfg.cp != 1 else "")
         + (f" x --tp {cfg.tp}" if cfg.tp != 1 else "")
     )
     limit = process_limit()
@@ -292,14 +294,14 @@ def batch_bytes(cfg: ModelSettings, vocab: int) -> int:
     activations may be recomputed or moved: one block's are counted.
     """
     tokens = cfg.batch_size * cfg.seq
-    procs = cfg.ranks * cfg.dp * cfg.tp
+    procs = cfg.ranks * cfg.dp * cfg.cp * cfg.tp
     ids = procs * tokens * (16 if cfg.model == "gpt" else 8)  # an HF model's targets are x
     if torch.device(cfg.device).type != "cpu":  # activations live on the accelerator
         return ids
     if cfg.model == "gpt":
         width, logits = cfg.width, vocab
     else:
-        config = _hf_config(cfg, vocab)
+        config = hf_model_config(cfg, vocab)
         width, logits = int(config.hidden_size), int(config.vocab_size)
     lean = cfg.recompute is not None or cfg.offload is not None or cfg.memory_limit is not None
     blocks = 1 if lean else _blocks(cfg, vocab)
@@ -409,7 +411,7 @@ def data_cache(given: str | None) -> Path:
     return Path(home) / "zeropipe" / "tokens"
 
 
-def _hf_config(cfg: ModelSettings, vocab: int) -> Any:
+def hf_model_config(cfg: ModelSettings, vocab: int) -> Any:
     """The transformers config of ``--model`` / ``--model-config`` for ``vocab`` tokens."""
     folder = getattr(cfg, "model_path", None)
     config = hf_config(
@@ -455,7 +457,7 @@ def _check_folder_fits(config: Any, folder: str, vocab: int, cfg: ModelSettings)
 def _blocks(cfg: ModelSettings, vocab: int) -> int:
     if cfg.model == "gpt":
         return cfg.blocks
-    return int(_hf_config(cfg, vocab).num_hidden_layers)  # --blocks, or the config file's
+    return int(hf_model_config(cfg, vocab).num_hidden_layers)  # --blocks, or the config file's
 
 
 def model_layers(cfg: ModelSettings, vocab: int) -> int:
@@ -526,7 +528,7 @@ def build_model(
         if tp_mesh is not None:
             _parallelize(parallelize_gpt, whole, tp_mesh, cfg)
         return whole, cut, whole
-    config = _hf_config(cfg, vocab)
+    config = hf_model_config(cfg, vocab)
     blocks = int(config.num_hidden_layers)
     # The GPT's cut with the embedding and head taken off: a fixed cut (not a measured
     # one), so that a checkpoint's stages fit the same run resumed.

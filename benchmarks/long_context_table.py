@@ -34,7 +34,9 @@ sequence); Table 2 one microbatch on one stage.  The kernels are the rows' own
   and values all-gathered (``context_parallel_rotate_method = "allgather"``), the
   all-gather hidden only under the first of the cp sub-attentions, their float32 gradients
   passed around a ring backward; the keys and values travel as wide as the queries
-  (torchtitan's Llama repeats its 8 key/value heads to the query heads before attention).
+  (torchtitan's Llama repeats its 8 key/value heads to the query heads before attention);
+  after each sub-attention but the first, torch's float32 merges of the partial output and
+  sums of the gradients, priced by the bytes they move.
 
     python benchmarks/long_context_table.py
     python benchmarks/long_context_table.py --json rows.json

@@ -22,6 +22,8 @@ from zeropipe.core.errors import ScheduleError
 from zeropipe.planning.cluster import Candidate, Config, fixed_costs, search, spec_costs
 from zeropipe.planning.pricing.context_parallel import (
     GRADIENT_BYTES,
+    KEY_VALUE_COPY_BYTES,
+    OUTPUT_MERGE_BYTES,
     RingAttention,
     gather_exposed,
     ring_crosses_nodes,
@@ -139,16 +141,42 @@ def test_an_all_gather_hides_under_the_first_sub_attention_only() -> None:
 
 def test_keys_and_values_as_wide_as_the_queries_move_heads_over_kv_heads_the_bytes() -> None:
     link = {"gpus_per_node": 8, "intra": (450e9, 0.0), "inter": (50e9, 0.0)}
-    own = ring_steps(2, 1, tokens=SEQ, key_values=(1024, 8), element_bytes=2, **link)
+    queries = (LLAMA_8B.dim, LLAMA_8B.heads)
+    shard = {"tokens": SEQ, "element_bytes": 2, "queries": queries, **link}
+    own = ring_steps(2, 1, key_values=(1024, 8), **shard)
     wide = Kernels(ring=RingAttention(expanded_kv=True)).key_values(LLAMA_8B)
-    assert wide == (LLAMA_8B.dim, LLAMA_8B.heads)
-    expanded = ring_steps(2, 1, tokens=SEQ, key_values=wide, element_bytes=2, **link)
+    assert wide == queries
+    expanded = ring_steps(2, 1, key_values=wide, **shard)
     assert expanded["ring_f"] == pytest.approx(4 * own["ring_f"])  # 32 heads over 8
-    gathered = ring_steps(
-        2, 1, tokens=SEQ, key_values=wide, element_bytes=2, ring=RingAttention("allgather"), **link
-    )
+    gathered = ring_steps(2, 1, key_values=wide, ring=RingAttention("allgather"), **shard)
     assert gathered["ring_i"] == pytest.approx(expanded["ring_f"] * GRADIENT_BYTES / 2)
     assert gathered["rotation"] == "allgather" and "rotation" not in own
+
+
+def test_torchs_merges_after_each_sub_attention_are_priced_by_their_bytes() -> None:
+    # The all-gather rotation (torch's ring attention) reads and writes the float32 output
+    # and the keys' and values' copies at every sub-attention after the first.
+    link = {"gpus_per_node": 8, "intra": (450e9, 0.0), "inter": (50e9, 0.0)}
+    queries = (LLAMA_8B.dim, LLAMA_8B.heads)
+    shard = {"tokens": SEQ, "element_bytes": 2, "queries": queries, **link}
+    kv = (LLAMA_8B.kv_dim, LLAMA_8B.kv_heads)
+    steps = ring_steps(4, 2, key_values=kv, ring=RingAttention("allgather"), **shard)
+    output, keys_values = SEQ * LLAMA_8B.dim / 2, 2 * SEQ * LLAMA_8B.kv_dim / 2  # over tp 2
+    forward, backward = (
+        o * output + k * keys_values
+        for o, k in zip(OUTPUT_MERGE_BYTES, KEY_VALUE_COPY_BYTES, strict=True)
+    )
+    assert (steps["merge_f"], steps["merge_i"]) == (forward, backward)
+    assert "merge_f" not in ring_steps(4, 2, key_values=kv, **shard)  # the ring: none priced
+    # A block pays them cp - 1 times at the memory-bound rate; on NVLink the transfers hide
+    # (but the all-gather rotation's last gradient step).
+    ring, gather = _block(4), _block(4, kernels=Kernels(ring=RingAttention("allgather")))
+    gpu = {**shard, "tokens": SEQ // 4}
+    one = ring_steps(4, 1, key_values=kv, ring=RingAttention("allgather"), **gpu)
+    rate = H100.memory_bandwidth * 0.7
+    assert pytest.approx(3 * one["merge_f"] / rate, rel=1e-9) == gather.F - ring.F
+    last = ring_step_time(2.0 * SEQ // 4 * LLAMA_8B.kv_dim * GRADIENT_BYTES, 450e9, 10e-6)
+    assert pytest.approx(3 * one["merge_i"] / rate + last, rel=1e-9) == gather.I - ring.I
 
 
 def test_attention_runs_at_its_own_efficiency_and_float8_speeds_the_blocks_linears() -> None:
@@ -342,20 +370,21 @@ def test_predicted_throughput_falls_with_the_sequence_as_published() -> None:
 
 def test_the_rows_kernels_explain_part_of_the_fall_one_efficiency_misses() -> None:
     # Attention at FlashAttention-2's rate, Float8 linears and torch's all-gather: every
-    # row's ratio nearer the published than with every matmul at one efficiency.
+    # row's ratio nearer the published than with every matmul at one efficiency, the
+    # worst row's error less than a third of what it was.
     one, rows = _rows(Kernels()), _rows()
     for plain, kernels in zip(one, rows, strict=True):
         if plain["published_ratio"] != 1.0:
-            assert abs(kernels["ratio"] - 1) < abs(plain["ratio"] - 1) / 2
+            assert abs(kernels["ratio"] - 1) < abs(plain["ratio"] - 1)
+    assert max(abs(r["ratio"] - 1) for r in rows) < max(abs(r["ratio"] - 1) for r in one) / 3
 
 
 # Rows the priced mechanisms leave outside the bar (python benchmarks/long_context_table.py).
 OUTSIDE = {
-    "T2 FSDP 2 CP 4": "+30%",
-    "T2 FSDP 1 CP 8": "+38%",
-    "T6 FSDP 4 CP 2": "+21%",
-    "T6 FSDP 2 CP 4": "+26%",
-    "T6 FSDP 1 CP 8": "+43%",
+    "T2 FSDP 2 CP 4": "+25%",
+    "T2 FSDP 1 CP 8": "+31%",
+    "T6 FSDP 2 CP 4": "+23%",
+    "T6 FSDP 1 CP 8": "+38%",
 }
 
 
@@ -366,8 +395,8 @@ def _checked(row: Any) -> Any:
         return pytest.param(row.name, id=row.name)
     reason = (
         f"issue 44 item 4: {row.name} {why}: torchtitan's rows fall faster than attention at "
-        f"FlashAttention-2's rate and the all-gather's exposed transfers explain; see "
-        f"docs/planning.md, Context parallelism"
+        f"FlashAttention-2's rate, the all-gather's exposed transfers and torch's merges "
+        f"explain; see docs/planning.md, Context parallelism"
     )
     return pytest.param(row.name, id=row.name, marks=pytest.mark.xfail(strict=True, reason=reason))
 

@@ -231,6 +231,7 @@ class _PriceSettings:
             intra=(hardware.intra_bandwidth, hardware.intra_latency),
             inter=(hardware.inter_bandwidth, hardware.inter_latency),
             ring=self.kernels.ring,
+            queries=(model.dim, model.heads),
         )
         return LayerRun(
             tokens=t,

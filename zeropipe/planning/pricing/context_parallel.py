@@ -32,7 +32,11 @@ microbatch, one GPU's:
   :data:`GRADIENT_BYTES`), passed around the ring, each step hidden under the next
   sub-attention's backward but the last, which is waited on after the last sub-attention.
   torch's attention takes the keys and values as wide as the queries (torchtitan's Llama
-  repeats the key/value heads before it: ``expanded_kv``), so those are what travel.
+  repeats the key/value heads before it: ``expanded_kv``), so those are what travel.  At
+  every sub-attention after the first, torch merges the partial output into a float32 one
+  and copies the keys and values on; backward, it accumulates the gradients in float32
+  and copies them into one buffer for the ring: memory-bound work priced by its bytes
+  (:data:`OUTPUT_MERGE_BYTES`, :data:`KEY_VALUE_COPY_BYTES`).
 * **The link**: ranks are laid out tensor-parallel innermost, then context-parallel, then
   data-parallel, then pipeline (a ``("pp", "dp", "cp", "tp")`` mesh): a cp group is ``cp``
   ranks ``tp`` apart, inside a node while ``tp x cp`` GPUs fit one evenly, else its ring
@@ -62,6 +66,8 @@ from zeropipe.planning.pricing.tensor_parallel import TP_LINK_EFFICIENCY, kv_spl
 
 __all__ = [
     "GRADIENT_BYTES",
+    "KEY_VALUE_COPY_BYTES",
+    "OUTPUT_MERGE_BYTES",
     "ROTATIONS",
     "RingAttention",
     "backward_exposed",
@@ -78,6 +84,17 @@ ROTATIONS = ("ring", "allgather")  # how the keys and values reach every cp rank
 # Bytes of a key/value gradient element the all-gather rotation's backward ring passes:
 # torch's ring attention accumulates them in float32 (``_cp_options.convert_to_f32``).
 GRADIENT_BYTES = 4
+# Bytes the all-gather rotation (torch's ring attention, torch/distributed/tensor/experimental/
+# _attention.py of 2024-12) moves through memory at each sub-attention after the first, as
+# (forward, backward), per element of the GPU's attention output (its tokens x query width)
+# and per key or value element as they travel.  Output, forward: the partial output cast to
+# float32 (read 2, write 4), its difference with the merged one (read 8, write 4), scaled
+# (read 4, write 4) and subtracted (read 8, write 4); backward: the query's gradient added
+# into its float32 sum (read 6, write 4).  Keys and values, forward: copied into one buffer
+# to pass on (read 2, write 2); backward: the same copy, their gradients added into float32
+# sums (read 6, write 4) and copied into one buffer for the ring (read 4, write 4).
+OUTPUT_MERGE_BYTES = (38, 10)
+KEY_VALUE_COPY_BYTES = (4, 22)
 
 
 @dataclass(frozen=True)
@@ -179,6 +196,7 @@ def ring_steps(
     gpus_per_node: int,
     intra: tuple[float, float],
     inter: tuple[float, float],
+    queries: tuple[int, int],
     ring: RingAttention | None = None,
 ) -> dict[str, Any]:
     """The seconds of one shard's keys and values on the link (``ring_f``) and of one
@@ -189,7 +207,9 @@ def ring_steps(
     (:func:`ring_crosses_nodes`), else on NVLink (``intra`` and ``inter``: bandwidth in
     bytes/s one way, latency in seconds).  A backward step carries the keys and values and
     their gradients in the ``element_bytes`` of the ring rotation; the all-gather
-    rotation's carries only the gradients, in :data:`GRADIENT_BYTES`.  Nothing for cp 1."""
+    rotation's carries only the gradients, in :data:`GRADIENT_BYTES`, and its bytes through
+    memory a sub-attention (``merge_f``, ``merge_i``) are counted for an output
+    ``queries`` (width, heads) wide.  Nothing for cp 1."""
     if cp <= 1:
         return {}
     ring = ring or RingAttention()
@@ -198,9 +218,14 @@ def ring_steps(
     elements = 2.0 * tokens * (width // kv_split(heads, tp))
     keys_values = elements * element_bytes
     backward = 2 * keys_values if ring.rotation == "ring" else elements * GRADIENT_BYTES
-    return {
+    out: dict[str, Any] = {
         "cp": cp,
         "ring_f": ring_step_time(keys_values, bandwidth, latency),
         "ring_i": ring_step_time(backward, bandwidth, latency),
-        **({"rotation": ring.rotation} if ring.rotation != "ring" else {}),
     }
+    if ring.rotation == "allgather":
+        output = tokens * (queries[0] // kv_split(queries[1], tp))
+        merged = zip(OUTPUT_MERGE_BYTES, KEY_VALUE_COPY_BYTES, strict=True)
+        merge_f, merge_i = (o * output + k * elements for o, k in merged)
+        out |= {"rotation": ring.rotation, "merge_f": merge_f, "merge_i": merge_i}
+    return out

@@ -366,6 +366,8 @@ class LayerRun:
     ring_f: float = 0.0  # seconds of one forward ring step (this GPU's keys and values)
     ring_i: float = 0.0  # seconds of one backward ring step (and their gradients)
     rotation: str = "ring"  # how the keys and values travel (context_parallel.ROTATIONS)
+    merge_f: float = 0.0  # bytes through memory a sub-attention after the first, forward
+    merge_i: float = 0.0  # the same, backward
     attention_rate: float = 0.0  # FLOP/s attention reaches (0: flop_rate)
     linear_speedup: float = 1.0  # the blocks' linears run at flop_rate times this
 
@@ -444,6 +446,8 @@ def price_block(
     seconds_f, seconds_i = run.attention_seconds(attention_f), run.attention_seconds(attention_i)
     block_f += forward_exposed(run.cp, run.rotation, run.ring_f, seconds_f)
     block_i += backward_exposed(run.cp, run.rotation, run.ring_f, run.ring_i, seconds_i)
+    block_f += (run.cp - 1) * run.merge_f / mem  # merges after each sub-attention but the first
+    block_i += (run.cp - 1) * run.merge_i / mem
     block_w = run.matmul_seconds(2.0 * t * n, 0.0)
     # W needs each linear's input and its output's gradient: the h-wide ones outside.
     linear_in_out = d + f + (d + 2 * kv_t) + (ffn_mats - 1) * f  # inside; 4 h outside

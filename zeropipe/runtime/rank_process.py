@@ -1,7 +1,8 @@
 """One rank's process as :func:`~zeropipe.runtime.launch.launch` starts it, seen from inside.
 
 How it starts (:func:`start_method`): forked from multiprocessing's fork server,
-a process of its own that imported torch and zeropipe once, started at the first
+a process of its own that imported torch and the runtime once (and the heavy libraries
+the launcher itself had loaded: transformers, DTensor), started at the first
 launch; ``spawn`` where there is no fork server (Windows), or where the server
 cannot be started with the signal dispositions it needs (a first launch from a
 thread other than the main one).  A fresh interpreter per rank would import torch
@@ -52,7 +53,19 @@ __all__ = ["STOP_KEY", "RankStart", "run_rank", "start_method"]
 # starting, deaf to SIGINT, reads it once it listens again.
 STOP_KEY = "zeropipe/stop"
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>: the signal a process gets when its parent ends
-_PRELOAD = ["torch", "zeropipe"]
+# What the fork server imports before it forks any rank: torch and the runtime always, and
+# the heavy libraries a launcher that already imported them is likely to hand its ranks
+# (Hugging Face models, DTensor plans), each about a second of CPU per rank otherwise.
+_PRELOAD = ("torch", "zeropipe.runtime.pipeline")
+_PRELOAD_IF_LOADED = ("torch.distributed.tensor", "transformers")
+
+
+def _preload() -> list[str]:
+    """The modules the fork server imports: :data:`_PRELOAD`, and those of
+    :data:`_PRELOAD_IF_LOADED` and transformers' model classes the launcher has loaded."""
+    loaded = [m for m in _PRELOAD_IF_LOADED if m in sys.modules]
+    models = [m for m in sys.modules if m.startswith("transformers.models.") and ".modeling_" in m]
+    return [*_PRELOAD, *loaded, *sorted(models)]
 
 
 def start_method() -> Any:
@@ -60,7 +73,7 @@ def start_method() -> Any:
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
+    ctx.set_forkserver_preload(_preload())
     if threading.current_thread() is not threading.main_thread():
         # Dispositions are the main thread's to set: a server already running will do.
         return ctx if _server_running() else mp.get_context("spawn")

@@ -1,4 +1,4 @@
-"""Cost model: how long each action takes and what it does to memory.
+"""The cost model, one concept: how long each action takes and what it does to memory.
 
 Times are in any unit (the simulator only adds them); memory is in any unit
 too, by default "one microbatch's activations of one full rank's layers", so
@@ -27,6 +27,10 @@ take ``F + B - overlap * min(F, B)``.  ``overlap`` is the share of the shorter
 one hidden under the longer; the default 0.0 says what one device does: it
 computes one thing at a time, and running two kernels' worth of work side by
 side saves only what one of them leaves idle (measure it before raising it).
+
+Microbatches of their own sizes (``microbatch_scale``, one factor per microbatch; empty: all
+1.0): microbatch ``i``'s compute times, activation copies, memory and boundary bytes are the
+stages' figures times ``microbatch_scale[i]`` (``overhead``, posts and latencies are not).
 
 Memory deltas of stage ``s`` (``act`` = kept by a full forward, ``act_w`` =
 the part W still needs after I, ``ckpt`` = kept by a checkpointed forward)::
@@ -229,6 +233,7 @@ class CostModel:
     dp_latency: float = 0.0  # seconds (or cost units) per all-reduce
     dp_bandwidth: float = math.inf  # gradient bytes per second of the data-parallel link
     overlap: float = 0.0  # share of min(F, B) an overlapped pair hides
+    microbatch_scale: tuple[float, ...] = ()  # per microbatch, its size (empty: all 1.0)
 
     def __post_init__(self) -> None:
         stages = tuple(self.stages)
@@ -242,6 +247,9 @@ class CostModel:
             _check_number(name, getattr(self, name))
         _check_number("bandwidth", self.bandwidth, positive=True, inf=True)
         _check_number("dp_bandwidth", self.dp_bandwidth, positive=True, inf=True)
+        for k, x in enumerate(self.microbatch_scale):
+            _check_number(f"microbatch_scale[{k}]", x, positive=True)
+        object.__setattr__(self, "microbatch_scale", tuple(map(float, self.microbatch_scale)))
         if not isinstance(self.dp, int) or isinstance(self.dp, bool) or self.dp < 1:
             raise ScheduleError(
                 f"dp = {self.dp!r} must be a whole number >= 1 (data-parallel replicas)",
@@ -372,20 +380,37 @@ class CostModel:
             post=values.get("post", 0.0),
         )
 
-    def for_stages(self, num_stages: int) -> CostModel:
+    def for_stages(self, num_stages: int, microbatches: int | None = None) -> CostModel:
         if len(self.stages) != num_stages:
             raise ScheduleError(
                 f"cost model has {len(self.stages)} stage(s) but the schedule has {num_stages}"
             )
+        scales = len(self.microbatch_scale)
+        if scales and microbatches is not None and scales != microbatches:
+            raise ScheduleError(
+                f"microbatch_scale has {scales} factor(s) but the schedule has {microbatches} "
+                f"microbatches; give one per microbatch",
+                rule="costs",
+            )
         return self
+
+    def scale(self, microbatch: int | None) -> float:
+        """Microbatch ``microbatch``'s size: what its compute, memory and bytes are multiplied
+        by (1.0 without ``microbatch_scale``, and for actions of no microbatch)."""
+        return (
+            1.0
+            if microbatch is None or not self.microbatch_scale
+            else self.microbatch_scale[microbatch]
+        )
 
     def time(self, action: Action) -> float:
         """Time ``action`` occupies its lane; for REDUCE_GRAD, the post on the compute lane."""
+        size = self.scale(action.microbatch)
         if action.kind in COMPUTE_KINDS or action.kind is Kind.REDUCE_GRAD:
-            return self.stages[action.stage].time(action.kind) + self.overhead
+            return self.stages[action.stage].time(action.kind) * size + self.overhead
         if action.kind in COMM_KINDS:
             return self.post
-        return self.stages[action.stage].time(action.kind, action.is_weight_copy)
+        return self.stages[action.stage].time(action.kind, action.is_weight_copy) * size
 
     def reduce_time(self, stage: int) -> float:
         """Ring all-reduce of ``stage``'s weight gradients over ``dp`` replicas (0 for one)."""
@@ -399,14 +424,15 @@ class CostModel:
         a, b = self.time(first), self.time(second)
         return a + b - self.overlap * min(a, b)
 
-    def transfer_time(self, stage: int) -> float:
+    def transfer_time(self, stage: int, microbatch: int | None = None) -> float:
         """Wire time of one boundary tensor leaving (or its gradient entering) ``stage``."""
-        return self.latency + self.stages[stage].boundary_bytes / self.bandwidth
+        moved = self.stages[stage].boundary_bytes * self.scale(microbatch)
+        return self.latency + moved / self.bandwidth
 
-    def boundary_time(self, stage: int, neighbour: int) -> float:
+    def boundary_time(self, stage: int, neighbour: int, microbatch: int | None = None) -> float:
         """Wire time between two adjacent stages, either way: the tensor is the output of
         the lower one (going backward, the gradient of that output)."""
-        return self.transfer_time(min(stage, neighbour))
+        return self.transfer_time(min(stage, neighbour), microbatch)
 
     def replace_stage(self, stage: int, **changes: Any) -> CostModel:
         """This model with some figures of one stage changed (checked like any StageCost)."""
@@ -440,6 +466,7 @@ class CostModel:
             "dp_latency": self.dp_latency,
             "dp_bandwidth": None if math.isinf(self.dp_bandwidth) else self.dp_bandwidth,
             "overlap": self.overlap,
+            **({"microbatch_scale": list(self.microbatch_scale)} if self.microbatch_scale else {}),
             "unit": self.unit,
             "meta": self.meta,
             "stages": [asdict(s) for s in self.stages],
@@ -499,6 +526,7 @@ class CostModel:
             if dp_bandwidth is None
             else _as_float("dp_bandwidth", dp_bandwidth),
             overlap=_as_float("overlap", data.get("overlap", 0.0)),
+            microbatch_scale=tuple(data.get("microbatch_scale", ())),
             unit=str(data.get("unit", "microbatch")),
             meta=dict(meta),
         )
@@ -517,8 +545,8 @@ def memory_deltas(
 ) -> list[list[float]]:
     """Per rank, the change in held memory caused by each action, in program order."""
     deps = deps or Dependencies(schedule)
-    costs.for_stages(schedule.num_stages)
-    stages = costs.stages
+    costs.for_stages(schedule.num_stages, schedule.microbatches)
+    stages, scale = costs.stages, costs.microbatch_scale
     f, offload, reload = _NO[Kind.F], _NO[Kind.OFFLOAD], _NO[Kind.RELOAD]
     # B, I, W and R of a stage change memory by the same amount every time.
     fixed: dict[int, float] = {}  # stage << 4 | kind_no -> change
@@ -533,13 +561,13 @@ def memory_deltas(
                 if a.kind is not Kind.REDUCE_GRAD:  # the gradients are held, reduced or not
                     d = -stages[s].weights if kind == offload else stages[s].weights
             elif kind == f:
-                d = held[(i << 32) | s] = stages[s].held_change(
-                    Kind.F, checkpointed=deps.checkpointed(s, i)
-                )
+                d = stages[s].held_change(Kind.F, checkpointed=deps.checkpointed(s, i))
+                d = held[(i << 32) | s] = d * scale[i] if scale else d
             elif kind in _HELD_FIXED:
                 key = (s << 4) | kind
                 got = fixed.get(key)
                 d = fixed[key] = stages[s].held_change(a.kind) if got is None else got
+                d = d * scale[i] if scale else d
             elif kind == offload:
                 d = -held.get((i << 32) | s, 0.0)
             elif kind == reload:

@@ -186,7 +186,9 @@ def simulate(
     placement of ``Pipeline(recv_ahead=None)``), so that every post it will
     make is paid.  The timeline's ``schedule`` is then the lowered one.
     """
-    costs = (costs or CostModel.uniform_for(schedule)).for_stages(schedule.num_stages)
+    costs = (costs or CostModel.uniform_for(schedule)).for_stages(
+        schedule.num_stages, schedule.microbatches
+    )
     with paused_gc():
         graph = graph or validate(schedule)
         if costs.post > 0 and schedule.num_ranks > 1 and not schedule.is_lowered:
@@ -217,6 +219,8 @@ def _run(schedule: Schedule, costs: CostModel, graph: Graph) -> Timeline:
     first, rank_of, waits, transfers = graph.first, graph.rank_of, graph.waits, graph.transfers
     duration = _durations(schedule, costs, graph)
     wire = [costs.transfer_time(s) for s in range(schedule.num_stages)]
+    # Microbatches of their own sizes: each one's boundary bytes (CostModel.microbatch_scale).
+    sized = bool(costs.microbatch_scale)
     start = [0.0] * total
     end = [0.0] * total
     # When each action was issued: its start, but for REDUCE_GRAD its post, which is
@@ -240,7 +244,8 @@ def _run(schedule: Schedule, costs: CostModel, graph: Graph) -> Timeline:
                 if via >= 0 and start[via] > ready:
                     ready = start[via]
                 src_stage = acts[src].stage
-                ready += wire[src_stage if src_stage < stage else stage]
+                lower = src_stage if src_stage < stage else stage
+                ready += costs.transfer_time(lower, a.microbatch) if sized else wire[lower]
                 if ready > t:
                     t = ready
         took = duration[n]
@@ -286,19 +291,23 @@ def _run(schedule: Schedule, costs: CostModel, graph: Graph) -> Timeline:
 
 def _durations(schedule: Schedule, costs: CostModel, graph: Graph) -> list[float]:
     """How long each node occupies its lane (for REDUCE_GRAD: its post)."""
-    table: dict[int, float] = {}  # stage << 5 | no microbatch << 4 | kind_no -> time
-    out = []
-    for a in graph.actions:
-        key = (a.stage << 5) | ((a.microbatch is None) << 4) | a.kind_no
-        took = table.get(key)
-        if took is None:
-            took = table[key] = costs.time(a)
-        out.append(took)
+    if costs.microbatch_scale:  # each microbatch its own size: priced one by one
+        out = [costs.time(a) for a in graph.actions]
+    else:
+        table: dict[int, float] = {}  # stage << 5 | no microbatch << 4 | kind_no -> time
+        out = []
+        for a in graph.actions:
+            key = (a.stage << 5) | ((a.microbatch is None) << 4) | a.kind_no
+            took = table.get(key)
+            if took is None:
+                took = table[key] = costs.time(a)
+            out.append(took)
     # W run together with the next W of their stage; found only when some stage prices it.
     if any(c.W_fused is not None for c in costs.stages):
         for r, k in _steps_of(schedule, fused_weights(schedule)):
-            c = costs.stages[schedule.actions[r][k].stage]
-            out[graph.first[r] + k] += c.fused_w - c.W
+            a = schedule.actions[r][k]
+            c = costs.stages[a.stage]
+            out[graph.first[r] + k] += (c.fused_w - c.W) * costs.scale(a.microbatch)
     for r in range(schedule.num_ranks):
         for k in schedule.overlapped(r):  # the pair's backward: less what is hidden
             first, second = schedule.actions[r][k], schedule.actions[r][k + 1]

@@ -123,17 +123,39 @@ class Facts:
             for s in range(n)
         ]
         self.initial = initial_memory(deps.schedule, costs)
+        self.sized = self._sized(costs) if costs.microbatch_scale else None
         self._per_mb: dict[_Slot, tuple[_Need, ...]] = {}
 
     def exact(self, m: int) -> bool:
         """Whether every time of a run is a float sum without rounding: each duration and
         wire a multiple of 2**-20, and all of them together (``m`` times) below 2**32."""
+        if self.sized is not None:
+            return False  # microbatches of their own sizes: not asked, taken as inexact
         values = [x for per_stage in self.duration for x in per_stage] + self.wire
         values += [n.wire for per_kind in self.needs for per_stage in per_kind for n in per_stage
                    if n.wire is not None]  # fmt: skip
         return all(math.isfinite(x) and (x * 2**20).is_integer() for x in values) and (
             m * sum(abs(x) for x in values) < 2**32
         )
+
+    def _sized(self, costs: CostModel) -> Sized:
+        """Each microbatch's duration (posts, which do not scale, as microbatch 0's), memory
+        change and needs, per (kind, stage)."""
+        sizes = costs.microbatch_scale
+        times, held, needs = [], [], []
+        for k, kind in enumerate(_TIMED):
+            per_mb = [
+                [Action(kind, s, i) for i in range(len(sizes))] for s in range(len(self.placement))
+            ]
+            times.append(
+                [
+                    [self.duration[k][s] + costs.time(a) - costs.time(acts[0]) for a in acts]
+                    for s, acts in enumerate(per_mb)
+                ]
+            )
+            held.append([[h * x for x in sizes] for h in self.held[k]])
+            needs.append([[self._ask(a) for a in acts] if self.uniform else [] for acts in per_mb])
+        return Sized(times, held, needs)
 
     def needs_of(self, kind: int, stage: int, mb: int) -> tuple[_Need, ...]:
         if self.uniform:
@@ -154,9 +176,23 @@ class Facts:
                     f"{action} needs {producer}",
                     rule="unsupported",
                 )
-            wire = self.costs.boundary_time(producer.stage, action.stage) if dep.transfer else None
+            wire = (
+                self.costs.boundary_time(producer.stage, action.stage, action.microbatch)
+                if dep.transfer
+                else None
+            )
             out.append(_Need(_SLOT[producer.kind], producer.stage, wire))
         return tuple(out)
+
+
+@dataclass(frozen=True, slots=True)
+class Sized:
+    """Microbatches of their own sizes (``CostModel.microbatch_scale``): per (kind, stage,
+    microbatch), each one's duration, memory change and dependencies (their wires)."""
+
+    times: list[list[list[float]]]
+    held: list[list[list[float]]]
+    needs: list[list[list[tuple[_Need, ...]]]]
 
 
 def replayed(
@@ -166,13 +202,14 @@ def replayed(
     and its inputs are there, as :class:`ListRun` (and the simulator) would start it, without
     the choices: no heap, each rank advanced as far as it goes whenever an input lands."""
     slots = [[(_SLOT[k], s, i) for k, s, i in steps] for steps in order]
-    held, duration = facts.held, facts.duration
+    held, duration, sized = facts.held, facts.duration, facts.sized
     for r, steps in enumerate(slots):  # an F that does not fit: the same in any timing
         mem, limit = facts.initial[r], limits[r] + _EPS
-        for k, s, _ in steps:
-            if k == _F and mem + held[_F][s] > limit:
+        for k, s, i in steps:
+            change = held[k][s] if sized is None else sized.held[k][s][i]
+            if k == _F and mem + change > limit:
                 return None
-            mem += held[k][s]
+            mem += change
     end = [[[-1.0] * m for _ in facts.placement] for _ in _TIMED]  # -1: not yet
     pos, free = [0] * len(slots), [0.0] * len(slots)
     starts: list[list[float]] = [[] for _ in slots]
@@ -185,7 +222,8 @@ def replayed(
             while at < len(steps):
                 k, s, i = steps[at]
                 ready = 0.0
-                for need in facts.needs[k][s] if facts.uniform else facts.needs_of(k, s, i):
+                needs = facts.needs[k][s] if facts.uniform else facts.needs_of(k, s, i)
+                for need in needs if sized is None or not facts.uniform else sized.needs[k][s][i]:
                     e = end[need.kind][need.stage][i]
                     if e < 0:
                         break
@@ -195,7 +233,7 @@ def replayed(
                         ready = e
                 else:
                     start = now if now >= ready else ready
-                    now = start + duration[k][s]
+                    now = start + (duration[k][s] if sized is None else sized.times[k][s][i])
                     end[k][s][i] = now
                     starts[r].append(start)
                     at += 1
@@ -276,7 +314,15 @@ class ListRun:
         return [len(o) + sum(1 for k, _, _ in o if k == _I) for o in self.order]  # I brings W
 
     def _work(self, ranks: int) -> list[float]:
-        duration = self.facts.duration
+        duration, sized = self.facts.duration, self.facts.sized
+        if sized is not None:  # each microbatch its own size; an I in an order brings its W
+            t, m = sized.times, range(self.m)
+            kinds = [_F, self.facts.backward] + ([_W] if self.policy.split else [])
+            every = [[(k, s, i) for s in lo for k in kinds for i in m] for lo in self.local]
+            return [
+                sum(t[k][s][i] + (t[_W][s][i] if k == _I and self.order else 0.0) for k, s, i in o)
+                for o in self.order or every
+            ]
         if self.order is None:
             kinds = [_F, self.facts.backward] + ([_W] if self.policy.split else [])
             per_stage = [sum(duration[k][s] for k in kinds) for s in range(len(duration[0]))]
@@ -330,6 +376,7 @@ class ListRun:
     def _choose(self, r: int, t: float) -> tuple[_Slot | None, float, float]:
         """``(pick, when it became ready, when to decide again)``."""
         f, end_of, clock = self.facts, self.end, self.clock
+        sized = f.sized
         best: tuple[float, ...] | None = None
         pick: _Slot | None = None
         since = t
@@ -353,7 +400,7 @@ class ListRun:
             # When its inputs are there (inf: not scheduled yet); ``bound``: the earliest a
             # producer on another rank not scheduled yet could deliver.  Inlined: hottest.
             ready = 0.0
-            for need in f.needs[kind][s]:
+            for need in f.needs[kind][s] if sized is None else sized.needs[kind][s][i]:
                 end = end_of[need.kind][need.stage][i]
                 wire = need.wire
                 if end >= 0:
@@ -425,8 +472,8 @@ class ListRun:
 
     def _room(self, r: int, s: int, want: list[int]) -> float:
         """Memory of ``r`` after an F of ``s``, with room kept for its deeper stages' F."""
-        held_f, m = self.facts.held[_F], self.m
-        room = self.mem[r] + held_f[s]
+        held_f, m, sized = self.facts.held[_F], self.m, self.facts.sized
+        room = self.mem[r] + (held_f[s] if sized is None else sized.held[_F][s][self.done_f[s]])
         if self.order is None:
             for u in self.later[s]:
                 done = self.done_f[u]
@@ -462,7 +509,8 @@ class ListRun:
         """When ``step``'s inputs are there; for a pending W, whose inputs ran already."""
         kind, s, i = step
         ready = 0.0
-        for need in self.facts.needs[kind][s]:
+        sized = self.facts.sized
+        for need in self.facts.needs[kind][s] if sized is None else sized.needs[kind][s][i]:
             end = self.end[need.kind][need.stage][i]
             if end < 0:
                 return math.inf  # not scheduled yet (a W's never: its I ran first)
@@ -479,22 +527,23 @@ class ListRun:
         # something better); run in order, it starts as soon as it can, as simulated.
         free = self.free[r]
         t = free if free >= since else since
-        took = f.duration[kind][s]
+        sized = f.sized
+        took = f.duration[kind][s] if sized is None else sized.times[kind][s][i]
         end = t + took
         self.work[r] -= took
         self.end[kind][s][i] = end
-        self.mem[r] += f.held[kind][s]
+        self.mem[r] += f.held[kind][s] if sized is None else sized.held[kind][s][i]
         if kind == _F:
             self.done_f[s] += 1
             self.pos[r] += 1
         elif kind == _W:
-            self.held_w[r] += f.held[_W][s]
+            self.held_w[r] += f.held[_W][s] if sized is None else sized.held[_W][s][i]
         else:
             self.done_b[s] += 1
             self.pos[r] += 1
             if kind == _I:
                 self.pending[r].append((s, i))
-                self.held_w[r] -= f.held[_W][s]
+                self.held_w[r] -= f.held[_W][s] if sized is None else sized.held[_W][s][i]
         self.steps[r].append(step)
         self.starts[r].append(t)
         left = self.left
@@ -527,12 +576,16 @@ def _plan_of(
     named: list[list[Step]] | None = None,
 ) -> ListPlan:
     """The plan of these steps and starts; ``named``: the same steps as :data:`Step`."""
-    duration = facts.duration
+    duration, sized = facts.duration, facts.sized
+
+    def took(k: int, s: int, i: int) -> float:
+        return duration[k][s] if sized is None else sized.times[k][s][i]
+
     spans = []
     for steps, starts in zip(steps_of, starts_of, strict=True):
-        busy = sum(duration[k][s] for k, s, _ in steps)
-        k, s, _ = steps[-1]
-        end = starts[-1] + duration[k][s]
+        busy = sum(took(k, s, i) for k, s, i in steps)
+        k, s, i = steps[-1]
+        end = starts[-1] + took(k, s, i)
         spans.append((end - starts[0], busy, end))
     makespan = max(end for _, _, end in spans)
     span, busy, _ = max(spans)  # the longest span (the busiest among equal ones)

@@ -107,9 +107,12 @@ def _case(mesh: Any, arch: str, name: str, attn: str, kind: str) -> dict[str, An
     model = hf_cases.build(arch, tied=arch == "qwen3", attn=attn)
     try:
         schedule = zeropipe.build_schedule(name, ranks=PP, microbatches=MICROBATCHES)
-    except ScheduleError as err:
-        return f"skipped: {err}"
-    n = schedule.num_stages
+    except ScheduleError:
+        try:  # dualpipe: an even count
+            schedule = zeropipe.build_schedule(name, ranks=PP, microbatches=2)
+        except ScheduleError as err:
+            return f"skipped: {err}"
+    n = schedule.num_stages - len(schedule.copies)  # DualPipe's copies run the originals
     stages = zeropipe.split(model, n, balance=[4 // n] * n)  # 4 decoder layers
     zeropipe.parallelize(stages, cp_mesh=mesh["cp"])
     pipe = zeropipe.Pipeline(
@@ -124,6 +127,25 @@ def _case(mesh: Any, arch: str, name: str, attn: str, kind: str) -> dict[str, An
     return {"steps": _steps(model, pipe, kind), "sharded": [s is not None for s in shards]}
 
 
+def _dp_case(mesh: Any) -> dict[str, Any]:
+    """Llama under 1f1b on a ("pp", "dp", "cp") mesh of (1, 2, 2): one process plays both
+    pipeline ranks, the two replicas each step on half the rows, the cp processes of a
+    replica on its half's tokens; counts, loss and gradients summed over dp x cp."""
+    model = hf_cases.build("llama", tied=False)
+    stages = zeropipe.split(model, 2, balance=[2, 2])
+    zeropipe.parallelize(stages, cp_mesh=mesh["cp"])
+    schedule = zeropipe.build_schedule("1f1b", ranks=2, microbatches=1)
+    pipe = zeropipe.Pipeline(stages, schedule, loss_fn=zeropipe.causal_lm_loss, mesh=mesh)
+    dp = mesh.get_local_rank("dp")
+    steps = []
+    for step, seq in STEPS:
+        model.zero_grad(set_to_none=True)
+        ids, labels = hf_cases.batch(step, seq)
+        loss = pipe.step(ids.tensor_split(2)[dp], labels.tensor_split(2)[dp])
+        steps.append({"loss": loss.item(), "grads": _grads(model)})
+    return {"steps": steps, "replicas": pipe.dp_size}
+
+
 def _refused(make: Any) -> str:
     try:
         make()
@@ -134,7 +156,8 @@ def _refused(make: Any) -> str:
 
 def _refusals(mesh: Any) -> dict[str, str]:
     """A sequence 2 x cp does not divide; a loss that cannot take a shard; stages not
-    sharded under a cp mesh; a mixture of experts; sequence parallelism with cp."""
+    sharded under a cp mesh; a mixture of experts; a whole model; stages sharded twice; a
+    padding mask; sequence parallelism and dp_shard with cp."""
     from tests.adapters import hf_moe_cases
 
     def pipeline(stages: Any, loss: Any = zeropipe.causal_lm_loss) -> zeropipe.Pipeline:
@@ -151,6 +174,8 @@ def _refusals(mesh: Any) -> dict[str, str]:
         return stages
 
     llama = hf_cases.build("llama", False)
+    ids, labels = hf_cases.batch(0, 8)
+    padded = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     return {
         "odd sequence": _refused(odd_sequence),
         "loss": _refused(lambda: pipeline(sharded(), nn.CrossEntropyLoss())),
@@ -162,6 +187,22 @@ def _refusals(mesh: Any) -> dict[str, str]:
         ),
         "model": _refused(lambda: zeropipe.parallelize(llama, cp_mesh=mesh["cp"])),
         "twice": _refused(lambda: zeropipe.parallelize(sharded(), cp_mesh=mesh["cp"])),
+        "padding": _refused(lambda: pipeline(sharded()).step(padded, labels)),
+        "sequence parallel": _refused(
+            lambda: zeropipe.parallelize(
+                zeropipe.split(llama, 2), None, cp_mesh=mesh["cp"], sequence_parallel=True
+            )
+        ),
+        "dp_shard": _refused(
+            lambda: zeropipe.Pipeline(
+                sharded(),
+                "1f1b",
+                loss_fn=zeropipe.causal_lm_loss,
+                microbatches=2,
+                mesh=mesh,
+                options=zeropipe.RuntimeOptions(dp_shard=True),
+            )
+        ),
     }
 
 
@@ -176,6 +217,8 @@ def cases(rank: int, world: int) -> dict[str, Any]:
         key: guard(functools.partial(_case, mesh, *case)) for key, case in CASES.items()
     }
     out["refusals"] = guard(lambda: _refusals(mesh))
+    replicas = init_device_mesh("cpu", (1, 2, CP), mesh_dim_names=("pp", "dp", "cp"))
+    out["dp x cp"] = guard(lambda: _dp_case(replicas))
     return out
 
 

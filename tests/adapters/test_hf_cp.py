@@ -12,6 +12,7 @@ gradients.
 from __future__ import annotations
 
 import functools
+import re
 from typing import Any
 
 import pytest
@@ -71,7 +72,7 @@ def test_every_generator_ran() -> None:
         for k, g in cp_cases.results()[0]["cases"].items()
         if not (isinstance(g, str) and g.startswith("skipped"))
     }
-    assert {"1f1b", "gpipe", "zb-h1", "zb-h2", "zbv", "dualpipev", "interleaved-1f1b"} <= ran
+    assert ran == {cp_cases.CASES[k][1] for k in cp_cases.CASES}, ran
 
 
 def test_what_cannot_be_context_parallel_is_refused_in_one_line() -> None:
@@ -84,9 +85,10 @@ def test_what_cannot_be_context_parallel_is_refused_in_one_line() -> None:
         "moe": r"mixtures of experts are not context-parallel yet",
         "model": r"split it first, then parallelize the stages",
         "twice": r"context-parallel already",
+        "padding": r"takes no attention_mask \(padding\): pack the documents",
+        "sequence parallel": r"use sequence_parallel=False with it",
+        "dp_shard": r"FSDP2 shards over 'dp' only.*use dp_shard=False",
     }
-    import re
-
     for what, pattern in expected.items():
         message = refusals[what]
         assert re.search(pattern, message), (what, message)
@@ -101,6 +103,18 @@ def test_tensor_and_context_parallel_together_give_the_models_own_loss_and_gradi
         where = f"pp {r['pp']} cp {r['cp']} tp {r['tp']}"
         no_crash(r["steps"], where)
         seen |= _check_steps(where, r["steps"], refs)
+    assert seen == set(refs[0][1])
+
+
+def test_replicas_of_context_parallel_pipelines_sum_over_dp_and_cp() -> None:
+    # pp 1 x dp 2 x cp 2: each replica half the rows, each cp process half its tokens
+    refs = _reference("llama", "eager", "plain")
+    seen: set[str] = set()
+    for r in cp_cases.results():
+        got = r["dp x cp"]
+        no_crash(got, "dp x cp")
+        assert got["replicas"] == 4  # the pipeline's replicas are its dp x cp processes
+        seen |= _check_steps("dp x cp", got["steps"], refs)
     assert seen == set(refs[0][1])
 
 

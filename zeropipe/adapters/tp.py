@@ -1,7 +1,9 @@
-"""``zeropipe.parallelize(stages_or_model, tp_mesh, *, ep_mesh=)``: tensor and expert parallelism.
+"""``zeropipe.parallelize(stages_or_model, tp_mesh, *, ep_mesh=, cp_mesh=)``: tensor, expert
+and context parallelism.
 
 Tensor parallelism is the standard plan on HF models; expert parallelism
-(``ep_mesh=``) shards a mixture's experts (:mod:`zeropipe.adapters.ep`).
+(``ep_mesh=``) shards a mixture's experts (:mod:`zeropipe.adapters.ep`); context
+parallelism (``cp_mesh=``) shards each sequence (:mod:`zeropipe.adapters.context_parallel`).
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
     stages = zeropipe.split(model, 4, balance=[1, 1, 1, 1])

@@ -531,7 +531,7 @@ def costs_from_spec(
         dp_latency=ring_allreduce_latency(group, hw.inter_latency if dp_far else hw.intra_latency),
         dp_bandwidth=hw.inter_bandwidth if dp_far else hw.intra_bandwidth,
         meta=_spec_meta(m, hw, settings, priced, pipeline_far=far, replicas_far=dp_far),
-        **({"overlap": pair_overlap(priced)} if m.is_moe else {}),
+        overlap=pair_overlap(priced) if m.is_moe else 0.0,
     )
 
 

@@ -86,7 +86,7 @@ def grid(world: int) -> list[tuple[str, str, int]]:
         (name, model, m)
         for name in sorted(GENERATORS)
         for model in sorted(MODELS)
-        for m in sorted({1, world, 2 * world + 1})
+        for m in sorted({1, world, 2 * world, 2 * world + 1})  # 2p: dualpipe takes even m only
         if supported(name, world, m)
     ]
 

@@ -151,7 +151,9 @@ def _assert_same(a: Any, b: Any, where: str) -> None:
         assert diff <= 1e-10, f"{where}: max abs difference {diff:.3g}"
 
 
-CASES = [(name, 1) for name in sorted(GENERATORS) if name != "auto"] + [
+# Not dualpipe: it backpropagates each half of the batch through its own copy of every
+# stage, the two halves in different orders, so no one torch order is its reference.
+CASES = [(name, 1) for name in sorted(GENERATORS) if name not in ("auto", "dualpipe")] + [
     (name, 2) for name in ("zb-h1", "zbv", "interleaved-1f1b", "dualpipev", "1f1b")
 ]
 

@@ -51,6 +51,7 @@ from zeropipe.runtime.replicas.grad_sums import (
     add_back,
     clip_grads,
     counted_once,
+    loss_over_route_ends,
     reduce_shared,
     refuse_split_hooks,
     set_aside,
@@ -492,7 +493,11 @@ class Pipeline:
                 if ctx.reducer is not None:
                     ctx.reducer.wait_all()
                     self.last_events = reductions_as_run(self.last_events, ctx.reducer.last)
-                loss = parts.transport.finish_step(loss)
+                own, loss = loss, parts.transport.finish_step(loss)
+                if self.distributed and parts.schedule.routes:
+                    loss = loss_over_route_ends(
+                        own, loss, parts.transport.reduce_shared, ctx.device
+                    )
                 if parts.replicas is not None and loss is not None:
                     parts.replicas.sum_([loss], "the data-parallel sum of the step's loss")
                 self.last_waits = dict(ctx.waited)

@@ -9,6 +9,10 @@ the norm over every rank's gradients, a shared parameter counted once.  A gradie
 hook on a parameter used by several stages is refused: it would run on each stage's
 part of the gradient.  A step comes here only when it has something for it: shared
 parameters, replicas, a clip.
+
+The step's loss too, when its microbatches' routes end on several ranks
+(dualpipe: the down ones on the last rank, the up ones on the first): each of those
+ranks holds its microbatches' share, and :func:`loss_over_route_ends` sums them.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ __all__ = [
     "add_back",
     "clip_grads",
     "counted_once",
+    "loss_over_route_ends",
     "reduce_shared",
     "refuse_split_hooks",
     "set_aside",
@@ -154,3 +159,24 @@ def refuse_split_hooks(split: Sequence[SplitParam]) -> None:
                 f"hook and act on {name}.grad after pipe.step() (the summed gradient), or untie "
                 f"the parameter (one copy per stage)"
             )
+
+
+def loss_over_route_ends(
+    own: Tensor | None,
+    agreed: Tensor | None,
+    sum_: Callable[[Sequence[Tensor]], None],
+    device: torch.device,
+) -> Tensor | None:
+    """The step's loss summed over the ranks where microbatches' routes end.
+
+    ``own``: this rank's share (None: no route ends here); ``agreed``: what the step's end
+    gave every rank (one share, carrying the loss's dtype; None: no loss this step);
+    ``sum_``: the in-place sum over the pipeline's ranks, which every rank calls.
+    """
+    if agreed is None:
+        return None
+    share = torch.zeros((), dtype=torch.float64, device=device)
+    if own is not None:
+        share += own.detach().to(device=device, dtype=torch.float64).reshape(())
+    sum_([share])
+    return share.to(agreed.dtype)

@@ -240,7 +240,9 @@ class Pipeline:
 
     @property
     def dp_size(self) -> int:
-        """How many data-parallel replicas run this pipeline (1 without a ``dp_group``)."""
+        """How many data-parallel replicas run this pipeline (1 without a ``dp_group``); with
+        a "cp" dimension, its dp x cp processes, the cp processes of a replica sharing its
+        slice of the batch (``parts.where.cp_size`` of them)."""
         return 1 if self.replicas is None else self.replicas.size
 
     @property

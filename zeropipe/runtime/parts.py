@@ -3,9 +3,9 @@
 :func:`build_parts` turns the constructor's arguments into one frozen :class:`Parts`,
 building each part once, in one order that a reader can follow from top to bottom::
 
-    options, loss contract -> where it runs, replicas -> schedule -> stages (all, then
-    this process's, prepared) -> shared parameters -> transport -> memory manager
-    -> reducer -> gradient memory
+    options -> where it runs, the loss contract (of this process's tokens under "cp"),
+    replicas -> schedule -> stages (all, then this process's, prepared) -> shared
+    parameters -> transport -> memory manager -> reducer -> gradient memory
 
 Where it runs, the replicas and the compute device are resolved by
 :mod:`zeropipe.runtime.mesh`; the rest is here, each checked with errors that name
@@ -88,8 +88,8 @@ class Parts:
     order of these fields, from the constructor's arguments and the parts above it."""
 
     options: RuntimeOptions
-    loss: LossContract | None  # how microbatch losses make the batch's; None: no loss_fn
     where: Where  # the process groups, and this process's pipeline rank
+    loss: LossContract | None  # how microbatch losses make the batch's; None: no loss_fn
     replicas: Replicas | None  # the data-parallel group, when it holds several processes
     schedule: Schedule
     all_stages: list[Stage]  # every stage of the model, whichever rank runs it
@@ -165,8 +165,8 @@ def build_parts(
     keep_grads = opts.keep_grad_memory and not memory.weights and not opts.dp_shard
     return Parts(
         options=opts,
-        loss=loss,
         where=where,
+        loss=loss,
         replicas=replicas,
         schedule=plan,
         all_stages=all_stages,

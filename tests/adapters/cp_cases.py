@@ -45,6 +45,7 @@ def generator_cases() -> dict[str, tuple[str, str, str, str]]:
     for arch in ("mistral", "qwen2", "qwen3"):
         cases[f"{arch} 1f1b"] = (arch, "1f1b", "eager", "plain")
     cases["llama 1f1b sdpa"] = ("llama", "1f1b", "sdpa", "plain")
+    cases["mistral 1f1b window 5"] = ("mistral", "1f1b", "eager", "window")
     cases["llama 1f1b packed"] = ("llama", "1f1b", "eager", "packed")
     cases["qwen3 zbv packed"] = ("qwen3", "zbv", "sdpa", "packed")
     return cases
@@ -65,13 +66,22 @@ def packed(seed: int) -> tuple[dict[str, Tensor], Tensor]:
     return {"input_ids": ids, "position_ids": pos}, labels
 
 
+def build(arch: str, attn: str, kind: str) -> nn.Module:
+    """``hf_cases``' model of ``arch``; for ``kind`` "window", a sliding window of 5 tokens
+    (shorter than the sequences, so it masks)."""
+    model = hf_cases.build(arch, tied=arch == "qwen3", attn=attn)
+    if kind == "window":
+        model.config.sliding_window = 5
+    return model
+
+
 def step_batch(kind: str, step: int, seq: int) -> tuple[Any, Tensor]:
     return packed(step) if kind == "packed" else hf_cases.batch(step, seq)
 
 
 def reference(arch: str, attn: str, kind: str) -> list[tuple[float, dict[str, Tensor]]]:
     """The unsplit model's loss and gradients on the whole batch at each of ``STEPS``."""
-    model = hf_cases.build(arch, tied=arch == "qwen3", attn=attn)
+    model = build(arch, attn, kind)
     out = []
     for step, seq in STEPS:
         inputs, labels = step_batch(kind, step, seq)
@@ -104,7 +114,7 @@ def _steps(model: nn.Module, pipe: zeropipe.Pipeline, kind: str) -> list[dict[st
 
 
 def _case(mesh: Any, arch: str, name: str, attn: str, kind: str) -> dict[str, Any] | str:
-    model = hf_cases.build(arch, tied=arch == "qwen3", attn=attn)
+    model = build(arch, attn, kind)
     try:
         schedule = zeropipe.build_schedule(name, ranks=PP, microbatches=MICROBATCHES)
     except ScheduleError:

@@ -225,11 +225,9 @@ class Schedule:
     ``overlaps`` are the overlapped (F, B-or-I) pairs (see the module docstring):
     each pair's two actions sit next to each other on their rank, forward first.
 
-    ``routes`` (none, or one per microbatch) are the stages each microbatch
-    visits, in order: by default every stage, ``0 .. S-1``.  ``copies`` maps a
-    stage to the stage whose module it runs (its own parameters' gradients are
-    that stage's): DualPipe's two directions run every model stage twice, on two
-    ranks.  See :meth:`route` and :meth:`copy_of`.
+    ``routes`` (none, or one per microbatch): the consecutive stages each one visits
+    (default: all).  ``copies``: (stage, the stage whose module it runs) pairs;
+    DualPipe runs every model stage twice, once per direction (:meth:`copy_of`).
     """
 
     placement: Sequence[int]
@@ -490,6 +488,12 @@ class Schedule:
                 f"remove {', '.join(foreign[:4])}{' ...' if len(foreign) > 4 else ''} before exporting",
                 rule="unsupported",
                 actions=tuple(foreign[:4]),
+            )
+        if any(self._extras()):
+            raise ScheduleError(
+                f"torch.distributed.pipelining has no routes or copies ({self.name}): "
+                f"keep this schedule in the text or JSON form",
+                rule="unsupported",
             )
         self.check_overlaps_adjacent()
         return format_torch_csv(self._tokens())

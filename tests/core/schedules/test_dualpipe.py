@@ -124,6 +124,8 @@ def test_routes_and_copies_round_trip_through_text_and_json() -> None:
     for back in (Schedule.from_text(text), Schedule.from_json(s.to_json())):
         assert back == s and back.routes == s.routes and back.copies == s.copies
     assert s.to_dict()["routes"] == {"0-3": [0, 1, 2, 3], "4-7": [4, 5, 6, 7]}
+    with pytest.raises(ScheduleError, match="no routes or copies"):
+        s.to_torch_csv()
 
 
 def test_a_schedule_without_routes_writes_and_reads_as_before() -> None:

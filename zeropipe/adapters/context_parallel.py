@@ -127,7 +127,8 @@ class SequenceShards:
     def mask(self, kind: str, config: Any, h: Tensor, pos: Tensor, pad: Tensor | None) -> Tensor:
         """The mask of this rank's queries against the whole sequence's keys, in token
         order, for attention of ``kind``; bool for sdpa, the additive float mask for eager
-        attention.  ``[batch, 1, local, whole]``."""
+        attention.  ``[batch, 1, local, whole]``, or ``[1, 1, local, whole]`` when no row
+        is packed (attention keeps a dense mask: its memory grows as local x whole)."""
         length = h.shape[1] * self.size
         query = shard_indices(length, self.rank, self.size, h.device)
         keys = torch.arange(length, device=h.device)
@@ -140,8 +141,11 @@ class SequenceShards:
         allowed = keys[None, :] <= query[:, None]
         if kind == "sliding_attention" and getattr(config, "sliding_window", None) is not None:
             allowed = allowed & (keys[None, :] > query[:, None] - int(config.sliding_window))
-        same = document[:, query][:, :, None] == document[:, None, :]
-        mask = (allowed[None] & same)[:, None]
+        if starts[:, 1:].any():  # packed rows: each row its own documents
+            same = document[:, query][:, :, None] == document[:, None, :]
+            mask = (allowed[None] & same)[:, None]
+        else:  # one document a row: one mask the rows share, [1, 1, local, whole]
+            mask = allowed[None, None]
         if self.implementation == "sdpa":
             return mask
         return torch.zeros(mask.shape, dtype=h.dtype, device=h.device).masked_fill(

@@ -364,6 +364,20 @@ def _transport_case(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def _dualpipe_outputs(rank: int, world: int) -> str:
+    """dualpipe's eval without a target: its outputs end on two ranks, which is refused
+    on every rank alike, after a loss step ran."""
+    model = mlp()
+    x, y = batch_for(model, batch=8)
+    pipe = Pipeline(model, "dualpipe", microbatches=2 * world, loss_fn=F.mse_loss, options=OPTIONS)
+    pipe.step(x, y)
+    try:
+        pipe.eval_step(x)
+    except PipelineError as err:
+        return str(err)
+    return "accepted"
+
+
 def _fit_case(rank: int, world: int) -> list[str]:
     messages = []
     for make in (
@@ -414,6 +428,7 @@ def main_cases(rank: int, world: int) -> dict[str, Any]:
     out["eval_rebatch"] = guard(lambda: _eval_and_rebatch(rank, world))
     out["shared_accumulation"] = guard(lambda: _shared_accumulation(rank, world))
     out["auto_profiled"] = guard(lambda: _auto_profiled(rank, world))
+    out["dualpipe_outputs"] = guard(lambda: _dualpipe_outputs(rank, world))
     if world == 2:
         from tests.runtime.step import test_batch_norm, test_loss  # their 2-rank cases
 

@@ -134,7 +134,7 @@ def build_parts(
     replicas = replicas_for(where.dp_group, opts.timeout, shard=opts.dp_shard)
     plan = schedule_for(schedule, stages, microbatches, where, replicas, opts.dp_shard)
     all_stages = with_copies(
-        build_stages(stages, plan.num_stages - len(plan.copies), balance), plan
+        build_stages(stages, plan.num_stages - len(plan.copies), balance, len(plan.copies)), plan
     )
     check_context_parallel(where, [st.module for st in all_stages], opts.dp_shard)
     check_same_pipeline(where, plan, all_stages, opts.timeout)
@@ -436,8 +436,13 @@ def check_materialised(stages: dict[int, Stage]) -> None:
 
 
 def build_stages(
-    stages: nn.Sequential | Sequence[nn.Module], num: int, balance: Sequence[int] | None
+    stages: nn.Sequential | Sequence[nn.Module],
+    num: int,
+    balance: Sequence[int] | None,
+    copies: int = 0,
 ) -> list[Stage]:
+    """``num`` stages from a model to cut or one module per stage (``copies``: how many
+    more the schedule runs as copies of these, named in the refusal of a wrong count)."""
     if isinstance(stages, nn.Sequential):
         # Cut even when it has exactly one layer per stage: each stage is then a
         # one-layer slice seeded by the layer's index, like any other cut.
@@ -447,7 +452,9 @@ def build_stages(
         raise PipelineError("balance= applies to an nn.Sequential, not to a list of stage modules")
     if len(modules) != num:
         raise PipelineError(
-            f"the schedule has {num} stages but {len(modules)} stage module(s) were given; "
+            f"the schedule has {num} stages"
+            + (f" (and {copies} copies of them, run on their modules)" if copies else "")
+            + f" but {len(modules)} stage module(s) were given; "
             f"give one module per stage (ranks x chunks) or an nn.Sequential to cut"
         )
     for i, mod in enumerate(modules):

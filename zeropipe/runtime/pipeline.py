@@ -524,6 +524,12 @@ class Pipeline:
             if step.earlier:
                 add_back(self.parameters(), step.earlier)
         if ctx.targets is None:
+            if self.distributed and parts.schedule.routes:
+                raise PipelineError(
+                    f"schedule {parts.schedule.name!r} ends its microbatches' routes on several "
+                    f"ranks, which each hold their own outputs only: give a target (the loss "
+                    f"is summed over them), or run the model in one process"
+                )
             if not parts.owns_last:
                 return None
             outs = [ctx.outputs[i] for i in range(len(ctx.inputs))]

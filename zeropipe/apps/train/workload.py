@@ -559,7 +559,7 @@ def build_model(
 
 def _my_stages(cfg: ModelSettings, num_stages: int) -> tuple[int, ...] | range:
     """The stages this process's pipeline rank owns: all of them in one process; else those
-    the planned schedule places on rank // (dp x tp) (the ("pp", "dp", "tp") mesh's order)."""
+    the planned schedule places on rank // (dp x cp x tp) (the mesh's order: "pp" first)."""
     import torch.distributed as dist
 
     planned = getattr(cfg, "planned", None)
@@ -567,7 +567,7 @@ def _my_stages(cfg: ModelSettings, num_stages: int) -> tuple[int, ...] | range:
         return range(num_stages)
     from zeropipe.core.ir import Schedule
 
-    return Schedule.from_text(planned).stages_of(dist.get_rank() // (cfg.dp * cfg.tp))
+    return Schedule.from_text(planned).stages_of(dist.get_rank() // (cfg.dp * cfg.cp * cfg.tp))
 
 
 def _parallelize(

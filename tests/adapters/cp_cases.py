@@ -24,6 +24,8 @@ import zeropipe
 from tests.adapters import hf_cases, tp_cases
 from tests.runtime.dist_cases import guard
 from zeropipe.core.errors import PipelineError, ScheduleError
+from zeropipe.core.ir import Schedule
+from zeropipe.core.passes.fit import checkpoint, offload
 from zeropipe.core.schedules import GENERATORS
 
 PP, CP, TP = 2, 2, 2
@@ -45,6 +47,7 @@ def generator_cases() -> dict[str, tuple[str, str, str, str]]:
     for arch in ("mistral", "qwen2", "qwen3"):
         cases[f"{arch} 1f1b"] = (arch, "1f1b", "eager", "plain")
     cases["llama 1f1b sdpa"] = ("llama", "1f1b", "sdpa", "plain")
+    cases["llama zbv recompute ahead, offload"] = ("llama", "zbv+R+O", "eager", "plain")
     cases["mistral 1f1b window 5"] = ("mistral", "1f1b", "eager", "window")
     cases["llama 1f1b packed"] = ("llama", "1f1b", "eager", "packed")
     cases["qwen3 zbv packed"] = ("qwen3", "zbv", "sdpa", "packed")
@@ -113,13 +116,22 @@ def _steps(model: nn.Module, pipe: zeropipe.Pipeline, kind: str) -> list[dict[st
     return steps
 
 
+def _schedule(name: str, microbatches: int) -> Schedule:
+    """``name`` built for ``PP`` ranks; ``zbv+R+O``: zbv with every forward recomputed
+    ahead of its backward and its saved inputs offloaded (the recompute's gathers rerun)."""
+    base, *rewrites = name.split("+")
+    if not rewrites:
+        return zeropipe.build_schedule(name, ranks=PP, microbatches=microbatches)
+    return offload(checkpoint(zeropipe.generate(base, PP, microbatches), ahead=1))
+
+
 def _case(mesh: Any, arch: str, name: str, attn: str, kind: str) -> dict[str, Any] | str:
     model = build(arch, attn, kind)
     try:
-        schedule = zeropipe.build_schedule(name, ranks=PP, microbatches=MICROBATCHES)
+        schedule = _schedule(name, MICROBATCHES)
     except ScheduleError:
         try:  # dualpipe: an even count
-            schedule = zeropipe.build_schedule(name, ranks=PP, microbatches=2)
+            schedule = _schedule(name, 2)
         except ScheduleError as err:
             return f"skipped: {err}"
     n = schedule.num_stages - len(schedule.copies)  # DualPipe's copies run the originals

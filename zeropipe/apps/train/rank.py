@@ -120,7 +120,8 @@ def _set_up(rank: int, world: int, cfg: TrainConfig, stop: _StopRequest) -> _Ran
     mesh = _mesh(cfg)
     tp_mesh = mesh["tp"] if mesh is not None and cfg.tp > 1 else None
     ep_mesh = _experts_mesh(cfg, mesh)
-    stages, cut, model = build_model(cfg, corpus.vocab, schedule.num_stages, tp_mesh, ep_mesh)
+    model_stages = schedule.num_stages - len(schedule.copies)  # dualpipe runs copies too
+    stages, cut, model = build_model(cfg, corpus.vocab, model_stages, tp_mesh, ep_mesh)
     shard_sequences(stages, mesh, cfg.cp)
     pipe = Pipeline(
         stages,

@@ -567,7 +567,9 @@ def _my_stages(cfg: ModelSettings, num_stages: int) -> tuple[int, ...] | range:
         return range(num_stages)
     from zeropipe.core.ir import Schedule
 
-    return Schedule.from_text(planned).stages_of(dist.get_rank() // (cfg.dp * cfg.cp * cfg.tp))
+    schedule = Schedule.from_text(planned)
+    mine = schedule.stages_of(dist.get_rank() // (cfg.dp * cfg.cp * cfg.tp))
+    return tuple(sorted({schedule.copy_of(s) for s in mine}))  # a copy runs its original
 
 
 def _parallelize(

@@ -159,29 +159,39 @@ def context_parallel(stages: object, cp_mesh: Any) -> Callable[[], None]:
     :class:`SequenceShards` and route its attention modules to the context-parallel
     attention.  Nothing changes until it is called (``parallelize`` runs every check of
     every plan first)."""
-    size, group, ranks = _cp_group(cp_mesh)
+    group, ranks = _cp_group(cp_mesh)
     modules = _decoder_stages(stages)
     implementation = _implementation(modules)
-    return lambda: _shard(modules, group, ranks, size, implementation)
+    attentions = [
+        (layer.self_attn, _original_attention(layer.self_attn, implementation))
+        for stage in modules
+        for layer in stage.layers
+    ]
+    return lambda: _shard(modules, attentions, group, ranks, implementation)
 
 
 def _shard(
-    modules: list[Any], group: Any, ranks: list[int], size: int, implementation: str
+    modules: list[Any],
+    attentions: list[tuple[Any, Callable[..., Any]]],
+    group: Any,
+    ranks: list[int],
+    implementation: str,
 ) -> None:
     back_group = dist.new_group(ranks, use_local_synchronization=True)
-    shards = SequenceShards(group, back_group, ranks.index(dist.get_rank()), size, implementation)
+    me = ranks.index(dist.get_rank())
+    shards = SequenceShards(group, back_group, me, len(ranks), implementation)
     _register()
     for stage in modules:
         stage.context_parallel = shards
-        for layer in stage.layers:
-            attention: Any = layer.self_attn
-            attention.config = copy.copy(attention.config)  # this module's own: the model's stays
-            attention.config._attn_implementation = ATTENTION_NAME
-            attention.context_parallel = shards
-            attention.attention_function = _original_attention(attention, implementation)
+    for attention, function in attentions:
+        attention.config = copy.copy(attention.config)  # this module's own: the model's stays
+        attention.config._attn_implementation = ATTENTION_NAME
+        attention.context_parallel = shards
+        attention.attention_function = function
 
 
-def _cp_group(cp_mesh: Any) -> tuple[int, Any, list[int]]:
+def _cp_group(cp_mesh: Any) -> tuple[Any, list[int]]:
+    """The cp group and its members (global ranks) of ``cp_mesh``, checked to be 1-D."""
     from torch.distributed.device_mesh import DeviceMesh
 
     if not isinstance(cp_mesh, DeviceMesh) or cp_mesh.ndim != 1:
@@ -191,7 +201,7 @@ def _cp_group(cp_mesh: Any) -> tuple[int, Any, list[int]]:
             f"pipeline's mesh (mesh['cp']), got {getattr(what, '__name__', what)}"
         )
     ranks = [int(r) for r in cp_mesh.mesh.flatten().tolist()]
-    return len(ranks), cp_mesh.get_group(), ranks
+    return cp_mesh.get_group(), ranks
 
 
 def _decoder_stages(stages: object) -> list[Any]:

@@ -258,12 +258,8 @@ def _check_machine(cfg: ModelSettings) -> None:
     kills a rank: more processes than may run, more ranks than layers, or more memory than
     the machine has."""
     world = cfg.ranks * cfg.dp * cfg.cp * cfg.tp
-    asked = (
-        f"--ranks {cfg.ranks}"
-        + (f" x --dp {cfg.dp}" if cfg.dp != 1 else "")
-        + (f" x --cp {cfg.cp}" if cfg.cp != 1 else "")
-        + (f" x --tp {cfg.tp}" if cfg.tp != 1 else "")
-    )
+    layout = (("dp", cfg.dp), ("cp", cfg.cp), ("tp", cfg.tp))
+    asked = f"--ranks {cfg.ranks}" + "".join(f" x --{k} {n}" for k, n in layout if n != 1)
     limit = process_limit()
     if limit is not None and world > limit:
         fewer = "--ranks" + (", --dp or --tp" if cfg.dp * cfg.tp > 1 else "")

@@ -16,10 +16,10 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from zeropipe.apps.cli import main  # noqa: E402
-from zeropipe.apps.train.config import TrainConfig  # noqa: E402
-from zeropipe.apps.train.loop import layout  # noqa: E402
-from zeropipe.core.errors import ZeropipeError  # noqa: E402
+from zeropipe.apps.cli import main
+from zeropipe.apps.train.config import TrainConfig
+from zeropipe.apps.train.loop import layout
+from zeropipe.core.errors import ZeropipeError
 
 SMALL = ["--batch-size", "4", "--microbatches", "2", "--schedule", "1f1b", "--eval-batches", "1"]
 

@@ -313,8 +313,9 @@ class Schedule:
 
     @property
     def chunks_per_rank(self) -> int:
-        """Model chunks (stages) per rank: the most any rank owns."""
-        return max(len(self.stages_of(r)) for r in range(self.num_ranks))
+        """Model chunks per rank: the most stages any rank owns, a copy of another uncounted."""
+        copied = dict(self.copies)
+        return max(sum(s not in copied for s in self.stages_of(r)) for r in range(self.num_ranks))
 
     def check_stages(self) -> None:
         """Raise ScheduleError naming the first action whose stage is not in the placement.

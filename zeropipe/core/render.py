@@ -93,6 +93,12 @@ _LABEL_WIDTH = 9  # "rank 12  "
 
 
 # -- helpers shared by every output --------------------------------------------
+def _stages_per_rank(timeline: Timeline) -> int:
+    """The most stages a rank runs, its copies of other stages (dualpipe) included."""
+    s = timeline.schedule
+    return max(len(s.stages_of(r)) for r in range(s.num_ranks))
+
+
 def _chunk(timeline: Timeline, event: Event) -> int:
     """Index of the event's stage among its rank's stages (0 for one stage per rank)."""
     stages = timeline.schedule.stages_of(event.rank)
@@ -157,7 +163,7 @@ def render_text(timeline: Timeline, width: int = 100, max_ranks: int = MAX_RANKS
     if any(e.wait > 0 for evs in timeline.events[:max_ranks] for e in evs):
         legend.append("- waiting for data")
     legend.append(". idle")
-    if timeline.schedule.chunks_per_rank > 1:
+    if _stages_per_rank(timeline) > 1:
         legend.append("lower case: odd chunk of its rank")
     legend.append(f"1 column = {cell:.3g} {_time_unit(timeline)}")
     lines.append("  ".join(legend))
@@ -420,7 +426,7 @@ def draw_timeline(ax: Any, timeline: Timeline, title: str | None = None) -> None
     for rank in range(len(timeline.events)):
         waited = _draw_rank(ax, timeline, rank, lettering, present) or waited
     _dress_axes(ax, timeline, title)
-    _draw_legend(ax, Patch, present, waited, timeline.schedule.chunks_per_rank)
+    _draw_legend(ax, Patch, present, waited, _stages_per_rank(timeline))
 
 
 class _Lettering(NamedTuple):
@@ -448,7 +454,7 @@ def _draw_rank(
 ) -> bool:
     """Draw rank ``rank``'s row, adding the kinds drawn to ``present``; whether any waited."""
     events = timeline.events[rank]
-    t0, chunks = timeline.start, timeline.schedule.chunks_per_rank
+    t0, chunks = timeline.start, _stages_per_rank(timeline)
     has_copy = any(e.lane == "copy" for e in events)
     has_reduce = any(e.lane == "reduce" for e in events)
     top = rank - 0.4 + (0.16 if has_reduce else 0.0)

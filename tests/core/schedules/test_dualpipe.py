@@ -11,9 +11,11 @@ from __future__ import annotations
 import pytest
 
 from zeropipe.core.costs import CostModel, StageCost
+from zeropipe.core.deps import Dependencies
 from zeropipe.core.errors import ScheduleError
 from zeropipe.core.ir import Action, Kind, Schedule
 from zeropipe.core.message_order import message_order
+from zeropipe.core.passes.build import build_schedule
 from zeropipe.core.passes.lower import lower
 from zeropipe.core.schedules import generate
 from zeropipe.core.simulate import simulate
@@ -177,3 +179,13 @@ def test_a_route_line_for_a_microbatch_twice_or_out_of_range_is_refused() -> Non
         Schedule.from_text(base + "route 0-1: 0 1\nroute 1: 0 1\n")
     with pytest.raises(ScheduleError, match="no such microbatch"):
         Schedule.from_text(base + "route 5: 0 1\n")
+
+
+def test_a_stage_reduces_its_gradients_after_the_microbatches_of_its_route_only() -> None:
+    s = build_schedule("dualpipe", ranks=4, microbatches=8, reduce_grad=True, group_w=2)
+    deps = Dependencies(s)
+    for stage in range(8):
+        needs = deps.requires(Action(Kind.REDUCE_GRAD, stage))
+        assert sorted(d.action.microbatch for d in needs) == deps.visitors(stage)
+        assert deps.visitors(stage) == ([0, 1, 2, 3] if stage < 4 else [4, 5, 6, 7])
+    assert deps.first_stage(5) == 4 and deps.last_stage(5) == 7 and not deps.visits(3, 5)

@@ -16,6 +16,7 @@ from tests.gradcheck import assert_same_gradients, assert_same_loss, batch_for, 
 from tests.runtime import dist_cases
 from zeropipe import Pipeline, build_schedule
 from zeropipe.core.errors import PipelineError
+from zeropipe.core.ir import Kind
 from zeropipe.runtime.options import RuntimeOptions
 
 
@@ -96,3 +97,20 @@ def test_on_two_ranks_eval_without_a_target_is_refused_on_every_rank() -> None:
         message = out["dualpipe_outputs"]
         assert isinstance(message, str), (rank, message)
         assert "ends its microbatches' routes on several ranks" in message, (rank, message)
+
+
+@pytest.mark.parametrize("rewrite", ["checkpoint", "offload"])
+def test_recompute_and_offload_keep_it_exact(rewrite: str) -> None:
+    from zeropipe.core.passes.fit import checkpoint, offload
+
+    model = mlp(dropout=0.3)
+    x, y = batch_for(model, batch=9)
+    ref_loss, ref = reference(model, x, y, F.mse_loss, 4, seed=2)
+    base = build_schedule("dualpipe", ranks=2, microbatches=4).compute_only()
+    schedule = (checkpoint if rewrite == "checkpoint" else offload)(base)
+    assert schedule.routes == base.routes and schedule.copies == base.copies
+    added = Kind.R if rewrite == "checkpoint" else Kind.OFFLOAD
+    assert sum(a.kind is added for acts in schedule.actions for a in acts) == 2 * 4  # every one
+    pipe = Pipeline(model, schedule, loss_fn=F.mse_loss, options=RuntimeOptions(seed=2))
+    assert_same_loss(pipe.step(x, y), ref_loss)
+    assert_same_gradients(model.named_parameters(), ref)

@@ -438,11 +438,14 @@ def _torchrun_main() -> None:
         sys.exit(f"dp_cases needs {WORLD} processes in all, got {world}")
     mesh = _mesh()
     dp = mesh.get_local_rank("dp")
-    # every generator on the tied model; the MLP too for two of them
+    # every generator on the tied model, at its largest count (2p + 1, or dualpipe's even
+    # 2p); the MLP too for two of them
+    cases = grid()
+    largest = {name: max(m for n, _, m in cases if n == name) for name, _, _ in cases}
     picked = [
         c
-        for c in grid()
-        if c[2] == 2 * PP + 1 and (c[1] == "tokens-tied" or c[0] in ("zbv", "1f1b"))
+        for c in cases
+        if c[2] == largest[c[0]] and (c[1] == "tokens-tied" or c[0] in ("zbv", "1f1b"))
     ]
     mine = {
         f"{name}/{model}/m={m}": guard(functools.partial(_grad_case, mesh, dp, name, model, m))

@@ -35,6 +35,7 @@ NAMES = (
     "looped-bfs",
     "zbv",
     "dualpipev",
+    "dualpipe",
 )
 
 

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 import zeropipe
-from zeropipe.apps.data.packing import pack_documents, token_budget_microbatches
+from zeropipe.apps.data.packing import pack_documents, token_budget_microbatches, token_scale
 from zeropipe.core.errors import ZeropipeError
 
 
@@ -63,6 +63,24 @@ def test_the_cut_makes_the_largest_microbatch_smallest(count: int, parts: int) -
     real = sum(len(d) for d in docs)
     padded = sum(t.numel() for t in batches.inputs if isinstance(t, Tensor))
     assert padded - real < len(docs) * max(lengths) - real
+
+
+def test_token_scale_prices_each_microbatch_by_its_tokens() -> None:
+    from zeropipe.core.costs import CostModel
+    from zeropipe.core.schedules import generate
+    from zeropipe.core.simulate import simulate
+
+    for positions in (False, True):
+        batches = token_budget_microbatches(_documents(), 4, positions=positions)
+        scale = token_scale(batches)
+        ids = [x["input_ids"] if isinstance(x, dict) else x for x in batches.inputs]
+        assert len(scale) == 4 and sum(scale) == pytest.approx(4.0)
+        for x, k in zip(ids, scale, strict=True):
+            assert k == pytest.approx(x.numel() * 4 / sum(t.numel() for t in ids))
+    # a 1-rank step of them takes each microbatch's share of the tokens' time
+    costs = CostModel.uniform(1, F=1.0, B=2.0)
+    sized = CostModel(costs.stages, microbatch_scale=scale)
+    assert simulate(generate("gpipe", 1, 4), sized).makespan == pytest.approx(12.0)
 
 
 def test_positions_give_a_dict_batch_and_mistakes_are_refused() -> None:

@@ -13,7 +13,8 @@ Documents of many lengths can also be fed without packing them into rows of one 
 :func:`pack_documents` packs whole documents into rows of a given length (position ids
 restarting at each); :func:`token_budget_microbatches` sorts them by length and cuts them
 into a step's microbatches of about equal padded token counts, each padded only to its own
-longest row (a :class:`~zeropipe.runtime.step.stage.Microbatches`, each its own shape).
+longest row (a :class:`~zeropipe.runtime.step.stage.Microbatches`, each its own shape);
+:func:`token_scale` is their sizes as a cost model's ``microbatch_scale``.
 """
 
 from __future__ import annotations
@@ -24,9 +25,15 @@ import torch
 from torch import Tensor
 
 from zeropipe.core.errors import ZeropipeError
-from zeropipe.runtime.step.stage import Microbatches
+from zeropipe.runtime.step.stage import Microbatches, as_tuple, batch_names
 
-__all__ = ["document_positions", "pack_documents", "packed_rows", "token_budget_microbatches"]
+__all__ = [
+    "document_positions",
+    "pack_documents",
+    "packed_rows",
+    "token_budget_microbatches",
+    "token_scale",
+]
 
 IGNORE = -100  # the label of a token nothing is trained to predict (pads, document starts)
 
@@ -154,3 +161,14 @@ def _cut_by_budget(lengths: Sequence[int], parts: int) -> list[int]:
         k = max(range(len(groups)), key=lambda g: groups[g])
         groups[k : k + 1] = [groups[k] - groups[k] // 2, groups[k] // 2]
     return groups
+
+
+def token_scale(batches: Microbatches) -> tuple[float, ...]:
+    """Each microbatch's padded tokens (the elements of its first input: rows x length for
+    token ids) over their mean:
+    ``CostModel(..., microbatch_scale=token_scale(batches))`` prices a step of them, each
+    microbatch's compute, memory and boundary bytes in proportion to its tokens (attention's
+    share, which grows with the square of the length, is priced linearly)."""
+    tokens = [float(as_tuple(batch_names(x)[1], "inputs")[0].numel()) for x in batches.inputs]
+    mean = sum(tokens) / len(tokens)
+    return tuple(t / mean for t in tokens)

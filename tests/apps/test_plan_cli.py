@@ -226,8 +226,8 @@ def test_a_measured_plan_that_would_run_for_minutes_is_refused(
     code, out, err = run(capsys, *argv, "--microbatches", "100000", "--quiet")
     assert code == 2 and out == ""
     [line] = err.splitlines()
-    assert "9 schedule(s) of 2 rank(s) x up to 2 chunk(s) x 100000 microbatches" in line
-    assert "about 1.1e+07 actions, which would take ~" in line and "--force" in line, line
+    assert "10 schedule(s) of 2 rank(s) x up to 2 chunk(s) x 100000 microbatches" in line
+    assert "about 1.2e+07 actions, which would take ~" in line and "--force" in line, line
 
 
 def test_a_cluster_plan_whose_largest_schedule_is_huge_is_refused(

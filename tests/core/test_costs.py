@@ -6,9 +6,10 @@ import dataclasses
 
 import pytest
 
-from zeropipe.core.costs import CostModel, StageCost, memory_deltas
+from zeropipe.core.costs import CostModel, StageCost
 from zeropipe.core.errors import ScheduleError
 from zeropipe.core.ir import Kind
+from zeropipe.core.memory import memory_deltas
 from zeropipe.core.schedules import generate
 
 

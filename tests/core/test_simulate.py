@@ -9,9 +9,10 @@ import pytest
 from hypothesis import given, settings
 
 from tests.strategies import valid_schedules
-from zeropipe.core.costs import CostModel, StageCost, peak_memory
+from zeropipe.core.costs import CostModel, StageCost
 from zeropipe.core.errors import ScheduleError
 from zeropipe.core.ir import Action, Kind, Schedule
+from zeropipe.core.memory import peak_memory
 from zeropipe.core.passes.fuse import fused_weights, group_weights
 from zeropipe.core.passes.lower import lower
 from zeropipe.core.schedules import generate

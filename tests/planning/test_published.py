@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from tests.planning import benchmark_modules
-from zeropipe.core.costs import CostModel, peak_memory
+from zeropipe.core.costs import CostModel
+from zeropipe.core.memory import peak_memory
 from zeropipe.core.passes.lower import lower
 from zeropipe.core.schedules import generate
 from zeropipe.core.simulate import simulate

@@ -1,4 +1,4 @@
-"""The cost model, one concept: how long each action takes and what it does to memory.
+"""Cost model: how long each action takes and what it does to memory.
 
 Times are in any unit (the simulator only adds them); memory is in any unit
 too, by default "one microbatch's activations of one full rank's layers", so
@@ -49,11 +49,10 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-from zeropipe.core.deps import Dependencies, offloaded_at_start
 from zeropipe.core.errors import ScheduleError
-from zeropipe.core.ir import COMM_KINDS, COMPUTE_KINDS, KINDS, Action, Kind, Schedule
+from zeropipe.core.ir import COMM_KINDS, COMPUTE_KINDS, Action, Kind, Schedule
 
-__all__ = ["CostModel", "StageCost", "initial_memory", "memory_deltas", "peak_memory", "per_rank"]
+__all__ = ["CostModel", "StageCost"]
 
 
 @dataclass(frozen=True)
@@ -164,8 +163,6 @@ class StageCost:
         return 0.0  # sends and receives take no time on the rank itself
 
 
-_NO = {k: n for n, k in enumerate(KINDS)}
-_HELD_FIXED = frozenset(_NO[k] for k in (Kind.B, Kind.I, Kind.W, Kind.R))
 _OPTIONAL = frozenset({"B", "R", "W_fused", "grad_bytes"})  # None stands for a sum of other figures
 
 
@@ -538,81 +535,3 @@ class CostModel:
         except ValueError as exc:  # JSONDecodeError, and RecursionError's cousins
             raise ScheduleError(f"cost model is not valid JSON: {exc}", rule="syntax") from None
         return cls.from_dict(data)
-
-
-def memory_deltas(
-    schedule: Schedule, costs: CostModel, deps: Dependencies | None = None
-) -> list[list[float]]:
-    """Per rank, the change in held memory caused by each action, in program order."""
-    deps = deps or Dependencies(schedule)
-    costs.for_stages(schedule.num_stages, schedule.microbatches)
-    stages, scale = costs.stages, costs.microbatch_scale
-    f, offload, reload = _NO[Kind.F], _NO[Kind.OFFLOAD], _NO[Kind.RELOAD]
-    # B, I, W and R of a stage change memory by the same amount every time.
-    fixed: dict[int, float] = {}  # stage << 4 | kind_no -> change
-    out: list[list[float]] = []
-    for acts in schedule.actions:
-        held: dict[int, float] = {}  # what each (s,i) holds on this rank now, by mb << 32 | s
-        deltas: list[float] = []
-        for a in acts:
-            kind, s, i = a.kind_no, a.stage, a.microbatch
-            d = 0.0
-            if i is None:
-                if a.kind is not Kind.REDUCE_GRAD:  # the gradients are held, reduced or not
-                    d = -stages[s].weights if kind == offload else stages[s].weights
-            elif kind == f:
-                d = stages[s].held_change(Kind.F, checkpointed=deps.checkpointed(s, i))
-                d = held[(i << 32) | s] = d * scale[i] if scale else d
-            elif kind in _HELD_FIXED:
-                key = (s << 4) | kind
-                got = fixed.get(key)
-                d = fixed[key] = stages[s].held_change(a.kind) if got is None else got
-                d = d * scale[i] if scale else d
-            elif kind == offload:
-                d = -held.get((i << 32) | s, 0.0)
-            elif kind == reload:
-                d = held.get((i << 32) | s, 0.0)
-            deltas.append(d)
-        out.append(deltas)
-    return out
-
-
-def initial_memory(schedule: Schedule, costs: CostModel) -> list[float]:
-    """Memory each rank holds before its first action: the weights that start resident.
-
-    A stage whose first weight action is a RELOAD starts offloaded.
-    """
-    out = []
-    for rank in range(schedule.num_ranks):
-        away = offloaded_at_start(schedule, rank)
-        out.append(sum(costs.stages[s].weights for s in schedule.stages_of(rank) if s not in away))
-    return out
-
-
-def peak_memory(
-    schedule: Schedule, costs: CostModel, deps: Dependencies | None = None
-) -> list[tuple[float, int]]:
-    """Per rank ``(peak, step)``: the highest memory held and the step that reached it."""
-    peaks = []
-    for start, deltas in zip(
-        initial_memory(schedule, costs), memory_deltas(schedule, costs, deps), strict=True
-    ):
-        level, best, at = start, start, -1
-        for step, d in enumerate(deltas):
-            level += d
-            if level > best + 1e-12:
-                best, at = level, step
-        peaks.append((best, at))
-    return peaks
-
-
-def per_rank(limit: float | Sequence[float], ranks: int, what: str = "memory_limit") -> list[float]:
-    """A limit for every rank: one number for all, or one number per rank."""
-    if isinstance(limit, (int, float)):
-        return [float(limit)] * ranks
-    values = [float(v) for v in limit]
-    if len(values) != ranks:
-        raise ScheduleError(
-            f"{what} has {len(values)} value(s) for {ranks} rank(s); give one or {ranks}"
-        )
-    return values

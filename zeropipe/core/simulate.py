@@ -29,11 +29,12 @@ import math
 from dataclasses import dataclass, field
 from statistics import median
 
-from zeropipe.core.costs import CostModel, StageCost, peak_memory
+from zeropipe.core.costs import CostModel, StageCost
 from zeropipe.core.deps import Graph
 from zeropipe.core.errors import ScheduleError
 from zeropipe.core.gc_pause import paused_gc
 from zeropipe.core.ir import COMM_KINDS, COMPUTE_KINDS, COPY_KINDS, KINDS, Action, Kind, Schedule
+from zeropipe.core.memory import peak_memory
 from zeropipe.core.passes.fuse import fused_weights
 from zeropipe.core.passes.lower import lower
 from zeropipe.core.validate import validate

@@ -22,11 +22,12 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
-from zeropipe.core.costs import CostModel, peak_memory, per_rank
+from zeropipe.core.costs import CostModel
 from zeropipe.core.deps import Dependencies, Graph, offloaded_at_start
 from zeropipe.core.errors import ScheduleError
 from zeropipe.core.gc_pause import paused_gc
 from zeropipe.core.ir import COMM_KINDS, KINDS, Action, Kind, Schedule, format_grid
+from zeropipe.core.memory import peak_memory, per_rank
 
 __all__ = ["validate"]
 

@@ -2,7 +2,7 @@
 recompute and activation offload, priced from the memory accounting alone.
 
 Memory does not depend on timing, so no plan here is simulated: peaks come from
-:func:`zeropipe.core.costs.peak_memory`, or (for a share of microbatches recomputed)
+:func:`zeropipe.core.memory.peak_memory`, or (for a share of microbatches recomputed)
 from :func:`share_peaks`, which walks the schedule instead of rewriting it.  Small
 schedules go to :func:`zeropipe.core.passes.fit.fit_memory`, whose greedy search finds finer
 plans but simulates at every step.  No torch here: this is core.
@@ -13,8 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from zeropipe.core.costs import CostModel, initial_memory, peak_memory
+from zeropipe.core.costs import CostModel
 from zeropipe.core.ir import Action, Kind, Schedule
+from zeropipe.core.memory import initial_memory, peak_memory
 from zeropipe.core.passes.fit import LimitTooLow, checkpoint, fit_memory, offload
 
 __all__ = [

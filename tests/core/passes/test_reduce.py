@@ -7,10 +7,11 @@ import json
 
 import pytest
 
-from zeropipe.core.costs import CostModel, StageCost, peak_memory
+from zeropipe.core.costs import CostModel, StageCost
 from zeropipe.core.deps import Dependencies, Graph
 from zeropipe.core.errors import ScheduleError
 from zeropipe.core.ir import Action, Kind, Schedule
+from zeropipe.core.memory import peak_memory
 from zeropipe.core.passes.build import build_schedule
 from zeropipe.core.passes.fit import checkpoint, offload, offload_weights
 from zeropipe.core.passes.fuse import group_weights

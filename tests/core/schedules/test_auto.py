@@ -22,9 +22,10 @@ import pytest
 
 from tests.strategies import random_costs
 from zeropipe.apps import cli
-from zeropipe.core.costs import CostModel, StageCost, peak_memory
+from zeropipe.core.costs import CostModel, StageCost
 from zeropipe.core.errors import ScheduleError
 from zeropipe.core.ir import Action, Kind, Schedule
+from zeropipe.core.memory import peak_memory
 from zeropipe.core.passes.fuse import fused_weights
 from zeropipe.core.schedules import GENERATORS, generate
 from zeropipe.core.schedules.list_scheduler import list_schedule, placement_of, replay

@@ -26,10 +26,11 @@ import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from zeropipe.core.costs import CostModel, initial_memory, memory_deltas, per_rank
+from zeropipe.core.costs import CostModel
 from zeropipe.core.deps import Dependencies, Graph, keep_overlaps
 from zeropipe.core.errors import ScheduleError
 from zeropipe.core.ir import COMPUTE_KINDS, Action, Kind, Schedule
+from zeropipe.core.memory import initial_memory, memory_deltas, per_rank
 from zeropipe.core.passes.lower import lower
 from zeropipe.core.simulate import simulate
 

@@ -47,9 +47,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from zeropipe.core.costs import CostModel, StageCost, peak_memory, per_rank
+from zeropipe.core.costs import CostModel, StageCost
 from zeropipe.core.errors import ScheduleError
 from zeropipe.core.ir import Action, Kind, Schedule
+from zeropipe.core.memory import peak_memory, per_rank
 from zeropipe.core.passes.fuse import group_weights
 from zeropipe.core.schedules.auto_timing import Run, time_runs
 from zeropipe.core.schedules.list_scheduler import (

@@ -16,10 +16,11 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from zeropipe.core.costs import CostModel, initial_memory
+from zeropipe.core.costs import CostModel
 from zeropipe.core.deps import Dependencies
 from zeropipe.core.errors import ScheduleError
 from zeropipe.core.ir import Action, Kind, Schedule
+from zeropipe.core.memory import initial_memory
 
 __all__ = ["Facts", "ListPlan", "ListRun", "Policy", "Step", "replayed"]
 

@@ -19,7 +19,7 @@ holds as communication buffers until the backward whatever the schedule
 does (the input is a leaf of the graph; the output is its root).  A
 checkpointed forward saves nothing, so it holds 0 bytes; after I what stays
 is the split-backward stash (``WeightGradStash.nbytes``).  These are exactly
-the deltas of :func:`zeropipe.core.costs.memory_deltas` with ``act``/``act_w``/
+the deltas of :func:`zeropipe.core.memory.memory_deltas` with ``act``/``act_w``/
 ``ckpt`` = the bytes measured here, which is what makes predicted and
 measured peaks comparable (:func:`measured_costs`).
 

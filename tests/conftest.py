@@ -4,7 +4,7 @@ Tests marked ``gpu`` (tests/test_gpu.py) need a CUDA GPU and are skipped, with t
 reason shown under ``pytest -rs``, where torch sees none.  ``--data``'s token cache goes to
 a temporary folder, not the user's ``~/.cache``.
 
-The suite runs on pytest-xdist's workers (``-n 2 --dist loadfile`` in pyproject.toml): each
+With pytest-xdist's workers (``-n 2``, as the README's test command runs the suite) each
 test file runs whole, in order, on one worker (module fixtures and the README's walkthrough,
 whose commands read what the one before wrote, run once), and files that read the same
 shared launch (a module of cases whose results a ``functools.cache`` keeps for the session,
@@ -43,8 +43,9 @@ def _token_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """``--dist loadfile``, with the files that read one shared launch as one unit of work."""
-    if config.getvalue("dist") != "loadfile":
+    """Tests sent to workers by file (``--dist load``, the default with ``-n``, included: the
+    suite needs it), the files that read one shared launch as one unit of work."""
+    if config.getvalue("dist") not in ("load", "loadfile"):
         return None
     from xdist.scheduler import LoadScopeScheduling
 

@@ -46,7 +46,7 @@ INSTALL = [
     "python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && "
     "pip install -e '.[plot]' && zeropipe train",
     "python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && "
-    "pip install -e '.[dev]' && python -m pytest -q",
+    "pip install -e '.[dev]' && python -m pytest -q -n 2",
 ]
 
 #: README command lines that are not run, and why.

@@ -191,6 +191,43 @@ def as_params(grads: dict[str, Tensor]) -> list[tuple[str, nn.Parameter]]:
     return params
 
 
+def whole_grads(model: nn.Module) -> dict[str, Tensor]:
+    """This rank's gradients, each whole (a DTensor gathered over its mesh)."""
+    out = {}
+    for n, p in model.named_parameters():
+        if p.grad is not None:
+            g = p.grad
+            out[n] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
+    return out
+
+
+def worst_errors(
+    pipe: object,
+    model: nn.Module,
+    steps: Iterable[tuple[Callable[[], Tensor], tuple[float, dict[str, Tensor]]]],
+    what: str,
+) -> dict[str, float]:
+    """The largest loss and gradient differences of a pipeline's steps from their references,
+    over the parameters this process's stages hold, and how many gradients were compared.
+
+    ``steps``: per step, a call that takes it (returning the loss) and its reference
+    ``(loss, gradients by name)``; ``pipe`` is the pipeline whose ``parameters()`` say
+    which are this process's.
+    """
+    mine = {id(p) for p in pipe.parameters()}  # type: ignore[attr-defined]
+    worst = {"loss": 0.0, "grad": 0.0, "checked": 0.0}
+    for step, (ref_loss, ref_grads) in steps:
+        model.zero_grad(set_to_none=True)
+        loss = step()
+        worst["loss"] = max(worst["loss"], abs(loss.item() - ref_loss))
+        for name, p in model.named_parameters():
+            if id(p) in mine:
+                assert p.grad is not None, f"{what}: {name} has no gradient"
+                worst["grad"] = max(worst["grad"], (p.grad - ref_grads[name]).abs().max().item())
+                worst["checked"] += 1
+    return worst
+
+
 def no_crash(result: object, where: str) -> None:
     """Fail with the traceback of a case that crashed inside a rank (``{"crashed": text}``)."""
     if isinstance(result, dict) and "crashed" in result:

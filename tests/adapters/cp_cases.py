@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 import zeropipe
 from tests.adapters import hf_cases, tp_cases
+from tests.gradcheck import whole_grads
 from tests.runtime.dist_cases import guard
 from zeropipe.core.errors import PipelineError, ScheduleError
 from zeropipe.core.ir import Schedule
@@ -96,23 +97,12 @@ def reference(arch: str, attn: str, kind: str) -> list[tuple[float, dict[str, Te
     return out
 
 
-def _grads(model: nn.Module) -> dict[str, Tensor]:
-    from torch.distributed.tensor import DTensor
-
-    out = {}
-    for name, p in model.named_parameters():
-        if p.grad is not None:
-            g = p.grad
-            out[name] = g.full_tensor() if isinstance(g, DTensor) else g.detach().clone()
-    return out
-
-
 def _steps(model: nn.Module, pipe: zeropipe.Pipeline, kind: str) -> list[dict[str, Any]]:
     steps = []
     for step, seq in STEPS:
         model.zero_grad(set_to_none=True)
         loss = pipe.step(*step_batch(kind, step, seq))
-        steps.append({"loss": loss.item(), "grads": _grads(model)})
+        steps.append({"loss": loss.item(), "grads": whole_grads(model)})
     return steps
 
 
@@ -164,7 +154,7 @@ def _dp_case(mesh: Any) -> dict[str, Any]:
         model.zero_grad(set_to_none=True)
         ids, labels = hf_cases.batch(step, seq)
         loss = pipe.step(ids.tensor_split(2)[dp], labels.tensor_split(2)[dp])
-        steps.append({"loss": loss.item(), "grads": _grads(model)})
+        steps.append({"loss": loss.item(), "grads": whole_grads(model)})
     return {"steps": steps, "replicas": pipe.dp_size}
 
 

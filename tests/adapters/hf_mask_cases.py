@@ -13,6 +13,7 @@ Labels are ``-100`` on every pad (and, left, on the token a pad predicts).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -20,6 +21,7 @@ from torch import Tensor, nn
 
 import zeropipe
 from tests.adapters import hf_cases
+from tests.gradcheck import worst_errors
 
 ATTN = {"right": "eager", "left": "sdpa"}
 
@@ -73,19 +75,12 @@ def errors(arch: str, side: str, schedule: str, local: bool = True) -> dict[str,
         loss_fn=zeropipe.causal_lm_loss,
         mesh="local" if local else None,
     )
-    mine = {id(p) for p in pipe.parameters()}
-    worst = {"loss": 0.0, "grad": 0.0, "checked": 0.0, "unmasked": abs(unmasked - refs[0][0])}
-    for (ids, mask, labels), (ref_loss, ref_grads) in zip(batches, refs, strict=True):
-        model.zero_grad(set_to_none=True)
-        loss = pipe.step((ids, mask), labels)
-        worst["loss"] = max(worst["loss"], abs(loss.item() - ref_loss))
-        for name, p in model.named_parameters():
-            if id(p) not in mine:
-                continue
-            assert p.grad is not None, f"{arch} {side} {schedule}: {name} has no gradient"
-            worst["grad"] = max(worst["grad"], (p.grad - ref_grads[name]).abs().max().item())
-            worst["checked"] += 1
-    return worst
+    steps = [
+        (functools.partial(pipe.step, (ids, mask), labels), ref)
+        for (ids, mask, labels), ref in zip(batches, refs, strict=True)
+    ]
+    worst = worst_errors(pipe, model, steps, f"{arch} {side} {schedule}")
+    return {**worst, "unmasked": abs(unmasked - refs[0][0])}
 
 
 def distributed_cases(rank: int, world: int) -> dict[str, Any]:

@@ -10,6 +10,7 @@ counts, one backward.  float64, eager attention, no dropout.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -17,6 +18,7 @@ from torch import Tensor, nn
 
 import zeropipe
 from tests.adapters import hf_cases
+from tests.gradcheck import worst_errors
 
 # Per step, each microbatch's rows and length (every row holds two documents), then the
 # first step's shapes again.
@@ -72,19 +74,8 @@ def errors(
         mesh="local" if local else None,
         options=options,
     )
-    mine = {id(p) for p in pipe.parameters()}
-    worst = {"loss": 0.0, "grad": 0.0, "checked": 0.0}
-    for step in STEPS:
-        ref_loss, ref_grads = refs[step]
-        model.zero_grad(set_to_none=True)
-        loss = pipe.step(microbatches(step))
-        worst["loss"] = max(worst["loss"], abs(loss.item() - ref_loss))
-        for name, p in model.named_parameters():
-            if id(p) in mine:
-                assert p.grad is not None, f"{schedule}: {name} has no gradient"
-                worst["grad"] = max(worst["grad"], (p.grad - ref_grads[name]).abs().max().item())
-                worst["checked"] += 1
-    return worst
+    steps = [(functools.partial(pipe.step, microbatches(step)), refs[step]) for step in STEPS]
+    return worst_errors(pipe, model, steps, schedule)
 
 
 def distributed_cases(rank: int, world: int) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 import zeropipe
 from tests.adapters import hf_cases
+from tests.gradcheck import whole_grads
 from tests.runtime.dist_cases import guard
 from zeropipe.core.errors import PipelineError
 
@@ -83,18 +84,6 @@ def layout(p: Tensor) -> str:
     )  # fmt: skip
 
 
-def _grads(model: nn.Module) -> dict[str, Tensor]:
-    """This rank's gradients, whole, by name (the tp ranks of a pp rank gather alike)."""
-    from torch.distributed.tensor import DTensor
-
-    out = {}
-    for name, p in model.named_parameters():
-        if p.grad is not None:
-            g = p.grad
-            out[name] = g.full_tensor() if isinstance(g, DTensor) else g.detach().clone()
-    return out
-
-
 def _case(mesh: Any, arch: str, tied: bool, schedule: str, order: str, sp: bool) -> dict[str, Any]:
     model = build(arch, tied)
     chunks = 2 if schedule == "zbv" else 1
@@ -117,7 +106,9 @@ def _case(mesh: Any, arch: str, tied: bool, schedule: str, order: str, sp: bool)
         model.zero_grad(set_to_none=True)
         loss = pipe.step(*hf_cases.batch(step, seq))
         distributed = sorted(n for n, p in model.named_parameters() if layout(p.grad) != "plain")
-        steps.append({"loss": loss.item(), "grads": _grads(model), "dtensor_grads": distributed})
+        steps.append(
+            {"loss": loss.item(), "grads": whole_grads(model), "dtensor_grads": distributed}
+        )
     layouts = {name: layout(p) for name, p in model.named_parameters()}
     local = {name: list(p.to_local().shape) for name, p in model.named_parameters()
              if layout(p) != "plain"}  # fmt: skip

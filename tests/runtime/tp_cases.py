@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from tests.gradcheck import whole_grads
 from tests.runtime.dist_cases import guard, supported
 from tests.runtime.dp_cases import outcome
 from zeropipe.core.costs import CostModel
@@ -142,16 +143,6 @@ def parallel_model(kind: str, tp_mesh: Any) -> nn.Sequential:
         ),
     )
     return model
-
-
-def whole_grads(model: nn.Module) -> dict[str, Tensor]:
-    """This rank's gradients, each whole (a DTensor gathered over its mesh)."""
-    out = {}
-    for n, p in model.named_parameters():
-        if p.grad is not None:
-            g = p.grad
-            out[n] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
-    return out
 
 
 def _schedule(name: str, model: nn.Sequential, variant: str, mesh: Any) -> Any:

@@ -14,6 +14,7 @@ with different shapes, then the first's again (shapes remembered per signature).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -21,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 import zeropipe
-from tests.gradcheck import mlp, token_model
+from tests.gradcheck import mlp, token_model, worst_errors
 
 # Per step, each microbatch's (rows, sequence length): lengths and rows differ.
 SHAPES = (
@@ -107,19 +108,8 @@ def errors(
     if isinstance(schedule, str):
         schedule = zeropipe.build_schedule(schedule, ranks=2, microbatches=M)
     pipe = zeropipe.Pipeline(model, schedule, loss_fn=loss_fn, mesh=mesh, options=options)
-    mine = {id(p) for p in pipe.parameters()}
-    worst = {"loss": 0.0, "grad": 0.0, "checked": 0.0}
-    for step in STEPS:
-        ref_loss, ref_grads = refs[step]
-        model.zero_grad(set_to_none=True)
-        loss = pipe.step(batches_for(step))
-        worst["loss"] = max(worst["loss"], abs(loss.item() - ref_loss))
-        for name, p in model.named_parameters():
-            if id(p) in mine:
-                assert p.grad is not None, f"{model_name}: {name} has no gradient"
-                worst["grad"] = max(worst["grad"], (p.grad - ref_grads[name]).abs().max().item())
-                worst["checked"] += 1
-    return worst
+    steps = [(functools.partial(pipe.step, batches_for(step)), refs[step]) for step in STEPS]
+    return worst_errors(pipe, model, steps, model_name)
 
 
 def two_ranks(rank: int, world: int) -> dict[str, Any]:

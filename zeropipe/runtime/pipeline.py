@@ -247,7 +247,9 @@ class Pipeline:
 
     @property
     def dp_rank(self) -> int:
-        """This process's replica, ``0 .. dp_size - 1``: the slice of the global batch it gets."""
+        """This process's replica, ``0 .. dp_size - 1``: the slice of the global batch it gets
+        (with a "cp" dimension of ``cp`` processes, which share a slice: ``dp_rank // cp`` of
+        ``dp_size // cp``)."""
         return 0 if self.replicas is None else self.replicas.rank
 
     def clip_grad_norm_(

@@ -28,8 +28,8 @@ RUNTIME = Path(zeropipe.__file__).parent / "runtime"
 # step/loss_contract, memory/manager
 MOST_FILES = 6
 # and, with replicas (pp 2 x dp 2 over gloo): transport/tagged, transport/endpoint,
-# transport/wire, replicas/data_parallel, replicas/collectives
-MOST_FILES_WITH_REPLICAS = 11
+# transport/wire, replicas/data_parallel
+MOST_FILES_WITH_REPLICAS = 10
 
 
 @contextmanager

@@ -1,2 +1,2 @@
-"""Sums across processes: replicas of the pipeline (data parallel, FSDP2), the collectives over
-the pipeline's ranks, and the gradient sums a step makes beyond REDUCE_GRAD."""
+"""Sums across processes: replicas of the pipeline (data parallel, FSDP2), and the gradient
+sums a step makes beyond REDUCE_GRAD (tied parameters, the norm of a clip)."""

@@ -40,8 +40,7 @@ from torch import Tensor, nn
 from zeropipe.core.errors import PipelineError
 from zeropipe.core.ir import Kind, Schedule
 from zeropipe.core.simulate import Event
-from zeropipe.runtime.replicas.collectives import all_reduce, flatten, unflatten
-from zeropipe.runtime.transport.endpoint import Endpoint, connect
+from zeropipe.runtime.transport.endpoint import Endpoint, all_reduce, connect, flatten, unflatten
 
 __all__ = [
     "GradReducer",

@@ -17,6 +17,7 @@ ranks holds its microbatches' share, and :func:`loss_over_route_ends` sums them.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -25,7 +26,6 @@ from torch import Tensor, nn
 from zeropipe.base._compat import tensor_has_grad_hooks
 from zeropipe.core.errors import PipelineError
 from zeropipe.runtime.parts import SplitParam
-from zeropipe.runtime.replicas.collectives import grad_norm
 from zeropipe.runtime.replicas.data_parallel import Replicas
 from zeropipe.runtime.step.stage import Stage
 
@@ -33,6 +33,7 @@ __all__ = [
     "add_back",
     "clip_grads",
     "counted_once",
+    "grad_norm",
     "loss_over_route_ends",
     "reduce_shared",
     "refuse_split_hooks",
@@ -180,3 +181,42 @@ def loss_over_route_ends(
         share += own.detach().to(device=device, dtype=torch.float64).reshape(())
     sum_([share])
     return share.to(agreed.dtype)
+
+
+def grad_norm(
+    grads: Sequence[Tensor],
+    norm_type: float,
+    sum_over_ranks: Callable[[Sequence[Tensor]], None] | None,
+    ranks: int,
+    rank: int,
+) -> Tensor:
+    """The norm of order ``norm_type`` of ``grads`` over every rank (a float64 CPU scalar).
+
+    ``sum_over_ranks`` sums tensors in place over the pipeline's ranks (None:
+    one process holds them all); ``rank`` is this process's among ``ranks``.
+    """
+    if norm_type == math.inf:
+        maxima = [_whole(g.abs().max()).double() for g in grads if g.numel()]
+        part = torch.stack(maxima).max().cpu() if maxima else torch.zeros((), dtype=torch.float64)
+        if sum_over_ranks is None:
+            return part
+        spread = torch.zeros(ranks, dtype=torch.float64)  # the ranks' maxima side by side
+        spread[rank] = part
+        sum_over_ranks([spread])
+        return spread.max()
+    norms = [_whole(torch.linalg.vector_norm(g, norm_type, dtype=torch.float64)) for g in grads]
+    part = (
+        torch.stack(norms).pow(norm_type).sum().cpu()
+        if norms
+        else torch.zeros((), dtype=torch.float64)
+    )
+    if sum_over_ranks is not None:
+        sum_over_ranks([part])
+    return part ** (1.0 / norm_type)
+
+
+def _whole(t: Tensor) -> Tensor:
+    """A plain tensor: a DTensor (a tensor-parallel or FSDP gradient's norm) gathered over its
+    mesh, so that every rank of the mesh holds the whole parameter's norm."""
+    full = getattr(t, "full_tensor", None)
+    return full() if callable(full) else t

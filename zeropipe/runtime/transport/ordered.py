@@ -57,8 +57,7 @@ from zeropipe.base.device import is_accelerator
 from zeropipe.core.errors import PipelineError
 from zeropipe.core.ir import Action, Kind, Schedule
 from zeropipe.core.message_order import message_order, receiver_of
-from zeropipe.runtime.replicas import collectives
-from zeropipe.runtime.transport.endpoint import Label, connect
+from zeropipe.runtime.transport.endpoint import Label, all_reduce, barrier, connect
 from zeropipe.runtime.transport.wire import (
     HEADER_LEN,
     LANES,
@@ -243,9 +242,7 @@ class OrderedTransport:
                     self._endpoint.wait_polled(works, labels)
                 else:
                     self._endpoint.wait(self._endpoint.pending(works, labels))
-            return collectives.barrier(
-                self._endpoint, loss, lambda k: self._tag, self._device, batched=True
-            )
+            return barrier(self._endpoint, loss, lambda k: self._tag, self._device, batched=True)
         finally:
             self._clear_step()
 
@@ -255,7 +252,7 @@ class OrderedTransport:
 
     def reduce_shared(self, grads: Sequence[Tensor]) -> None:
         self._endpoint.usable()
-        collectives.all_reduce(self._endpoint, grads)
+        all_reduce(self._endpoint, grads)
 
     def culprit(self, error: BaseException) -> BaseException | None:
         return self._failures.culprit(error)

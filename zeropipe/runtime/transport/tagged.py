@@ -22,11 +22,10 @@ disagree never mix their data; they stall, and learn it from the store
 (:class:`~zeropipe.runtime.transport.wire.Agreement`).
 
 The rest lives beside it: every wait is bounded and watches for failed
-peers (:mod:`zeropipe.runtime.transport.endpoint`), a failure reaches every rank through
-the rendezvous store (:mod:`zeropipe.runtime.transport.failures`), and the step ends
-with a barrier that carries the loss (its receives posted as the step
-starts), then the all-reduce of shared
-parameters' gradients (:mod:`zeropipe.runtime.replicas.collectives`).
+peers, and the step ends with the endpoint's barrier that carries the loss (its
+receives posted as the step starts), then the all-reduce of shared parameters'
+gradients (:mod:`zeropipe.runtime.transport.endpoint`); a failure reaches every rank
+through the rendezvous store (:mod:`zeropipe.runtime.transport.failures`).
 
 gloo only, CPU tensors only: NCCL matches point-to-point messages in issue
 order and ignores tags, which this protocol relies on (see the constructor).
@@ -46,8 +45,15 @@ from zeropipe.core.deps import Dependencies
 from zeropipe.core.errors import PipelineError
 from zeropipe.core.ir import Action, Kind, Schedule
 from zeropipe.core.message_order import receiver_of
-from zeropipe.runtime.replicas import collectives
-from zeropipe.runtime.transport.endpoint import Label, Pending, connect
+from zeropipe.runtime.transport.endpoint import (
+    Heard,
+    Label,
+    Pending,
+    all_reduce,
+    barrier,
+    connect,
+    post_barrier,
+)
 from zeropipe.runtime.transport.wire import (
     HEADER_LEN,
     LANES,
@@ -142,7 +148,7 @@ class DistributedTransport:
         self._recvs: dict[Action, _Recv] = {}
         self._sends: list[_Sent] = []
         self._signature: Hashable = None
-        self._heard: collectives.Heard | None = None  # the barrier's receives, once posted
+        self._heard: Heard | None = None  # the barrier's receives, once posted
 
     @property
     def timeout(self) -> float:
@@ -163,7 +169,7 @@ class DistributedTransport:
         self._lane_tag0 = self._lane_tag(self._stamper.lane)
         if self._heard is None:
             self._endpoint.usable()
-            self._heard = collectives.post_barrier(self._endpoint, self._barrier_tag, self._device)
+            self._heard = post_barrier(self._endpoint, self._barrier_tag, self._device)
 
     def send(self, action: Action, tensors: tuple[Tensor, ...]) -> None:
         self._endpoint.usable()
@@ -253,9 +259,7 @@ class DistributedTransport:
             labels = [lab for sent in sends for lab in sent.labels]
             self._endpoint.wait(self._endpoint.pending(works, labels))
         # Kept until the barrier returns: a failed step's receives stay alive (see fail).
-        loss = collectives.barrier(
-            self._endpoint, loss, self._barrier_tag, self._device, heard=self._heard
-        )
+        loss = barrier(self._endpoint, loss, self._barrier_tag, self._device, heard=self._heard)
         self._heard = None
         return loss
 
@@ -265,7 +269,7 @@ class DistributedTransport:
 
     def reduce_shared(self, grads: Sequence[Tensor]) -> None:
         self._endpoint.usable()
-        collectives.all_reduce(self._endpoint, grads)
+        all_reduce(self._endpoint, grads)
 
     def culprit(self, error: BaseException) -> BaseException | None:
         return self._failures.culprit(error)

@@ -15,7 +15,7 @@ Every rank of a pipeline must be in the same step with the same batch.  A
 :class:`Stamp` says which step and batch a rank is in: its step number and a
 48-bit *fingerprint* of the batch's shapes and dtypes and of the step's kind
 (training or evaluation).  The header carries it, so does the end-of-step
-barrier (:mod:`zeropipe.runtime.replicas.collectives`), and the receiver compares it
+barrier (:func:`zeropipe.runtime.transport.endpoint.barrier`), and the receiver compares it
 with its own.  Between them, payloads carry nothing extra: instead each
 fingerprint picks a *lane* of tags (:func:`next_lane`), so a payload of one
 batch never lands in a receive posted for another (gloo aborts a process

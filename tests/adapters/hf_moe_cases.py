@@ -54,10 +54,13 @@ def build(
     experts: str = "eager",
     dtype: torch.dtype = torch.float64,
     attn: str = "eager",
+    kv_heads: int = 1,
 ) -> nn.Module:
+    """A 4-layer ``arch`` (hidden 16, 2 heads, ``kv_heads`` key/value heads; DeepSeek-V3's
+    MLA 2), the same on every process."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    extra = {"num_key_value_heads": 1, **MOE[arch]}
+    extra = {"num_key_value_heads": kv_heads, **MOE[arch]}
     cfg = AutoConfig.for_model(
         arch,
         vocab_size=64,

@@ -2,17 +2,20 @@
 
 The gradient checks are one 4-process gloo launch (tests/adapters/tp_cases.py: tp 2
 inside pp 2, Llama, Qwen2 and Qwen3 under 1f1b and zbv, with and without sequence
-parallelism, both orders of split and parallelize), compared here with the unsplit,
+parallelism, both orders of split and parallelize; Qwen3-MoE, Mixtral and DeepSeek-V3,
+and Qwen3-MoE with its experts sharded over 2 replicas), compared here with the unsplit,
 unparallel model in float64 to 1e-10.  The refusals that need no processes run here.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 from unittest import mock
 
 import pytest
+import torch
 from torch import Tensor, nn
 
 pytest.importorskip(
@@ -88,6 +91,92 @@ def test_the_plan_shards_projections_and_keeps_embedding_and_head_whole(key: str
         sharded = [n for n, pl in layouts.items() if pl.startswith("Shard")]
         per_layer = 7 + (3 if arch == "qwen2" else 0)
         assert len(sharded) == 4 * per_layer, (key, sharded)
+
+
+# -- mixtures of experts -----------------------------------------------------------------
+MOE_KEYS = [*sorted(tp_cases.MOE_CASES), tp_cases.EP_CASE]
+
+
+def _moe(key: str) -> tuple[str, int]:
+    """A mixture case's architecture and replicas."""
+    if key == tp_cases.EP_CASE:
+        return "qwen3_moe", tp_cases.EP_DP
+    return tp_cases.MOE_CASES[key][0], 1
+
+
+@functools.cache
+def _moe_reference(arch: str, replicas: int) -> list[tuple[float, dict[str, Tensor]]]:
+    return tp_cases.moe_reference(arch, replicas)
+
+
+def _diff(got: Tensor, want: Tensor) -> float:
+    """The largest difference, float32 ones (DeepSeek-V3's router) scaled to float32's
+    precision as hf_moe_cases.step_errors does."""
+    scale = 1.0 if want.dtype == torch.float64 else 1e-5
+    return (got - want).abs().max().item() * scale
+
+
+@pytest.mark.parametrize("key", MOE_KEYS)
+def test_a_tensor_parallel_mixture_gives_the_models_own_loss_gradients_and_norm(
+    key: str,
+) -> None:
+    """Attention by heads over "tp", the router and experts replicated (sharded over the
+    replicas with ep): the loss with the router's term, every gradient, and the gradient
+    norm clip_grad_norm_ takes (nothing counted once per tp rank) are the unsplit model's."""
+    arch, replicas = _moe(key)
+    refs = _moe_reference(arch, replicas)
+    names = set(dict(tp_cases.moe_build(arch).named_parameters()))
+    ranks = _case_results(key)
+    for step, (ref_loss, ref_grads) in enumerate(refs):
+        norm = math.sqrt(sum(g.double().pow(2).sum().item() for g in ref_grads.values()))
+        seen: set[str] = set()
+        for r, got in ranks:
+            where = f"{key} step {step} on pp {r['pp']} tp {r['tp']}"
+            mine = got["steps"][step]
+            assert abs(mine["loss"] - ref_loss) <= TOL, (where, mine["loss"], ref_loss)
+            assert abs(mine["norm"] - norm) <= TOL * norm, (where, mine["norm"], norm)
+            for name, g in mine["grads"].items():
+                diff = _diff(g, ref_grads[name])
+                assert diff <= TOL, f"{where}: {name} differs by {diff:.3g}"
+            seen |= set(mine["grads"])
+            sharded = {n for n in mine["grads"] if got["layouts"][n] != "plain"}
+            assert sharded and set(mine["dtensor_grads"]) == sharded, (where, sharded)
+        assert seen == names, f"{key} step {step}: no gradient for {sorted(names - seen)}"
+
+
+@pytest.mark.parametrize("key", MOE_KEYS)
+def test_a_mixtures_attention_and_dense_mlps_are_sharded_and_its_sparse_blocks_replicated(
+    key: str,
+) -> None:
+    heads = ("q_proj", "k_proj", "v_proj", "q_b_proj", "kv_b_proj", "gate_proj", "up_proj")
+    for _r, got in _case_results(key):
+        layouts, local = got["layouts"], got["local_shapes"]
+        for name, placement in layouts.items():
+            leaf = name.split(".")[-2]
+            if leaf in heads:
+                assert placement == "Shard(0)", (key, name, placement)
+            elif leaf in ROWWISE:  # o_proj; a dense MLP's or DeepSeek's shared experts' down
+                assert placement == "Shard(1)", (key, name, placement)
+            elif leaf in ("q_norm", "k_norm"):
+                assert placement == "Replicate", (key, name, placement)
+            elif leaf == "experts" and key == tp_cases.EP_CASE:  # 4 experts over 2 replicas
+                assert placement == "Shard(0)" and local[name][0] == 2, (key, name, local)
+            else:  # router, experts, MLA's latent projections and norms, embedding, head
+                assert placement == "plain", (key, name, placement)
+        routers = [n for n in layouts if n.endswith("mlp.gate.weight")]
+        assert routers and all(layouts[n] == "plain" for n in routers), (key, routers)
+
+
+def test_sequence_parallelism_on_a_mixture_is_refused_before_anything_changes() -> None:
+    for arch, cls, what in (
+        ("qwen3_moe", "Qwen3MoeDecoderLayer", "a mixture of experts"),
+        ("mixtral", "MixtralDecoderLayer", "a mixture of experts"),
+        ("deepseek_v3", "DeepseekV3DecoderLayer", r"latent attention \(MLA\)"),
+    ):
+        model = tp_cases.moe_build(arch)
+        with pytest.raises(PipelineError, match=f"sequence_parallel=True\\): {cls} holds {what}"):
+            zeropipe.parallelize(model, _fake_mesh(), sequence_parallel=True)
+        assert _plain(model)
 
 
 def test_refusals_inside_the_launch() -> None:

@@ -7,6 +7,10 @@ two steps of a ``Pipeline`` over ``mesh``.  Each rank returns the loss and, by
 parameter name, the whole gradient (``full_tensor()`` of a DTensor's) of the
 parameters its stages own, and what ``parallelize`` made of each parameter; the test
 process compares them with the unsplit, unparallel model's (tests/adapters/test_hf_tp.py).
+The mixtures of experts (``MOE_CASES``: Qwen3-MoE and Mixtral with their router's loss,
+DeepSeek-V3's latent attention and shared experts; 2 heads, 2 key/value heads) run in the
+same launch, and so does ``EP_CASE``: a (pp 1, dp 2, tp 2) mesh of the same 4 processes,
+the experts sharded over the 2 replicas; each also returns ``clip_grad_norm_``'s norm.
 
 The mesh is ("pp", "tp"): rank = pp * TP + tp.
 """
@@ -20,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 import zeropipe
-from tests.adapters import hf_cases
+from tests.adapters import hf_cases, hf_moe_cases
 from tests.gradcheck import whole_grads
 from tests.runtime.dist_cases import guard
 from zeropipe.core.errors import PipelineError
@@ -93,7 +97,11 @@ def _case(mesh: Any, arch: str, tied: bool, schedule: str, order: str, sp: bool)
     else:
         stages = zeropipe.split(model, PP * chunks, balance=[1] * 4 if chunks == 2 else [2, 2])
         zeropipe.parallelize(stages, mesh["tp"], sequence_parallel=sp)
-    pipe = zeropipe.Pipeline(
+    return _steps(model, _pipeline(stages, schedule, mesh))
+
+
+def _pipeline(stages: list[nn.Module], schedule: str, mesh: Any) -> zeropipe.Pipeline:
+    return zeropipe.Pipeline(
         stages,
         schedule,
         loss_fn=zeropipe.causal_lm_loss,
@@ -101,18 +109,72 @@ def _case(mesh: Any, arch: str, tied: bool, schedule: str, order: str, sp: bool)
         mesh=mesh,
         options=zeropipe.RuntimeOptions(timeout=60.0),
     )
+
+
+def _steps(model: nn.Module, pipe: zeropipe.Pipeline, replicas: int = 1) -> dict[str, Any]:
+    """``hf_cases.STEPS`` (each replica its slice of the batch): per step the loss, the whole
+    gradients, which are DTensors and ``clip_grad_norm_``'s norm (nothing clipped); then
+    what the plan made of each parameter."""
     steps = []
     for step, seq in hf_cases.STEPS:
         model.zero_grad(set_to_none=True)
-        loss = pipe.step(*hf_cases.batch(step, seq))
+        ids, labels = (t.tensor_split(replicas)[pipe.dp_rank] for t in hf_cases.batch(step, seq))
+        loss = pipe.step(ids, labels)
         distributed = sorted(n for n, p in model.named_parameters() if layout(p.grad) != "plain")
+        grads = whole_grads(model)
+        norm = pipe.clip_grad_norm_(1e9).item()
         steps.append(
-            {"loss": loss.item(), "grads": whole_grads(model), "dtensor_grads": distributed}
+            {"loss": loss.item(), "grads": grads, "dtensor_grads": distributed, "norm": norm}
         )
     layouts = {name: layout(p) for name, p in model.named_parameters()}
     local = {name: list(p.to_local().shape) for name, p in model.named_parameters()
              if layout(p) != "plain"}  # fmt: skip
     return {"steps": steps, "layouts": layouts, "local_shapes": local}
+
+
+# -- mixtures of experts: attention tensor-parallel, the sparse blocks replicated ------------
+# name -> (arch, schedule): pp 2 x tp 2, split then parallelized; the router's loss on
+# (Qwen3-MoE, Mixtral; DeepSeek-V3 has none): see tests/adapters/hf_moe_cases.py.
+MOE_CASES: dict[str, tuple[str, str]] = {
+    "qwen3_moe 1f1b": ("qwen3_moe", "1f1b"),
+    "mixtral zbv": ("mixtral", "zbv"),
+    "deepseek_v3 1f1b": ("deepseek_v3", "1f1b"),
+}
+EP_CASE = "qwen3_moe pp1 x dp2 x tp2, ep2"  # experts sharded over the replicas, 1f1b
+EP_DP = 2
+
+
+def moe_build(arch: str) -> nn.Module:
+    """The tiny mixture of ``hf_moe_cases`` with 2 heads and 2 key/value heads (1 a rank)."""
+    return hf_moe_cases.build(arch, kv_heads=2)
+
+
+def moe_reference(arch: str, replicas: int = 1) -> list[tuple[float, dict[str, Tensor]]]:
+    """The unsplit model microbatch by microbatch, the router's loss of each microbatch
+    averaged over every replica's microbatches, at each of ``hf_cases.STEPS``."""
+    model = moe_build(arch)
+    return [
+        hf_moe_cases.reference(model, *hf_cases.batch(step, seq), m=replicas * MICROBATCHES)
+        for step, seq in hf_cases.STEPS
+    ]
+
+
+def _moe_case(mesh: Any, arch: str, schedule: str) -> dict[str, Any]:
+    model = moe_build(arch)
+    stages = hf_moe_cases.cut(model, PP * (2 if schedule == "zbv" else 1))
+    zeropipe.parallelize(stages, mesh["tp"])
+    return _steps(model, _pipeline(stages, schedule, mesh))
+
+
+def _ep_case() -> dict[str, Any]:
+    """tp 2 inside each of 2 replicas, the experts sharded over the replicas (ep = dp)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1, EP_DP, TP), mesh_dim_names=("pp", "dp", "tp"))
+    model = moe_build("qwen3_moe")
+    stages = hf_moe_cases.cut(model, 1)
+    zeropipe.parallelize(stages, mesh["tp"], ep_mesh=mesh["dp"])
+    return _steps(model, _pipeline(stages, "1f1b", mesh), replicas=EP_DP)
 
 
 def _twice(mesh: Any) -> None:
@@ -154,6 +216,10 @@ def cases(rank: int, world: int) -> dict[str, Any]:
     out["cases"] = {
         key: guard(functools.partial(_case, mesh, *case)) for key, case in CASES.items()
     }
+    out["cases"].update(
+        {key: guard(functools.partial(_moe_case, mesh, *case)) for key, case in MOE_CASES.items()}
+    )
+    out["cases"][EP_CASE] = guard(_ep_case)
     out["refusals"] = guard(lambda: _refusals(mesh))
     return out
 

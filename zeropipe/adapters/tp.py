@@ -22,6 +22,22 @@ per decoder layer of the Llama family (Llama, Mistral, Qwen2, Qwen3)::
     gate_proj, up_proj                          ColwiseParallel
     down_proj                                   RowwiseParallel
 
+The mixtures of experts (Qwen3-MoE, Mixtral, DeepSeek-V3) get the same plan on
+their attention and on their dense MLPs (Qwen3-MoE's ``mlp_only_layers``,
+DeepSeek-V3's first dense layers and its shared experts).  Their sparse blocks
+(the router and the experts) stay replicated over "tp": after attention's
+row-wise all-reduce every rank holds the whole hidden states, so each routes the
+same tokens to the same experts, and their gradients come out whole and equal
+on every rank, as a replicated norm's do (no sum over "tp"; ``ep_mesh=`` may
+shard those experts over the replicas).  DeepSeek-V3's latent attention (MLA)::
+
+    q_a_proj, q_a_layernorm, kv_a_layernorm     replicated (the latent, before the heads)
+    q_proj or q_b_proj, kv_b_proj               ColwiseParallel: each rank its heads
+    kv_a_proj_with_mqa                          replicated; its rotary key part is one key
+                                                every head reads, so its gradient (each
+                                                rank's heads' share) is summed over "tp"
+    o_proj                                      RowwiseParallel
+
 Every module's input and output stays a plain tensor holding the full hidden
 states (``use_local_output=True``), so the pipeline sends the same tensors as
 without tensor parallelism and HF's attention, which reshapes with ``-1``
@@ -35,7 +51,8 @@ vocabulary-parallel loss is not written yet.
 layer over the sequence (torch's ``SequenceParallel`` on its two norms, whose
 weight gradients are summed over "tp"): a layer takes and returns the whole
 hidden states (cut at its input, all-gathered at its output), so any cut into
-stages works; the sequence length must be divisible by the tp size.
+stages works; the sequence length must be divisible by the tp size.  Dense
+models only: a mixture's replicated sparse block would need the whole sequence.
 """
 
 from __future__ import annotations
@@ -43,21 +60,30 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from zeropipe.adapters.context_parallel import context_parallel
-from zeropipe.adapters.ep import ep_size, experts_of, parallelized_roots, shard_experts
+from zeropipe.adapters.ep import (
+    ExpertParallel,
+    ep_size,
+    experts_of,
+    parallelized_roots,
+    shard_experts,
+)
 from zeropipe.adapters.hf import SUPPORTED, hf_family, is_hf_model
 from zeropipe.core.errors import PipelineError
 
 __all__ = ["TP_FAMILIES", "parallelize"]
 
 # The model classes whose decoder layers carry the plan, and those layers' classes.
-TP_FAMILIES = tuple(name for name, family in SUPPORTED.items() if family == "llama")
+TP_FAMILIES = tuple(name for name, family in SUPPORTED.items() if family in ("llama", "moe"))
 _LAYERS = tuple(name.replace("ForCausalLM", "DecoderLayer") for name in TP_FAMILIES)
-_COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
-            "mlp.up_proj")  # fmt: skip
-_ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
+# Attention's projections that make each rank's heads (MLA's q_b_proj and kv_b_proj too).
+_HEAD_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "q_b_proj", "kv_b_proj")
+# Where a layer's dense MLP is: its MLP, or a mixture's shared experts.
+_DENSE_MLPS = ("mlp", "mlp.shared_experts")
 _HEAD_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
 _SP_NORMS = ("input_layernorm", "post_attention_layernorm")
 
@@ -90,6 +116,8 @@ def parallelize(
     (``mesh["dp"]`` in a pipeline, or blocks of ep consecutive replicas of it: expert
     parallelism inside the data-parallel replicas, which then reduce expert gradients
     only over the replicas holding the same experts).  The experts count must be divisible by its size.
+    With ``tp_mesh`` too, each tp rank of a replica holds the same experts and routes the
+    same tokens, exchanged with the ranks of its own ep group (its tp position's).
 
     ``cp_mesh``: a 1-D ``DeviceMesh`` (``mesh["cp"]``) the sequence of every row is
     sharded over, each rank running the stages on its tokens and attending to every
@@ -120,22 +148,42 @@ def _tensor_parallel(stages_or_model: object, tp_mesh: Any, sequence_parallel: b
     size = _tp_size(tp_mesh)
     for layer in layers:
         _check_heads(layer, size)
+        if sequence_parallel:
+            _check_dense(layer)
     _check_not_parallel(layers)
     from torch.distributed.tensor.parallel import parallelize_module
 
     for layer in layers:
         if sequence_parallel:
             _check_sequence_on_input(layer, size)
-        parallelize_module(layer, tp_mesh, _plan(sequence_parallel))
+        parallelize_module(layer, tp_mesh, _plan(layer, sequence_parallel))
         if sequence_parallel:
             _sequence_boundary(layer, tp_mesh)
         for name in _HEAD_NORMS:
             norm = _find(layer, name)
             if norm is not None:
                 _per_head(norm, tp_mesh)
+        if _find(layer, "self_attn.kv_a_proj_with_mqa") is not None:
+            _sum_rotary_key_grads(layer.get_submodule("self_attn"), tp_mesh)
 
 
-def _plan(sequence_parallel: bool) -> dict[str, Any]:
+def _projections(layer: nn.Module) -> tuple[list[str], list[str]]:
+    """The column-wise and the row-wise linears of one decoder layer, by submodule name:
+    attention's (each rank its heads) and its dense MLPs' (none in a sparse block)."""
+    colwise = [
+        f"self_attn.{name}"
+        for name in _HEAD_PROJECTIONS
+        if _find(layer, f"self_attn.{name}") is not None
+    ]
+    rowwise = ["self_attn.o_proj"]
+    for mlp in _DENSE_MLPS:
+        if _find(layer, f"{mlp}.gate_proj") is not None:
+            colwise += [f"{mlp}.gate_proj", f"{mlp}.up_proj"]
+            rowwise.append(f"{mlp}.down_proj")
+    return colwise, rowwise
+
+
+def _plan(layer: nn.Module, sequence_parallel: bool) -> dict[str, Any]:
     """The plan of one decoder layer, by submodule name."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
@@ -145,15 +193,16 @@ def _plan(sequence_parallel: bool) -> dict[str, Any]:
         SequenceParallel,
     )
 
-    plan: dict[str, Any] = {name: ColwiseParallel() for name in _COLWISE}
+    colwise, rowwise = _projections(layer)
+    plan: dict[str, Any] = {name: ColwiseParallel() for name in colwise}
     if not sequence_parallel:
-        plan.update({name: RowwiseParallel() for name in _ROWWISE})
+        plan.update({name: RowwiseParallel() for name in rowwise})
         return plan
     seq = Shard(1)
     # Inside the layer the residual stream is cut over the sequence; attention and MLP
     # gather it whole and hand back their part of the sum, reduce-scattered.
     plan.update({name: SequenceParallel(use_local_output=True) for name in _SP_NORMS})
-    plan.update({name: RowwiseParallel(output_layouts=seq) for name in _ROWWISE})
+    plan.update({name: RowwiseParallel(output_layouts=seq) for name in rowwise})
     plan["self_attn"] = PrepareModuleInput(
         input_kwarg_layouts={"hidden_states": seq},
         desired_input_kwarg_layouts={"hidden_states": Replicate()},
@@ -187,7 +236,7 @@ def _sequence_boundary(layer: nn.Module, tp_mesh: Any) -> None:
 # -- what is parallelized -----------------------------------------------------------------
 def _decoder_layers(given: object) -> list[nn.Module]:
     """The supported decoder layers of a model or of its stages, each once, in order."""
-    if isinstance(given, nn.Module) and hf_family(given) != "llama":
+    if isinstance(given, nn.Module) and hf_family(given) not in ("llama", "moe"):
         raise PipelineError(_unsupported(type(given).__name__, given))
     roots = parallelized_roots(given)
     layers: dict[int, nn.Module] = {}
@@ -199,6 +248,8 @@ def _decoder_layers(given: object) -> list[nn.Module]:
                 layers.setdefault(id(module), module)
             elif name is not None:
                 others.add(name)
+    # a supported layer's own blocks (a mixture's sparse MoE block) are part of its plan
+    others -= {_layer_class(m) for layer in layers.values() for m in layer.modules()}
     if not layers or others:
         what = sorted(others) or [type(r).__name__ for r in roots]
         raise PipelineError(_unsupported(", ".join(dict.fromkeys(what)), None))
@@ -263,11 +314,30 @@ def _check_heads(layer: nn.Module, size: int) -> None:
         )
 
 
+def _check_dense(layer: nn.Module) -> None:
+    """Sequence parallelism: refused on a layer whose MLP is a sparse block or whose
+    attention is latent (their plans replicate what would need the whole sequence)."""
+    replicated = {
+        "mlp.experts": "a mixture of experts",
+        "self_attn.kv_a_proj_with_mqa": "latent attention (MLA)",
+    }
+    for name, what in replicated.items():
+        if _find(layer, name) is not None:
+            raise PipelineError(
+                f"zeropipe.parallelize(sequence_parallel=True): {type(layer).__name__} holds "
+                f"{what}, which the tensor-parallel plan keeps replicated over 'tp' on whole "
+                f"sequences; use sequence_parallel=False with mixtures of experts"
+            )
+
+
 def _check_not_parallel(layers: list[nn.Module]) -> None:
     from torch.distributed.tensor import DTensor
 
     for layer in layers:
-        if any(isinstance(p, DTensor) for p in layer.parameters()):
+        # experts sharded over "ep" first are DTensors too; the plan leaves them as they are
+        sharded = [m for m in layer.modules() if isinstance(m, ExpertParallel)]
+        experts = {id(p) for m in sharded for p in m.parameters()}
+        if any(isinstance(p, DTensor) and id(p) not in experts for p in layer.parameters()):
             raise PipelineError(
                 f"zeropipe.parallelize: a {type(layer).__name__} already holds DTensor "
                 f"parameters (parallelize was called on the model or on its stages already); "
@@ -329,6 +399,43 @@ def _replicated_grad(grad: Tensor) -> Tensor:
     if isinstance(grad, DTensor) and not all(p.is_replicate() for p in grad.placements):
         return grad.redistribute(grad.device_mesh, [Replicate()] * grad.device_mesh.ndim)
     return grad
+
+
+def _sum_rotary_key_grads(attention: nn.Module, tp_mesh: Any) -> None:
+    """MLA's rotary key, made whole again in backward.
+
+    ``kv_a_proj_with_mqa`` (replicated) outputs the key/value latent, then
+    ``qk_rope_head_dim`` columns: one rotary key that every head reads.  A rank runs
+    its heads only, so the gradient of those columns holds its heads' share; they are
+    summed over "tp" (the latent's columns arrive whole already: ``kv_b_proj``'s
+    column-wise input sums its gradient).
+    """
+    mla: Any = attention
+    start = int(mla.kv_lora_rank)
+    group = tp_mesh.get_group()
+
+    def shared_key(_module: nn.Module, _args: Any, out: Tensor) -> Tensor:
+        return _SumColumnsGrad.apply(out, start, group)
+
+    attention.get_submodule("kv_a_proj_with_mqa").register_forward_hook(shared_key)
+
+
+class _SumColumnsGrad(torch.autograd.Function):
+    """Identity forward; backward sums the gradient's last columns (from ``start``) over
+    ``group`` and passes the others as they are."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, start: int, group: Any) -> Tensor:
+        ctx.start, ctx.group = start, group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        out = grad.clone()
+        shared = out[..., ctx.start :].contiguous()
+        dist.all_reduce(shared, group=ctx.group)
+        out[..., ctx.start :] = shared
+        return out, None, None
 
 
 def _check_sequence_on_input(layer: nn.Module, size: int) -> None:

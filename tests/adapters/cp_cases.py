@@ -139,15 +139,22 @@ def _case(mesh: Any, arch: str, name: str, attn: str, kind: str) -> dict[str, An
     return {"steps": _steps(model, pipe, kind), "sharded": [s is not None for s in shards]}
 
 
-def _dp_case(mesh: Any) -> dict[str, Any]:
+def _dp_case(mesh: Any, dp_shard: bool = False) -> dict[str, Any]:
     """Llama under 1f1b on a ("pp", "dp", "cp") mesh of (1, 2, 2): one process plays both
     pipeline ranks, the two replicas each step on half the rows, the cp processes of a
-    replica on its half's tokens; counts, loss and gradients summed over dp x cp."""
+    replica on its half's tokens; counts, loss and gradients summed over dp x cp (with
+    ``dp_shard``, reduce-scattered into FSDP2's shards over dp x cp)."""
     model = hf_cases.build("llama", tied=False)
     stages = zeropipe.split(model, 2, balance=[2, 2])
     zeropipe.parallelize(stages, cp_mesh=mesh["cp"])
     schedule = zeropipe.build_schedule("1f1b", ranks=2, microbatches=1)
-    pipe = zeropipe.Pipeline(stages, schedule, loss_fn=zeropipe.causal_lm_loss, mesh=mesh)
+    pipe = zeropipe.Pipeline(
+        stages,
+        schedule,
+        loss_fn=zeropipe.causal_lm_loss,
+        mesh=mesh,
+        options=zeropipe.RuntimeOptions(timeout=60.0, dp_shard=dp_shard),
+    )
     dp = mesh.get_local_rank("dp")
     steps = []
     for step, seq in STEPS:
@@ -155,7 +162,10 @@ def _dp_case(mesh: Any) -> dict[str, Any]:
         ids, labels = hf_cases.batch(step, seq)
         loss = pipe.step(ids.tensor_split(2)[dp], labels.tensor_split(2)[dp])
         steps.append({"loss": loss.item(), "grads": whole_grads(model)})
-    return {"steps": steps, "replicas": pipe.dp_size}
+    embedding = model.get_input_embeddings().weight
+    held = getattr(embedding, "to_local", lambda: embedding)()
+    # dp_shard: the rows this process holds of the 64 x 16 embedding (64 / (dp x cp))
+    return {"steps": steps, "replicas": pipe.dp_size, "embedding": list(held.shape)}
 
 
 def _refused(make: Any) -> str:
@@ -169,7 +179,7 @@ def _refused(make: Any) -> str:
 def _refusals(mesh: Any) -> dict[str, str]:
     """A sequence 2 x cp does not divide; a loss that cannot take a shard; stages not
     sharded under a cp mesh; a mixture of experts; a whole model; stages sharded twice; a
-    padding mask; sequence parallelism and dp_shard with cp."""
+    padding mask; sequence parallelism with cp."""
     from tests.adapters import hf_moe_cases
 
     def pipeline(stages: Any, loss: Any = zeropipe.causal_lm_loss) -> zeropipe.Pipeline:
@@ -205,16 +215,6 @@ def _refusals(mesh: Any) -> dict[str, str]:
                 zeropipe.split(llama, 2), None, cp_mesh=mesh["cp"], sequence_parallel=True
             )
         ),
-        "dp_shard": _refused(
-            lambda: zeropipe.Pipeline(
-                sharded(),
-                "1f1b",
-                loss_fn=zeropipe.causal_lm_loss,
-                microbatches=2,
-                mesh=mesh,
-                options=zeropipe.RuntimeOptions(dp_shard=True),
-            )
-        ),
     }
 
 
@@ -231,6 +231,7 @@ def cases(rank: int, world: int) -> dict[str, Any]:
     out["refusals"] = guard(lambda: _refusals(mesh))
     replicas = init_device_mesh("cpu", (1, 2, CP), mesh_dim_names=("pp", "dp", "cp"))
     out["dp x cp"] = guard(lambda: _dp_case(replicas))
+    out["dp x cp dp_shard"] = guard(lambda: _dp_case(replicas, dp_shard=True))
     return out
 
 

@@ -10,8 +10,9 @@ Two launches, each cached for the test session:
   Qwen3-MoE with its router loss under 1f1b, zbv and 1f1b with every forward
   recomputed, clip_grad_norm_, and a DCP
   checkpoint saved at ep 2 and loaded at ep 1 (plain experts) on the same mesh;
-  dualpipev with its overlapped pairs run at once and in sequence; then
-  pp 1 x dp 4 with the experts over blocks of 2 replicas (ep 2 < dp 4).
+  dualpipev with its overlapped pairs run at once and in sequence; 1f1b with
+  ``dp_shard=True`` (FSDP2 over "dp", the experts left whole); then pp 1 x dp 4 with
+  the experts over blocks of 2 replicas (ep 2 < dp 4), replicated and with dp_shard.
 
 Each rank returns the differences from the unsplit, unsharded model it computes
 itself, and what it holds (placements, local shapes, rows received), so the test
@@ -30,6 +31,7 @@ from torch import Tensor, nn
 
 import zeropipe
 from tests.adapters import hf_cases, hf_moe_cases
+from tests.gradcheck import whole_grads
 from tests.runtime.dist_cases import guard
 from zeropipe.adapters.ep import shard_experts
 from zeropipe.core.errors import PipelineError
@@ -162,7 +164,12 @@ PP, DP = 2, 2
 
 
 def _pipeline(
-    mesh: Any, name: str, ep: bool, overlap: bool = True, microbatches: int = hf_moe_cases.M
+    mesh: Any,
+    name: str,
+    ep: bool,
+    overlap: bool = True,
+    microbatches: int = hf_moe_cases.M,
+    dp_shard: bool = False,
 ) -> tuple[nn.Module, zeropipe.Pipeline]:
     """Qwen3-MoE under schedule ``name`` ("1f1b+recompute": every forward recomputed
     before its backward, the experts' exchanges issued again)."""
@@ -181,7 +188,7 @@ def _pipeline(
         loss_fn=zeropipe.causal_lm_loss,
         microbatches=microbatches,
         mesh=mesh,
-        options=zeropipe.RuntimeOptions(timeout=60.0, overlap=overlap),
+        options=zeropipe.RuntimeOptions(timeout=60.0, overlap=overlap, dp_shard=dp_shard),
     )
     return model, pipe
 
@@ -201,6 +208,44 @@ def _ep_pipeline(mesh: Any, name: str, path: str | None) -> dict[str, Any]:
     out["norm"] = abs(pipe.clip_grad_norm_(1e-3).item() - ref_norm) / ref_norm
     if path is not None:
         zeropipe.save_checkpoint(pipe, None, path, model=model)
+    return out
+
+
+def _whole_errors(
+    model: nn.Module, pipe: zeropipe.Pipeline, ref: dict[str, Tensor]
+) -> dict[str, Any]:
+    """Under dp_shard: this rank's gradients gathered whole (FSDP2's shards over "dp", the
+    experts over "ep") against the reference's; and how each parameter is held: FSDP2's
+    (Shard(0) over the replicas, its local rows fewer than the whole's) or an expert's."""
+    mine = {id(p) for p in pipe.parameters()}
+    grads = whole_grads(model)
+    worst, checked, fsdp, experts = 0.0, 0, 0, {}
+    for name, p in model.named_parameters():
+        if id(p) not in mine or name not in grads:
+            continue
+        worst = max(worst, (grads[name] - ref[name]).abs().max().item())
+        checked += 1
+        if "experts" in name:
+            experts[name] = [list(_local(p).shape), str(p.placements[0])]  # type: ignore[attr-defined]
+        elif _local(p).shape != p.shape:
+            fsdp += 1
+    return {"grad": worst, "checked": checked, "fsdp": fsdp, "sharded": experts}
+
+
+def _ep_dp_shard(mesh: Any) -> dict[str, Any]:
+    """1f1b with dp_shard=True: the stages FSDP2-sharded over "dp" but for the experts,
+    which stay whole on their ep rank; one step, then clip_grad_norm_."""
+    ids, labels = hf_cases.batch(0, 8)
+    ref_loss, ref = hf_moe_cases.reference(
+        hf_moe_cases.build("qwen3_moe"), ids, labels, m=DP * hf_moe_cases.M
+    )
+    model, pipe = _pipeline(mesh, "1f1b", ep=True, dp_shard=True)
+    dp = mesh.get_local_rank("dp")
+    loss = pipe.step(torch.tensor_split(ids, DP)[dp], torch.tensor_split(labels, DP)[dp])
+    out = _whole_errors(model, pipe, ref)
+    out["loss"] = abs(loss.item() - ref_loss)
+    ref_norm = math.sqrt(sum(g.double().pow(2).sum().item() for g in ref.values()))
+    out["norm"] = abs(pipe.clip_grad_norm_(1e-3).item() - ref_norm) / ref_norm
     return out
 
 
@@ -261,9 +306,10 @@ def _load_at_ep1(mesh: Any, path: str) -> dict[str, Any]:
     return {"value": worst, "checked": len(got), "experts": sum("experts" in n for n, _ in got)}
 
 
-def _ep_below_dp() -> dict[str, Any]:
+def _ep_below_dp(dp_shard: bool = False) -> dict[str, Any]:
     """pp 1 x dp 4, the experts over blocks of 2 replicas (ep 2 < dp 4): expert gradients
-    summed over the 2 replicas that hold the same experts, the others over all 4."""
+    summed over the 2 replicas that hold the same experts, the others over all 4 (with
+    ``dp_shard``, reduce-scattered into FSDP2's shards over the 4)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (1, 4), mesh_dim_names=("pp", "dp"))
@@ -274,11 +320,14 @@ def _ep_below_dp() -> dict[str, Any]:
     stages = zeropipe.parallelize(hf_moe_cases.cut(model, 1), ep_mesh=ep_mesh)
     pipe = zeropipe.Pipeline(
         stages, "1f1b", loss_fn=zeropipe.causal_lm_loss, microbatches=1, mesh=mesh,
-        options=zeropipe.RuntimeOptions(timeout=60.0),
+        options=zeropipe.RuntimeOptions(timeout=60.0, dp_shard=dp_shard),
     )  # fmt: skip
     dp = mesh.get_local_rank("dp")
     loss = pipe.step(torch.tensor_split(ids, 4)[dp], torch.tensor_split(labels, 4)[dp])
-    out = _expert_errors(model, ref, ep_mesh.get_local_rank())
+    if dp_shard:
+        out = _whole_errors(model, pipe, ref)
+    else:
+        out = _expert_errors(model, ref, ep_mesh.get_local_rank())
     out["loss"] = abs(loss.item() - ref_loss)
     ref_norm = math.sqrt(sum(g.double().pow(2).sum().item() for g in ref.values()))
     out["norm"] = abs(pipe.clip_grad_norm_(1e-3).item() - ref_norm) / ref_norm
@@ -300,6 +349,8 @@ def four_processes(path: str, rank: int, world: int) -> dict[str, Any]:
     out["load ep1"] = guard(lambda: _load_at_ep1(mesh, path))
     out["dualpipev overlap"] = guard(lambda: _ep_overlap(mesh))
     out["ep2 dp4"] = guard(_ep_below_dp)
+    out["1f1b dp_shard"] = guard(lambda: _ep_dp_shard(mesh))
+    out["ep2 dp4 dp_shard"] = guard(lambda: _ep_below_dp(dp_shard=True))
     return out
 
 

@@ -5,7 +5,8 @@ Two launches (tests/adapters/ep_cases.py): 2 processes at ep 2 without a pipelin
 (Qwen3-MoE, Mixtral, DeepSeek-V3; a routing that leaves one rank without rows), and
 4 processes at pp 2 x dp 2 with the experts sharded over "dp" (1f1b, zbv, recompute,
 clip_grad_norm_, a DCP checkpoint saved at ep 2 and loaded at ep 1; dualpipev with its
-overlapped pairs of expert stages run at once, against the same pairs in sequence).  The checkpoint is
+overlapped pairs of expert stages run at once, against the same pairs in sequence;
+dp_shard=True, the experts left out of FSDP2).  The checkpoint is
 also loaded here, in one process.  Refusals that need no processes run here too.
 """
 
@@ -108,6 +109,29 @@ def test_ep_smaller_than_dp_sums_experts_over_the_replicas_holding_them(
     for rank, got in enumerate(_got(pipeline_run[0], "ep2 dp4")):
         assert got["loss"] <= TOL and got["grad"] <= TOL and got["norm"] <= TOL, (rank, got)
         assert got["checked"] == got["names"] and len(got["sharded"]) == 6, (rank, got)
+
+
+def test_dp_shard_with_experts_inside_dp_gives_the_reference(
+    pipeline_run: tuple[list[dict[str, Any]], Path],
+) -> None:
+    # FSDP2 shards every parameter over "dp" but the experts, which stay whole on their ep
+    # rank: gathered whole, the gradients and clip_grad_norm_'s total are the reference's.
+    results, _ = pipeline_run
+    names = set(dict(hf_moe_cases.build("qwen3_moe").named_parameters()))
+    for r, got in zip(results, _got(results, "1f1b dp_shard"), strict=True):
+        where = f"pp {r['pp']} dp {r['dp']}"
+        assert got["loss"] <= TOL and got["grad"] <= TOL and got["norm"] <= TOL, (where, got)
+        assert got["fsdp"] > 0 and got["sharded"], (where, got)
+        for shape, placement in got["sharded"].values():
+            assert shape[0] == ep_cases.EXPERTS // 2 and placement == "S(0)", (where, got)
+        assert got["fsdp"] + len(got["sharded"]) == got["checked"], (where, got)
+    per_pp = {r["pp"]: r["1f1b dp_shard"]["checked"] for r in results if r["dp"] == 0}
+    assert sum(per_pp.values()) == len(names), per_pp
+    # ep 2 < dp 4: the experts summed over the 2 replicas holding them, beside FSDP2
+    for rank, got in enumerate(_got(results, "ep2 dp4 dp_shard")):
+        assert got["loss"] <= TOL and got["grad"] <= TOL and got["norm"] <= TOL, (rank, got)
+        assert got["checked"] == got["names"] and len(got["sharded"]) == 6, (rank, got)
+        assert got["fsdp"] + 6 == got["checked"], (rank, got)
 
 
 def test_a_checkpoint_saved_at_ep2_loads_at_ep1_and_in_one_process(

@@ -3,7 +3,8 @@ model's own loss and gradients.
 
 The gradient checks are one 4-process gloo launch (tests/adapters/cp_cases.py: cp 2 inside
 pp 2, Llama under every generator, Mistral, Qwen2 and Qwen3 under 1f1b, sdpa attention,
-packed rows whose position ids restart) and one 8-process launch (cp 2 x tp 2 inside pp 2),
+packed rows whose position ids restart; pp 1 x dp 2 x cp 2, replicated and with
+dp_shard=True) and one 8-process launch (cp 2 x tp 2 inside pp 2),
 compared here with the unsplit, unsharded model in float64.  Every cp rank is given the
 whole batch and must report the whole batch's loss and, after the sum over cp, the whole
 gradients.
@@ -87,7 +88,6 @@ def test_what_cannot_be_context_parallel_is_refused_in_one_line() -> None:
         "twice": r"context-parallel already",
         "padding": r"takes no attention_mask \(padding\): pack the documents",
         "sequence parallel": r"use sequence_parallel=False with it",
-        "dp_shard": r"FSDP2 shards over 'dp' only.*use dp_shard=False",
     }
     for what, pattern in expected.items():
         message = refusals[what]
@@ -115,6 +115,19 @@ def test_replicas_of_context_parallel_pipelines_sum_over_dp_and_cp() -> None:
         no_crash(got, "dp x cp")
         assert got["replicas"] == 4  # the pipeline's replicas are its dp x cp processes
         seen |= _check_steps("dp x cp", got["steps"], refs)
+    assert seen == set(refs[0][1])
+
+
+def test_dp_shard_with_context_parallelism_shards_over_dp_and_cp() -> None:
+    # pp 1 x dp 2 x cp 2, dp_shard=True: FSDP2 over the 4 processes of dp x cp, whose
+    # reduce-scatter sums what the replicated mode's all-reduce sums
+    refs = _reference("llama", "eager", "plain")
+    seen: set[str] = set()
+    for r in cp_cases.results():
+        got = r["dp x cp dp_shard"]
+        no_crash(got, "dp x cp dp_shard")
+        assert got["replicas"] == 4 and got["embedding"] == [64 // 4, 16], got["embedding"]
+        seen |= _check_steps("dp x cp dp_shard", got["steps"], refs)
     assert seen == set(refs[0][1])
 
 

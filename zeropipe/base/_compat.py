@@ -44,6 +44,9 @@ What is private, and why zeropipe needs it:
 ``AllGather``, ``ReduceScatter``   collectives (not exported publicly): the
                                    pipeline posts them itself, so a failed
                                    peer ends the wait within its time limit
+``DeviceMesh._flatten()``          a mesh's "dp" and "cp" as one dimension:
+                                   FSDP2 shards over dp x cp under context
+                                   parallelism (torchtitan does the same)
 ``OptimizedModule._orig_mod``      the module ``torch.compile(module)`` wraps:
                                    a compiled stage's submodules are named on
                                    it (layer seeding), its forward still runs
@@ -83,6 +86,7 @@ __all__ = [
     "compiled_autograd_reason",
     "current_stream",
     "default_backend",
+    "flatten_mesh",
     "fsdp_bounded_comms",
     "fsdp_finish_backward",
     "fsdp_lazy_init",
@@ -493,6 +497,19 @@ def fsdp_bounded_comms(module: Any, run: Callable[[Callable[[], Any], str], None
 
     module.set_custom_all_gather(_AllGather())
     module.set_custom_reduce_scatter(_ReduceScatter())
+
+
+def flatten_mesh(mesh: Any, names: tuple[str, ...]) -> Any | None:
+    """``mesh``'s dimensions ``names`` as one 1-D DeviceMesh (``mesh[names]._flatten()``,
+    torchtitan's ``dp_shard_cp``), kept by the root mesh, so asking again makes no new group.
+
+    ``DeviceMesh._flatten`` is private; checked on torch 2.13.0 (present since 2.5).  None
+    where a torch lacks it: FSDP2 then shards over a mesh made from the group itself, which
+    serves stages that are not tensor-parallel.
+    """
+    sub = mesh[names] if len(names) > 1 else mesh[names[0]]
+    flatten = getattr(sub, "_flatten", None)
+    return flatten() if callable(flatten) else None
 
 
 def profiler_active() -> bool:

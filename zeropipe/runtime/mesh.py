@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from zeropipe.base import _compat
 from zeropipe.base.device import make_current, resolve_device, single_device
 from zeropipe.core.errors import PipelineError
 from zeropipe.core.ir import Schedule
@@ -44,7 +45,7 @@ class Where:
     world: int
     pp_group: object | None = None
     dp_group: object | None = None
-    dp_mesh: object | None = None  # the mesh's "dp" dimension: FSDP2 shards over it
+    dp_mesh: object | None = None  # the mesh's "dp" (with "cp": dp x cp): FSDP2 shards over it
     tp_size: int = 1  # the mesh's "tp" dimension: the user's tensor parallelism
     tp_group: object | None = None
     # The mesh's "cp" dimension (context parallelism, applied to the stages by the user):
@@ -100,6 +101,9 @@ def resolve_mesh(mesh: object | None) -> Where:
         if "cp" in names and int(mesh["cp"].size()) > 1:  # type: ignore[index]
             cp_size, cp_rank = int(mesh["cp"].size()), int(mesh.get_local_rank("cp"))  # type: ignore[index,attr-defined]
             dp_group = _replicas_over_dp_and_cp(mesh, names)
+            # FSDP2 then shards over dp x cp, which sums the gradients (None: the
+            # replicas' group, where torch cannot flatten a mesh).
+            dp_mesh = _compat.flatten_mesh(mesh, ("dp", "cp") if "dp" in names else ("cp",))
     elif initialised and isinstance(mesh, dist.ProcessGroup):
         pp_group = mesh
     else:
@@ -147,10 +151,9 @@ def context_parallel_loss(loss_fn: Callable[..., object], where: Where) -> Calla
     return shard(where.cp_rank, where.cp_size)
 
 
-def check_context_parallel(where: Where, modules: Sequence[object], dp_shard: bool) -> None:
+def check_context_parallel(where: Where, modules: Sequence[object]) -> None:
     """Refuse a pipeline whose stages and mesh disagree about context parallelism: every
-    stage sharded over as many cp ranks as the mesh's "cp" dimension, or none; and
-    ``dp_shard``, which would shard over "dp" weights that dp x cp sums."""
+    stage sharded over as many cp ranks as the mesh's "cp" dimension, or none."""
     sizes = {getattr(getattr(m, "context_parallel", None), "size", 1) for m in modules}
     if sizes != {where.cp_size} and modules:
         raise PipelineError(
@@ -158,11 +161,6 @@ def check_context_parallel(where: Where, modules: Sequence[object], dp_shard: bo
             f"sharded over {sorted(sizes)}: call zeropipe.parallelize(stages, "
             f"cp_mesh=mesh['cp']) on the stages of a mesh with a 'cp' dimension, and only "
             f"on those"
-        )
-    if dp_shard and where.cp_size > 1:
-        raise PipelineError(
-            "RuntimeOptions(dp_shard=True) with a 'cp' dimension: FSDP2 shards over 'dp' "
-            "only, but context parallelism sums gradients over dp x cp; use dp_shard=False"
         )
 
 

@@ -136,7 +136,7 @@ def build_parts(
     all_stages = with_copies(
         build_stages(stages, plan.num_stages - len(plan.copies), balance, len(plan.copies)), plan
     )
-    check_context_parallel(where, [st.module for st in all_stages], opts.dp_shard)
+    check_context_parallel(where, [st.module for st in all_stages])
     check_same_pipeline(where, plan, all_stages, opts.timeout)
     deps = Dependencies(plan)
     ran_here = plan.stages_of(where.rank) if where.distributed else range(plan.num_stages)
@@ -235,34 +235,29 @@ def reducer_for(
 ) -> GradReducer | None:
     """What each REDUCE_GRAD sums across the replicas (None without replicas).
 
-    With ``dp_shard`` a :class:`ShardedReducer` over this process's
-    ``stages``; else a :class:`GradReducer` of each parameter at the REDUCE_GRAD of the
-    last stage using it, ``shared`` parameters left to the step's end and experts
-    sharded over the replicas never summed.
+    With ``dp_shard`` a :class:`ShardedReducer` over this process's ``stages``; else a
+    :class:`GradReducer` of each parameter at the REDUCE_GRAD of the last stage using it,
+    ``shared`` parameters left to the step's end.  Either way experts sharded over the
+    replicas (expert parallelism inside dp) are summed apart, over the replicas holding
+    the same experts only, and FSDP2 leaves them whole.
     """
     if replicas is None:
         return None
-    if not dp_shard:
-        every = [p for st in all_stages for p in st.parameters()]
-        experts = sharded_over_replicas(every, replicas.group)
-        exclude = {id(p) for p in shared} | experts.ids
-        ranks = [where.rank] if where.distributed else range(schedule.num_ranks)
-        owners: dict[int, list[nn.Parameter]] = {}
-        apart: dict[int, list[nn.Parameter]] = {}
-        for r in ranks:
-            params = {s: list(all_stages[s].parameters()) for s in schedule.stages_of(r)}
+    every = [p for st in all_stages for p in st.parameters()]
+    experts = sharded_over_replicas(every, replicas.group)
+    ranks = [where.rank] if where.distributed else range(schedule.num_ranks)
+    owners: dict[int, list[nn.Parameter]] = {}
+    apart: dict[int, list[nn.Parameter]] = {}
+    for r in ranks:
+        params = {s: list(all_stages[s].parameters()) for s in schedule.stages_of(r)}
+        if not dp_shard:
+            exclude = {id(p) for p in shared} | experts.ids
             owners.update(reduction_owners(schedule, r, params, exclude=exclude))
-            held = {s: [p for p in ps if id(p) in experts.ids] for s, ps in params.items()}
-            apart.update(reduction_owners(schedule, r, held))
-        apart_reducer = experts_reducer(experts, apart, replicas.endpoint.timeout)
+        held = {s: [p for p in ps if id(p) in experts.ids] for s, ps in params.items()}
+        apart.update(reduction_owners(schedule, r, held))
+    apart_reducer = experts_reducer(experts, apart, replicas.endpoint.timeout)
+    if not dp_shard:
         return GradReducer(replicas.endpoint, owners, apart_reducer)
-    if sharded_over_replicas(
-        (p for st in stages.values() for p in st.parameters()), replicas.group
-    ).ids:
-        raise PipelineError(
-            "RuntimeOptions(dp_shard=True) with experts sharded over 'dp' (expert parallelism): "
-            "FSDP2 would shard them again over the same ranks; use dp_shard=False"
-        )
     first_param = next((p for st in stages.values() for p in st.parameters()), None)
     return ShardedReducer(
         replicas,
@@ -273,6 +268,8 @@ def reducer_for(
         transport.reduce_shared,
         device or (first_param.device if first_param is not None else torch.device("cpu")),
         where.dp_mesh,
+        experts=experts.ids,
+        apart=apart_reducer,
     )
 
 

@@ -45,10 +45,31 @@ the REDUCE_GRAD of every one of them has run.
 A pipeline group of one process (a mesh whose "pp" dimension is 1) plays
 every pipeline rank in this process: its stages are all here, and so is the
 whole gradient of a parameter tied across ranks (nothing to sum over "pp").
+
+Experts sharded over the replicas (expert parallelism inside dp:
+``zeropipe.parallelize(stages, ep_mesh=)``) stay out of FSDP
+(``fully_shard(..., ignored_params=)``): each rank keeps its experts whole, as
+their DTensor ``Shard(0)`` over "ep", and their gradients are summed at each
+REDUCE_GRAD over the replicas holding the same experts only (``apart``), as the
+replicated mode sums them; with ep = dp nobody else holds them and nothing is
+summed.  Sharding them again over those replicas was left out: they are a 1/ep
+share already, the replicas holding the same experts are dp/ep (none when ep =
+dp, the common layout), and FSDP2 shards every parameter of a unit over one mesh,
+so they would need units of their own over a second mesh.  (The cluster planner
+prices expert state under FSDP as sharded over those dp/ep replicas: with ep < dp
+it counts less of it than a rank holds here.)  ``clip_grad_norm_`` counts each
+expert once: its gradient is a DTensor over "ep", whose norm is gathered over
+"ep", and the replicas holding the same experts hold the same summed gradient.
+
+With a "cp" dimension the gradients are summed over dp x cp (each cp rank holds
+other tokens of the same rows), so the stages are sharded over that flattened
+mesh (torchtitan's ``dp_shard_cp``; :func:`zeropipe.runtime.mesh.resolve_mesh`
+makes it): FSDP2's reduce-scatter sums over both.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -82,9 +103,14 @@ class ShardedReducer(GradReducer):
             order every pipeline rank lists them (before sharding).
         sum_over_pp: sums tensors in place over the pipeline group.
         device: where the stages compute.
-        mesh: the DeviceMesh to shard over (a "dp" dimension of the user's mesh, which
-            FSDP2 needs when the parameters are tensor-parallel DTensors on its "tp"
-            dimension); None: one built from the replicas' group.
+        mesh: the DeviceMesh to shard over (a "dp" dimension of the user's mesh, or its
+            "dp" and "cp" flattened, which FSDP2 needs when the parameters are
+            tensor-parallel DTensors on its "tp" dimension); None: one built from the
+            replicas' group.
+        experts: the ids of parameters sharded over the replicas already (experts
+            under expert parallelism), left out of FSDP.
+        apart: the reducer of those experts' gradients (over the replicas holding the
+            same experts), posted at every REDUCE_GRAD; None: nothing to sum.
     """
 
     def __init__(
@@ -96,8 +122,11 @@ class ShardedReducer(GradReducer):
         sum_over_pp: Callable[[list[Tensor]], None],
         device: torch.device,
         mesh: object | None = None,
+        *,
+        experts: frozenset[int] = frozenset(),
+        apart: GradReducer | None = None,
     ) -> None:
-        super().__init__(replicas.endpoint, {})
+        super().__init__(replicas.endpoint, {}, apart)
         missing = _compat.fsdp_missing()
         if missing:
             raise PipelineError(
@@ -107,16 +136,16 @@ class ShardedReducer(GradReducer):
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard
 
-        self.dp_size, self.dp_rank = replicas.size, replicas.rank
-        self.device = device
-        self.sum_over_pp = sum_over_pp
-        self.shared_shapes = [tuple(p.shape) for p in shared]
-        self.shared_dtypes = [p.dtype for p in shared]
         dp_mesh = (
             mesh
             if isinstance(mesh, DeviceMesh)
             else DeviceMesh.from_group(replicas.group, device.type)  # type: ignore[arg-type]
         )
+        self.dp_size, self.dp_rank = dp_mesh.size(), dp_mesh.get_local_rank()
+        self.device = device
+        self.sum_over_pp = sum_over_pp
+        self.shared_shapes = [tuple(p.shape) for p in shared]
+        self.shared_dtypes = [p.dtype for p in shared]
         # Where each shared parameter lives in this rank's stages, by name: sharding
         # replaces the parameter objects, the names stay.
         where: dict[int, tuple[nn.Module, str]] = {}
@@ -133,7 +162,12 @@ class ShardedReducer(GradReducer):
         self.waiting: dict[int, set[int]] = {}  # this step: unit -> stages not yet at REDUCE_GRAD
         for group in _connected(stages):
             unit = _Unit([stages[s].module for s in group])
-            fully_shard(unit, mesh=dp_mesh, reshard_after_forward=False)
+            ignored = {p for s in group for p in stages[s].parameters() if id(p) in experts}
+            if ignored:
+                _refuse_without_ignored_params(fully_shard)
+                fully_shard(unit, mesh=dp_mesh, reshard_after_forward=False, ignored_params=ignored)
+            else:
+                fully_shard(unit, mesh=dp_mesh, reshard_after_forward=False)
             # The loss weights are global shares already: the reduce-scatter must SUM.
             unit.set_gradient_divide_factor(1.0)  # type: ignore[operator]
             unit.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
@@ -174,6 +208,8 @@ class ShardedReducer(GradReducer):
         unit = self.unit_of.get(stage)
         if unit is None:
             raise PipelineError(f"REDUCE_GRAD of stage {stage}: this rank does not run it")
+        if self.apart is not None:  # the experts this stage's REDUCE_GRAD owns
+            self.apart.post(stage)
         waiting = self.waiting.get(self.units.index(unit), set())
         waiting.discard(stage)
         if waiting:  # a unit is reduced once, when the last of its stages' gradients is final
@@ -189,6 +225,8 @@ class ShardedReducer(GradReducer):
         for _, unit in posted:
             _compat.fsdp_finish_backward(unit)
         self.reduced = [s for s, _ in posted]
+        if self.apart is not None:
+            self.apart.wait_all()
         if self.shared_shapes:
             self._sum_shared()
 
@@ -215,6 +253,16 @@ class ShardedReducer(GradReducer):
         chunks = torch.chunk(torch.empty(shape[0], device="meta"), self.dp_size)
         rows = len(chunks[self.dp_rank]) if self.dp_rank < len(chunks) else 0
         return (rows, *shape[1:])
+
+
+def _refuse_without_ignored_params(fully_shard: Callable[..., object]) -> None:
+    """Refuse experts under ``dp_shard`` where ``fully_shard`` cannot leave them out."""
+    if "ignored_params" not in inspect.signature(fully_shard).parameters:
+        raise PipelineError(
+            f"dp_shard=True with experts sharded over 'dp' (expert parallelism) needs "
+            f"fully_shard(ignored_params=), which torch {torch.__version__} lacks: use "
+            f"dp_shard=False, or a torch that has it (2.13 does)"
+        )
 
 
 def _connected(stages: Mapping[int, Stage]) -> list[list[int]]:

@@ -11,7 +11,9 @@ DeepSeek-V3 as ``zeropipe.split`` cuts them (router loss included).
 
 from __future__ import annotations
 
+import gc
 import sys
+import threading
 import time
 from collections.abc import Callable
 from itertools import pairwise
@@ -354,6 +356,46 @@ def test_the_measured_timeline_shows_a_pair_s_halves_at_the_same_time(overlap: b
             assert shared > 0, (forward, backward)
         else:
             assert shared <= 0, (forward, backward)
+
+
+class _Threads(nn.Module):
+    """A linear layer whose backward records the thread it ran on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+        self.threads: list[threading.Thread] = []
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.linear(x)
+        out.register_hook(lambda grad: self.threads.append(threading.current_thread()))
+        return out
+
+
+def test_a_thread_s_pairs_run_their_backwards_on_one_worker_that_ends_with_it() -> None:
+    # One worker for all the pairs of all the steps a thread runs, so that what torch keeps
+    # per thread (DTensor's sharding-propagation cache) stays warm; it ends with that thread.
+    seen: dict[str, Any] = {}
+
+    def two_steps() -> None:
+        pipe, model = _slow_pipe(True, layer=_Threads)
+        for _ in range(2):
+            pipe.step(torch.randn(8, WIDTH), torch.randn(8, WIDTH))
+        seen["pairs"] = len(_concurrent_pairs(pipe))
+        seen["threads"] = {
+            t for layer in model if isinstance(layer, _Threads) for t in layer.threads
+        }
+
+    caller = threading.Thread(target=two_steps, name="stepping")
+    caller.start()
+    caller.join()
+    assert seen["pairs"] >= 3
+    workers = seen["threads"] - {caller}
+    assert caller in seen["threads"] and len(workers) == 1, seen["threads"]
+    (worker,) = workers
+    gc.collect()
+    worker.join(timeout=10.0)
+    assert not worker.is_alive()
 
 
 class _Trap(nn.Module):

@@ -4,11 +4,13 @@ A schedule's overlapped pair (``Schedule.overlaps``, written ``(0F3;3B1)``) is a
 forward of one stage and a backward (B or I) of another, adjacent on one rank.
 With ``RuntimeOptions(overlap=True)`` the executor hands such a pair to
 :func:`run_pair`: the backward runs on a worker thread while the forward runs
-on the calling thread, so that what one half waits for (a received tensor, later
-an all-to-all) is waited for while the other half computes::
+on the calling thread, so that what one half waits for (a received tensor, an
+all-to-all) is waited for while the other half computes.  The worker is one thread per
+calling thread, kept for its life (:class:`_Worker`), not one per pair: what torch keeps
+per thread, DTensor's sharding-propagation cache above all, stays warm::
 
     calling thread:  |--- F(a, j): wait for its input ... compute ---|
-    worker thread:   |--- B(b, k): wait for its gradient ... compute ---|   joined
+    worker thread:   |--- B(b, k): wait for its gradient ... compute ---|   waited for
 
 Both halves run their ordinary handlers (the one dispatch table).  What they share
 is made safe this way:
@@ -43,7 +45,7 @@ is made safe this way:
   needs ``RuntimeOptions(overlap=False)`` when the model draws random numbers.
 
 Errors: each half's error is the :class:`PipelineError` naming its action, as run
-one after the other; the worker is always joined (its waits are bounded by the
+one after the other; the backward half is always waited for (its waits are bounded by the
 transport's timeout), and when both fail, the forward's error is raised with the
 backward's as a note (on Python 3.11 and later).
 
@@ -58,7 +60,9 @@ work and communication with the other's kernels, not two kernels at once.
 
 from __future__ import annotations
 
+import queue
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
@@ -176,6 +180,67 @@ class _Ledger(_Locked):
         self._kept.clear()
 
 
+class _Worker:
+    """The thread that runs the backward halves of the pairs one calling thread starts,
+    one pair at a time, kept for the life of that thread (:func:`_worker`).
+
+    One thread for all the pairs rather than one per pair: what torch keeps per thread
+    stays warm from pair to pair.  DTensor's sharding-propagation cache is a
+    ``threading.local``: on a new thread, every DTensor op of a backward (the gradients
+    of experts sharded over "ep" are DTensors) computes its sharding again in Python,
+    holding the GIL that the forward half's Python needs.
+    """
+
+    def __init__(self) -> None:
+        jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._jobs = jobs
+        name = f"zeropipe pairs of {threading.current_thread().name}"
+        self.thread = threading.Thread(target=_serve, args=(jobs,), name=name, daemon=True)
+        self.thread.start()
+        weakref.finalize(self, jobs.put, None)  # its calling thread gone: the worker ends
+
+    def submit(self, job: Callable[[], None]) -> threading.Event:
+        """Run ``job`` on the worker, with the calling thread's intra-op thread count, and
+        return once it has started (as ``Thread.start`` does); the event is set when it has
+        returned (``job`` catches its own errors)."""
+        threads = torch.get_num_threads()
+        started, done = threading.Event(), threading.Event()
+
+        def counted() -> None:
+            started.set()
+            try:
+                # A new thread's OpenMP team defaults to every core: without this, its ops
+                # would run on more threads than the rank was given (1 per rank: 2x slower on
+                # 2 cores).
+                if torch.get_num_threads() != threads:
+                    torch.set_num_threads(threads)
+                job()
+            finally:
+                done.set()
+
+        self._jobs.put(counted)
+        started.wait()
+        return done
+
+
+def _serve(jobs: queue.SimpleQueue[Callable[[], None] | None]) -> None:
+    """A worker's loop: run each job in turn until ``None``."""
+    while (job := jobs.get()) is not None:
+        job()
+
+
+_workers = threading.local()  # each calling thread's _Worker
+
+
+def _worker() -> _Worker:
+    """The calling thread's worker, started on its first pair (and again after a fork,
+    which leaves the child without the parent's other threads)."""
+    worker: _Worker | None = getattr(_workers, "worker", None)
+    if worker is None or not worker.thread.is_alive():
+        worker = _workers.worker = _Worker()
+    return worker
+
+
 def run_pair(
     ctx: StepContext, rank: int, step: int, forward: Action, backward: Action, run: RunAction
 ) -> tuple[Event, Event]:
@@ -200,27 +265,22 @@ def run_pair(
     ]
     outcome: list[Event | BaseException] = []
     same_stream = _same_stream(ctx.device)
-    threads = torch.get_num_threads()
 
     def backward_half() -> None:
         try:
-            # A new thread's OpenMP team defaults to every core: without this, its ops would
-            # run on more threads than the rank was given (1 per rank: 2x slower on 2 cores).
-            torch.set_num_threads(threads)
             with same_stream():
                 outcome.append(run(halves[1], rank, step + 1, backward))
-        except BaseException as exc:  # raised on the calling thread, after the join
+        except BaseException as exc:  # raised on the calling thread, once it is done
             outcome.append(exc)
 
-    worker = threading.Thread(target=backward_half, name=f"zeropipe {backward}", daemon=True)
-    worker.start()
+    done = _worker().submit(backward_half)
     first: Event | BaseException
     try:
         first = run(halves[0], rank, step, forward)
     except BaseException as exc:
         first = exc
     finally:
-        worker.join()
+        done.wait()
     for half in halves:
         for kind, seconds in half.waited.items():
             ctx.waited[kind] = ctx.waited.get(kind, 0.0) + seconds

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from zeropipe.adapters.tp import TP_FAMILIES, parallelize
+from zeropipe.adapters.hf import SUPPORTED
+from zeropipe.adapters.tp import parallelize
 from zeropipe.apps.data.tokens import data_vocab
 from zeropipe.apps.models.hf_presets import hf_class_name
 from zeropipe.apps.train.workload import hf_model_config
@@ -50,10 +51,11 @@ def check_context_parallel(cfg: Any) -> None:
         )
     config = hf_model_config(cfg, data_vocab(cfg.data, cfg.tokenizer, cfg.seed))
     kind = hf_class_name(config, cfg.seed)
-    if kind not in TP_FAMILIES:
+    if SUPPORTED.get(kind) != "llama":
+        llama = [name for name, family in SUPPORTED.items() if family == "llama"]
         raise ZeropipeError(
             f"--cp {cfg.cp} with --model {cfg.model}: context parallelism covers "
-            f"{', '.join(TP_FAMILIES)}, not {kind} (mixtures of experts and GPT-2 are not "
+            f"{', '.join(llama)}, not {kind} (mixtures of experts and GPT-2 are not "
             f"context-parallel yet); use --cp 1, or {families}"
         )
 

@@ -176,7 +176,8 @@ def _check_tp(cfg: ModelSettings) -> None:
             raise ZeropipeError(
                 f"--tp {cfg.tp} with --model {cfg.model}: zeropipe.parallelize has no "
                 f"tensor-parallel plan for {kind} (it has one for {', '.join(TP_FAMILIES)}); "
-                f"use --tp 1, or a model of those (--model llama or qwen3, or --model-config)"
+                f"use --tp 1, or a model of those (--model llama, qwen3, qwen3-moe, mixtral or "
+                f"deepseek-v3, or --model-config)"
             )
         heads, what = int(config.num_attention_heads), f"the {cfg.model} model's"
         kv = int(getattr(config, "num_key_value_heads", None) or heads)

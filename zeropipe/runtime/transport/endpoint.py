@@ -82,6 +82,9 @@ _POLL_S = 0.0002
 # torchrun's default 0.1 s poll, so that torchrun sees the cause end alone.
 _EXIT_WAIT_S = 5.0
 _EXIT_AFTER_PEER_S = 1.0
+# How long closing a pool waits for its idle threads to end: one still alive when the
+# interpreter finalizes aborts the process, so a loaded host's threads get time to end.
+_CLOSE_WAIT_S = 5.0
 
 Label = tuple[str, int | None]
 """What a work is (for messages) and the peer rank it involves (None: a collective)."""
@@ -174,7 +177,7 @@ class WaitPool:
             threads = list(self._threads - self._running)
         for _ in range(count):
             self._jobs.put(None)
-        deadline = time.monotonic() + 1.0
+        deadline = time.monotonic() + _CLOSE_WAIT_S
         for thread in threads:
             if thread is not threading.current_thread():  # a finalizer may run anywhere
                 thread.join(max(0.0, deadline - time.monotonic()))

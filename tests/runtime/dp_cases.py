@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from tests.gradcheck import batch_for, mlp, token_loss, token_model
 from tests.runtime.dist_cases import MODELS, guard, supported
 from tests.runtime.transport import agreement_cases
-from zeropipe import build_schedule
+from zeropipe import Microbatches, build_schedule, causal_lm_loss
 from zeropipe.core.costs import CostModel
 from zeropipe.core.errors import PipelineError
 from zeropipe.core.passes.fit import offload_weights
@@ -363,6 +363,36 @@ def _timeline_case(mesh: Any, dp: int) -> dict[str, Any]:
     return {"events": [(str(e.action), e.lane, e.start, e.end) for e in timeline.events[pipe.rank]]}
 
 
+# Replica d's microbatches, (rows, sequence length) each: the replicas' lengths and rows
+# differ, and so do their counted tokens (the count of microbatches is the schedule's).
+VARLEN_SHAPES = (((2, 5), (1, 9), (3, 2), (1, 7)), ((1, 3), (2, 6), (2, 4), (1, 11)))
+
+
+def replica_microbatches(dp: int, vocab: int = 11) -> Microbatches:
+    """Replica ``dp``'s own microbatches of token ids and labels, some labels ignored."""
+    g = torch.Generator().manual_seed(300 + dp)
+    ids = [torch.randint(0, vocab, shape, generator=g) for shape in VARLEN_SHAPES[dp]]
+    labels = [t.clone() for t in ids]
+    labels[1][0, :2] = -100
+    return Microbatches(inputs=ids, targets=labels)
+
+
+def _varlen_case(mesh: Any, dp: int) -> dict[str, Any]:
+    """Each replica steps on its own microbatches of different lengths (``Microbatches``)."""
+    model = token_model(layers=8)
+    batches = replica_microbatches(dp)
+    pipe = Pipeline(
+        model,
+        "zbv",
+        microbatches=len(batches.inputs),
+        loss_fn=causal_lm_loss,
+        mesh=mesh,
+        options=OPTIONS,
+    )
+    loss = pipe.step(batches)
+    return {"loss": loss.item(), "grads": _owned_grads(model)}
+
+
 def _files_case(mesh: Any, dp: int) -> list[str]:
     """The runtime files one plain 1f1b step enters on this rank (its third: the first learns
     shapes and counts saved bytes, the gradients are cleared before the one measured)."""
@@ -400,6 +430,7 @@ def cases(rank: int, world: int) -> dict[str, Any]:
         for name, model, m in grid()
     }
     out["counted"] = guard(lambda: _counted_case(mesh, dp))
+    out["varlen"] = guard(lambda: _varlen_case(mesh, dp))
     out["clip"] = guard(lambda: _clip_case(mesh, dp))
     out["accumulate"] = guard(lambda: _accumulate_case(mesh, dp))
     out["local"] = guard(lambda: _local_case(rank))

@@ -31,6 +31,7 @@ from tests.gradcheck import (
     token_model,
 )
 from tests.runtime import dp_cases
+from zeropipe import causal_lm_loss
 from zeropipe.core.schedules import GENERATORS
 
 
@@ -104,6 +105,25 @@ def test_counted_tokens_differing_between_replicas_give_the_global_mean() -> Non
         no_crash(out["counted"], "counted")
     names = set(dict(model.named_parameters()))
     _check_ranks(results, "counted", lambda o: o["counted"], ref_loss.item(), ref, names)
+
+
+def test_replicas_with_microbatches_of_their_own_lengths_give_the_global_mean() -> None:
+    # Each replica steps on 4 microbatches of lengths of its own: the step's loss is
+    # every replica's token losses summed over every counted token of the global batch.
+    results = dp_cases.results()
+    model = token_model(layers=8)
+    fn = causal_lm_loss
+    replicas = [dp_cases.replica_microbatches(d) for d in range(dp_cases.DP)]
+    pairs = [(x, t) for b in replicas for x, t in zip(b.inputs, b.targets or (), strict=True)]
+    counts = [sum(fn.count(t) for t in b.targets or ()) for b in replicas]
+    assert counts[0] != counts[1]
+    ref_loss = torch.stack([fn.sum_and_count(model(x), t)[0] for x, t in pairs]).sum() / sum(counts)
+    ref_loss.backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    for out in results:
+        no_crash(out["varlen"], "varlen")
+    names = set(dict(model.named_parameters()))
+    _check_ranks(results, "varlen", lambda o: o["varlen"], ref_loss.item(), ref, names)
 
 
 @pytest.mark.parametrize("norm_type", [2.0, float("inf")])

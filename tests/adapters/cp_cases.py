@@ -168,6 +168,24 @@ def _dp_case(mesh: Any, dp_shard: bool = False) -> dict[str, Any]:
     return {"steps": steps, "replicas": pipe.dp_size, "embedding": list(held.shape)}
 
 
+def _pp_cp_dp_shard(mesh: Any) -> dict[str, Any]:
+    """Llama under 1f1b at pp 2 x cp 2 with dp_shard=True: each pipeline rank's stage
+    sharded over its 2 cp processes (the replicas that sum its gradients)."""
+    model = hf_cases.build("llama", tied=False)
+    stages = zeropipe.split(model, PP, balance=[2, 2])
+    zeropipe.parallelize(stages, cp_mesh=mesh["cp"])
+    pipe = zeropipe.Pipeline(
+        stages,
+        "1f1b",
+        loss_fn=zeropipe.causal_lm_loss,
+        microbatches=MICROBATCHES,
+        mesh=mesh,
+        options=zeropipe.RuntimeOptions(timeout=60.0, dp_shard=True),
+    )
+    held = [(list(p.to_local().shape), list(p.shape)) for p in pipe.parameters()]
+    return {"steps": _steps(model, pipe, "plain"), "held": held}
+
+
 def _refused(make: Any) -> str:
     try:
         make()
@@ -229,6 +247,7 @@ def cases(rank: int, world: int) -> dict[str, Any]:
         key: guard(functools.partial(_case, mesh, *case)) for key, case in CASES.items()
     }
     out["refusals"] = guard(lambda: _refusals(mesh))
+    out["pp x cp dp_shard"] = guard(lambda: _pp_cp_dp_shard(mesh))
     replicas = init_device_mesh("cpu", (1, 2, CP), mesh_dim_names=("pp", "dp", "cp"))
     out["dp x cp"] = guard(lambda: _dp_case(replicas))
     out["dp x cp dp_shard"] = guard(lambda: _dp_case(replicas, dp_shard=True))

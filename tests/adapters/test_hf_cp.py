@@ -4,10 +4,10 @@ model's own loss and gradients.
 The gradient checks are one 4-process gloo launch (tests/adapters/cp_cases.py: cp 2 inside
 pp 2, Llama under every generator, Mistral, Qwen2 and Qwen3 under 1f1b, sdpa attention,
 packed rows whose position ids restart; pp 1 x dp 2 x cp 2, replicated and with
-dp_shard=True) and one 8-process launch (cp 2 x tp 2 inside pp 2),
-compared here with the unsplit, unsharded model in float64.  Every cp rank is given the
-whole batch and must report the whole batch's loss and, after the sum over cp, the whole
-gradients.
+dp_shard=True; pp 2 x cp 2 with dp_shard=True) and one 8-process launch (cp 2 x tp 2
+inside pp 2), compared here with the unsplit, unsharded model in float64.  Every cp rank
+is given the whole batch and must report the whole batch's loss and, after the sum over
+cp, the whole gradients.
 """
 
 from __future__ import annotations
@@ -129,6 +129,27 @@ def test_dp_shard_with_context_parallelism_shards_over_dp_and_cp() -> None:
         assert got["replicas"] == 4 and got["embedding"] == [64 // 4, 16], got["embedding"]
         seen |= _check_steps("dp x cp dp_shard", got["steps"], refs)
     assert seen == set(refs[0][1])
+
+
+def test_dp_shard_with_context_parallelism_and_two_pipeline_ranks() -> None:
+    # pp 2 x cp 2, dp_shard=True: each rank's stage sharded over its 2 cp processes
+    refs = _reference("llama", "eager", "plain")
+    seen: set[str] = set()
+    rows: dict[int, list[int]] = {}  # pipeline rank -> its parameters' rows, over its cp ranks
+    for r in cp_cases.results():
+        got = r["pp x cp dp_shard"]
+        where = f"pp {r['pp']} cp {r['cp']} dp_shard"
+        no_crash(got, where)
+        seen |= _check_steps(where, got["steps"], refs)
+        held = [local[0] for local, _ in got["held"]]
+        rows[r["pp"]] = [
+            a + b for a, b in zip(rows.get(r["pp"], [0] * len(held)), held, strict=True)
+        ]
+        assert all(local[0] < whole[0] for local, whole in got["held"]), (where, got["held"])
+    assert seen == set(refs[0][1])
+    for r in cp_cases.results():  # the two cp ranks' shards make each whole parameter
+        whole = [w[0] for _, w in r["pp x cp dp_shard"]["held"]]
+        assert rows[r["pp"]] == whole, (r["pp"], rows, whole)
 
 
 def test_the_shards_balance_early_and_late_chunks() -> None:

@@ -94,12 +94,13 @@ def test_the_plan_shards_projections_and_keeps_embedding_and_head_whole(key: str
 
 
 # -- mixtures of experts -----------------------------------------------------------------
-MOE_KEYS = [*sorted(tp_cases.MOE_CASES), tp_cases.EP_CASE]
+EP_KEYS = (tp_cases.EP_CASE, tp_cases.EP_THEN_TP)
+MOE_KEYS = [*sorted(tp_cases.MOE_CASES), *EP_KEYS]
 
 
 def _moe(key: str) -> tuple[str, int]:
     """A mixture case's architecture and replicas."""
-    if key == tp_cases.EP_CASE:
+    if key in EP_KEYS:
         return "qwen3_moe", tp_cases.EP_DP
     return tp_cases.MOE_CASES[key][0], 1
 
@@ -159,7 +160,7 @@ def test_a_mixtures_attention_and_dense_mlps_are_sharded_and_its_sparse_blocks_r
                 assert placement == "Shard(1)", (key, name, placement)
             elif leaf in ("q_norm", "k_norm"):
                 assert placement == "Replicate", (key, name, placement)
-            elif leaf == "experts" and key == tp_cases.EP_CASE:  # 4 experts over 2 replicas
+            elif leaf == "experts" and key in EP_KEYS:  # 4 experts over 2 replicas
                 assert placement == "Shard(0)" and local[name][0] == 2, (key, name, local)
             else:  # router, experts, MLA's latent projections and norms, embedding, head
                 assert placement == "plain", (key, name, placement)

@@ -9,8 +9,9 @@ parameters its stages own, and what ``parallelize`` made of each parameter; the 
 process compares them with the unsplit, unparallel model's (tests/adapters/test_hf_tp.py).
 The mixtures of experts (``MOE_CASES``: Qwen3-MoE and Mixtral with their router's loss,
 DeepSeek-V3's latent attention and shared experts; 2 heads, 2 key/value heads) run in the
-same launch, and so does ``EP_CASE``: a (pp 1, dp 2, tp 2) mesh of the same 4 processes,
-the experts sharded over the 2 replicas; each also returns ``clip_grad_norm_``'s norm.
+same launch, and so do ``EP_CASE`` and ``EP_THEN_TP``: a (pp 1, dp 2, tp 2) mesh of the
+same 4 processes, the experts sharded over the 2 replicas; each also returns
+``clip_grad_norm_``'s norm.
 
 The mesh is ("pp", "tp"): rank = pp * TP + tp.
 """
@@ -140,7 +141,10 @@ MOE_CASES: dict[str, tuple[str, str]] = {
     "mixtral zbv": ("mixtral", "zbv"),
     "deepseek_v3 1f1b": ("deepseek_v3", "1f1b"),
 }
-EP_CASE = "qwen3_moe pp1 x dp2 x tp2, ep2"  # experts sharded over the replicas, 1f1b
+# pp 1 x dp 2 x tp 2, the experts sharded over the replicas (ep 2), 1f1b: one call of
+# parallelize given both meshes; or expert parallelism first, then tensor parallelism
+EP_CASE = "qwen3_moe pp1 x dp2 x tp2, ep2"
+EP_THEN_TP = "qwen3_moe pp1 x dp2 x tp2, ep2 then tp"
 EP_DP = 2
 
 
@@ -166,14 +170,19 @@ def _moe_case(mesh: Any, arch: str, schedule: str) -> dict[str, Any]:
     return _steps(model, _pipeline(stages, schedule, mesh))
 
 
-def _ep_case() -> dict[str, Any]:
-    """tp 2 inside each of 2 replicas, the experts sharded over the replicas (ep = dp)."""
+def _ep_case(apart: bool) -> dict[str, Any]:
+    """tp 2 inside each of 2 replicas, the experts sharded over the replicas (ep = dp);
+    ``apart``: by two calls, the experts first."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (1, EP_DP, TP), mesh_dim_names=("pp", "dp", "tp"))
     model = moe_build("qwen3_moe")
     stages = hf_moe_cases.cut(model, 1)
-    zeropipe.parallelize(stages, mesh["tp"], ep_mesh=mesh["dp"])
+    if apart:
+        zeropipe.parallelize(stages, ep_mesh=mesh["dp"])
+        zeropipe.parallelize(stages, mesh["tp"])
+    else:
+        zeropipe.parallelize(stages, mesh["tp"], ep_mesh=mesh["dp"])
     return _steps(model, _pipeline(stages, "1f1b", mesh), replicas=EP_DP)
 
 
@@ -219,7 +228,8 @@ def cases(rank: int, world: int) -> dict[str, Any]:
     out["cases"].update(
         {key: guard(functools.partial(_moe_case, mesh, *case)) for key, case in MOE_CASES.items()}
     )
-    out["cases"][EP_CASE] = guard(_ep_case)
+    out["cases"][EP_CASE] = guard(lambda: _ep_case(apart=False))
+    out["cases"][EP_THEN_TP] = guard(lambda: _ep_case(apart=True))
     out["refusals"] = guard(lambda: _refusals(mesh))
     return out
 

@@ -139,7 +139,7 @@ def _steps(model: nn.Module, pipe: zeropipe.Pipeline, replicas: int = 1) -> dict
 MOE_CASES: dict[str, tuple[str, str]] = {
     "qwen3_moe 1f1b": ("qwen3_moe", "1f1b"),
     "mixtral zbv": ("mixtral", "zbv"),
-    "deepseek_v3 1f1b": ("deepseek_v3", "1f1b"),
+    "deepseek_v3 zbv": ("deepseek_v3", "zbv"),  # I and W apart, through MLA's hook
 }
 # pp 1 x dp 2 x tp 2, the experts sharded over the replicas (ep 2), 1f1b: one call of
 # parallelize given both meshes; or expert parallelism first, then tensor parallelism

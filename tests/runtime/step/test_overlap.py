@@ -6,7 +6,9 @@ half is the PipelineError naming its action.
 dualpipev on 2 ranks, in one process and in one 2-process gloo launch; an MLP and a
 transformer-like stage (attention + MLP), both with dropout; with recompute and offload;
 with the user's hooks; under bf16 autocast; and Hugging Face's Qwen3-MoE and
-DeepSeek-V3 as ``zeropipe.split`` cuts them (router loss included).
+DeepSeek-V3 as ``zeropipe.split`` cuts them (router loss included).  A thread's pairs run
+their backward halves on one worker, which ends with that thread; and
+benchmarks/moe_overlap.py's hidden and coverable all-to-all time on hand-made events.
 """
 
 from __future__ import annotations
@@ -25,9 +27,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from tests.planning.benchmark_modules import load
 from zeropipe import Pipeline, RuntimeOptions
 from zeropipe.core.errors import PipelineError
-from zeropipe.core.ir import Schedule
+from zeropipe.core.ir import Action, Schedule
 from zeropipe.core.passes import fit
 from zeropipe.core.passes.build import build_schedule
 from zeropipe.core.simulate import Event
@@ -508,3 +511,22 @@ def test_overlap_on_unmodified_hugging_face_moe_models(arch: str) -> None:
         if overlap:
             assert _concurrent_pairs(pipe)
     _assert_identical((*out[True], None), out[False])  # type: ignore[arg-type]
+
+
+def test_the_moe_benchmark_counts_hidden_and_coverable_all_to_all_time() -> None:
+    # benchmarks/moe_overlap.py's measures on hand-made events.  At once: F [0, 10) on the
+    # calling thread (1) with exchanges [1, 4) and [6, 8), B [0, 6) on the worker (2) with
+    # [2, 5).  Hidden: F's [1, 2) and B's [4, 5), the other half running outside an
+    # exchange; beside: F's [1, 4) and B's [2, 5), the other half running at all.
+    bench = load("moe_overlap")
+    f, b = Action.parse("0F0"), Action.parse("1B0")
+    at_once = [Event(0, 0, f, 0.0, 10.0), Event(0, 1, b, 0.0, 6.0)]
+    calls = [(1, 1.0, 4.0), (2, 2.0, 5.0), (1, 6.0, 8.0)]
+    assert bench.hidden_time(at_once, [0], calls, caller=1) == (2.0, 6.0)
+    # In sequence: F computes 5 and exchanges 5; B [10, 16) waits 1 for its gradient,
+    # exchanges [12, 15) and computes 2.  At once, B's compute could cover 2 of F's
+    # exchanges and F's compute all 3 of B's.
+    in_turn = [Event(0, 0, f, 0.0, 10.0), Event(0, 1, b, 10.0, 16.0, wait=1.0)]
+    calls = [(1, 1.0, 4.0), (1, 6.0, 8.0), (1, 12.0, 15.0)]
+    assert bench.coverable_time(in_turn, [0], calls) == 5.0
+    assert bench.hidden_time(in_turn, [0], calls, caller=1) == (0.0, 0.0)

@@ -12,7 +12,8 @@ Two launches, each cached for the test session:
   checkpoint saved at ep 2 and loaded at ep 1 (plain experts) on the same mesh;
   dualpipev with its overlapped pairs run at once and in sequence; 1f1b with
   ``dp_shard=True`` (FSDP2 over "dp", the experts left whole); then pp 1 x dp 4 with
-  the experts over blocks of 2 replicas (ep 2 < dp 4), replicated and with dp_shard.
+  the experts over blocks of 2 replicas (ep 2 < dp 4), replicated and with dp_shard (the
+  experts sharded over the replicas holding them, or whole on an ep mesh of their own).
 
 Each rank returns the differences from the unsplit, unsharded model it computes
 itself, and what it holds (placements, local shapes, rows received), so the test
@@ -306,14 +307,22 @@ def _load_at_ep1(mesh: Any, path: str) -> dict[str, Any]:
     return {"value": worst, "checked": len(got), "experts": sum("experts" in n for n, _ in got)}
 
 
-def _ep_below_dp(dp_shard: bool = False) -> dict[str, Any]:
+def _ep_below_dp(dp_shard: bool = False, own_mesh: bool = False) -> dict[str, Any]:
     """pp 1 x dp 4, the experts over blocks of 2 replicas (ep 2 < dp 4): expert gradients
-    summed over the 2 replicas that hold the same experts, the others over all 4 (with
-    ``dp_shard``, reduce-scattered into FSDP2's shards over the 4)."""
-    from torch.distributed.device_mesh import init_device_mesh
+    summed over the 2 replicas that hold the same experts, the others over all 4.  With
+    ``dp_shard``, FSDP2 shards the others over the 4 and the experts over the "rep"
+    dimension of their ep mesh (the replicas holding the same ones); ``own_mesh``: an ep
+    mesh made from its block's group alone, which has no such dimension (the experts
+    then stay whole, summed over those replicas)."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
     mesh = init_device_mesh("cpu", (1, 4), mesh_dim_names=("pp", "dp"))
     ep_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "ep"))["ep"]
+    if own_mesh:
+        block = [r for r in range(4) if r // 2 == dist.get_rank() // 2]
+        ep_mesh = DeviceMesh.from_group(
+            dist.new_group(block, use_local_synchronization=True), "cpu"
+        )
     ids, labels = hf_cases.batch(0, 8)
     ref_loss, ref = hf_moe_cases.reference(hf_moe_cases.build("qwen3_moe", aux=False), ids, labels)
     model = hf_moe_cases.build("qwen3_moe", aux=False)
@@ -351,6 +360,7 @@ def four_processes(path: str, rank: int, world: int) -> dict[str, Any]:
     out["ep2 dp4"] = guard(_ep_below_dp)
     out["1f1b dp_shard"] = guard(lambda: _ep_dp_shard(mesh))
     out["ep2 dp4 dp_shard"] = guard(lambda: _ep_below_dp(dp_shard=True))
+    out["ep2 dp4 dp_shard own mesh"] = guard(lambda: _ep_below_dp(dp_shard=True, own_mesh=True))
     return out
 
 

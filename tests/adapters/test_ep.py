@@ -127,11 +127,19 @@ def test_dp_shard_with_experts_inside_dp_gives_the_reference(
         assert got["fsdp"] + len(got["sharded"]) == got["checked"], (where, got)
     per_pp = {r["pp"]: r["1f1b dp_shard"]["checked"] for r in results if r["dp"] == 0}
     assert sum(per_pp.values()) == len(names), per_pp
-    # ep 2 < dp 4: the experts summed over the 2 replicas holding them, beside FSDP2
-    for rank, got in enumerate(_got(results, "ep2 dp4 dp_shard")):
-        assert got["loss"] <= TOL and got["grad"] <= TOL and got["norm"] <= TOL, (rank, got)
-        assert got["checked"] == got["names"] and len(got["sharded"]) == 6, (rank, got)
-        assert got["fsdp"] + 6 == got["checked"], (rank, got)
+    # ep 2 < dp 4: FSDP2 shards the experts again over the 2 replicas holding them (the
+    # "rep" dimension of their mesh: one expert a rank); on an ep mesh made alone they stay
+    # whole (two a rank), summed over those replicas
+    for key, experts, placement in (
+        ("ep2 dp4 dp_shard", 1, "_S(0, 2)"),
+        ("ep2 dp4 dp_shard own mesh", 2, "S(0)"),
+    ):
+        for rank, got in enumerate(_got(results, key)):
+            assert got["loss"] <= TOL and got["grad"] <= TOL and got["norm"] <= TOL, (rank, got)
+            assert got["checked"] == got["names"] and len(got["sharded"]) == 6, (rank, got)
+            assert got["fsdp"] + 6 == got["checked"], (rank, got)
+            for shape, held in got["sharded"].values():
+                assert (shape[0], held) == (experts, placement), (key, rank, got["sharded"])
 
 
 def test_a_checkpoint_saved_at_ep2_loads_at_ep1_and_in_one_process(

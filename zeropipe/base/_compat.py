@@ -47,6 +47,9 @@ What is private, and why zeropipe needs it:
 ``DeviceMesh._flatten()``          a mesh's "dp" and "cp" as one dimension:
                                    FSDP2 shards over dp x cp under context
                                    parallelism (torchtitan does the same)
+``DeviceMesh._get_root_mesh()``    the mesh an "ep" mesh was sliced from: FSDP2
+                                   shards experts over its dimension of the
+                                   replicas holding the same experts
 ``OptimizedModule._orig_mod``      the module ``torch.compile(module)`` wraps:
                                    a compiled stage's submodules are named on
                                    it (layer seeding), its forward still runs
@@ -100,6 +103,7 @@ __all__ = [
     "profiler_active",
     "record_stream",
     "rendezvous_store",
+    "root_mesh",
     "sequence_nr_settable",
     "set_sequence_nr",
     "stream_context",
@@ -510,6 +514,20 @@ def flatten_mesh(mesh: Any, names: tuple[str, ...]) -> Any | None:
     sub = mesh[names] if len(names) > 1 else mesh[names[0]]
     flatten = getattr(sub, "_flatten", None)
     return flatten() if callable(flatten) else None
+
+
+def root_mesh(mesh: Any) -> Any | None:
+    """The DeviceMesh ``mesh`` was sliced from (itself if none): ``_get_root_mesh()``,
+    private, checked on torch 2.13.0; older releases kept it in ``_mesh_resources``.  None
+    where neither exists."""
+    get = getattr(mesh, "_get_root_mesh", None)
+    if callable(get):
+        return get()
+    from torch.distributed import device_mesh
+
+    resources = getattr(device_mesh, "_mesh_resources", None)
+    get = getattr(resources, "get_root_mesh", None)
+    return get(mesh) if callable(get) else None
 
 
 def profiler_active() -> bool:

@@ -268,7 +268,7 @@ def reducer_for(
         transport.reduce_shared,
         device or (first_param.device if first_param is not None else torch.device("cpu")),
         where.dp_mesh,
-        experts=experts.ids,
+        experts=experts if experts.ids else None,
         apart=apart_reducer,
     )
 

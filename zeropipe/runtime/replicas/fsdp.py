@@ -47,19 +47,18 @@ every pipeline rank in this process: its stages are all here, and so is the
 whole gradient of a parameter tied across ranks (nothing to sum over "pp").
 
 Experts sharded over the replicas (expert parallelism inside dp:
-``zeropipe.parallelize(stages, ep_mesh=)``) stay out of FSDP
-(``fully_shard(..., ignored_params=)``): each rank keeps its experts whole, as
-their DTensor ``Shard(0)`` over "ep", and their gradients are summed at each
-REDUCE_GRAD over the replicas holding the same experts only (``apart``), as the
-replicated mode sums them; with ep = dp nobody else holds them and nothing is
-summed.  Sharding them again over those replicas was left out: they are a 1/ep
-share already, the replicas holding the same experts are dp/ep (none when ep =
-dp, the common layout), and FSDP2 shards every parameter of a unit over one mesh,
-so they would need units of their own over a second mesh.  (The cluster planner
-prices expert state under FSDP as sharded over those dp/ep replicas: with ep < dp
-it counts less of it than a rank holds here.)  ``clip_grad_norm_`` counts each
-expert once: its gradient is a DTensor over "ep", whose norm is gathered over
-"ep", and the replicas holding the same experts hold the same summed gradient.
+``zeropipe.parallelize(stages, ep_mesh=)``) are a 1/ep share on each rank
+already; the units over "dp" leave them out (``fully_shard(...,
+ignored_params=)``).  With ep < dp the dp/ep replicas holding the same experts
+shard them again, in units of their own over that mesh (2-D: "ep" inside, as
+tensor parallelism is; :func:`same_experts_mesh` finds it beside "ep" in the
+mesh "ep" was sliced from), so each holds 1/dp of them, as the cluster planner
+prices them; their reduce-scatter sums their gradients over those replicas.  With
+ep = dp nobody else holds them: they stay whole, nothing summed.  An ep mesh made
+on its own (no such dimension) leaves them whole too, summed at each REDUCE_GRAD
+over the replicas holding the same experts (``apart``), as the replicated mode
+sums them.  ``clip_grad_norm_`` counts each expert once: its gradient is a DTensor
+over "ep" (and those replicas), whose norm is gathered over them.
 
 With a "cp" dimension the gradients are summed over dp x cp (each cp rank holds
 other tokens of the same rows), so the stages are sharded over that flattened
@@ -70,7 +69,9 @@ makes it): FSDP2's reduce-scatter sums over both.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -78,10 +79,18 @@ from torch import Tensor, nn
 from zeropipe.base import _compat
 from zeropipe.core.errors import PipelineError
 from zeropipe.core.ir import Schedule
-from zeropipe.runtime.replicas.data_parallel import GradReducer, Replicas, reduction_order
+from zeropipe.runtime.replicas.data_parallel import (
+    GradReducer,
+    Replicas,
+    ShardedOverReplicas,
+    reduction_order,
+)
 from zeropipe.runtime.step.stage import Stage
 
-__all__ = ["ShardedReducer"]
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["ShardedReducer", "same_experts_mesh"]
 
 
 class _Unit(nn.ModuleList):
@@ -107,10 +116,13 @@ class ShardedReducer(GradReducer):
             "dp" and "cp" flattened, which FSDP2 needs when the parameters are
             tensor-parallel DTensors on its "tp" dimension); None: one built from the
             replicas' group.
-        experts: the ids of parameters sharded over the replicas already (experts
-            under expert parallelism), left out of FSDP.
+        experts: the parameters sharded over the replicas already (experts under
+            expert parallelism), left out of the units over ``mesh``: sharded again over
+            the replicas holding the same ones (:func:`same_experts_mesh`), in units of
+            their own, or else left whole.
         apart: the reducer of those experts' gradients (over the replicas holding the
-            same experts), posted at every REDUCE_GRAD; None: nothing to sum.
+            same experts), posted at every REDUCE_GRAD when they are left whole; None:
+            nothing to sum.
     """
 
     def __init__(
@@ -123,7 +135,7 @@ class ShardedReducer(GradReducer):
         device: torch.device,
         mesh: object | None = None,
         *,
-        experts: frozenset[int] = frozenset(),
+        experts: ShardedOverReplicas | None = None,
         apart: GradReducer | None = None,
     ) -> None:
         super().__init__(replicas.endpoint, {}, apart)
@@ -134,7 +146,6 @@ class ShardedReducer(GradReducer):
                 f"{', '.join(missing)} (zeropipe.base._compat checks them; torch 2.13 has them)"
             )
         from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.fsdp import fully_shard
 
         dp_mesh = (
             mesh
@@ -157,33 +168,55 @@ class ShardedReducer(GradReducer):
         for r in sorted({schedule.placement[s] for s in stages}):
             reduction_order(schedule, r, [s for s in stages if schedule.placement[s] == r])
         self.units: list[nn.Module] = []
-        self.unit_of: dict[int, nn.Module] = {}
+        self.unit_of: dict[int, list[int]] = {}  # stage -> the indices of its units
         self.unit_stages: dict[int, frozenset[int]] = {}  # unit index -> its stages
         self.waiting: dict[int, set[int]] = {}  # this step: unit -> stages not yet at REDUCE_GRAD
+        ids = experts.ids if experts is not None else frozenset()
+        experts_mesh = (
+            same_experts_mesh([p for st in stages.values() for p in st.parameters()], experts)
+            if experts is not None
+            else None
+        )
+        if experts_mesh is not None:  # FSDP2 sums them over the replicas holding them
+            self.apart = None
         for group in _connected(stages):
-            unit = _Unit([stages[s].module for s in group])
-            ignored = {p for s in group for p in stages[s].parameters() if id(p) in experts}
-            if ignored:
-                _refuse_without_ignored_params(fully_shard)
-                fully_shard(unit, mesh=dp_mesh, reshard_after_forward=False, ignored_params=ignored)
-            else:
-                fully_shard(unit, mesh=dp_mesh, reshard_after_forward=False)
-            # The loss weights are global shares already: the reduce-scatter must SUM.
-            unit.set_gradient_divide_factor(1.0)  # type: ignore[operator]
-            unit.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
-            _compat.fsdp_bounded_comms(unit, self._run)
-            _compat.fsdp_lazy_init(unit)
-            k = len(self.units)
-            self.units.append(unit)
-            for s in group:
-                self.unit_of[s] = unit
-            self.unit_stages[k] = frozenset(group)
+            held = {p for s in group for p in stages[s].parameters() if id(p) in ids}
+            self._add_unit(_Unit([stages[s].module for s in group]), group, dp_mesh, held)
+            if held and experts_mesh is not None:
+                self._add_unit(_Unit(_holding(stages, group, ids)), group, experts_mesh)
         self.shared_params: list[nn.Parameter | None] = [
             None if k not in where else where[k][0].get_parameter(where[k][1])
             for k in range(len(shared))
         ]
         self.posted: list[tuple[int, nn.Module]] = []
         self.reduced: list[int] = []  # the last step's REDUCE_GRADs that reduce-scattered
+
+    def _add_unit(
+        self,
+        unit: nn.Module,
+        stages: Sequence[int],
+        mesh: DeviceMesh,
+        ignored: AbstractSet[nn.Parameter] = frozenset(),
+    ) -> None:
+        """Shard ``unit`` (a container of modules of ``stages``) over ``mesh``, leaving out
+        ``ignored``; it is reduced once the REDUCE_GRAD of every one of ``stages`` has run."""
+        from torch.distributed.fsdp import fully_shard
+
+        if ignored:
+            _refuse_without_ignored_params(fully_shard)
+            fully_shard(unit, mesh=mesh, reshard_after_forward=False, ignored_params=set(ignored))
+        else:
+            fully_shard(unit, mesh=mesh, reshard_after_forward=False)
+        # The loss weights are global shares already: the reduce-scatter must SUM.
+        unit.set_gradient_divide_factor(1.0)  # type: ignore[operator]
+        unit.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
+        _compat.fsdp_bounded_comms(unit, self._run)
+        _compat.fsdp_lazy_init(unit)
+        k = len(self.units)
+        self.units.append(unit)
+        for s in stages:
+            self.unit_of.setdefault(s, []).append(k)
+        self.unit_stages[k] = frozenset(stages)
 
     def _run(self, post: Callable[[], object], what: str) -> None:
         """Post a collective FSDP asks for and wait, within the pipeline's time limit."""
@@ -205,26 +238,28 @@ class ShardedReducer(GradReducer):
             unit.reshard()  # type: ignore[operator]
 
     def post(self, stage: int) -> None:
-        unit = self.unit_of.get(stage)
-        if unit is None:
+        units = self.unit_of.get(stage)
+        if units is None:
             raise PipelineError(f"REDUCE_GRAD of stage {stage}: this rank does not run it")
         if self.apart is not None:  # the experts this stage's REDUCE_GRAD owns
             self.apart.post(stage)
-        waiting = self.waiting.get(self.units.index(unit), set())
-        waiting.discard(stage)
-        if waiting:  # a unit is reduced once, when the last of its stages' gradients is final
-            return
-        unit.set_requires_gradient_sync(True)  # type: ignore[operator]
-        unit.set_reshard_after_backward(True)  # type: ignore[operator]
-        unit.set_is_last_backward(True)  # type: ignore[operator]
-        _compat.fsdp_reduce_scatter(unit)
-        self.posted.append((stage, unit))
+        for k in units:
+            waiting = self.waiting.get(k, set())
+            waiting.discard(stage)
+            if waiting:  # a unit is reduced once, when the last of its stages' gradients is final
+                continue
+            unit = self.units[k]
+            unit.set_requires_gradient_sync(True)  # type: ignore[operator]
+            unit.set_reshard_after_backward(True)  # type: ignore[operator]
+            unit.set_is_last_backward(True)  # type: ignore[operator]
+            _compat.fsdp_reduce_scatter(unit)
+            self.posted.append((stage, unit))
 
     def wait_all(self) -> None:
         posted, self.posted = self.posted, []
         for _, unit in posted:
             _compat.fsdp_finish_backward(unit)
-        self.reduced = [s for s, _ in posted]
+        self.reduced = list(dict.fromkeys(s for s, _ in posted))
         if self.apart is not None:
             self.apart.wait_all()
         if self.shared_shapes:
@@ -253,6 +288,43 @@ class ShardedReducer(GradReducer):
         chunks = torch.chunk(torch.empty(shape[0], device="meta"), self.dp_size)
         rows = len(chunks[self.dp_rank]) if self.dp_rank < len(chunks) else 0
         return (rows, *shape[1:])
+
+
+def same_experts_mesh(
+    params: Iterable[nn.Parameter], experts: ShardedOverReplicas
+) -> DeviceMesh | None:
+    """The mesh of the replicas holding the same experts as this one (``experts.same_shard``):
+    the dimension beside "ep" in the root mesh of the experts' DTensors whose ranks here are
+    those replicas.  None when there are none to shard with (ep = dp) or no such dimension
+    exists (an ep mesh made on its own): the experts then stay whole, summed apart."""
+    if len(experts.same_shard) < 2:
+        return None
+    meshes = {id(p.device_mesh): p.device_mesh for p in params if id(p) in experts.ids}  # type: ignore[attr-defined]
+    if len(meshes) != 1:
+        return None
+    (ep_mesh,) = meshes.values()
+    root = _compat.root_mesh(ep_mesh)
+    if root is None:
+        return None
+    for name in root.mesh_dim_names or ():
+        if name in (ep_mesh.mesh_dim_names or ()):
+            continue
+        beside = root[name]
+        if sorted(beside.mesh.flatten().tolist()) == sorted(experts.same_shard):
+            return beside
+    return None
+
+
+def _holding(
+    stages: Mapping[int, Stage], group: Sequence[int], ids: AbstractSet[int]
+) -> list[nn.Module]:
+    """The modules of ``group``'s stages that hold parameters in ``ids`` themselves."""
+    out: list[nn.Module] = []
+    for s in group:
+        for m in stages[s].module.modules():
+            if any(id(p) in ids for p in m.parameters(recurse=False)) and m not in out:
+                out.append(m)
+    return out
 
 
 def _refuse_without_ignored_params(fully_shard: Callable[..., object]) -> None:

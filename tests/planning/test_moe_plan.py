@@ -2,7 +2,8 @@
 with its dense first blocks, shared expert, latent attention and group-limited routing) or
 refused naming the field; expert compute by active weights; the all-to-all of expert
 parallelism on the link it crosses; expert weights in memory over ep (and dp / ep with
-FSDP); the overlap of DualPipeV's pairs; ``zeropipe plan --ep``; and NeMo AutoModel's
+FSDP); tensor parallelism cutting attention, dense FFNs and shared experts, not the routed
+experts; the overlap of DualPipeV's pairs; ``zeropipe plan --ep`` and ``--tp``; and NeMo AutoModel's
 published DGX-H100 table (``benchmarks/moe_table.py``) predicted within 25%.  No torch."""
 
 from __future__ import annotations
@@ -28,8 +29,17 @@ from zeropipe.planning.pricing.moe import (
     copies_per_token,
     expert_share,
     pair_overlap,
+    price_moe_block,
 )
-from zeropipe.planning.specs import costs_from_spec, load_hardware, load_model, price_stages
+from zeropipe.planning.pricing.tensor_parallel import matmul_share
+from zeropipe.planning.pricing.transformer import LayerPrice, LayerRun
+from zeropipe.planning.specs import (
+    DEFAULT_STATE_BYTES,
+    costs_from_spec,
+    load_hardware,
+    load_model,
+    price_stages,
+)
 
 H100 = load_hardware("h100-sxm")
 
@@ -126,11 +136,15 @@ def test_what_cannot_be_priced_is_refused_naming_the_field(
     assert what in str(info.value) and "\n" not in str(info.value), str(info.value)
 
 
-def test_tensor_parallelism_and_stray_ep_are_refused() -> None:
+def test_sequence_parallelism_uneven_shared_experts_and_stray_ep_are_refused() -> None:
     qwen, dense = load_model("qwen3-30b-a3b"), load_model("llama-3-8b")
     price = {"stages": 2, "seq": 4096, "pp": 2, "dp": 8}
-    with pytest.raises(ScheduleError, match="tensor parallelism of a mixture-of-experts"):
-        costs_from_spec(qwen, H100, tp=2, **price)
+    with pytest.raises(ScheduleError, match="tp 2 with sequence parallelism"):
+        costs_from_spec(qwen, H100, tp=2, **price)  # sequence_parallel=True by default
+    costs_from_spec(qwen, H100, tp=1, **price)  # at tp 1 there is nothing to cut
+    odd = replace(load_model("deepseek-v3"), expert_ffn=2052)  # a 2052-wide shared expert
+    with pytest.raises(ScheduleError, match=r"tp 8 must divide the shared experts' width \(2052"):
+        costs_from_spec(odd, H100, tp=8, sequence_parallel=False, **price)
     with pytest.raises(ScheduleError, match="llama-3-8b has no experts: ep 2 shards nothing"):
         costs_from_spec(dense, H100, ep=2, **price)
     with pytest.raises(ScheduleError, match="ep 3 must divide the 128 experts"):
@@ -254,6 +268,94 @@ def test_dense_first_blocks_are_cut_by_their_time() -> None:
     assert max(times) / min(times) < 1.1
 
 
+# -- tensor parallelism -------------------------------------------------------------------------
+
+
+def _run(model: Any, tp: int, allreduce: float = 0.0) -> LayerRun:
+    """One GPU of ``tp`` running a 4096-token microbatch at the planner's default rates."""
+    rate = H100.peak("bf16") * 0.6 * matmul_share(model.hidden, tp)
+    return LayerRun(
+        tokens=4096, seq=4096, element_bytes=2, flop_rate=rate,
+        byte_rate=H100.memory_bandwidth * 0.7, allreduce=allreduce, tp=tp,
+        sequence_parallel=False,
+    )  # fmt: skip
+
+
+def _moe(model: Any, tp: int, allreduce: float = 0.0) -> LayerPrice:
+    return price_moe_block(model, _run(model, tp, allreduce), moe=True)
+
+
+def test_tp_cuts_attention_and_leaves_the_routed_experts_whole() -> None:
+    qwen = load_model("qwen3-30b-a3b")
+    rate, t = H100.peak("bf16") * 0.6, 4096
+
+    def saved(model: Any, tp: int) -> float:  # W seconds (the linears) tp takes off a block
+        return _moe(model, 1).W - _moe(model, tp).W
+
+    # W is the linears only: tp takes off attention's half, at the narrower rate ...
+    attention = 2 * t * qwen.attention_params() / rate
+    halved = attention / 2 / matmul_share(qwen.hidden, 2)
+    assert saved(qwen, 2) == pytest.approx(attention - halved, rel=1e-9)
+    assert 0.5 < halved / attention < 0.6  # about half, a little more for the narrower rate
+    # ... and nothing of the experts: four times as many, twice as wide, it saves the same.
+    bigger = replace(qwen, experts=512, expert_ffn=1536)
+    assert _moe(bigger, 1).W > 1.5 * _moe(qwen, 1).W  # twice the active experts' FLOPs
+    assert saved(bigger, 2) == pytest.approx(saved(qwen, 2), rel=1e-9)
+    assert saved(qwen, 4) > saved(qwen, 2)
+    # Attention's flash FLOPs are cut too: the forward saves more than W does.
+    assert saved(qwen, 2) < _moe(qwen, 1).F - _moe(qwen, 2).F
+
+
+def test_tp_collectives_are_attentions_and_the_shared_experts() -> None:
+    qwen, ds = load_model("qwen3-30b-a3b"), load_model("deepseek-v3")
+    a = 1e-3  # seconds of one all-reduce of the T x h activation
+
+    def added(model: Any, moe: bool = True) -> tuple[float, float, float]:
+        plain = price_moe_block(model, _run(model, 2), moe=moe)
+        reduced = price_moe_block(model, _run(model, 2, a), moe=moe)
+        return reduced.F - plain.F, reduced.I - plain.I, reduced.W - plain.W
+
+    # Qwen3-MoE: attention's all-reduce each way; its routed experts alone add none.
+    assert added(qwen) == pytest.approx((a, a, 0.0))
+    # DeepSeek-V3: its shared expert adds one each way; latent attention's backward sums
+    # the latents' and the rotary key's gradients (1536 + 512 + 64 of 7168 wide).
+    assert added(ds) == pytest.approx((2 * a, a + a * (1536 + 512 + 64) / 7168, 0.0))
+    assert added(ds, moe=False)[0] == pytest.approx(2 * a)  # a dense first block's FFN
+    assert price_moe_block(qwen, _run(qwen, 1, a), moe=True) == _moe(qwen, 1)  # tp 1: none
+
+
+def _middle_stage(model: Any, tp: int, ep: int = 1) -> Any:
+    """The middle stage of three (MoE blocks only, no embedding or head)."""
+    three = replace(model, layers=4, dense_blocks=())
+    return price_stages(three, H100, stages=3, seq=4096, tp=tp, ep=ep, sequence_parallel=False)[1]
+
+
+def test_tp_divides_attentions_memory_not_the_routed_experts() -> None:
+    qwen, ds = load_model("qwen3-30b-a3b"), load_model("deepseek-v3")
+    for ep in (1, 2):
+        one, two = _middle_stage(qwen, 1, ep), _middle_stage(qwen, 2, ep)
+        n = one.blocks
+        assert n == two.blocks >= 1
+        # The routed experts' weights, gradients and optimizer state: the same per GPU.
+        assert two.expert_params == one.expert_params == n * 128 * qwen.expert_params() // ep
+        # Attention's (no norms, no router) halve, with their state.
+        assert one.params - two.params == n * qwen.attention_params() // 2
+        cut = DEFAULT_STATE_BYTES * n * qwen.attention_params() / 2
+        assert one.weights - two.weights == pytest.approx(cut, rel=1e-12)
+        # Activations: only attention's saved q, k and v halve; the experts' are whole.
+        qkv = 4096 * 2 * (qwen.dim + 2 * qwen.kv_dim) / 2
+        assert one.act - two.act == pytest.approx(n * qkv, rel=1e-12)
+    # Latent attention: the projections before the heads are whole on every GPU; the
+    # shared expert is cut like a dense FFN.
+    assert ds.mla is not None
+    one, eight = _middle_stage(ds, 1), _middle_stage(ds, 8)
+    heads = ds.attention_params() - ds.mla.latent_params(ds.hidden)
+    shared = ds.shared_experts * ds.expert_params()
+    assert one.blocks == eight.blocks
+    assert one.params - eight.params == one.blocks * (heads + shared) * 7 // 8
+    assert eight.expert_params == one.expert_params
+
+
 def test_a_measured_cost_model_refuses_ep() -> None:
     qwen = load_model("qwen3-30b-a3b")
     measured = costs_from_spec(qwen, H100, stages=2, pp=2, dp=2, seq=4096)
@@ -284,10 +386,35 @@ def test_zeropipe_plan_searches_ep_for_a_deepseek_config(
     assert header.split()[:5] == ["#", "pp", "dp", "tp", "ep"]
 
 
+def test_zeropipe_plan_searches_tp_for_a_mixture_of_experts(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    small = {**QWEN3_30B, "num_hidden_layers": 4, "num_experts": 16}
+    path = tmp_path / "small-moe" / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(small))
+    code = cli.main([
+        "plan", "--model", str(path.parent), "--gpus", "8", "--gpu", "h100-sxm", "--seq",
+        "1024", "--global-batch", "16", "--tp", "1,2", "--no-sequence-parallel", "--ep", "1,2",
+        "--schedules", "1f1b", "--microbatch-sizes", "1", "--top", "30", "--quiet",
+    ])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "tensor parallel tp in {1,2} inside a node, no sequence parallelism" in out
+    lines = out.splitlines()
+    start = next(
+        n for n, line in enumerate(lines) if line.split()[:5] == ["#", "pp", "dp", "tp", "ep"]
+    )
+    rows = [line.split() for line in itertools.takewhile(str.strip, lines[start + 1 :])]
+    layouts = {(int(r[1]), int(r[2]), int(r[3]), int(r[4])) for r in rows}
+    assert {(1, 4, 2, 1), (1, 4, 2, 2), (2, 2, 2, 2)} <= layouts  # tp 2, with and without ep
+    assert all(pp * dp * tp == 8 and dp % ep == 0 for pp, dp, tp, ep in layouts)
+
+
 @pytest.mark.parametrize(
     ("flags", "what"),
     [
-        (["--tp", "2"], "--tp 2: tensor parallelism of qwen3-30b-a3b"),
+        (["--tp", "2"], "--tp 2: qwen3-30b-a3b: tp 2 with sequence parallelism"),
         (["--ep", "3"], "--ep 3: qwen3-30b-a3b: ep 3 must divide the 128 experts"),
     ],
 )

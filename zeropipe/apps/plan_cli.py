@@ -43,7 +43,7 @@ from zeropipe.planning.cluster import (
 )
 from zeropipe.planning.cluster import spec_costs as spec_cost_factory
 from zeropipe.planning.pricing.context_parallel import check_cp
-from zeropipe.planning.pricing.moe import check_ep
+from zeropipe.planning.pricing.moe import check_ep, check_sequence_parallel
 from zeropipe.planning.pricing.tensor_parallel import check_tp
 from zeropipe.planning.specs import (
     ATTENTION_KINDS,
@@ -171,7 +171,8 @@ def _add_cluster_search_space(spec: Any) -> None:
         default=True,
         help="with tp > 1, cut the norms, dropout and residual stream along the sequence "
         "too (Korthikanti et al.): the same collective bytes, activations divided by tp "
-        "(default: on; --no-sequence-parallel as Megatron-LM ran before it)",
+        "(default: on; --no-sequence-parallel as Megatron-LM ran before it, and for a "
+        "mixture of experts or latent attention at tp > 1, whose experts take whole sequences)",
     )
     spec.add_argument(
         "--tp-across-nodes",
@@ -501,22 +502,17 @@ def _ep_options(args: argparse.Namespace, model: ModelSpec) -> list[int]:
 
 def _tp_options(args: argparse.Namespace, model: ModelSpec, hw: HardwareSpec) -> list[int]:
     """The tensor-parallel degrees to search: --tp's, each checked (a bad one is an error
-    naming the fix), or every divisor of a node's GPUs that the model and --gpus take."""
+    naming the fix), or every divisor of a node's GPUs that the model and --gpus take (a
+    mixture of experts takes tp > 1 without sequence parallelism only)."""
     node = hw.gpus_per_node
-    if model.experts or model.mla is not None:  # priced at tp 1 only (pricing.moe)
-        if args.tp not in (None, [1]):
-            raise ZeropipeError(
-                f"--tp {','.join(map(str, args.tp))}: tensor parallelism of {model.name}, a "
-                f"mixture of experts or a latent-attention model, is not priced; give --tp 1 "
-                f"(and --ep to shard its experts)"
-            )
-        return [1]
     if args.tp is None:
         out = []
         for tp in divisors(node):
             try:
                 check_tp(tp, heads=model.heads, kv_heads=model.kv_heads, ffn=model.ffn,
                          gpus_per_node=node)  # fmt: skip
+                check_ep(1, model=model, dp=None, tp=tp)  # a mixture's shared experts cut evenly
+                check_sequence_parallel(model, tp, args.sequence_parallel)
             except ScheduleError:
                 continue
             if args.gpus % tp == 0:
@@ -538,6 +534,8 @@ def _tp_options(args: argparse.Namespace, model: ModelSpec, hw: HardwareSpec) ->
         try:
             check_tp(tp, heads=model.heads, kv_heads=model.kv_heads, ffn=model.ffn,
                      gpus_per_node=node, cross_node=args.tp_across_nodes, model=model.name)  # fmt: skip
+            check_ep(1, model=model, dp=None, tp=tp)
+            check_sequence_parallel(model, tp, args.sequence_parallel)
         except ScheduleError as exc:
             fix = "" if args.tp_across_nodes or node % tp == 0 else " (or add --tp-across-nodes)"
             raise ZeropipeError(f"--tp {tp}: {exc}{fix}") from None

@@ -39,18 +39,41 @@ way :func:`~zeropipe.planning.pricing.transformer.price_block` prices a dense on
   FSDP is sharded).  Activations kept: the dense block's around attention, the permuted
   tokens (``T k h``) and each active expert's gate, up and product (``3 T k f_e``).
 
-Tensor parallelism is not priced for these blocks (tp = 1: :func:`check_ep` refuses more).
+* **Tensor parallelism** (``tp`` GPUs a block, as :mod:`zeropipe.adapters.tp` lays a
+  mixture out): attention is cut by heads (latent attention's head projections, ``q_b`` or
+  ``q`` and ``kv_b``, and its output; its latent projections and norms, before the heads,
+  are whole on every GPU), as are a dense block's FFN and the shared experts; the router
+  and the routed experts are whole on every GPU, so their compute, weights, gradients,
+  optimizer state and activations are not divided by ``tp``, nor is the token permutation.
+  Each GPU of the ``tp`` holds the same experts and routes the same whole hidden states,
+  exchanged with its own ep group (the replicas' GPUs at its tp position): every GPU
+  dispatches and combines all of its replica's tokens, as at tp 1.  The collectives are
+  priced as :mod:`zeropipe.planning.pricing.tensor_parallel` prices a dense block's: one
+  all-reduce of the ``T x h`` activation forward and one of its gradient in I for
+  attention and for a dense FFN or the shared experts (a block of routed experts alone has
+  no FFN collective); latent attention's I sums the narrower gradients of its latents and
+  shared rotary key instead (:meth:`~zeropipe.planning.pricing.transformer.MLAShape.latent_widths`).
+  The cut matmuls run at tp's narrower rate, the whole ones at the uncut rate.  Sequence
+  parallelism does not apply: the whole experts need whole sequences
+  (:func:`check_sequence_parallel`).
+
 No torch here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from zeropipe.core.errors import ScheduleError
 from zeropipe.planning.balance import balance
-from zeropipe.planning.pricing.tensor_parallel import MATMUL_HALF_WIDTH, TP_LINK_EFFICIENCY
+from zeropipe.planning.pricing.tensor_parallel import (
+    MATMUL_HALF_WIDTH,
+    TP_LINK_EFFICIENCY,
+    kv_split,
+    matmul_share,
+)
 from zeropipe.planning.pricing.transformer import LayerPrice, LayerRun, ModelSpec, price_block
 
 __all__ = [
@@ -59,6 +82,7 @@ __all__ = [
     "all_to_all_time",
     "block_kinds",
     "check_ep",
+    "check_sequence_parallel",
     "copies_per_token",
     "cut_by_time",
     "expert_share",
@@ -78,14 +102,15 @@ A2A_LINK_EFFICIENCY = TP_LINK_EFFICIENCY
 def check_ep(ep: int, *, model: ModelSpec, dp: int | None, tp: int) -> None:
     """Refuse an expert-parallel degree the model or the layout cannot take, naming the fix:
     ``ep`` must divide the experts and the data-parallel degree (ep inside dp); a dense
-    model takes only ep 1; an MoE or latent-attention model only tp 1 (``dp`` None: not
-    checked against it)."""
+    model takes only ep 1 (``dp`` None: not checked against it); ``tp`` must cut the shared
+    experts evenly."""
     if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
         raise ScheduleError(f"ep = {ep!r} must be a whole number >= 1")
-    if (model.experts or model.mla is not None) and tp != 1:
+    shared = model.shared_experts * model.expert_ffn
+    if model.is_moe and shared % tp:
         raise ScheduleError(
-            f"{model.name}: tensor parallelism of a mixture-of-experts or latent-attention "
-            f"model is not priced; give tp 1 (ep shards the experts)"
+            f"{model.name}: tp {tp} must divide the shared experts' width ({shared}): tensor "
+            f"parallelism cuts them as a dense FFN"
         )
     if ep == 1:
         return
@@ -103,14 +128,34 @@ def check_ep(ep: int, *, model: ModelSpec, dp: int | None, tp: int) -> None:
         )
 
 
-def expert_share(model: ModelSpec) -> float:
-    """The rate of an expert's matmuls over a dense block's: ``g(f_e) / g(h)`` with
-    ``g(w) = w / (w + MATMUL_HALF_WIDTH)`` (1 when the experts are as wide as the model)."""
+def check_sequence_parallel(model: ModelSpec, tp: int, sequence_parallel: bool) -> None:
+    """Refuse sequence parallelism for a mixture of experts or latent attention at tp > 1:
+    its routed experts (and latent projections) are whole on every GPU of the tp and take
+    whole sequences, so the residual stream is not cut (:mod:`zeropipe.adapters.tp` refuses
+    it too)."""
+    if tp > 1 and sequence_parallel and (model.experts or model.mla is not None):
+        raise ScheduleError(
+            f"{model.name}: tp {tp} with sequence parallelism: a mixture of experts' or latent "
+            f"attention's tensor parallelism keeps the router, the routed experts and the "
+            f"latents whole on every GPU, on whole sequences; give sequence_parallel=False "
+            f"(zeropipe plan: --no-sequence-parallel)"
+        )
+
+
+def _width_share(width: float, hidden: int) -> float:
+    """The rate of a matmul ``width`` wide over a dense block's (``hidden`` wide):
+    ``g(width) / g(hidden)`` with ``g(w) = w / (w + MATMUL_HALF_WIDTH)``, at most 1."""
 
     def g(w: float) -> float:
         return w / (w + MATMUL_HALF_WIDTH)
 
-    return min(1.0, g(model.expert_ffn) / g(model.hidden))
+    return min(1.0, g(width) / g(hidden))
+
+
+def expert_share(model: ModelSpec) -> float:
+    """The rate of an expert's matmuls over a dense block's: ``g(f_e) / g(h)`` with
+    ``g(w) = w / (w + MATMUL_HALF_WIDTH)`` (1 when the experts are as wide as the model)."""
+    return _width_share(model.expert_ffn, model.hidden)
 
 
 def copies_per_token(experts: int, top_k: int, holders: int) -> float:
@@ -177,28 +222,76 @@ def _nodes_per_token(model: ModelSpec, nodes: int) -> float:
     return copies_per_token(experts, k, nodes)
 
 
+@dataclass(frozen=True)
+class _BlockWeights:
+    """One GPU's (of ``tp``) weights of a block in its linears, by the rate they run at."""
+
+    cut: int  # 1/tp of attention's head projections and of a dense FFN: tp's narrower rate
+    whole: int  # latent attention's projections before the heads, the router: uncut rate
+    shared: int  # 1/tp of the shared experts: their narrower width's rate
+    routed: int  # a token's top-k routed experts, whole: the experts' rate
+
+    @staticmethod
+    def of(model: ModelSpec, tp: int, moe: bool) -> _BlockWeights:
+        """The weights of one of ``model``'s blocks, an MoE one (``moe``) or a dense one;
+        key/value heads fewer than ``tp`` copied, as :func:`price_block` prices them."""
+        h = model.hidden
+        if model.mla is not None:
+            whole = model.mla.latent_params(h)
+            cut = (model.attention_params() - whole) // tp
+        else:
+            kv_t = model.kv_dim * tp // kv_split(model.kv_heads, tp)
+            cut, whole = (h * (model.dim + 2 * kv_t) + model.dim * h) // tp, 0
+        if not moe:
+            ffn = (3 if model.gated else 2) * h * model.ffn
+            return _BlockWeights(cut + ffn // tp, whole, 0, 0)
+        shared = model.shared_experts * model.expert_params() // tp
+        routed = model.experts_per_token * model.expert_params()
+        return _BlockWeights(cut, whole + h * model.experts, shared, routed)
+
+    def seconds(self, model: ModelSpec, run: LayerRun) -> float:
+        """Seconds of the linears in one pass (F, I and W alike: ``2 T n`` FLOPs each).
+
+        ``run.flop_rate`` is the uncut rate times ``narrow`` (:func:`matmul_share`), so a
+        weight at the uncut rate weighs ``narrow`` of one at ``flop_rate``, and the
+        shared experts' (``f_e / tp`` wide) weigh ``expert_share / their share`` of a
+        routed expert's; at tp 1 every ratio is 1."""
+        t, flop, tp = run.tokens, run.flop_rate, run.tp
+        narrow = matmul_share(model.hidden, tp)
+        share = expert_share(model)
+        shared_ratio = share / _width_share(model.expert_ffn / tp, model.hidden)
+        dense = self.cut + self.whole * narrow
+        if not (self.routed or self.shared):  # a dense block
+            return 2.0 * t * dense / flop
+        experts = self.routed * narrow + self.shared * narrow * shared_ratio
+        return 2.0 * t * dense / flop + 2.0 * t * experts / (flop * share)
+
+    @property
+    def params(self) -> int:
+        """Weights of the block this GPU holds in its linears but the routed experts."""
+        return self.cut + self.whole + self.shared
+
+
 def price_moe_block(
     model: ModelSpec, run: LayerRun, *, moe: bool, attention: str = "flash", dropout: bool = False
 ) -> LayerPrice:
-    """One block of a model with experts or latent attention (see the module docstring):
-    ``moe`` says whether its FFN is routed experts or dense (``ffn`` wide)."""
-    t, e, seq, h = run.tokens, run.element_bytes, run.seq, model.hidden
-    flop, mem = run.flop_rate, run.byte_rate
-    qk, v = model.score_dims()
-    attn_n = model.attention_params()
+    """One block of a model with experts or latent attention on one GPU of ``run.tp`` (see
+    the module docstring): ``moe`` says whether its FFN is routed experts or dense (``ffn``
+    wide)."""
+    t, e, seq, h, tp = run.tokens, run.element_bytes, run.seq, model.hidden, run.tp
+    mem = run.byte_rate
+    qk, v = (width // tp for width in model.score_dims())  # this GPU's heads
     k = model.experts_per_token + model.shared_experts if moe else 0
-    # FFN weights a token multiplies by: at the dense rate the router (or a dense FFN), at
-    # the experts' the active experts.
-    if moe:
-        dense_n, expert_n = h * model.experts, k * model.expert_params()
-    else:
-        dense_n, expert_n = (3 if model.gated else 2) * h * model.ffn, 0
-    expert_rate = flop * expert_share(model)
-    linear_s = 2.0 * t * (attn_n + dense_n) / flop + 2.0 * t * expert_n / expert_rate
+    weights = _BlockWeights.of(model, tp, moe)
+    linear_s = weights.seconds(model, run)
     d = (qk + v) // 2  # attention's mean width
-    ffn_width = k * model.expert_ffn if moe else model.ffn
+    if moe:  # the routed experts whole, the shared ones cut
+        ffn_width = model.experts_per_token * model.expert_ffn
+        ffn_width += model.shared_experts * model.expert_ffn // tp
+    else:
+        ffn_width = model.ffn // tp
     ffn_act = (3 if model.gated or moe else 2) * ffn_width
-    saved_qkv, rotary = _attention_widths(model)
+    saved_qkv, rotary = _attention_widths(model, tp)
     # Elementwise bytes forward: norms and residual adds (10 h), rotary, the activation;
     # the permutation around the experts (read T h, write T k h, and back).
     ew = t * e * (10.0 * h + 2.0 * rotary + ffn_act)
@@ -214,7 +307,7 @@ def price_moe_block(
         attention_f, attention_i = 2.0 * t * seq * d, 5.0 * t * seq * d
     else:
         attention_f, attention_i = 4.0 * t * seq * d, 8.0 * t * seq * d
-        scores = t * seq * model.heads
+        scores = t * seq * (model.heads // tp)
         drop = 1 if dropout else 0
         ew += scores * ((4 + 2 * drop) * e + drop)
         ew_i += scores * ((7 + 2 * drop) * e + drop)
@@ -224,8 +317,9 @@ def price_moe_block(
         ew_i += 2 * t * h
         act += 2 * t * h
     a2a = 2.0 * run.all_to_all if moe else 0.0  # dispatch and combine
-    block_f = linear_s + attention_f / flop + ew / mem + a2a
-    block_i = linear_s + attention_i / flop + ew_i / mem + a2a
+    collective_f, collective_i = _tp_collectives(model, run, moe)
+    block_f = linear_s + attention_f / run.flop_rate + ew / mem + a2a + collective_f
+    block_i = linear_s + attention_i / run.flop_rate + ew_i / mem + a2a + collective_i
     block_w = linear_s
     routed = model.experts * model.expert_params() if moe else 0
     return LayerPrice(
@@ -234,7 +328,7 @@ def price_moe_block(
         W=block_w,
         act=act,
         act_w=min(act, t * e * (4.0 * h + qk + v + ffn_act + k * h)),
-        params=model.block_params(moe) - routed,
+        params=weights.params + 2 * h,  # the two norms whole
         time=block_f + block_i + block_w,
         expert_params=routed // run.ep,
         all_to_all_f=a2a,
@@ -242,12 +336,28 @@ def price_moe_block(
     )
 
 
-def _attention_widths(model: ModelSpec) -> tuple[int, int]:
-    """Per token: the query, key and value elements kept for backward, and those rotary
-    embedding rewrites (grouped-query: all of q and k; latent: the rotary dims only)."""
+def _tp_collectives(model: ModelSpec, run: LayerRun, moe: bool) -> tuple[float, float]:
+    """Seconds of a block's tensor-parallel all-reduces forward and in I (none at tp 1):
+    attention's and, but in a block of routed experts alone, the FFN's (a dense FFN or the
+    shared experts), one each way; latent attention's I all-reduces its latents' and rotary
+    key's gradients, narrower than ``h``: priced as that share of ``run.allreduce`` (the
+    ring's bytes dominate at a block's sizes).  Each GPU's expert all-to-all is its own
+    (:func:`all_to_all_time`): tp adds none."""
+    if run.tp == 1:
+        return 0.0, 0.0
+    ffn = 0 if moe and not model.shared_experts else 1
+    attention_i = 1.0 if model.mla is None else model.mla.latent_widths(model.hidden) / model.hidden
+    return (1 + ffn) * run.allreduce, (attention_i + ffn) * run.allreduce
+
+
+def _attention_widths(model: ModelSpec, tp: int) -> tuple[int, int]:
+    """Per token and GPU of ``tp``: the query, key and value elements kept for backward,
+    and those rotary embedding rewrites (grouped-query: all of q and k, key/value heads
+    fewer than tp copied; latent: the rotary dims of the GPU's heads and the shared key)."""
     if model.mla is None:
-        return model.dim + 2 * model.kv_dim, model.dim + model.kv_dim
-    mla, heads = model.mla, model.heads
+        kv_t = model.kv_dim * tp // kv_split(model.kv_heads, tp)
+        return (model.dim + 2 * kv_t) // tp, (model.dim + kv_t) // tp
+    mla, heads = model.mla, model.heads // tp
     return heads * (2 * mla.qk_head_dim + mla.v_head_dim), (heads + 1) * mla.qk_rope_head_dim
 
 
@@ -284,9 +394,11 @@ def pair_overlap(prices: Sequence[PassTimes]) -> float:
 def block_kinds(model: ModelSpec, run: LayerRun, *, attention: str, dropout: bool) -> list[Kind]:
     """Each kind of block the model has, priced: a dense model's one kind
     (:func:`~zeropipe.planning.pricing.transformer.price_block`), else dense and MoE blocks
-    (:func:`price_moe_block`), those present."""
+    (:func:`price_moe_block`), those present; sequence parallelism at tp > 1 refused for
+    the latter (:func:`check_sequence_parallel`)."""
     if not (model.experts or model.mla is not None):
         return [(False, price_block(model, run, attention=attention, dropout=dropout))]
+    check_sequence_parallel(model, run.tp, run.sequence_parallel)
     present = sorted(set(model.moe_blocks()))
     return [
         (moe, price_moe_block(model, run, moe=moe, attention=attention, dropout=dropout))

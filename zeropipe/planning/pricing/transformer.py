@@ -171,6 +171,19 @@ class MLAShape:
         up = self.kv_lora_rank * heads * (self.qk_nope_head_dim + self.v_head_dim)
         return query + latent + up + heads * self.v_head_dim * hidden
 
+    def latent_params(self, hidden: int) -> int:
+        """Of :meth:`params`, the weights before the heads, which tensor parallelism keeps
+        whole on every GPU: the query latent's projection and norm, the key/value latent's
+        projection (with the shared rotary key) and norm."""
+        query = hidden * self.q_lora_rank + self.q_lora_rank
+        return query + hidden * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank
+
+    def latent_widths(self, hidden: int) -> int:
+        """Per token, the widths whose gradients tensor parallelism sums over its GPUs in
+        backward: what enters the heads' projections (the query latent, or the hidden state
+        without one; the key/value latent) and the shared rotary key every head reads."""
+        return (self.q_lora_rank or hidden) + self.kv_lora_rank + self.qk_rope_head_dim
+
 
 @dataclass(frozen=True)
 class ModelSpec:

@@ -3,7 +3,8 @@ model's own loss and gradients.
 
 The gradient checks are one 4-process gloo launch (tests/adapters/cp_cases.py: cp 2 inside
 pp 2, Llama under every generator, Mistral, Qwen2 and Qwen3 under 1f1b, sdpa attention,
-packed rows whose position ids restart; pp 1 x dp 2 x cp 2, replicated and with
+packed rows whose position ids restart; microbatches of different lengths under zbv;
+pp 1 x dp 2 x cp 2, replicated and with
 dp_shard=True; pp 2 x cp 2 with dp_shard=True) and one 8-process launch (cp 2 x tp 2
 inside pp 2), compared here with the unsplit, unsharded model in float64.  Every cp rank
 is given the whole batch and must report the whole batch's loss and, after the sum over
@@ -116,6 +117,17 @@ def test_replicas_of_context_parallel_pipelines_sum_over_dp_and_cp() -> None:
         assert got["replicas"] == 4  # the pipeline's replicas are its dp x cp processes
         seen |= _check_steps("dp x cp", got["steps"], refs)
     assert seen == set(refs[0][1])
+
+
+def test_microbatches_of_different_lengths_are_each_sharded_over_cp() -> None:
+    # zbv at pp 2 x cp 2 over zeropipe.Microbatches of 8, 12 and 4 tokens
+    ref_loss, ref_grads = cp_cases.varlen_reference()
+    seen: set[str] = set()
+    for r in cp_cases.results():
+        got = r["microbatches"]
+        no_crash(got, "microbatches")
+        seen |= _check_steps(f"pp {r['pp']} cp {r['cp']}", [got], [(ref_loss, ref_grads)])
+    assert seen == set(ref_grads)
 
 
 def test_dp_shard_with_context_parallelism_shards_over_dp_and_cp() -> None:

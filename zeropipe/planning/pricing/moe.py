@@ -190,7 +190,10 @@ def all_to_all_time(
     forwarded inside that node over NVLink), :func:`copies_per_token` of each (across nodes,
     within the groups a group-limited router allows: :func:`_nodes_per_token`).  The
     group's ranks are ``tp`` apart (ep neighbouring replicas): ``min(ep, node / tp)`` of them
-    share a node.  What crosses NVLink (``intra``: bandwidth and latency) and what crosses
+    share a node.  At tp > 1 each of a replica's tp GPUs holds the same routed experts,
+    uncut, and routes the same whole hidden states: each GPU sends all ``tokens`` over its
+    own group, at once with the replica's other tp GPUs, each on its own link (its share of
+    the network).  What crosses NVLink (``intra``: bandwidth and latency) and what crosses
     the network (``inter``) move at once, each at :data:`A2A_LINK_EFFICIENCY`; one latency
     for the concurrent messages.
     """

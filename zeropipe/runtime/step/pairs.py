@@ -197,7 +197,12 @@ class _Worker:
         name = f"zeropipe pairs of {threading.current_thread().name}"
         self.thread = threading.Thread(target=_serve, args=(jobs,), name=name, daemon=True)
         self.thread.start()
-        weakref.finalize(self, jobs.put, None)  # its calling thread gone: the worker ends
+        # Its calling thread gone, the worker ends.  Not at the interpreter's exit: woken
+        # while the interpreter finalizes, a daemon thread exits mid-shutdown, its torch
+        # thread-locals torn down beside the process's statics, which can abort the process
+        # ("terminate called without an active exception", seen under load); left waiting,
+        # it stops with the process.
+        weakref.finalize(self, jobs.put, None).atexit = False
 
     def submit(self, job: Callable[[], None]) -> threading.Event:
         """Run ``job`` on the worker, with the calling thread's intra-op thread count, and

@@ -57,6 +57,7 @@ from zeropipe.runtime.replicas.fsdp import ShardedReducer
 from zeropipe.runtime.step.batch_norm import DeferredNorms
 from zeropipe.runtime.step.executor import LocalTransport
 from zeropipe.runtime.step.loss_contract import LossContract, LossCountFn, LossFn
+from zeropipe.runtime.step.pairs import PairWorker
 from zeropipe.runtime.step.stage import Stage, split_sequential
 from zeropipe.runtime.transport.base import Transport
 
@@ -110,6 +111,9 @@ class Parts:
     reducer: GradReducer | None
     sharded: ShardedReducer | None  # the reducer, when it shards the stages (dp_shard)
     grad_memory: GradMemory | None  # weight-gradient memory kept between steps
+    # Runs the backward halves of overlapped pairs at once with their forwards; None: the
+    # schedule has no pairs, or RuntimeOptions(overlap=False) runs them in sequence.
+    pairs: PairWorker | None
 
 
 def build_parts(
@@ -185,6 +189,7 @@ def build_parts(
         reducer=reducer,
         sharded=reducer if isinstance(reducer, ShardedReducer) else None,
         grad_memory=GradMemory() if keep_grads else None,
+        pairs=PairWorker() if opts.overlap and plan.overlaps else None,
     )
 
 

@@ -438,7 +438,7 @@ class Pipeline:
             fused_weights=parts.fused_weights if training else frozenset(),
             reducer=parts.reducer if training else None,
             first_microbatch=0 if replicas is None else replicas.rank * schedule.microbatches,
-            overlap=parts.options.overlap,
+            beside=parts.pairs.submit if parts.pairs is not None else None,
         )
         # Summed at the step's end: a replica's every parameter, a distributed pipeline's
         # shared ones; earlier steps' gradients on them are set aside meanwhile.

@@ -6,8 +6,8 @@ half is the PipelineError naming its action.
 dualpipev on 2 ranks, in one process and in one 2-process gloo launch; an MLP and a
 transformer-like stage (attention + MLP), both with dropout; with recompute and offload;
 with the user's hooks; under bf16 autocast; and Hugging Face's Qwen3-MoE and
-DeepSeek-V3 as ``zeropipe.split`` cuts them (router loss included).  A thread's pairs run
-their backward halves on one worker, which ends with that thread; and
+DeepSeek-V3 as ``zeropipe.split`` cuts them (router loss included).  A pipeline's pairs
+run their backward halves on one worker, which ends with the pipeline; and
 benchmarks/moe_overlap.py's hidden and coverable all-to-all time on hand-made events.
 """
 
@@ -375,9 +375,10 @@ class _Threads(nn.Module):
         return out
 
 
-def test_a_thread_s_pairs_run_their_backwards_on_one_worker_that_ends_with_it() -> None:
-    # One worker for all the pairs of all the steps a thread runs, so that what torch keeps
-    # per thread (DTensor's sharding-propagation cache) stays warm; it ends with that thread.
+def test_a_pipeline_s_pairs_run_their_backwards_on_one_worker_that_ends_with_it() -> None:
+    # One worker for all the pairs of all the steps a pipeline runs, so that what torch keeps
+    # per thread (DTensor's sharding-propagation cache) stays warm; it ends with the pipeline
+    # (here dropped with the thread that stepped it).
     seen: dict[str, Any] = {}
 
     def two_steps() -> None:

@@ -112,14 +112,15 @@ def run_rank(ctx: StepContext, schedule: Schedule, rank: int) -> list[Event]:
 
 def _walk(ctx: StepContext, schedule: Schedule, order: Sequence[tuple[int, int]]) -> list[Event]:
     """Run the ``(rank, step)`` actions of ``order`` one after another, an overlapped pair's
-    two at once when ``ctx.overlap``: the one loop both executors share, and the one place
+    two at once when ``ctx.beside`` runs them: the one loop both executors share, and the one place
     actions get their profiler names."""
     profiling = profiler_active()
     run = _named if profiling else _run
-    if not schedule.overlaps or not (profiling or ctx.overlap):
+    at_once = ctx.beside is not None
+    if not schedule.overlaps or not (profiling or at_once):
         return [run(ctx, rank, step, schedule.actions[rank][step]) for rank, step in order]
     starts = {r: schedule.overlapped(r) for r in range(schedule.num_ranks)}
-    together = _at_once(ctx) if ctx.overlap and not profiling else None
+    together = _at_once(ctx) if at_once and not profiling else None
     events: list[Event] = []
     k = 0
     while k < len(order):

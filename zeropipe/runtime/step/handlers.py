@@ -119,8 +119,10 @@ class StepContext:
     # This replica's first microbatch in the global batch: what dropout and other
     # randomness are seeded by, so that replicas draw differently.
     first_microbatch: int = 0
-    # An overlapped pair's forward and backward run at once (zeropipe.runtime.step.pairs).
-    overlap: bool = True
+    # Runs an overlapped pair's backward half beside its forward and returns once it started,
+    # with an event set when it is done (the pipeline's ``pairs.PairWorker.submit``); None:
+    # each pair's halves one after the other.
+    beside: Callable[[Callable[[], None]], threading.Event] | None = None
 
     def receive(self, action: Action) -> tuple[Tensor, ...]:
         """Wait for a posted receive, counting the time blocked."""

@@ -6,8 +6,9 @@ With ``RuntimeOptions(overlap=True)`` the executor hands such a pair to
 :func:`run_pair`: the backward runs on a worker thread while the forward runs
 on the calling thread, so that what one half waits for (a received tensor, an
 all-to-all) is waited for while the other half computes.  The worker is one thread per
-calling thread, kept for its life (:class:`_Worker`), not one per pair: what torch keeps
-per thread, DTensor's sharding-propagation cache above all, stays warm::
+pipeline, kept for its life (:class:`PairWorker`, a part of the pipeline), not one per
+pair: what torch keeps per thread, DTensor's sharding-propagation cache above all, stays
+warm::
 
     calling thread:  |--- F(a, j): wait for its input ... compute ---|
     worker thread:   |--- B(b, k): wait for its gradient ... compute ---|   waited for
@@ -79,7 +80,7 @@ from zeropipe.runtime.step.handlers import StepContext
 from zeropipe.runtime.transport.base import Transport
 from zeropipe.runtime.transport.tagged import DistributedTransport
 
-__all__ = ["communicates_inside", "recomputes_in_backward", "run_pair"]
+__all__ = ["PairWorker", "communicates_inside", "recomputes_in_backward", "run_pair"]
 
 # What runs one action and returns its event (the executor's).
 RunAction = Callable[[StepContext, int, int, Action], Event]
@@ -180,9 +181,9 @@ class _Ledger(_Locked):
         self._kept.clear()
 
 
-class _Worker:
-    """The thread that runs the backward halves of the pairs one calling thread starts,
-    one pair at a time, kept for the life of that thread (:func:`_worker`).
+class PairWorker:
+    """The thread that runs the backward halves of one pipeline's overlapped pairs, one pair
+    at a time, started on the first pair and kept for the life of the pipeline.
 
     One thread for all the pairs rather than one per pair: what torch keeps per thread
     stays warm from pair to pair.  DTensor's sharding-propagation cache is a
@@ -192,22 +193,15 @@ class _Worker:
     """
 
     def __init__(self) -> None:
-        jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._jobs = jobs
-        name = f"zeropipe pairs of {threading.current_thread().name}"
-        self.thread = threading.Thread(target=_serve, args=(jobs,), name=name, daemon=True)
-        self.thread.start()
-        # Its calling thread gone, the worker ends.  Not at the interpreter's exit: woken
-        # while the interpreter finalizes, a daemon thread exits mid-shutdown, its torch
-        # thread-locals torn down beside the process's statics, which can abort the process
-        # ("terminate called without an active exception", seen under load); left waiting,
-        # it stops with the process.
-        weakref.finalize(self, jobs.put, None).atexit = False
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
 
     def submit(self, job: Callable[[], None]) -> threading.Event:
         """Run ``job`` on the worker, with the calling thread's intra-op thread count, and
         return once it has started (as ``Thread.start`` does); the event is set when it has
         returned (``job`` catches its own errors)."""
+        if self._thread is None or not self._thread.is_alive():  # first, or after a fork
+            self._start()
         threads = torch.get_num_threads()
         started, done = threading.Event(), threading.Event()
 
@@ -227,23 +221,30 @@ class _Worker:
         started.wait()
         return done
 
+    def _start(self) -> None:
+        name = f"zeropipe pairs of {threading.current_thread().name}"
+        jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._jobs = jobs
+        self._thread = threading.Thread(target=_serve, args=(jobs,), name=name, daemon=True)
+        self._thread.start()
+        # The pipeline gone, the worker ends.  Not at the interpreter's exit: woken while
+        # the interpreter finalizes, a daemon thread exits mid-shutdown, its torch
+        # thread-locals torn down beside the process's statics, which can abort the process
+        # ("terminate called without an active exception", seen under load); left waiting,
+        # it stops with the process.
+        weakref.finalize(self, jobs.put, None).atexit = False
+
 
 def _serve(jobs: queue.SimpleQueue[Callable[[], None] | None]) -> None:
-    """A worker's loop: run each job in turn until ``None``."""
-    while (job := jobs.get()) is not None:
+    """A worker's loop: run each job in turn until ``None``.  A finished job is dropped
+    before the next wait: it holds its step, and so the pipeline, which would never be
+    collected (nor its worker ended) while an idle worker kept it."""
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
         job()
-
-
-_workers = threading.local()  # each calling thread's _Worker
-
-
-def _worker() -> _Worker:
-    """The calling thread's worker, started on its first pair (and again after a fork,
-    which leaves the child without the parent's other threads)."""
-    worker: _Worker | None = getattr(_workers, "worker", None)
-    if worker is None or not worker.thread.is_alive():
-        worker = _workers.worker = _Worker()
-    return worker
+        del job
 
 
 def run_pair(
@@ -278,7 +279,8 @@ def run_pair(
         except BaseException as exc:  # raised on the calling thread, once it is done
             outcome.append(exc)
 
-    done = _worker().submit(backward_half)
+    assert ctx.beside is not None  # the executor runs pairs at once only with a worker
+    done = ctx.beside(backward_half)
     first: Event | BaseException
     try:
         first = run(halves[0], rank, step, forward)

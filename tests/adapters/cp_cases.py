@@ -35,8 +35,6 @@ LAUNCH_TIMEOUT = 300.0
 STEPS = ((0, 8), (1, 12))  # (step, sequence length): divisible by 2 x CP, changing
 PACKED_SEQ = 12
 FIRST = (5, 3, 7, 4, 9, 6)  # each packed row's first document's length
-# Microbatches of their own (rows, sequence length), each length divisible by 2 x CP.
-VARLEN = ((2, 8), (1, 12), (3, 4))
 
 
 def generator_cases() -> dict[str, tuple[str, str, str, str]]:
@@ -188,26 +186,9 @@ def _pp_cp_dp_shard(mesh: Any) -> dict[str, Any]:
     return {"steps": _steps(model, pipe, "plain"), "held": held}
 
 
-def varlen_batches(vocab: int = 64) -> zeropipe.Microbatches:
-    """Three microbatches of ``VARLEN``'s shapes, some labels ignored."""
-    g = torch.Generator().manual_seed(11)
-    ids = [torch.randint(0, vocab, shape, generator=g) for shape in VARLEN]
-    labels = [t.clone() for t in ids]
-    labels[1][0, :3] = -100
-    return zeropipe.Microbatches(inputs=ids, targets=labels)
-
-
 def varlen_reference() -> tuple[float, dict[str, Tensor]]:
-    """The unsplit Llama on ``varlen_batches``: token losses summed over every microbatch,
-    over every counted token."""
-    model = build("llama", "eager", "plain")
-    batches, fn = varlen_batches(), zeropipe.causal_lm_loss
-    assert batches.targets is not None
-    pairs = zip(batches.inputs, batches.targets, strict=True)
-    sums = [fn.sum_and_count(model(input_ids=x, use_cache=False).logits, t)[0] for x, t in pairs]
-    loss = torch.stack(sums).sum() / sum(fn.count(t) for t in batches.targets)
-    loss.backward()
-    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    """The unsplit Llama on ``hf_cases.varlen_batches``."""
+    return hf_cases.varlen_reference(build("llama", "eager", "plain"))
 
 
 def _varlen_case(mesh: Any) -> dict[str, Any]:
@@ -215,16 +196,7 @@ def _varlen_case(mesh: Any) -> dict[str, Any]:
     model = build("llama", "eager", "plain")
     stages = zeropipe.split(model, 4, balance=[1, 1, 1, 1])
     zeropipe.parallelize(stages, cp_mesh=mesh["cp"])
-    pipe = zeropipe.Pipeline(
-        stages,
-        "zbv",
-        microbatches=len(VARLEN),
-        loss_fn=zeropipe.causal_lm_loss,
-        mesh=mesh,
-        options=zeropipe.RuntimeOptions(timeout=60.0),
-    )
-    loss = pipe.step(varlen_batches())
-    return {"loss": loss.item(), "grads": whole_grads(model)}
+    return hf_cases.varlen_step(model, stages, mesh)
 
 
 def _refused(make: Any) -> str:

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 import zeropipe
+from tests.gradcheck import whole_grads
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
 SCHEDULES = ("gpipe", "1f1b", "zb-h2", "interleaved-1f1b", "zbv")
@@ -77,6 +78,46 @@ def reference(model: nn.Module, ids: Tensor, labels: Tensor) -> tuple[float, dic
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     return loss.item(), grads
+
+
+# Microbatches of their own (rows, sequence length), each length divisible by 4 (a cp of 2).
+VARLEN = ((2, 8), (1, 12), (3, 4))
+
+
+def varlen_batches() -> zeropipe.Microbatches:
+    """Three microbatches of ``VARLEN``'s shapes, some labels ignored."""
+    g = torch.Generator().manual_seed(11)
+    ids = [torch.randint(0, 64, shape, generator=g) for shape in VARLEN]
+    labels = [t.clone() for t in ids]
+    labels[1][0, :3] = -100
+    return zeropipe.Microbatches(inputs=ids, targets=labels)
+
+
+def varlen_reference(model: nn.Module) -> tuple[float, dict[str, Tensor]]:
+    """``model`` on ``varlen_batches``: its token losses summed over every microbatch, over
+    every counted token (what a step over those microbatches must give)."""
+    batches, fn = varlen_batches(), zeropipe.causal_lm_loss
+    assert batches.targets is not None
+    pairs = zip(batches.inputs, batches.targets, strict=True)
+    sums = [fn.sum_and_count(model(input_ids=x, use_cache=False).logits, t)[0] for x, t in pairs]
+    loss = torch.stack(sums).sum() / sum(fn.count(t) for t in batches.targets)
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def varlen_step(model: nn.Module, stages: list[nn.Module], mesh: Any) -> dict[str, Any]:
+    """One zbv step of ``model``'s (parallelized) ``stages`` over ``varlen_batches``: the
+    loss and this process's stages' whole gradients."""
+    pipe = zeropipe.Pipeline(
+        stages,
+        "zbv",
+        microbatches=len(VARLEN),
+        loss_fn=zeropipe.causal_lm_loss,
+        mesh=mesh,
+        options=zeropipe.RuntimeOptions(timeout=60.0),
+    )
+    loss = pipe.step(varlen_batches())
+    return {"loss": loss.item(), "grads": whole_grads(model)}
 
 
 def errors(arch: str, tied: bool, schedule: str, local: bool = True) -> dict[str, float]:

@@ -182,7 +182,7 @@ def test_sequence_parallelism_on_a_mixture_is_refused_before_anything_changes() 
 
 
 def test_microbatches_of_different_lengths_through_tensor_parallel_stages() -> None:
-    # zbv at pp 2 x tp 2 over zeropipe.Microbatches of 8, 12 and 5 tokens
+    # zbv at pp 2 x tp 2 over zeropipe.Microbatches of 8, 12 and 4 tokens
     ref_loss, ref_grads = tp_cases.varlen_reference()
     seen: set[str] = set()
     for r in tp_cases.results():

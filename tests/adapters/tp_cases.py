@@ -216,29 +216,9 @@ def _refusals(mesh: Any) -> list[str]:
     return out
 
 
-VARLEN = ((2, 8), (1, 12), (3, 5))  # microbatches of their own (rows, sequence length)
-
-
-def varlen_batches() -> zeropipe.Microbatches:
-    """Three microbatches of ``VARLEN``'s shapes, some labels ignored."""
-    g = torch.Generator().manual_seed(12)
-    ids = [torch.randint(0, VOCAB, shape, generator=g) for shape in VARLEN]
-    labels = [t.clone() for t in ids]
-    labels[2][1, :2] = -100
-    return zeropipe.Microbatches(inputs=ids, targets=labels)
-
-
 def varlen_reference() -> tuple[float, dict[str, Tensor]]:
-    """The unsplit Llama on ``varlen_batches``: token losses summed over every microbatch,
-    over every counted token."""
-    model = build("llama", False)
-    batches, fn = varlen_batches(), zeropipe.causal_lm_loss
-    assert batches.targets is not None
-    pairs = zip(batches.inputs, batches.targets, strict=True)
-    sums = [fn.sum_and_count(model(input_ids=x, use_cache=False).logits, t)[0] for x, t in pairs]
-    loss = torch.stack(sums).sum() / sum(fn.count(t) for t in batches.targets)
-    loss.backward()
-    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    """The unsplit Llama on ``hf_cases.varlen_batches``."""
+    return hf_cases.varlen_reference(build("llama", False))
 
 
 def _varlen_case(mesh: Any) -> dict[str, Any]:
@@ -246,16 +226,7 @@ def _varlen_case(mesh: Any) -> dict[str, Any]:
     model = build("llama", False)
     stages = zeropipe.split(model, PP * 2, balance=[1] * 4)
     zeropipe.parallelize(stages, mesh["tp"])
-    pipe = zeropipe.Pipeline(
-        stages,
-        "zbv",
-        microbatches=len(VARLEN),
-        loss_fn=zeropipe.causal_lm_loss,
-        mesh=mesh,
-        options=zeropipe.RuntimeOptions(timeout=60.0),
-    )
-    loss = pipe.step(varlen_batches())
-    return {"loss": loss.item(), "grads": whole_grads(model)}
+    return hf_cases.varlen_step(model, stages, mesh)
 
 
 def cases(rank: int, world: int) -> dict[str, Any]:

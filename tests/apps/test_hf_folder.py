@@ -192,6 +192,32 @@ def test_train_two_ranks_then_export_loads_in_transformers(
     assert _reference(out).config.num_hidden_layers == 4
 
 
+def test_dualpipe_from_a_folder_trains_as_1f1b_does_and_exports_one_model(
+    folders: dict[str, Path], tmp_path: Path, capsys: Any
+) -> None:
+    # dualpipe's two copies of every stage run one set of weights: the run learns what
+    # 1f1b's does, and the export holds the model once, scoring the run's eval loss.
+    from zeropipe.apps.train.config import TrainConfig
+    from zeropipe.apps.train.loop import train
+
+    runs = {}
+    for schedule in ("1f1b", "dualpipe"):
+        cfg = TrainConfig(
+            model_path=str(folders["sharded"]), ranks=2, steps=3, batch_size=8, microbatches=4,
+            seq=16, schedule=schedule, out=str(tmp_path / schedule), quiet=True, lr=1e-2,
+            warmup=1,
+        )  # fmt: skip
+        runs[schedule] = (cfg, train(cfg))
+    (_, plain), (cfg, dual) = runs["1f1b"], runs["dualpipe"]
+    assert dual["initial_eval_loss"] == pytest.approx(plain["initial_eval_loss"], rel=1e-6)
+    assert dual["final_eval_loss"] == pytest.approx(plain["final_eval_loss"], rel=1e-5)
+    assert dual["final_eval_loss"] != pytest.approx(dual["initial_eval_loss"], rel=1e-3)
+    out = tmp_path / "exported"
+    assert main(["export", str(tmp_path / "dualpipe"), str(out)]) == 0
+    capsys.readouterr()
+    assert _hf_eval_loss(_reference(out), cfg) == pytest.approx(dual["final_eval_loss"], rel=1e-5)
+
+
 @pytest.mark.parametrize("kind", ["qwen3", "gpt2"])
 def test_trained_qwen3_and_gpt2_export_with_the_pipeline_eval_loss(
     folders: dict[str, Path], tmp_path: Path, kind: str

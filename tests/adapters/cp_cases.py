@@ -155,17 +155,22 @@ def _dp_case(mesh: Any, dp_shard: bool = False) -> dict[str, Any]:
         mesh=mesh,
         options=zeropipe.RuntimeOptions(timeout=60.0, dp_shard=dp_shard),
     )
-    dp = mesh.get_local_rank("dp")
+    i, n = pipe.batch_slice  # the replica's slice, shared by its cp processes
     steps = []
     for step, seq in STEPS:
         model.zero_grad(set_to_none=True)
         ids, labels = hf_cases.batch(step, seq)
-        loss = pipe.step(ids.tensor_split(2)[dp], labels.tensor_split(2)[dp])
+        loss = pipe.step(ids.tensor_split(n)[i], labels.tensor_split(n)[i])
         steps.append({"loss": loss.item(), "grads": whole_grads(model)})
     embedding = model.get_input_embeddings().weight
     held = getattr(embedding, "to_local", lambda: embedding)()
     # dp_shard: the rows this process holds of the 64 x 16 embedding (64 / (dp x cp))
-    return {"steps": steps, "replicas": pipe.dp_size, "embedding": list(held.shape)}
+    return {
+        "steps": steps,
+        "replicas": pipe.dp_size,
+        "embedding": list(held.shape),
+        "slice": [*pipe.batch_slice, mesh.get_local_rank("dp")],
+    }
 
 
 def _pp_cp_dp_shard(mesh: Any) -> dict[str, Any]:

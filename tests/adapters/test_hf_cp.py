@@ -115,6 +115,8 @@ def test_replicas_of_context_parallel_pipelines_sum_over_dp_and_cp() -> None:
         got = r["dp x cp"]
         no_crash(got, "dp x cp")
         assert got["replicas"] == 4  # the pipeline's replicas are its dp x cp processes
+        # ... but the batch has one slice per replica, the same for its two cp processes
+        assert got["slice"] == [got["slice"][2], 2, got["slice"][2]], got["slice"]
         seen |= _check_steps("dp x cp", got["steps"], refs)
     assert seen == set(refs[0][1])
 

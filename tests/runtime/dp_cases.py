@@ -327,9 +327,15 @@ def _local_case(rank: int) -> dict[str, Any]:
         mesh=_replicas_only(),
         options=OPTIONS,
     )
-    xs, ys = torch.tensor_split(x, WORLD)[rank], torch.tensor_split(y, WORLD)[rank]
+    i, n = pipe.batch_slice
+    xs, ys = torch.tensor_split(x, n)[i], torch.tensor_split(y, n)[i]
     loss = pipe.step(xs, ys)
-    return {"loss": loss.item(), "grads": _owned_grads(model), "dp_size": pipe.dp_size}
+    return {
+        "loss": loss.item(),
+        "grads": _owned_grads(model),
+        "dp_size": pipe.dp_size,
+        "slice": pipe.batch_slice,
+    }
 
 
 def _local_shard_case(rank: int) -> dict[str, Any]:

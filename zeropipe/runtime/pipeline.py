@@ -240,17 +240,25 @@ class Pipeline:
 
     @property
     def dp_size(self) -> int:
-        """How many data-parallel replicas run this pipeline (1 without a ``dp_group``); with
-        a "cp" dimension, its dp x cp processes, the cp processes of a replica sharing its
-        slice of the batch (``parts.where.cp_size`` of them)."""
+        """How many processes sum this pipeline's gradients: its data-parallel replicas (1
+        without a ``dp_group``); with a "cp" dimension, its dp x cp processes, whose cp
+        processes of a replica share one slice of the batch (:attr:`batch_slice`)."""
         return 1 if self.replicas is None else self.replicas.size
 
     @property
     def dp_rank(self) -> int:
-        """This process's replica, ``0 .. dp_size - 1``: the slice of the global batch it gets
-        (with a "cp" dimension of ``cp`` processes, which share a slice: ``dp_rank // cp`` of
-        ``dp_size // cp``)."""
+        """This process's replica, ``0 .. dp_size - 1`` (with a "cp" dimension, among the dp
+        x cp processes; the slice of the batch it feeds is :attr:`batch_slice`)."""
         return 0 if self.replicas is None else self.replicas.rank
+
+    @property
+    def batch_slice(self) -> tuple[int, int]:
+        """``(index, count)``: this process feeds slice ``index`` of the global batch cut into
+        ``count`` (``x.tensor_split(count)[index]``).  One slice per data-parallel replica;
+        the cp processes of a replica share its slice (each shards the sequences itself);
+        ``(0, 1)`` without replicas."""
+        cp = self.parts.where.cp_size
+        return self.dp_rank // cp, self.dp_size // cp
 
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, *, error_if_nonfinite: bool = False

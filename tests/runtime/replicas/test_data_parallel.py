@@ -163,6 +163,7 @@ def test_replicas_running_whole_pipelines_locally_sum_to_the_global_batch() -> N
     for rank, out in enumerate(results):
         no_crash(out["local"], f"local on rank {rank}")
         assert out["local"]["dp_size"] == dp_cases.WORLD
+        assert out["local"]["slice"] == (rank, dp_cases.WORLD)  # one slice per replica
         assert abs(out["local"]["loss"] - loss.item()) <= 1e-10
         assert_same_gradients(as_params(out["local"]["grads"]), ref)
 

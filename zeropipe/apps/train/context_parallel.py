@@ -21,7 +21,7 @@ from zeropipe.apps.models.hf_presets import hf_class_name
 from zeropipe.apps.train.workload import hf_model_config
 from zeropipe.core.errors import ZeropipeError
 
-__all__ = ["check_context_parallel", "shard_sequences", "slice_of_replica"]
+__all__ = ["check_context_parallel", "shard_sequences"]
 
 
 def check_context_parallel(cfg: Any) -> None:
@@ -64,9 +64,3 @@ def shard_sequences(stages: Any, mesh: Any, cp: int) -> None:
     """The stages sharded over the mesh's "cp" dimension (nothing when ``cp`` is 1)."""
     if cp > 1:
         parallelize(stages, cp_mesh=mesh["cp"])
-
-
-def slice_of_replica(dp_size: int, dp_rank: int, cp: int) -> tuple[int, int]:
-    """How many slices the batch is cut into and which is this process's: the pipeline's
-    replicas are its dp x cp processes, and the cp processes of a replica share a slice."""
-    return dp_size // cp, dp_rank // cp

@@ -29,7 +29,7 @@ from zeropipe.apps.train import log as train_log
 from zeropipe.apps.train import report, state
 from zeropipe.apps.train import resume as train_resume
 from zeropipe.apps.train.config import TrainConfig
-from zeropipe.apps.train.context_parallel import shard_sequences, slice_of_replica
+from zeropipe.apps.train.context_parallel import shard_sequences
 from zeropipe.apps.train.workload import batch, build_model, load_corpus, loss_fn
 from zeropipe.base.storage import local_tensor
 from zeropipe.core.errors import PipelineError
@@ -433,7 +433,7 @@ def _mine(
     """This replica's slice of the global batch (the whole batch without data parallelism;
     every cp process of a replica its whole slice); a dict batch (packed documents) sliced
     entry by entry."""
-    slices, which = slice_of_replica(pipe.dp_size, pipe.dp_rank, pipe.parts.where.cp_size)
+    which, slices = pipe.batch_slice
     if slices == 1:
         return x, y
 

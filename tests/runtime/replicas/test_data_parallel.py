@@ -59,6 +59,19 @@ def _check_ranks(results: list[dict[str, Any]], key: str, got_of: Any, ref_loss:
         assert names_seen == names, f"{key}: replica {dp} has no gradient for {names - names_seen}"
 
 
+def _check_against(
+    results: list[dict[str, Any]], key: str, model: torch.nn.Module, ref_loss: Tensor
+) -> None:
+    """Case ``key`` on every rank against ``model``'s ``ref_loss`` (not yet backpropagated):
+    that loss, and together every parameter's gradient."""
+    ref_loss.backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    for out in results:
+        no_crash(out[key], key)
+    names = set(dict(model.named_parameters()))
+    _check_ranks(results, key, lambda o: o[key], ref_loss.item(), ref, names)
+
+
 def _check_steps(results: list[dict[str, Any]], field: str, key: str) -> None:
     """Both steps of case ``key`` under ``field``: every rank has the global batch's loss and,
     the ranks of each replica together, every gradient."""
@@ -98,13 +111,7 @@ def test_counted_tokens_differing_between_replicas_give_the_global_mean() -> Non
     halves = [dp_cases.counted(dp_cases.replica_slice(y, d)).item() for d in range(dp_cases.DP)]
     assert halves[0] != halves[1]
     total, count = dp_cases.counted_loss(model(x), y)
-    ref_loss = total / count
-    ref_loss.backward()
-    ref = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    for out in results:
-        no_crash(out["counted"], "counted")
-    names = set(dict(model.named_parameters()))
-    _check_ranks(results, "counted", lambda o: o["counted"], ref_loss.item(), ref, names)
+    _check_against(results, "counted", model, total / count)
 
 
 def test_replicas_with_microbatches_of_their_own_lengths_give_the_global_mean() -> None:
@@ -118,12 +125,7 @@ def test_replicas_with_microbatches_of_their_own_lengths_give_the_global_mean() 
     counts = [sum(fn.count(t) for t in b.targets or ()) for b in replicas]
     assert counts[0] != counts[1]
     ref_loss = torch.stack([fn.sum_and_count(model(x), t)[0] for x, t in pairs]).sum() / sum(counts)
-    ref_loss.backward()
-    ref = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    for out in results:
-        no_crash(out["varlen"], "varlen")
-    names = set(dict(model.named_parameters()))
-    _check_ranks(results, "varlen", lambda o: o["varlen"], ref_loss.item(), ref, names)
+    _check_against(results, "varlen", model, ref_loss)
 
 
 @pytest.mark.parametrize("norm_type", [2.0, float("inf")])

@@ -115,6 +115,21 @@ def _schedule(name: str, microbatches: int) -> Schedule:
     return offload(checkpoint(zeropipe.generate(base, PP, microbatches), ahead=1))
 
 
+def _pipeline(
+    stages: list[nn.Module], schedule: Schedule | str, mesh: Any, *, dp_shard: bool = False
+) -> zeropipe.Pipeline:
+    """The pipeline every case runs: ``causal_lm_loss``, ``MICROBATCHES`` for a named
+    schedule, a 60 s time limit."""
+    return zeropipe.Pipeline(
+        stages,
+        schedule,
+        loss_fn=zeropipe.causal_lm_loss,
+        microbatches=MICROBATCHES if isinstance(schedule, str) else None,
+        mesh=mesh,
+        options=zeropipe.RuntimeOptions(timeout=60.0, dp_shard=dp_shard),
+    )
+
+
 def _case(mesh: Any, arch: str, name: str, attn: str, kind: str) -> dict[str, Any] | str:
     model = build(arch, attn, kind)
     try:
@@ -127,13 +142,7 @@ def _case(mesh: Any, arch: str, name: str, attn: str, kind: str) -> dict[str, An
     n = schedule.num_stages - len(schedule.copies)  # DualPipe's copies run the originals
     stages = zeropipe.split(model, n, balance=[4 // n] * n)  # 4 decoder layers
     zeropipe.parallelize(stages, cp_mesh=mesh["cp"])
-    pipe = zeropipe.Pipeline(
-        stages,
-        schedule,
-        loss_fn=zeropipe.causal_lm_loss,
-        mesh=mesh,
-        options=zeropipe.RuntimeOptions(timeout=60.0),
-    )
+    pipe = _pipeline(stages, schedule, mesh)
     # every stage's input after the first holds the rank's tokens only
     shards = [getattr(st, "context_parallel", None) for st in stages]
     return {"steps": _steps(model, pipe, kind), "sharded": [s is not None for s in shards]}
@@ -148,13 +157,7 @@ def _dp_case(mesh: Any, dp_shard: bool = False) -> dict[str, Any]:
     stages = zeropipe.split(model, 2, balance=[2, 2])
     zeropipe.parallelize(stages, cp_mesh=mesh["cp"])
     schedule = zeropipe.build_schedule("1f1b", ranks=2, microbatches=1)
-    pipe = zeropipe.Pipeline(
-        stages,
-        schedule,
-        loss_fn=zeropipe.causal_lm_loss,
-        mesh=mesh,
-        options=zeropipe.RuntimeOptions(timeout=60.0, dp_shard=dp_shard),
-    )
+    pipe = _pipeline(stages, schedule, mesh, dp_shard=dp_shard)
     i, n = pipe.batch_slice  # the replica's slice, shared by its cp processes
     steps = []
     for step, seq in STEPS:
@@ -179,14 +182,7 @@ def _pp_cp_dp_shard(mesh: Any) -> dict[str, Any]:
     model = hf_cases.build("llama", tied=False)
     stages = zeropipe.split(model, PP, balance=[2, 2])
     zeropipe.parallelize(stages, cp_mesh=mesh["cp"])
-    pipe = zeropipe.Pipeline(
-        stages,
-        "1f1b",
-        loss_fn=zeropipe.causal_lm_loss,
-        microbatches=MICROBATCHES,
-        mesh=mesh,
-        options=zeropipe.RuntimeOptions(timeout=60.0, dp_shard=True),
-    )
+    pipe = _pipeline(stages, "1f1b", mesh, dp_shard=True)
     held = [(list(p.to_local().shape), list(p.shape)) for p in pipe.parameters()]
     return {"steps": _steps(model, pipe, "plain"), "held": held}
 
@@ -285,14 +281,7 @@ def tp_case(rank: int, world: int) -> dict[str, Any]:
         model = tp_cases.build("qwen3", False)
         stages = zeropipe.split(model, PP, balance=[2, 2])
         zeropipe.parallelize(stages, mesh["tp"], cp_mesh=mesh["cp"])
-        pipe = zeropipe.Pipeline(
-            stages,
-            "1f1b",
-            loss_fn=zeropipe.causal_lm_loss,
-            microbatches=MICROBATCHES,
-            mesh=mesh,
-            options=zeropipe.RuntimeOptions(timeout=60.0),
-        )
+        pipe = _pipeline(stages, "1f1b", mesh)
         return _steps(model, pipe, "plain")
 
     out["steps"] = guard(run)

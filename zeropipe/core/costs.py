@@ -450,6 +450,26 @@ class CostModel:
             raise _in_stage(stage, exc) from None
         return replace(self, stages=tuple(stages))
 
+    def with_copies(self, schedule: Schedule) -> CostModel:
+        """This model of the model's stages for ``schedule``, whose ``copies`` run an
+        original stage's module again (dualpipe: IR stages PP..2PP-1 copy 0..PP-1).
+
+        A copy costs what its original costs: times, activations, boundary bytes and its
+        weights (gradients and optimizer state, as ``weights`` counts them), which the
+        copy's rank holds a second time.  Without copies: this model as it is.
+        """
+        if not schedule.copies:
+            return self
+        originals = schedule.num_stages - len(schedule.copies)
+        if len(self.stages) != originals or any(of >= originals for _, of in schedule.copies):
+            raise ScheduleError(
+                f"{schedule.name} runs {originals} model stage(s) (stages 0..{originals - 1}, "
+                f"the rest copies of them); the cost model has {len(self.stages)}",
+                rule="costs",
+            )
+        stages = tuple(self.stages[schedule.copy_of(s)] for s in range(schedule.num_stages))
+        return replace(self, stages=stages)
+
     # -- JSON ------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return {

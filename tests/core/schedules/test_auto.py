@@ -16,6 +16,7 @@ import json
 import math
 import random
 from collections.abc import Iterator
+from dataclasses import replace
 from types import ModuleType
 
 import pytest
@@ -25,7 +26,7 @@ from zeropipe.apps import cli
 from zeropipe.core.costs import CostModel, StageCost
 from zeropipe.core.errors import ScheduleError
 from zeropipe.core.ir import Action, Kind, Schedule
-from zeropipe.core.memory import peak_memory
+from zeropipe.core.memory import initial_memory, peak_memory
 from zeropipe.core.passes.fuse import fused_weights
 from zeropipe.core.schedules import GENERATORS, generate
 from zeropipe.core.schedules.list_scheduler import list_schedule, placement_of, replay
@@ -63,10 +64,12 @@ def _named(ranks: int, m: int) -> Iterator[tuple[str, Schedule]]:
             sched = gen.build(ranks, m, gen.default_chunks)
         except ScheduleError:
             continue  # e.g. dualpipev below 2p - 1 microbatches
-        # The search leaves out schedules whose stages copy others (dualpipe: the model's
-        # parameters twice over): a plan's cut is one model stage per schedule stage.
-        if not sched.copies:
-            yield name, sched
+        yield name, sched  # dualpipe included: priced on its model stages, copies alike
+
+
+def _weighted(costs: CostModel, weights: float = 1.0) -> CostModel:
+    """``costs`` with ``weights`` (parameters, gradients, optimizer state) on every stage."""
+    return replace(costs, stages=tuple(replace(s, weights=weights) for s in costs.stages))
 
 
 @pytest.mark.parametrize("ranks", [2, 4, 8])
@@ -79,8 +82,7 @@ def test_unit_costs_never_worse_than_named(registered: ModuleType, ranks: int) -
             got = simulate(result.schedule, result.costs).makespan
             assert got == pytest.approx(result.timeline.makespan)
             for name, sched in _named(ranks, m):
-                chunks = sched.num_stages // ranks
-                costs = CostModel.uniform(sched.num_stages, chunks=chunks)
+                costs = registered.costs_for_schedule(CostModel.uniform(ranks), sched)
                 try:
                     validate(sched, memory_limit=limit, costs=costs)
                 except ScheduleError:
@@ -95,19 +97,21 @@ def test_priced_posts_count_and_auto_stays_never_worse(registered: ModuleType) -
 
     Two chunks per rank pay twice the posts: free posts make auto take zbv's V
     shape, priced ones a one-chunk schedule -- and auto still beats every named one.
+    One unit of weights per rank's worth of layers, with the limit at 4, leaves no room
+    for dualpipe's second copy (2 + 3 microbatches), whose two directions would win.
     """
     search = registered.search
-    free = search(CostModel.uniform(2), 2, 8, 4, max_chunks=2)
-    assert free.schedule.num_stages == 4
+    free = search(_weighted(CostModel.uniform(2)), 2, 8, 4, max_chunks=2)
+    assert free.schedule.num_stages == 4 and not free.schedule.copies
     for post in (0.05, 0.5):
-        result = search(CostModel.uniform(2, post=post), 2, 8, 4, max_chunks=2)
+        priced = _weighted(CostModel.uniform(2, post=post))
+        result = search(priced, 2, 8, 4, max_chunks=2)
         assert result.schedule.num_stages == 2, result.explanation
         assert result.timeline.schedule.is_lowered
         got = simulate(result.schedule, result.costs).makespan
         assert got == pytest.approx(result.timeline.makespan)
         for name, sched in _named(2, 8):
-            chunks = sched.num_stages // 2
-            costs = CostModel.uniform(sched.num_stages, chunks=chunks, post=post)
+            costs = registered.costs_for_schedule(priced, sched)
             try:
                 validate(sched, memory_limit=4, costs=costs)
             except ScheduleError:
@@ -174,7 +178,7 @@ def test_uneven_costs_give_a_valid_schedule_within_per_rank_limits(registered: M
     peaks = [p for p, _ in peak_memory(result.schedule, result.costs)]
     assert all(p <= cap + 1e-9 for p, cap in zip(peaks, limits, strict=True))
     for name, sched in _named(4, 12):
-        c = registered.costs_for(costs, sched.num_stages)
+        c = registered.costs_for_schedule(costs, sched)
         try:
             validate(sched, memory_limit=limits, costs=c)
         except ScheduleError:
@@ -196,7 +200,7 @@ def test_cheap_fused_w_makes_auto_gather_w_and_beat_every_named(registered: Modu
     assert "W in groups of" in result.explanation
     assert fused_weights(result.schedule)  # the runtime will run them together
     for name, sched in _named(2, 8):
-        c = registered.costs_for(costs, sched.num_stages)
+        c = registered.costs_for_schedule(costs, sched)
         assert result.timeline.makespan < simulate(sched, c).makespan, name
     # Without W_fused no grouped candidate is made.
     plain = registered.search(CostModel.uniform(2, F=1, I=1, W=1), 2, 8, None)
@@ -207,8 +211,10 @@ def test_cheap_fused_w_makes_auto_gather_w_and_beat_every_named(registered: Modu
 def test_schedules_made_of_b_are_grouped_too(registered: ModuleType) -> None:
     # B = 1.6 beats I + W = 2, so the split-only candidates lose; with W_fused = 0.1 the
     # named 1f1b split into I + W and gathered (I + ~W_fused per microbatch) beats its B.
-    costs = CostModel(tuple(StageCost(F=1, I=1, W=1, B=1.6, W_fused=0.1) for _ in range(2)))
-    result = registered.search(costs, 2, 8, None, max_chunks=1)
+    # The limit holds 1F1B's weights and 2 microbatches, not dualpipe's two copies.
+    stage = StageCost(F=1, I=1, W=1, B=1.6, W_fused=0.1, weights=1)
+    costs = CostModel((stage, stage))
+    result = registered.search(costs, 2, 8, 3, max_chunks=1)
     assert result.explanation.startswith("auto: 1f1b, W in groups of"), result.explanation
     assert fused_weights(result.schedule)
     named = simulate(generate("1f1b", 2, 8), costs).makespan
@@ -259,6 +265,63 @@ def test_costs_for_splits_and_merges(registered: ModuleType) -> None:
     merged = costs_for(split, 2)
     assert pytest.approx(2) == merged.stages[1].F and merged.stages[1].act_w == pytest.approx(0.5)
     assert costs_for(base, 3) is None
+
+
+def _moe_like(ranks: int = 4) -> CostModel:
+    """Overlap-friendly costs (half of each F/B pair hidden), W cheaper than I, one unit of
+    weights per stage: DualPipe's two directions beat every one-direction schedule."""
+    stage = StageCost(F=1.0, I=1.0, W=0.5, weights=1.0)
+    return CostModel(tuple(stage for _ in range(ranks)), overlap=0.5)
+
+
+def test_auto_picks_dualpipe_where_it_is_best_and_runs_it_as_generated(
+    registered: ModuleType,
+) -> None:
+    costs = _moe_like()
+    result = registered.search(costs, 4, 8, None)
+    made = generate("dualpipe", 4, 8)
+    got = result.schedule
+    assert (got.actions, got.routes, got.copies) == (made.actions, made.routes, made.copies)
+    assert got.overlaps == made.overlaps and got.name == "auto"
+    # Its costs: the 4 model stages, each copy costing what its original does.
+    priced = registered.costs_for_schedule(costs, made)
+    assert result.costs == priced and priced.stages[4:] == costs.stages
+    expected = simulate(made, priced)
+    assert result.timeline.makespan == pytest.approx(expected.makespan)
+    assert result.timeline.peak_memory == pytest.approx(expected.peak_memory)
+    # Both copies' weights on every rank (2 units), plus at most PP + 1 = 5 microbatches.
+    assert initial_memory(made, priced) == [2.0] * 4
+    assert max(result.timeline.peak_memory) == pytest.approx(2.0 + 5.0)
+    others = [
+        simulate(s, registered.costs_for_schedule(costs, s)).makespan
+        for _, s in _named(4, 8)
+        if not s.copies
+    ]
+    assert expected.makespan < min(others) - 0.5  # a genuine win: 20.5 against 21.25
+
+
+def test_auto_leaves_dualpipe_out_where_its_second_copy_does_not_fit(
+    registered: ModuleType,
+) -> None:
+    costs = _moe_like()
+    free = registered.search(costs, 4, 8, None)
+    assert free.schedule.copies
+    limit = max(free.timeline.peak_memory) - 0.5  # short of dualpipe's 2 + 5 on a rank
+    result = registered.search(costs, 4, 8, limit)
+    assert not result.schedule.copies, result.explanation
+    assert max(result.timeline.peak_memory) <= limit + 1e-9
+    assert result.timeline.makespan > free.timeline.makespan
+
+
+def test_a_cost_model_for_other_stages_than_the_model_stages_is_refused(
+    registered: ModuleType,
+) -> None:
+    made = generate("dualpipe", 4, 8)
+    with pytest.raises(ScheduleError, match=r"runs 4 model stage\(s\).*has 8"):
+        CostModel.uniform(8).with_copies(made)
+    assert registered.costs_for_schedule(lambda n: None, made) is None
+    one = generate("1f1b", 4, 8)
+    assert registered.costs_for_schedule(CostModel.uniform(4), one) == CostModel.uniform(4)
 
 
 def test_memory_limit_by_name_matches_that_schedules_peak(registered: ModuleType) -> None:

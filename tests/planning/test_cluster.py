@@ -24,9 +24,10 @@ from zeropipe.planning.cluster import (
     schedule_cut,
     search,
 )
+from zeropipe.planning.step_bound import Shape
 
 LAYERS = 8
-NAMED = ["gpipe", "1f1b", "zb-h1", "zb-h2", "interleaved-1f1b", "zbv", "dualpipev"]
+NAMED = ["gpipe", "1f1b", "zb-h1", "zb-h2", "interleaved-1f1b", "zbv", "dualpipev", "dualpipe"]
 
 
 def factory(
@@ -118,8 +119,10 @@ def test_the_bound_is_below_every_simulated_step(name: str, dp: int) -> None:
     config = Config(pp, dp, 1, m, pp * chunks)
     costs = factory(comm=0.1, W=0.5)(config)
     sched = build_schedule(name, ranks=pp, microbatches=m, chunks=chunks, reduce_grad=dp > 1)
+    costs = costs.with_copies(sched)  # dualpipe: its copies cost what their originals do
     split = any(a.kind.value in ("I", "W") for acts in sched.actions for a in acts)
-    bound = lower_bound(costs, sched.placement, m, split=split)
+    routes = Shape.probe(name, pp, chunks, m).routes(m)  # dualpipe: half down, half up
+    bound = lower_bound(costs, sched.placement, m, split=split, routes=routes)
     assert 0 < bound <= simulate(sched, costs).makespan + 1e-9
 
 
@@ -257,7 +260,8 @@ def test_a_recompute_share_fits_what_it_says_on_every_schedule(name: str) -> Non
     free = run(gpus=4, global_batch=8, microbatch_sizes=[1], schedules=[name], pp_options=[4],
                costs_for=costs)  # fmt: skip
     natural = free.candidates[0]
-    limit = 200.0 + (natural.peak_memory - 200.0) * 0.6  # weights 200: 2 layers per rank
+    weights = 400.0 if name == "dualpipe" else 200.0  # 2 layers per rank (dualpipe: twice)
+    limit = weights + (natural.peak_memory - weights) * 0.6
     ranking = run(gpus=4, global_batch=8, microbatch_sizes=[1], schedules=[name],
                   pp_options=[4], memory=limit, costs_for=costs)  # fmt: skip
     c = ranking.candidates[0]
@@ -408,3 +412,68 @@ def peaks_of(schedule: Schedule, costs: CostModel) -> list[float]:
     from zeropipe.planning.plan_memory import peaks
 
     return peaks(schedule, costs)
+
+
+def _overlapped(overlap: float = 0.5, **kwargs: float) -> CostFactory:
+    """:func:`factory`'s costs with ``overlap`` of each F/B pair hidden (a MoE's all-to-all)."""
+    plain = factory(**kwargs)
+    return lambda config: replace(plain(config), overlap=overlap)
+
+
+def test_dualpipe_is_ranked_with_its_weights_twice_and_priced_as_generated() -> None:
+    ranking = run(costs_for=_overlapped(), gpus=4, pp_options=[4], schedules=["dualpipe", "zbv"])
+    best = ranking.best
+    assert best is not None and best.schedule == "dualpipe" and best.chunks == 1
+    zbv = next(c for c in ranking.candidates if c.schedule == "zbv")
+    assert best.step_time < zbv.step_time
+    config = Config(4, 1, best.microbatch_size, best.microbatches, 4)
+    made = build_schedule("dualpipe", ranks=4, microbatches=best.microbatches)
+    priced = _overlapped()(config).with_copies(made)
+    assert best.step_time == pytest.approx(simulate(made, priced).makespan)
+    # 2 layers of 100 bytes per model stage, held twice on a rank: 400 bytes of weights.
+    stage = priced.stages[0]
+    assert stage.weights == 200.0 and priced.stages[7] == stage
+    assert best.peak_memory == pytest.approx(400.0 + 5 * stage.act)  # PP + 1 in flight
+
+
+def test_dualpipe_wins_the_default_search_where_its_two_directions_pay() -> None:
+    ranking = run(costs_for=_overlapped(), top=3)
+    assert [c.schedule for c in ranking.candidates[:2]] == ["dualpipe", "dualpipe"]
+    best_other = run(costs_for=_overlapped(), top=1, schedules=NAMED[:-1]).best
+    assert best_other is not None and ranking.candidates[0].step_time < best_other.step_time
+
+
+@pytest.mark.parametrize(
+    ("pp", "batch", "why"),
+    [
+        (1, 16, "pp 1, 2 microbatches: dualpipe needs an even number of ranks"),
+        (8, 8, "pp 8, 8 microbatches: dualpipe needs an even number of microbatches >= 2 x "),
+    ],
+)
+def test_dualpipe_is_refused_in_one_line_where_it_cannot_run(pp: int, batch: int, why: str) -> None:
+    said = "dualpipe: 1 configuration(s) refused, none priced; e.g. " + why
+    grid = {"gpus": 8, "pp_options": [pp], "global_batch": batch, "microbatch_sizes": [1]}
+    with pytest.raises(ScheduleError) as err:
+        run(**grid, schedules=["dualpipe"])
+    assert str(err.value).startswith("nothing to price: " + said)
+    ranking = run(**grid, schedules=["dualpipe", "1f1b"])
+    notes = [n for n in ranking.notes if n.startswith("dualpipe: ")]
+    assert len(notes) == 1 and notes[0].startswith(said) and "\n" not in notes[0]
+
+
+def test_schedule_cut_prices_dualpipe_on_its_model_stages_and_their_copies() -> None:
+    heavy, light = StageCost(F=3.0, I=3.0, W=1.0, weights=2.0), StageCost(F=1.0, weights=1.0)
+    layers = CostModel((heavy, *[light] * 6, heavy))
+    config = Config(2, 1, 1, 8, 2)
+    made = generate("dualpipe", 2, 8)
+    priced = schedule_cut(layers)(config, made)
+    cut = fixed_costs(layers)(config).stages  # balance's cut into the 2 model stages
+    assert priced.stages == cut + cut
+
+
+def test_auto_in_the_cluster_search_picks_dualpipe_with_its_copies() -> None:
+    ranking = run(costs_for=_overlapped(), gpus=2, pp_options=[2], schedules=["auto"])
+    best = ranking.best
+    assert best is not None and best.schedule == "auto" and best.timeline is not None
+    assert best.timeline.schedule.copies == ((2, 0), (3, 1))
+    assert best.chunks == 1 and best.peak_memory >= 2 * 400.0  # 4 layers per stage, twice

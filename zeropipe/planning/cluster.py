@@ -10,6 +10,8 @@ For ``gpus`` accelerators and a model of ``layers`` layers, :func:`search` enume
     ep    each of ep_options dividing dp         (default 1: experts on every replica)
     mbs   global_batch divisible by dp x mbs     m    = global_batch / (dp x mbs)
     schedule x chunks (stages = pp x chunks <= layers), as the generator accepts
+                                             (dualpipe: pp stages, each also run as a copy
+                                             on another rank: its weights held twice)
 
 prices each configuration with the cost model ``costs_for(config)`` returns (seconds
 and bytes; one GPU's, the ``tp`` GPUs of a stage alike), builds the schedule with
@@ -42,7 +44,7 @@ from dataclasses import dataclass, replace
 from zeropipe.core.costs import CostModel
 from zeropipe.core.deps import Graph
 from zeropipe.core.errors import ScheduleError
-from zeropipe.core.ir import Kind, Schedule
+from zeropipe.core.ir import Schedule
 from zeropipe.core.passes.build import build_schedule
 from zeropipe.core.schedules import GENERATORS, generate
 from zeropipe.core.simulate import simulate
@@ -61,7 +63,7 @@ from zeropipe.planning.cluster_costs import (
     spec_costs,
 )
 from zeropipe.planning.plan_memory import GiB, MemoryPlan, plan_memory
-from zeropipe.planning.step_bound import lower_bound
+from zeropipe.planning.step_bound import Shape, lower_bound
 
 # Config, Candidate, Ranking, the cost factories, the layouts and GiB are re-exported: with
 # search they are what a caller needs.
@@ -89,8 +91,7 @@ __all__ = [
 class _Job:
     config: Config
     schedule: str
-    placement: tuple[int, ...]
-    split: bool
+    shape: Shape
     bound: float
     may_fit: bool  # False: its weights alone exceed the limit
 
@@ -144,8 +145,35 @@ class _Search:
         # Bounds from costs_for do not hold for the cuts costs_for_schedule prices.
         self.prune = prune and costs_for_schedule is None
         self._costs: dict[Config, CostModel] = {}
-        self._probes: dict[tuple[str, int, int], tuple[tuple[int, ...], bool] | None] = {}
+        self._probes: dict[tuple[str, int, int], Shape] = {}
         self.ranking = Ranking([])
+        self._refusals: dict[str, tuple[int, str]] = {}  # schedule -> how many, the first why
+        self._priced: set[str] = set()  # schedules with a priced candidate
+
+    def refuse(self, config: Config, name: str, exc: ScheduleError, count: bool = True) -> None:
+        """Count ``config`` as refused by generator ``name``, keeping its first reason."""
+        self.ranking.refused += count
+        if count:
+            n, why = self._refusals.get(name, (0, ""))
+            first = str(exc).splitlines()[0]
+            where = f"pp {config.pp}, {config.microbatches} microbatches"
+            self._refusals[name] = (n + 1, why or f"{where}: {first}")
+
+    def finish(self, start: float) -> list[str]:
+        """Close the ranking: its seconds since ``start`` and the refusal notes, returned."""
+        self.ranking.seconds = time.perf_counter() - start
+        refused = self.refusal_notes()
+        self.ranking.notes += refused
+        return refused
+
+    def refusal_notes(self) -> list[str]:
+        """One line per schedule its generator refused with none of its configurations
+        priced: how many, and the first refusal's configuration and reason."""
+        return [
+            f"{name}: {n} configuration(s) refused, none priced; e.g. {why}"
+            for name, (n, why) in self._refusals.items()
+            if name not in self._priced
+        ]
 
     def costs(self, config: Config) -> CostModel:
         if config not in self._costs:
@@ -153,33 +181,20 @@ class _Search:
         return self._costs[config]
 
     def run_costs(self, config: Config, schedule: Schedule) -> tuple[CostModel, CostModel]:
-        """The cost models ``schedule`` runs under: as it is, and recomputing."""
+        """The cost models ``schedule`` runs under: as it is, and recomputing (a stage
+        that copies another, as dualpipe's do, costs what its original costs)."""
         ckpt = replace(config, recompute=True)
         if self.costs_for_schedule is None:
-            return self.costs(config), self.costs(ckpt)
+            return self.costs(config).with_copies(schedule), self.costs(ckpt).with_copies(schedule)
         return self.costs_for_schedule(config, schedule), self.costs_for_schedule(ckpt, schedule)
 
-    def probe(self, name: str, pp: int, chunks: int, m: int) -> tuple[tuple[int, ...], bool]:
-        """The placement a generator gives and whether it splits backward, from a small
-        instance (placement does not depend on the microbatch count)."""
+    def probe(self, name: str, pp: int, chunks: int, m: int) -> Shape:
+        """:meth:`Shape.probe`, kept per generator, depth and chunks once found (it does
+        not depend on the microbatch count); raises the generator's refusal."""
         key = (name, pp, chunks)
-        if self._probes.get(key) is None:
-            found = None
-            for small in dict.fromkeys((1, 2 * pp - 1, m)):
-                try:
-                    s = generate(name, pp, small, chunks)
-                except ScheduleError:
-                    continue
-                if s.copies:  # dualpipe: stages that copy others, which the planner cannot price
-                    break
-                split = any(a.kind in (Kind.I, Kind.W) for acts in s.actions for a in acts)
-                found = (tuple(s.placement), split)
-                break
-            self._probes[key] = found
-        probe = self._probes[key]
-        if probe is None:
-            raise ScheduleError(f"{name} takes no microbatch count on {pp} ranks")
-        return probe
+        if key not in self._probes:
+            self._probes[key] = Shape.probe(name, pp, chunks, m)
+        return self._probes[key]
 
     def threshold(self) -> tuple[bool, float] | None:
         """The key a new candidate must beat to enter the top (None: the top is not full)."""
@@ -208,6 +223,7 @@ class _Search:
         built = build_schedule(memory.final(), reduce_grad=config.dp * config.cp > 1)
         timeline = simulate(built, costs, graph=Graph(built))
         step = timeline.makespan
+        self._priced.add(name)
         return Candidate(
             pp=config.pp,
             dp=config.dp,
@@ -234,21 +250,15 @@ class _Search:
         config = job.config
         try:
             base = generate(job.schedule, config.pp, config.microbatches, config.chunks)
-        except ScheduleError:
-            self.ranking.refused += 1
+        except ScheduleError as exc:
+            self.refuse(config, job.schedule, exc)
             return None
         natural, ckpt = self.run_costs(config, base)
         memory = plan_memory(base, natural, ckpt, self.limit)
         costs = ckpt if any(memory.recomputed) else natural
         bound = job.bound
         if any(memory.recomputed):
-            bound = lower_bound(
-                ckpt,
-                job.placement,
-                config.microbatches,
-                split=job.split,
-                recomputed=memory.recomputed,
-            )
+            bound = job.shape.bound(ckpt, config.microbatches, recomputed=memory.recomputed)
         # Now that its plan is known (recompute costs time; what does not fit ranks
         # after all that does), it may no longer be able to enter the top.
         if self.beaten(memory.fits, bound):
@@ -277,7 +287,7 @@ class _Search:
             self.ranking.refused += 1
             return None
         base = found.schedule.compute_only()
-        stages = replace(config, stages=base.num_stages)
+        stages = replace(config, stages=base.num_stages - len(base.copies))
         natural, ckpt = self.run_costs(stages, base)
         memory = plan_memory(base, natural, ckpt, self.limit)
         self.ranking.priced += 1
@@ -313,17 +323,20 @@ def _jobs(
                         continue
                     config = Config(pp, dp, mbs, m, pp * v, tp=tp, ep=ep, cp=cp)
                     try:
-                        placement, split = state.probe(name, pp, v, m)
-                        costs = state.costs(config)
+                        shape = state.probe(name, pp, v, m)
+                    except ScheduleError as exc:
+                        state.refuse(config, name, exc, count)
+                        continue
+                    try:
+                        costs = state.costs(config).with_copies(shape.sample)
                     except ScheduleError:
                         state.ranking.refused += count
                         continue
-                    weights = max(
-                        sum(costs.stages[s].weights for s, r in enumerate(placement) if r == q)
-                        for q in range(pp)
-                    )
-                    bound = lower_bound(costs, placement, m, split=split)
-                    yield _Job(config, name, placement, split, bound, weights <= state.limit)
+                    weights = [0.0] * pp  # per rank, a copy's (dualpipe) included
+                    for s, r in enumerate(shape.placement):
+                        weights[r] += costs.stages[s].weights
+                    may_fit = max(weights) <= state.limit
+                    yield _Job(config, name, shape, shape.bound(costs, m), may_fit)
 
 
 def _with_ep(
@@ -412,9 +425,9 @@ def search(
     _price_named(state, named, report)
     if "auto" in schedules:
         _search_auto(state, grid, microbatch_sizes, auto_runs, auto_budget, report)
-    state.ranking.seconds = time.perf_counter() - start
+    refused = state.finish(start)
     if not state.ranking.candidates:
-        raise ScheduleError(_nothing_to_price(gpus, layers, global_batch, microbatch_sizes, grid))
+        raise _nothing_to_price(gpus, layers, global_batch, microbatch_sizes, grid, refused)
     return state.ranking
 
 
@@ -503,20 +516,22 @@ def _search_auto(
 ) -> None:
     """Run auto for the ``runs`` configurations (one chunk) with the best bounds, each
     within ``budget`` seconds.  A configuration's bound is the least, with backward split,
-    of the placements auto may choose (one chunk, interleaved or V with two), which are
-    priced like the named schedules that use them."""
+    of the placements auto may choose (one chunk, interleaved or V with two, dualpipe's
+    two directions), which are priced like the named schedules that use them."""
     groups: dict[Config, list[_Job]] = {}
-    placements = ("1f1b", "interleaved-1f1b", "zbv")
+    placements = ("1f1b", "interleaved-1f1b", "zbv", "dualpipe")
     for job in _jobs(state, grid, placements, microbatch_sizes, (2,), count=False):
         groups.setdefault(replace(job.config, stages=job.config.pp), []).append(job)
     order = []
     for config, jobs in groups.items():
         bound = min(
-            lower_bound(state.costs(j.config), j.placement, config.microbatches, split=True)
+            j.shape.bound(
+                state.costs(j.config).with_copies(j.shape.sample), config.microbatches, split=True
+            )
             for j in jobs
         )
         may_fit = any(j.may_fit for j in jobs)
-        order.append(_Job(config, "auto", jobs[0].placement, True, bound, may_fit))
+        order.append(_Job(config, "auto", jobs[0].shape, bound, may_fit))
     order.sort(key=_Job.order)
     state.ranking.considered += len(order)
     tried = skipped = 0
@@ -540,16 +555,24 @@ def _search_auto(
 
 
 def _nothing_to_price(
-    gpus: int, layers: int, batch: int, sizes: Sequence[int], grid: Sequence[Layout]
-) -> str:
+    gpus: int,
+    layers: int,
+    batch: int,
+    sizes: Sequence[int],
+    grid: Sequence[Layout],
+    refused: Sequence[str],
+) -> ScheduleError:
+    """Why nothing was priced: the generators' refusals when they said why, else the grid."""
+    if refused:
+        return ScheduleError("nothing to price: " + "; ".join(refused))
     if not grid:
-        return (
+        return ScheduleError(
             f"no configuration to price for {gpus} GPU(s) and {layers} layers: no pp x dp x tp "
             f"= {gpus} / cp with pp <= {layers} among the pp, dp, tp and cp options given; give "
             f"options whose product can be {gpus}"
         )
     least = min(layout[1] for layout in grid)
-    return (
+    return ScheduleError(
         f"no configuration to price for {gpus} GPU(s), {layers} layers and a global batch of "
         f"{batch}: the batch must split into dp replicas x microbatches of size {list(sizes)}, "
         f"with dp = gpus / (pp x tp x cp), pp <= {layers} (so dp >= {least} here); make the global "

@@ -327,11 +327,15 @@ def schedule_cut(costs: CostModel) -> ScheduleCosts:
     (:func:`zeropipe.planning.balance.balance_schedule`), as ``zeropipe bench`` and
     ``Pipeline(balance=balance_schedule(...))`` cut them: a V or interleaved placement
     wants other cuts than one stage per rank.  Fewer layers than stages: as
-    :func:`fixed_costs` (each layer cut into equal parts).
+    :func:`fixed_costs` (each layer cut into equal parts).  A schedule whose stages copy
+    others (dualpipe): :func:`fixed_costs`' cut into its model stages, each copy costing
+    what its original costs (:meth:`~zeropipe.core.costs.CostModel.with_copies`).
     """
     fallback = fixed_costs(costs)
 
     def costs_for(config: Config, schedule: Schedule) -> CostModel:
+        if schedule.copies:
+            return fallback(config).with_copies(schedule)
         if config.stages >= len(costs.stages):
             return fallback(config)
         cut = balance_schedule(costs, schedule)

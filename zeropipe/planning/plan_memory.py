@@ -10,7 +10,7 @@ plans but simulates at every step.  No torch here: this is core.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from zeropipe.core.costs import CostModel
@@ -98,6 +98,13 @@ def recompute(schedule: Schedule, which: Callable[[int, int], bool] | None = Non
     return schedule.replace_actions(out)
 
 
+def _on_route(schedule: Schedule, stage: int, microbatches: Collection[int]) -> int:
+    """How many of ``microbatches`` visit ``stage`` (all of them unless routes say)."""
+    if not schedule.routes:
+        return len(microbatches)
+    return sum(stage in schedule.route(i) for i in microbatches)
+
+
 def _recompute_share(schedule: Schedule, levels: Sequence[int]) -> Schedule:
     m = schedule.microbatches
     chosen = {s: _spread(levels[r], m) for s, r in enumerate(schedule.placement)}
@@ -176,13 +183,15 @@ def plan_memory(base: Schedule, natural: CostModel, ckpt: CostModel, limit: floa
     """
     m, n = base.microbatches, base.num_stages
     none = [0] * n
+    every = [_on_route(base, s, range(m)) for s in range(n)]  # microbatches per stage
+    pairs = sum(every)
     natural_peaks = peaks(base, natural)
     if max(natural_peaks) <= limit:
         return MemoryPlan(base, "none", True, none)
     weights = max(initial_memory(base, ckpt))
     if weights > limit:
         return MemoryPlan(base, f"over: weights alone {format_memory(weights, ckpt)}", False, none)
-    if n * m <= FIT_PAIRS:
+    if pairs <= FIT_PAIRS:
         try:
             fit = fit_memory(base, limit, ckpt)
         except LimitTooLow as exc:
@@ -194,7 +203,7 @@ def plan_memory(base: Schedule, natural: CostModel, ckpt: CostModel, limit: floa
         parts = [f"recompute {len(fit.recompute)}"] if fit.recompute else []
         parts += [f"offload {len(fit.offload)}"] if fit.offload else []
         return MemoryPlan(
-            fit.schedule, " + ".join(parts) + f" of {n * m} (fit_memory)", True, counts
+            fit.schedule, " + ".join(parts) + f" of {pairs} (fit_memory)", True, counts
         )
     # Per rank, a binary search for the least recompute level that fits: a rank's peak
     # depends only on what its own stages keep, so all ranks search at once.
@@ -211,8 +220,8 @@ def plan_memory(base: Schedule, natural: CostModel, ckpt: CostModel, limit: floa
                     low[r] = mid[r]
     if max(high) <= _STEPS:
         sched = _recompute_share(base, high)
-        counts = [len(_spread(high[r], m)) for r in sched.placement]
-        share = sum(counts) / (n * m)
+        counts = [_on_route(base, s, _spread(high[r], m)) for s, r in enumerate(sched.placement)]
+        share = sum(counts) / pairs
         plan = "recompute all" if share == 1 else f"recompute {share:.0%}"
         return MemoryPlan(sched, plan, True, counts)
     # Offload moves only what a checkpointed forward keeps: if what a rank holds even so
@@ -224,11 +233,11 @@ def plan_memory(base: Schedule, natural: CostModel, ckpt: CostModel, limit: floa
     # The rewrite holds at most one reloaded input more than the floor, and one input
     # whose offload waits for the end of an overlapped pair: within that, it fits.
     if hopeless + 2 * max(c.ckpt for c in ckpt.stages) <= limit:
-        return MemoryPlan(base, "recompute + offload all", True, [m] * n, offloaded=True)
+        return MemoryPlan(base, "recompute + offload all", True, every, offloaded=True)
     everything = offload(recompute(base))
     floor = max(peaks(everything, ckpt))
     if floor <= limit:
-        return MemoryPlan(everything, "recompute + offload all", True, [m] * n)
+        return MemoryPlan(everything, "recompute + offload all", True, every)
     return MemoryPlan(
         base, f"over: needs {format_memory(floor, ckpt)} recomputed+offloaded", False, none
     )

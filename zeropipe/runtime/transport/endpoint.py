@@ -89,9 +89,6 @@ _CLOSE_WAIT_S = 5.0
 Label = tuple[str, int | None]
 """What a work is (for messages) and the peer rank it involves (None: a collective)."""
 
-Job = Callable[[], Callable[[], None] | None]
-"""A pool thread's work, returning what to call once the thread is done with it."""
-
 
 class WaitPool:
     """Daemon threads that block in ``Work.wait()`` for the polling thread, reused.
@@ -117,7 +114,7 @@ class WaitPool:
 
     def __init__(self, failures: PeerFailures | None = None) -> None:
         self.failures = failures
-        self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._idle = 0
         self._busy = 0  # jobs submitted and not finished: waits possibly blocked in c10d
@@ -131,9 +128,7 @@ class WaitPool:
         with self._lock:
             return self._busy
 
-    def submit(self, job: Job) -> None:
-        """Run ``job`` on a pool thread; what it returns is called once the thread is done
-        with it, as the last thing before it blocks again (a waiter's wake-up)."""
+    def submit(self, job: Callable[[], None]) -> None:
         with self._lock:
             self._busy += 1
             if self._idle:
@@ -146,15 +141,14 @@ class WaitPool:
             self._threads.add(thread)
         thread.start()
 
-    def _work(self, job: Job | None) -> None:
+    def _work(self, job: Callable[[], None] | None) -> None:
         try:
             me = threading.current_thread()
             while job is not None:
                 with self._lock:
                     self._running.add(me)
-                done: Callable[[], None] | None = None
                 try:
-                    done = job()
+                    job()
                 finally:
                     # Drop the finished job (and the works it holds) before idling.
                     job = None
@@ -162,11 +156,6 @@ class WaitPool:
                         self._running.discard(me)
                         self._busy -= 1
                         self._idle += 1
-                    # Last before blocking again: the thread it wakes needs the GIL this
-                    # one holds, and would wait while this one kept it (or, on a loaded
-                    # host, while this one is preempted holding it).
-                    if done is not None:
-                        done()
                 while job is None:
                     try:
                         job = self._jobs.get(timeout=self._IDLE_EXIT_S)
@@ -245,15 +234,15 @@ class Pending:
             self._done.acquire()
             self._pool = pool  # handed to a pool thread when first waited on
 
-    def _wait_all(self) -> Callable[[], None]:
-        """Wait for every work; the waiting thread is woken by what it returns."""
+    def _wait_all(self) -> None:
         try:
             for k, work in enumerate(self.works):
                 self.at = k
                 work.wait()
         except BaseException as exc:  # handed to the waiting thread
             self.error = exc
-        return self._done.release
+        finally:
+            self._done.release()
 
     def finished(self, slice_s: float) -> bool:
         """Wait at most ``slice_s`` seconds; True once every work is done (or one failed)."""

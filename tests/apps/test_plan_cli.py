@@ -12,7 +12,7 @@ import pytest
 from zeropipe.apps import cli
 from zeropipe.apps.plan_output import candidates_from_json
 from zeropipe.core.costs import CostModel, StageCost
-from zeropipe.planning.cluster import UNPRICED_COPIES, Config
+from zeropipe.planning.cluster import Config
 
 SMALL = (
     "plan", "--model", "llama-3-8b", "--gpus", "16", "--gpu", "h100-sxm", "--seq", "2048",
@@ -226,8 +226,8 @@ def test_a_measured_plan_that_would_run_for_minutes_is_refused(
     code, out, err = run(capsys, *argv, "--microbatches", "100000", "--quiet")
     assert code == 2 and out == ""
     [line] = err.splitlines()
-    assert "9 schedule(s) of 2 rank(s) x up to 2 chunk(s) x 100000 microbatches" in line
-    assert "about 1.1e+07 actions, which would take ~" in line and "--force" in line, line
+    assert "10 schedule(s) of 2 rank(s) x up to 2 chunk(s) x 100000 microbatches" in line
+    assert "about 1.2e+07 actions, which would take ~" in line and "--force" in line, line
 
 
 def test_a_cluster_plan_whose_largest_schedule_is_huge_is_refused(
@@ -277,15 +277,3 @@ def test_force_plans_past_the_size_limit(
     assert run(capsys, *argv, "--quiet")[0] == 2
     code, out, _ = run(capsys, *argv, "--quiet", "--force", "--schedules", "1f1b")
     assert code == 0 and "1f1b" in out
-
-
-def test_dualpipe_is_priced_when_named_with_a_note_and_skipped_by_default(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    named = [*SMALL[:-4], "1f1b,dualpipe", *SMALL[-3:]]
-    code, out, err = run(capsys, *named)
-    assert (code, err) == (0, "")
-    assert UNPRICED_COPIES in out
-    assert any("dualpipe" in r for r in _rows(out)), _rows(out)
-    code, out, _ = run(capsys, "plan", "--help")
-    assert code == 0 and "allbutlooped-bfsanddualpipe" in "".join(out.split())

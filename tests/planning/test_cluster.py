@@ -15,7 +15,6 @@ from zeropipe.core.passes.build import build_schedule
 from zeropipe.core.schedules import GENERATORS, generate
 from zeropipe.core.simulate import simulate
 from zeropipe.planning.cluster import (
-    UNPRICED_COPIES,
     Candidate,
     Config,
     CostFactory,
@@ -437,16 +436,11 @@ def test_dualpipe_is_ranked_with_its_weights_twice_and_priced_as_generated() -> 
     assert best.peak_memory == pytest.approx(400.0 + 5 * stage.act)  # PP + 1 in flight
 
 
-def test_priced_dualpipe_is_noted_as_a_lower_bound_and_left_out_by_default() -> None:
-    # The sum of its copies' gradients at the step's end is no action: named, it is priced
-    # and the ranking says its step leaves that out.
-    named = run(costs_for=_overlapped(), top=3)
-    assert named.candidates[0].schedule == "dualpipe"
-    assert UNPRICED_COPIES in named.notes
-    others = run(costs_for=_overlapped(), top=3, schedules=NAMED[:-1])
-    assert all(c.schedule != "dualpipe" for c in others.candidates)
-    assert UNPRICED_COPIES not in others.notes
-    assert others.best is not None and named.candidates[0].step_time < others.best.step_time
+def test_dualpipe_wins_the_default_search_where_its_two_directions_pay() -> None:
+    ranking = run(costs_for=_overlapped(), top=3)
+    assert [c.schedule for c in ranking.candidates[:2]] == ["dualpipe", "dualpipe"]
+    best_other = run(costs_for=_overlapped(), top=1, schedules=NAMED[:-1]).best
+    assert best_other is not None and ranking.candidates[0].step_time < best_other.step_time
 
 
 @pytest.mark.parametrize(
@@ -477,9 +471,9 @@ def test_schedule_cut_prices_dualpipe_on_its_model_stages_and_their_copies() -> 
     assert priced.stages == cut + cut
 
 
-def test_auto_in_the_cluster_search_leaves_dualpipe_out() -> None:
+def test_auto_in_the_cluster_search_picks_dualpipe_with_its_copies() -> None:
     ranking = run(costs_for=_overlapped(), gpus=2, pp_options=[2], schedules=["auto"])
     best = ranking.best
     assert best is not None and best.schedule == "auto" and best.timeline is not None
-    assert not best.timeline.schedule.copies
-    assert UNPRICED_COPIES not in ranking.notes
+    assert best.timeline.schedule.copies == ((2, 0), (3, 1))
+    assert best.chunks == 1 and best.peak_memory >= 2 * 400.0  # 4 layers per stage, twice

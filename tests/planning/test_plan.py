@@ -9,11 +9,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tests.gradcheck import assert_same_gradients, assert_same_loss, reference
 from zeropipe.apps.models import GPTConfig, gpt
 from zeropipe.apps.models.gpt import lm_loss
-from zeropipe.core.costs import CostModel
+from zeropipe.core.costs import CostModel, StageCost
 from zeropipe.core.errors import PipelineError
 from zeropipe.core.ir import Kind
+from zeropipe.core.schedules import generate
 from zeropipe.core.validate import validate
 from zeropipe.planning.plan import (
     auto_plan,
@@ -67,7 +69,8 @@ def test_plan_model_cuts_the_model_for_the_schedule_it_picks() -> None:
     tokens = torch.randint(0, cfg.vocab, (4, cfg.seq), generator=torch.Generator().manual_seed(0))
     result = plan_model(model, tokens, 2, 4, target=tokens, loss_fn=lm_loss, repeat=3)
     assert sum(result.balance) == len(model)
-    assert len(result.balance) == result.schedule.num_stages
+    # One part per model stage: a copy (dualpipe's second direction) runs its original's.
+    assert len(result.balance) == result.schedule.num_stages - len(result.schedule.copies)
     assert "cut" in result.explanation
     validate(result.schedule, costs=result.costs)
 
@@ -105,6 +108,23 @@ def test_auto_plan_profiles_and_its_plan_runs_with_the_reference_gradients() -> 
     assert torch.allclose(loss, expected, rtol=0, atol=1e-12)
     for g, p in zip(got, model.parameters(), strict=True):
         assert torch.allclose(g, p.grad, rtol=0, atol=1e-12)  # type: ignore[arg-type]
+
+
+def test_an_auto_plan_that_is_dualpipe_runs_with_the_unsplit_models_gradients() -> None:
+    # Half of each F/B pair hidden, W cheaper than I: DualPipe's two directions win on 4 ranks.
+    costs = CostModel(tuple(StageCost(F=1, I=1, W=0.5, weights=1) for _ in range(4)), overlap=0.5)
+    torch.manual_seed(2)
+    stages = [nn.Sequential(nn.Linear(6, 6), nn.Tanh()).double() for _ in range(4)]
+    model = nn.Sequential(*stages)
+    plan = auto_plan(stages, 4, 8, costs=costs)
+    made = generate("dualpipe", 4, 8)
+    assert (plan.schedule.actions, plan.schedule.copies) == (made.actions, made.copies)
+    x, y = torch.randn(16, 6, dtype=torch.float64), torch.randn(16, 6, dtype=torch.float64)
+    ref_loss, ref = reference(model, x, y, F.mse_loss, 8)
+    pipe = Pipeline(stages, plan.schedule, loss_fn=F.mse_loss)
+    assert [s.module for s in pipe.parts.all_stages[4:]] == stages  # the copies: same modules
+    assert_same_loss(pipe.step(x, y), ref_loss)
+    assert_same_gradients(model.named_parameters(), ref)
 
 
 def test_auto_plan_refuses_what_it_cannot_plan() -> None:

@@ -58,9 +58,8 @@ from zeropipe.planning.specs import (
 
 __all__ = ["add_arguments", "run_cli"]
 
-#: looped-bfs holds every microbatch's activations of a chunk at once: never a contender;
-#: dualpipe's step leaves out the sum of its copies' gradients: priced only when named
-_SKIPPED_BY_DEFAULT = ("looped-bfs", "dualpipe")
+#: looped-bfs holds every microbatch's activations of a chunk at once: never a contender
+_SKIPPED_BY_DEFAULT = ("looped-bfs",)
 
 
 def _default_schedules() -> list[str]:
@@ -213,7 +212,7 @@ def _add_schedules_and_memory(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--schedules",
         metavar="LIST",
-        help="comma-separated generators (default: all but looped-bfs and dualpipe; 'auto' is searched "
+        help="comma-separated generators (default: all but looped-bfs; 'auto' is searched "
         "for the few configurations with the best bounds)",
     )
     parser.add_argument(

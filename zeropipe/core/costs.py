@@ -409,6 +409,21 @@ class CostModel:
             return self.post
         return self.stages[action.stage].time(action.kind, action.is_weight_copy) * size
 
+    def copies_sum_time(self, schedule: Schedule) -> float:
+        """The sum of ``schedule``'s copies' gradients across its ranks at the end of a step
+        (dualpipe: every model stage runs on two ranks); 0 without copies.
+
+        As the runtime sums parameters used on several ranks: one flat ring all-reduce of
+        every copied model stage's gradients (``reduced_bytes``) over all the pipeline's
+        ranks on its link, ``latency + 2 (ranks - 1) / ranks * bytes / bandwidth``.
+        """
+        copied = {of for _, of in schedule.copies}
+        ranks = schedule.num_ranks
+        moved = sum(self.stages[s].reduced_bytes for s in copied)
+        if ranks == 1 or moved == 0:
+            return 0.0
+        return self.latency + 2 * (ranks - 1) / ranks * moved / self.bandwidth
+
     def reduce_time(self, stage: int) -> float:
         """Ring all-reduce of ``stage``'s weight gradients over ``dp`` replicas (0 for one)."""
         if self.dp == 1:

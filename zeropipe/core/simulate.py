@@ -15,7 +15,10 @@ step ends with the last compute or the last reduction, whichever is later
 (``makespan``), and the bubble rates count compute only.  An overlapped pair
 (``Schedule.overlaps``) starts when the inputs of both its actions are ready
 and takes ``CostModel.overlapped_time``: its forward's event is as long as the
-forward, its backward's is shortened by what the overlap hides.
+forward, its backward's is shortened by what the overlap hides.  A schedule whose
+stages copy others (dualpipe) ends with the sum of the copies' gradients across
+its ranks, after every rank's last action (``Timeline.tail``,
+``CostModel.copies_sum_time``): part of the makespan, idle for the bubble rates.
 
 An action starts when (a) the action before it on its rank has been issued,
 (b) its lane is free and (c) every dependency from :mod:`zeropipe.core.deps` has
@@ -89,6 +92,9 @@ class Timeline:
     memory_unit: str = "microbatch"
     measured: bool = False
     meta: dict[str, object] = field(default_factory=dict)
+    # After every rank's last action, every rank in it: the sum of a schedule's copies'
+    # gradients across ranks (dualpipe), no action of its own.
+    tail: float = 0.0
 
     @property
     def num_ranks(self) -> int:
@@ -103,7 +109,7 @@ class Timeline:
 
     @property
     def end(self) -> float:
-        return max((e.end for evs in self.events for e in evs), default=0.0)
+        return max((e.end for evs in self.events for e in evs), default=0.0) + self.tail
 
     @property
     def makespan(self) -> float:
@@ -287,7 +293,8 @@ def _run(schedule: Schedule, costs: CostModel, graph: Graph) -> Timeline:
     meta: dict[str, object] = {}
     if "time_unit" in costs.meta:
         meta["time_unit"] = costs.meta["time_unit"]
-    return Timeline(schedule, events, peaks, memory_unit=costs.unit, meta=meta)
+    tail = costs.copies_sum_time(schedule)
+    return Timeline(schedule, events, peaks, memory_unit=costs.unit, meta=meta, tail=tail)
 
 
 def _durations(schedule: Schedule, costs: CostModel, graph: Graph) -> list[float]:

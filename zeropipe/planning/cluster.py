@@ -87,13 +87,6 @@ __all__ = [
 # -- the search ---------------------------------------------------------------------------
 
 
-# Noted when a schedule whose stages copy others was priced.
-UNPRICED_COPIES = (
-    "dualpipe: the sum of its two copies' gradients across ranks at the end of a step is "
-    "not priced, so its step time is a lower bound"
-)
-
-
 @dataclass
 class _Job:
     config: Config
@@ -156,7 +149,6 @@ class _Search:
         self.ranking = Ranking([])
         self._refusals: dict[str, tuple[int, str]] = {}  # schedule -> how many, the first why
         self._priced: set[str] = set()  # schedules with a priced candidate
-        self._copies_priced = False  # a schedule whose stages copy others (dualpipe)
 
     def refuse(self, config: Config, name: str, exc: ScheduleError, count: bool = True) -> None:
         """Count ``config`` as refused by generator ``name``, keeping its first reason."""
@@ -172,8 +164,6 @@ class _Search:
         self.ranking.seconds = time.perf_counter() - start
         refused = self.refusal_notes()
         self.ranking.notes += refused
-        if self._copies_priced:
-            self.ranking.notes.append(UNPRICED_COPIES)
         return refused
 
     def refusal_notes(self) -> list[str]:
@@ -234,8 +224,6 @@ class _Search:
         timeline = simulate(built, costs, graph=Graph(built))
         step = timeline.makespan
         self._priced.add(name)
-        if sched.copies:
-            self._copies_priced = True
         return Candidate(
             pp=config.pp,
             dp=config.dp,
@@ -528,10 +516,10 @@ def _search_auto(
 ) -> None:
     """Run auto for the ``runs`` configurations (one chunk) with the best bounds, each
     within ``budget`` seconds.  A configuration's bound is the least, with backward split,
-    of the placements auto may choose (one chunk, interleaved or V with two), which are
-    priced like the named schedules that use them."""
+    of the placements auto may choose (one chunk, interleaved or V with two, dualpipe's
+    two directions), which are priced like the named schedules that use them."""
     groups: dict[Config, list[_Job]] = {}
-    placements = ("1f1b", "interleaved-1f1b", "zbv")
+    placements = ("1f1b", "interleaved-1f1b", "zbv", "dualpipe")
     for job in _jobs(state, grid, placements, microbatch_sizes, (2,), count=False):
         groups.setdefault(replace(job.config, stages=job.config.pp), []).append(job)
     order = []

@@ -222,7 +222,7 @@ def plan_model(
         raise PipelineError(f"the model has {n} layer(s), too few for {ranks} ranks")
     most = max(1, min(max_chunks, n // ranks))
     result = search(costs, ranks, microbatches, memory_limit, max_chunks=most)
-    cut = cuts[result.schedule.num_stages]
+    cut = cuts[result.schedule.num_stages - len(result.schedule.copies)]  # dualpipe: copies
     return Plan(result.schedule, cut, result.costs, result.explanation + f"; cut {cut}")
 
 

@@ -64,10 +64,7 @@ def _named(ranks: int, m: int) -> Iterator[tuple[str, Schedule]]:
             sched = gen.build(ranks, m, gen.default_chunks)
         except ScheduleError:
             continue  # e.g. dualpipev below 2p - 1 microbatches
-        # The search leaves out schedules whose stages copy others (dualpipe: the sum of
-        # its copies' gradients at the step's end is not priced).
-        if not sched.copies:
-            yield name, sched
+        yield name, sched  # dualpipe included: priced on its model stages, copies alike
 
 
 def _weighted(costs: CostModel, weights: float = 1.0) -> CostModel:
@@ -277,19 +274,57 @@ def _moe_like(ranks: int = 4) -> CostModel:
     return CostModel(tuple(stage for _ in range(ranks)), overlap=0.5)
 
 
-def test_auto_leaves_dualpipe_out_where_it_would_simulate_faster(
+def test_auto_picks_dualpipe_where_it_is_best_and_runs_it_as_generated(
     registered: ModuleType,
 ) -> None:
-    # Its copies' gradients are summed across ranks at the step's end, which no action
-    # prices: auto would pick it on a step it does not pay.  Named, it simulates faster here.
     costs = _moe_like()
     result = registered.search(costs, 4, 8, None)
+    made = generate("dualpipe", 4, 8)
+    got = result.schedule
+    assert (got.actions, got.routes, got.copies) == (made.actions, made.routes, made.copies)
+    assert got.overlaps == made.overlaps and got.name == "auto"
+    # Its costs: the 4 model stages, each copy costing what its original does.
+    priced = registered.costs_for_schedule(costs, made)
+    assert result.costs == priced and priced.stages[4:] == costs.stages
+    expected = simulate(made, priced)
+    assert result.timeline.makespan == pytest.approx(expected.makespan)
+    assert result.timeline.peak_memory == pytest.approx(expected.peak_memory)
+    # Both copies' weights on every rank (2 units), plus at most PP + 1 = 5 microbatches.
+    assert initial_memory(made, priced) == [2.0] * 4
+    assert max(result.timeline.peak_memory) == pytest.approx(2.0 + 5.0)
+    others = [
+        simulate(s, registered.costs_for_schedule(costs, s)).makespan
+        for _, s in _named(4, 8)
+        if not s.copies
+    ]
+    assert expected.makespan < min(others) - 0.5  # a genuine win: 20.5 against 21.25
+
+
+def test_auto_leaves_dualpipe_out_where_its_second_copy_does_not_fit(
+    registered: ModuleType,
+) -> None:
+    costs = _moe_like()
+    free = registered.search(costs, 4, 8, None)
+    assert free.schedule.copies
+    limit = max(free.timeline.peak_memory) - 0.5  # short of dualpipe's 2 + 5 on a rank
+    result = registered.search(costs, 4, 8, limit)
+    assert not result.schedule.copies, result.explanation
+    assert max(result.timeline.peak_memory) <= limit + 1e-9
+    assert result.timeline.makespan > free.timeline.makespan
+
+
+def test_auto_leaves_dualpipe_out_where_summing_its_copies_costs_more_than_it_gains(
+    registered: ModuleType,
+) -> None:
+    # 20.5 against 21.25 with a free link; a link slow enough that the end-of-step sum of
+    # the copies' gradients (4 units over 4 ranks) costs more than that 0.75 loses it.
+    slow = replace(_moe_like(), bandwidth=6.0)  # the sum: 2 x 3/4 x 4 / 6 = 1.0
+    result = registered.search(slow, 4, 8, None)
     assert not result.schedule.copies, result.explanation
     made = generate("dualpipe", 4, 8)
-    priced = registered.costs_for_schedule(costs, made)
-    assert priced is not None and priced.stages[4:] == costs.stages
-    assert initial_memory(made, priced) == [2.0] * 4  # both copies' weights on every rank
-    assert simulate(made, priced).makespan < result.timeline.makespan - 0.5
+    priced = simulate(made, registered.costs_for_schedule(slow, made))
+    assert priced.tail == pytest.approx(1.0)
+    assert priced.makespan > result.timeline.makespan
 
 
 def test_a_cost_model_for_other_stages_than_the_model_stages_is_refused(

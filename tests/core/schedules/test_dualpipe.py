@@ -189,3 +189,22 @@ def test_a_stage_reduces_its_gradients_after_the_microbatches_of_its_route_only(
         assert sorted(d.action.microbatch for d in needs) == deps.visitors(stage)
         assert deps.visitors(stage) == ([0, 1, 2, 3] if stage < 4 else [4, 5, 6, 7])
     assert deps.first_stage(5) == 4 and deps.last_stage(5) == 7 and not deps.visits(3, 5)
+
+
+def test_its_step_ends_with_the_sum_of_its_copies_gradients_across_ranks() -> None:
+    # Every model stage runs on two ranks: the runtime sums its gradients over the
+    # pipeline's ranks after the last action, one ring all-reduce of every model stage's.
+    made = generate("dualpipe", 4, 8)
+    stage = StageCost(F=1.0, B=2.0, weights=3.0)
+    free = CostModel((stage,) * 4).with_copies(made)
+    linked = CostModel((stage,) * 4, latency=0.25, bandwidth=2.0).with_copies(made)
+    expected = 0.25 + 2 * 3 / 4 * (4 * 3.0) / 2.0  # latency + 2 (p-1)/p x bytes / bandwidth
+    assert linked.copies_sum_time(made) == pytest.approx(expected)
+    assert free.copies_sum_time(made) == 0.0  # an infinitely fast link
+    before, after = simulate(made, free), simulate(made, linked)
+    assert after.tail == pytest.approx(expected) and before.tail == 0.0
+    last = max(e.end for evs in after.events for e in evs)
+    assert after.makespan == pytest.approx(last - after.start + expected)
+    assert after.bubble_rate > before.bubble_rate  # every rank idles in the sum
+    one_way = generate("dualpipev", 4, 8)
+    assert CostModel((stage,) * 8, latency=0.25, bandwidth=2.0).copies_sum_time(one_way) == 0.0

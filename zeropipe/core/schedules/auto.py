@@ -39,8 +39,7 @@ rank (and one with ``p*v`` stages is merged for fewer chunks); pass a callable
 costs, as :func:`zeropipe.planning.balance.plan` does.  A schedule whose stages copy
 others (dualpipe: ``ranks`` model stages, each run again by the other direction) is priced
 on the cut into its model stages, each copy costing what its original costs, its
-weights held twice (:func:`costs_for_schedule`); the search leaves such schedules out,
-since the sum of the copies' gradients at the step's end is not priced.
+weights held twice (:func:`costs_for_schedule`).
 """
 
 from __future__ import annotations
@@ -228,12 +227,7 @@ def _named_schedules(
                 sched = gen.build(ranks, m, v)
             except ScheduleError:
                 continue  # this (ranks, m, chunks) is outside what the generator makes
-            if sched.copies:
-                # dualpipe: the sum of its two copies' gradients across ranks at the end of
-                # a step (every parameter's) is no action of the schedule, so its simulated
-                # step leaves it out, and it would win on a price it does not pay.
-                continue
-            c = costs_for(costs, sched.num_stages)
+            c = costs_for_schedule(costs, sched)
             if c is not None:
                 out.append((name if not gen.takes_chunks else f"{name} v={v}", sched, c))
     return out
@@ -330,6 +324,8 @@ def _runs(
         # Exact replay: its makespan as simulated, and whether it fits.
         runs.append((label, "named", Policy("named", chunks), sched, c, None))
     for label, sched, c in named_runs:
+        if sched.routes:
+            continue  # the list scheduler sends every microbatch through every stage
         # Its F / I order with the W placed by the list scheduler for these costs.
         template = compute_order(sched, keep_w=False)
         for gap in (0.0, 0.5, 1.0):
@@ -496,14 +492,23 @@ def _fit(
         costs, ranks, m, None, max_chunks=max_chunks, policies=policies, named=named,
         verify=verify, recompute=False,
     )  # fmt: skip
-    fit = fit_memory(free.schedule, limits, free.costs)  # raises, naming what would fit
-    sched = _renamed(fit.schedule, "auto")
-    graph = validate(sched, memory_limit=limits, costs=free.costs)
-    tl = simulate(sched, free.costs, graph=graph)
-    actions = len(fit.recompute) + len(fit.offload)
+    chosen, costs = free.schedule, free.costs
     how = free.explanation.split(";")[0].removeprefix("auto: ")
+    try:
+        fit = fit_memory(chosen, limits, costs)  # raises, naming what would fit
+    except ScheduleError:
+        # A rank holding two copies (dualpipe) has less to offload: the best without copies.
+        plain = next((c for c in free.candidates if not c.schedule.copies), None)
+        if not chosen.copies or plain is None:
+            raise
+        fit = fit_memory(plain.schedule, limits, plain.costs)
+        costs, how = plain.costs, plain.name
+    sched = _renamed(fit.schedule, "auto")
+    graph = validate(sched, memory_limit=limits, costs=costs)
+    tl = simulate(sched, costs, graph=graph)
+    actions = len(fit.recompute) + len(fit.offload)
     label = f"{how}, with {actions} recompute/offload pair(s) inserted by fit_memory"
-    return Candidate(label, "list", free.costs, tl.makespan, tl.steady_bubble_rate, tl, sched)
+    return Candidate(label, "list", costs, tl.makespan, tl.steady_bubble_rate, tl, sched)
 
 
 def _remembered(costs: CostsLike) -> Callable[[int], CostModel | None]:
@@ -545,9 +550,9 @@ def auto_schedule(
 ) -> tuple[Schedule, str]:
     """The best schedule :func:`search` finds and its one-line explanation.
 
-    The schedule has ``ranks * v`` stages for the ``v`` it chose; simulate it
-    with ``costs_for(costs, schedule.num_stages)`` (or use :func:`search`,
-    whose result carries that cost model and the timeline).
+    The schedule has ``ranks * v`` stages for the ``v`` it chose (dualpipe: ``ranks``
+    and their copies); simulate it with ``costs_for_schedule(costs, schedule)`` (or use
+    :func:`search`, whose result carries that cost model and the timeline).
     """
     result = search(costs, ranks, microbatches, memory_limit, **options)
     return result.schedule, result.explanation

@@ -477,3 +477,19 @@ def test_auto_in_the_cluster_search_picks_dualpipe_with_its_copies() -> None:
     assert best is not None and best.schedule == "auto" and best.timeline is not None
     assert best.timeline.schedule.copies == ((2, 0), (3, 1))
     assert best.chunks == 1 and best.peak_memory >= 2 * 400.0  # 4 layers per stage, twice
+
+
+@pytest.mark.parametrize("name", ["dualpipev", "dualpipe"])
+@pytest.mark.parametrize(("pp", "m"), [(2, 8), (4, 8), (4, 16)])
+def test_the_bound_stays_below_the_step_when_pairs_hide_part_of_their_halves(
+    name: str, pp: int, m: int
+) -> None:
+    # Overlapped pairs take less than their two halves: a bound that summed the halves
+    # whole would lie above the step and prune a schedule that can win.
+    shape = Shape.probe(name, pp, 2 if name == "dualpipev" else 1, m)
+    stages = len(shape.placement) - len(shape.sample.copies)
+    costs = _overlapped(0.5)(Config(pp, 1, 1, m, stages)).with_copies(shape.sample)
+    step = simulate(build_schedule(name, ranks=pp, microbatches=m), costs).makespan
+    assert shape.bound(costs, m) <= step
+    whole = lower_bound(costs, shape.placement, m, split=shape.split, routes=shape.routes(m))
+    assert whole > step  # the halves counted whole: what the bound must not do

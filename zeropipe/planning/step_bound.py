@@ -68,6 +68,7 @@ class Shape:
             split=self.split if split is None else split,
             recomputed=recomputed,
             routes=self.routes(microbatches),
+            overlap=costs.overlap if self.sample.overlaps else 0.0,
         )
 
 
@@ -79,6 +80,7 @@ def lower_bound(
     split: bool,
     recomputed: Sequence[int] | None = None,
     routes: Sequence[tuple[Sequence[int], int]] = (),
+    overlap: float = 0.0,
 ) -> float:
     """A step time no schedule on ``placement`` can beat under ``costs``.
 
@@ -94,15 +96,23 @@ def lower_bound(
     ``routes``: (stages in order, how many microbatches take them) when microbatches
     visit only some stages (dualpipe: half down stages 0..PP-1, half up PP..2PP-1);
     none: every microbatch visits every stage.  Chains then run along a route.
+
+    ``overlap``: the share of an overlapped pair's shorter half that runs hidden
+    (``CostModel.overlap``; 0 when the schedule has no overlapped pairs).  A pair holds
+    one forward, so a rank saves at most that share of its forwards, and a paired
+    backward takes at least ``1 - overlap`` of its time.
     """
     n = len(placement)
     over = costs.overhead
     c = costs.stages
     # Backward as the cheapest the schedule may run it: whole, or as I then W (fused).
     back = [min(s.time(Kind.B), s.I + min(s.W, s.fused_w)) for s in c]
+    chained = [b * (1 - overlap) for b in back]  # a paired backward's least
     visits, fwd_before, bwd_below = _chains(
-        costs, placement, back, routes or ((range(n), microbatches),)
+        costs, placement, chained, routes or ((range(n), microbatches),)
     )
+    # What a stage's actions take at least, its forwards partly hidden in pairs.
+    work = [visits[s] * (c[s].F + back[s] + 2 * over - overlap * (c[s].F + over)) for s in range(n)]
     best = 0.0
     for r in range(max(placement) + 1):
         mine = [s for s in range(n) if placement[s] == r and visits[s]]
@@ -110,7 +120,7 @@ def lower_bound(
             continue
         busy = 0.0
         for s in mine:
-            busy += visits[s] * (c[s].F + back[s] + 2 * over)
+            busy += work[s]
             if recomputed is not None:
                 busy += recomputed[s] * (c[s].time(Kind.R) + over)
         head = min(fwd_before[s] for s in mine)
@@ -123,7 +133,7 @@ def lower_bound(
         if costs.dp > 1 and len(mine) > 1:
             # The rank's all-reduces share one link, and none starts before some stage of
             # the rank has run all its own forwards and backwards.
-            first_done = min(visits[s] * (c[s].F + back[s] + 2 * over) for s in mine)
+            first_done = min(work[s] for s in mine)
             best = max(best, head + first_done + sum(reduce))
     return best
 

@@ -107,18 +107,27 @@ def test_tensor_and_context_parallel_together_give_the_models_own_loss_and_gradi
     assert seen == set(refs[0][1])
 
 
-def test_replicas_of_context_parallel_pipelines_sum_over_dp_and_cp() -> None:
-    # pp 1 x dp 2 x cp 2: each replica half the rows, each cp process half its tokens
+def _checked_case(case: str) -> list[dict[str, Any]]:
+    """Every process's result of the cp launch's ``case``, its steps checked against the
+    unsplit Llama's, every parameter's gradient among them."""
     refs = _reference("llama", "eager", "plain")
     seen: set[str] = set()
+    outs = []
     for r in cp_cases.results():
-        got = r["dp x cp"]
-        no_crash(got, "dp x cp")
+        got = r[case]
+        no_crash(got, case)
+        seen |= _check_steps(case, got["steps"], refs)
+        outs.append(got)
+    assert seen == set(refs[0][1])
+    return outs
+
+
+def test_replicas_of_context_parallel_pipelines_sum_over_dp_and_cp() -> None:
+    # pp 1 x dp 2 x cp 2: each replica half the rows, each cp process half its tokens
+    for got in _checked_case("dp x cp"):
         assert got["replicas"] == 4  # the pipeline's replicas are its dp x cp processes
         # ... but the batch has one slice per replica, the same for its two cp processes
         assert got["slice"] == [got["slice"][2], 2, got["slice"][2]], got["slice"]
-        seen |= _check_steps("dp x cp", got["steps"], refs)
-    assert seen == set(refs[0][1])
 
 
 def test_microbatches_of_different_lengths_are_each_sharded_over_cp() -> None:
@@ -135,14 +144,8 @@ def test_microbatches_of_different_lengths_are_each_sharded_over_cp() -> None:
 def test_dp_shard_with_context_parallelism_shards_over_dp_and_cp() -> None:
     # pp 1 x dp 2 x cp 2, dp_shard=True: FSDP2 over the 4 processes of dp x cp, whose
     # reduce-scatter sums what the replicated mode's all-reduce sums
-    refs = _reference("llama", "eager", "plain")
-    seen: set[str] = set()
-    for r in cp_cases.results():
-        got = r["dp x cp dp_shard"]
-        no_crash(got, "dp x cp dp_shard")
+    for got in _checked_case("dp x cp dp_shard"):
         assert got["replicas"] == 4 and got["embedding"] == [64 // 4, 16], got["embedding"]
-        seen |= _check_steps("dp x cp dp_shard", got["steps"], refs)
-    assert seen == set(refs[0][1])
 
 
 def test_dp_shard_with_context_parallelism_and_two_pipeline_ranks() -> None:

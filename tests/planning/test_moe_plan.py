@@ -66,12 +66,17 @@ DEEPSEEK_V3 = {  # deepseek-ai/DeepSeek-V3 config.json
 }  # fmt: skip
 
 
-def _read(tmp_path: Path, config: dict[str, Any], **changes: Any) -> Any:
+def _folder(tmp_path: Path, config: dict[str, Any], **changes: Any) -> Path:
+    """A model folder holding ``config`` with ``changes`` as its config.json (None: key left out)."""
     path = tmp_path / "m" / "config.json"
     path.parent.mkdir(exist_ok=True)
     merged = {**config, **changes}
     path.write_text(json.dumps({k: v for k, v in merged.items() if v is not None}))
-    return load_model(str(path.parent))
+    return path.parent
+
+
+def _read(tmp_path: Path, config: dict[str, Any], **changes: Any) -> Any:
+    return load_model(str(_folder(tmp_path, config, **changes)))
 
 
 # -- reading configs --------------------------------------------------------------------------
@@ -369,11 +374,8 @@ def test_a_measured_cost_model_refuses_ep() -> None:
 def test_zeropipe_plan_searches_ep_for_a_deepseek_config(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    path = tmp_path / "deepseek-v3" / "config.json"
-    path.parent.mkdir()
-    path.write_text(json.dumps(DEEPSEEK_V3))
     code = cli.main([
-        "plan", "--model", str(path.parent), "--gpus", "256", "--gpu", "h100-sxm", "--seq",
+        "plan", "--model", str(_folder(tmp_path, DEEPSEEK_V3)), "--gpus", "256", "--gpu", "h100-sxm", "--seq",
         "4096", "--global-batch", "512", "--fsdp", "--ep", "8,64", "--pp", "4,8",
         "--schedules", "interleaved-1f1b,dualpipev", "--microbatch-sizes", "1", "--top", "3",
         "--quiet",
@@ -389,12 +391,9 @@ def test_zeropipe_plan_searches_ep_for_a_deepseek_config(
 def test_zeropipe_plan_searches_tp_for_a_mixture_of_experts(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    small = {**QWEN3_30B, "num_hidden_layers": 4, "num_experts": 16}
-    path = tmp_path / "small-moe" / "config.json"
-    path.parent.mkdir()
-    path.write_text(json.dumps(small))
+    small = _folder(tmp_path, QWEN3_30B, num_hidden_layers=4, num_experts=16)
     code = cli.main([
-        "plan", "--model", str(path.parent), "--gpus", "8", "--gpu", "h100-sxm", "--seq",
+        "plan", "--model", str(small), "--gpus", "8", "--gpu", "h100-sxm", "--seq",
         "1024", "--global-batch", "16", "--tp", "1,2", "--no-sequence-parallel", "--ep", "1,2",
         "--schedules", "1f1b", "--microbatch-sizes", "1", "--top", "30", "--quiet",
     ])  # fmt: skip

@@ -119,9 +119,9 @@ class StepContext:
     # This replica's first microbatch in the global batch: what dropout and other
     # randomness are seeded by, so that replicas draw differently.
     first_microbatch: int = 0
-    # Runs an overlapped pair's backward half beside its forward and returns once it started,
-    # with an event set when it is done (the pipeline's ``pairs.PairWorker.submit``); None:
-    # each pair's halves one after the other.
+    # Runs an overlapped pair's backward half beside its forward, returning at once an event
+    # set when it is done (the pipeline's ``pairs.PairWorker.submit``); None: each pair's
+    # halves one after the other.
     beside: Callable[[Callable[[], None]], threading.Event] | None = None
 
     def receive(self, action: Action) -> tuple[Tensor, ...]:

@@ -197,16 +197,15 @@ class PairWorker:
         self._thread: threading.Thread | None = None
 
     def submit(self, job: Callable[[], None]) -> threading.Event:
-        """Run ``job`` on the worker, with the calling thread's intra-op thread count, and
-        return once it has started (as ``Thread.start`` does); the event is set when it has
-        returned (``job`` catches its own errors)."""
+        """Queue ``job`` for the worker, run with the calling thread's intra-op thread count;
+        the event is set when it has returned (``job`` catches its own errors).  The caller
+        goes on at once: nothing in a pair needs its backward to have started first."""
         if self._thread is None or not self._thread.is_alive():  # first, or after a fork
             self._start()
         threads = torch.get_num_threads()
-        started, done = threading.Event(), threading.Event()
+        done = threading.Event()
 
         def counted() -> None:
-            started.set()
             try:
                 # A new thread's OpenMP team defaults to every core: without this, its ops
                 # would run on more threads than the rank was given (1 per rank: 2x slower on
@@ -218,7 +217,6 @@ class PairWorker:
                 done.set()
 
         self._jobs.put(counted)
-        started.wait()
         return done
 
     def _start(self) -> None:

@@ -38,6 +38,10 @@ sequence); Table 2 one microbatch on one stage.  The kernels are the rows' own
   after each sub-attention but the first, torch's float32 merges of the partial output and
   sums of the gradients, priced by the bytes they move.
 
+Below the table, each row's step over the row before it, published and predicted: as
+priced (fixed costs plus costs in proportion to cp) these rise steadily; the published ones
+rise and fall, which no step of that form reproduces row for row.
+
     python benchmarks/long_context_table.py
     python benchmarks/long_context_table.py --json rows.json
 """
@@ -48,6 +52,7 @@ import argparse
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any
 
 from table_report import finish, within_summary
@@ -194,6 +199,34 @@ def run(rows: Sequence[Row], kernels: Kernels = TORCHTITAN) -> list[dict[str, An
     return out
 
 
+def step_growth(rows: Sequence[dict[str, Any]], table_number: int) -> dict[str, list[float]]:
+    """Each row's step over the step of the row before it in ``table_number``, published and
+    predicted.  The rows double the sequence and cp and keep the tokens a GPU holds, so a
+    step of fixed costs plus costs in proportion to cp (attention's span, the keys and values
+    gathered, the merges after each sub-attention) grows by factors that move steadily, one
+    way, from row to row."""
+    mine = [r for r in rows if r["table"] == table_number]
+    steps = {
+        "published": [1 / r["published_ratio"] for r in mine],
+        "predicted": [1 / r["predicted_ratio"] for r in mine],
+    }
+    return {k: [b / a for a, b in pairwise(v)] for k, v in steps.items()}
+
+
+def growth_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """One line per table: its step growth row to row, published and predicted."""
+    lines = []
+    for number in sorted({r["table"] for r in rows}):
+        growth = step_growth(rows, number)
+        published = " ".join(f"{g:.2f}" for g in growth["published"])
+        predicted = " ".join(f"{g:.2f}" for g in growth["predicted"])
+        lines.append(
+            f"Table {number}, a row's step over the row before it: published {published}; "
+            f"predicted {predicted}"
+        )
+    return lines
+
+
 def table(rows: Sequence[dict[str, Any]]) -> str:
     head = (
         f"{'row':>20} {'seq':>8} | {'tok/s/GPU':>9} {'published':>9} | "
@@ -238,6 +271,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     lines = [
         table(out),
         summary(out),
+        *growth_lines(out),
         f"Table 1, Float8 over bf16 at 8,192 tokens (where FLOAT8_LINEAR_SPEEDUP comes from): "
         f"predicted {check['predicted']:.3f}, published {check['published']:.3f}",
     ]

@@ -43,6 +43,7 @@ TORCH_FREE_PLANNING = (
     "zeropipe.planning.plan_memory",
     "zeropipe.planning.step_bound",
     "zeropipe.planning.pricing",
+    "zeropipe.planning.pricing.links",
     "zeropipe.planning.pricing.moe",
     "zeropipe.planning.pricing.tensor_parallel",
     "zeropipe.planning.pricing.transformer",

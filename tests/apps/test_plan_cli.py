@@ -205,6 +205,23 @@ def test_sequence_parallelism_lowers_memory_not_time(capsys: pytest.CaptureFixtu
     assert float(a[13]) < float(b[13])
 
 
+def test_checkpointed_blocks_trade_time_for_memory_and_say_so(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # One fixed layout: every block's forward runs again inside its backward (a longer
+    # step), and a stage keeps only its blocks' inputs and one block rebuilt (less memory).
+    fixed = (*SMALL, "--top", "1", "--tp", "1", "--pp", "4", "--dp", "4", "--schedules", "1f1b")
+    fixed += ("--microbatch-sizes", "2", "--shard-optimizer")
+    code, kept, _ = run(capsys, *fixed)
+    assert code == 0 and "every block checkpointed" not in kept
+    code, rebuilt, _ = run(capsys, *fixed, "--checkpoint-blocks")
+    assert code == 0 and "flash attention, every block checkpointed, " in rebuilt
+    (a,), (b,) = _rows(kept), _rows(rebuilt)
+    assert a[8] == b[8] == "none"  # no recompute (R) planned in either
+    assert float(b[9]) > float(a[9])
+    assert float(b[13]) < float(a[13])
+
+
 def test_tp_across_nodes_is_priced_on_the_network(capsys: pytest.CaptureFixture[str]) -> None:
     def one(gpus: int, tp: int, *more: str) -> float:
         argv = ("plan", "--model", "llama-3-8b", "--gpu", "h100-sxm", "--seq", "2048",

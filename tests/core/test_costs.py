@@ -3,22 +3,25 @@
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import replace
 
 import pytest
 
 from zeropipe.core.costs import CostModel, StageCost
 from zeropipe.core.errors import ScheduleError
 from zeropipe.core.ir import Kind
-from zeropipe.core.memory import memory_deltas
+from zeropipe.core.memory import initial_memory, memory_deltas, peak_memory
+from zeropipe.core.passes.fit import offload_weights
 from zeropipe.core.schedules import generate
 
 
-def test_scaled_touches_every_figure_but_the_boundary() -> None:
+def test_scaled_touches_every_figure_but_the_boundary_and_the_workspace() -> None:
     names = [f.name for f in dataclasses.fields(StageCost)]
     stage = StageCost(**{n: float(k + 1) for k, n in enumerate(names)})
     half = stage.scaled(0.5)
+    whole = ("boundary_bytes", "workspace")  # a part still sends and rebuilds whole ones
     for n in names:
-        want = getattr(stage, n) if n == "boundary_bytes" else getattr(stage, n) * 0.5
+        want = getattr(stage, n) if n in whole else getattr(stage, n) * 0.5
         assert getattr(half, n) == want, n
     assert StageCost().scaled(3.0).B is None  # a default stays a default
 
@@ -29,6 +32,27 @@ def test_merged_sums_and_keeps_the_last_boundary() -> None:
     m = StageCost.merged([a, b])
     assert (m.F, m.I, m.W, m.act, m.boundary_bytes) == (3, 3, 4, 3, 20)
     assert m.B == 5 + 1.5 and m.W_fused == 3 + 0.5
+    # One backward at a time: the group reserves its largest workspace, not their sum.
+    wide = StageCost.merged([replace(a, workspace=4.0), replace(b, workspace=3.0)])
+    assert wide.workspace == 4.0
+
+
+def test_a_rank_reserves_its_largest_workspace_once_beside_its_weights() -> None:
+    # zbv: rank 0 holds stages 0 and 3.  The workspace is held the whole step, so it is in
+    # the memory before the first action, once per rank (the larger of its stages'), scaled
+    # to the largest microbatch, and not moved by a weight offload.
+    sched = generate("zbv", 2, 4)
+    assert sched.stages_of(0) == (0, 3)
+    stages = tuple(StageCost(weights=10.0, workspace=w, act=1.0) for w in (2.0, 0.5, 0.25, 3.0))
+    costs = CostModel(stages)
+    assert initial_memory(sched, costs) == [10.0 * 2 + 3.0, 10.0 * 2 + 0.5]
+    peaks = [p for p, _ in peak_memory(sched, costs)]
+    plain = CostModel(tuple(replace(c, workspace=0.0) for c in stages))
+    assert [p - q for p, (q, _) in zip(peaks, peak_memory(sched, plain), strict=True)] == [3.0, 0.5]
+    sized = replace(costs, microbatch_scale=(1.0, 2.0, 0.5, 1.0))
+    assert initial_memory(sched, sized) == [20.0 + 6.0, 20.0 + 1.0]
+    moved = offload_weights(sched, [0])
+    assert initial_memory(moved, costs)[0] == 10.0 + 3.0  # stage 0's weights start away
 
 
 def test_held_change_matches_memory_deltas() -> None:

@@ -394,7 +394,7 @@ def test_tp_across_nodes_runs_its_collectives_on_the_network() -> None:
 
 
 def test_ranks_are_laid_out_tp_innermost() -> None:
-    from zeropipe.planning.specs import pipeline_crosses_nodes, replicas_cross_nodes
+    from zeropipe.planning.pricing.links import pipeline_crosses_nodes, replicas_cross_nodes
 
     assert not pipeline_crosses_nodes(2, 1, 8, tp=4) and pipeline_crosses_nodes(2, 1, 8, tp=8)
     assert not replicas_cross_nodes(2, 8, tp=4) and replicas_cross_nodes(2, 8, tp=8)
@@ -406,3 +406,37 @@ def test_ranks_are_laid_out_tp_innermost() -> None:
     plain = costs_from_spec("llama-2-7b", gpu, stages=2, seq=1024, dp=2)
     off = costs_from_spec("llama-2-7b", gpu, stages=2, seq=1024, dp=2, sequence_parallel=False)
     assert plain == off and plain.meta["sequence_parallel"] is False  # tp 1: nothing to cut
+
+
+def test_blocks_checkpointed_one_by_one_keep_their_inputs_and_rebuild_one_at_a_time() -> None:
+    # torchtitan's full activation checkpointing: each block keeps its input, its forward
+    # runs again before its backward, and only that block's activations are held meanwhile.
+    model = ModelSpec("m", layers=4, hidden=64, heads=4, kv_heads=4, ffn=256, vocab=100)
+    args: dict[str, Any] = {"stages": 2, "seq": 32, "microbatch_size": 2, "blocks": [2, 2]}
+    plain = price_stages(model, TINY_GPU, **args)
+    ac = price_stages(model, TINY_GPU, **args, checkpoint_blocks=True)
+    block = plain[0].act / 2  # the first stage: two blocks and the embedding, which keeps none
+    block_input = 64 * 32 * 2 * 2.0  # hidden x tokens x bf16
+    head = plain[1].act - block * 2
+    for p, c in zip(plain, ac, strict=True):
+        assert (c.F, c.W, c.R) == (p.F, p.W, p.R) and c.act_w == p.act_w
+        assert c.workspace == pytest.approx(block) and p.workspace == 0.0
+    # The first stage's I gains its two blocks' forward (the embedding is not recomputed).
+    embedding_f = 32 * 2 * 64 * 2 / (1e11 * 0.7)  # its lookup, the embedding's F
+    gained = ac[0].I - plain[0].I
+    assert gained == pytest.approx(plain[0].F - embedding_f)
+    assert ac[0].act == pytest.approx(2 * block_input)
+    assert ac[1].act == pytest.approx(2 * block_input + head)  # the head keeps its own
+    # In a simulated step: a stage of one microbatch held whole, against its inputs and
+    # one block rebuilt.
+    kept = costs_from_spec(model, TINY_GPU, stages=1, seq=32, microbatch_size=2)
+    rebuilt = costs_from_spec(
+        model, TINY_GPU, stages=1, seq=32, microbatch_size=2, checkpoint_blocks=True
+    )
+    schedule = generate("1f1b", 1, 1)
+    weights = kept.stages[0].weights
+    assert max(simulate(schedule, kept).peak_memory) == pytest.approx(weights + 4 * block + head)
+    assert max(simulate(schedule, rebuilt).peak_memory) == pytest.approx(
+        weights + 4 * block_input + head + block
+    )
+    assert rebuilt.meta["checkpoint_blocks"] is True and "checkpoint_blocks" not in kept.meta

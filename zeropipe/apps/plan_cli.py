@@ -14,8 +14,7 @@ Two modes, one table:
   schedules for it, each with the measured layers cut where its own simulated step is
   shortest (as ``zeropipe bench`` cuts them).
 
-No torch: like ``schedules`` and ``simulate`` it runs on a laptop.  matplotlib is
-loaded only for ``--plot``.
+No torch: like ``schedules`` and ``simulate`` it runs on a laptop (matplotlib only for ``--plot``).
 """
 
 from __future__ import annotations
@@ -124,6 +123,8 @@ def _add_model_and_cluster(spec: Any) -> None:
         "matrices pass through memory and are kept for backward)",
     )
     spec.add_argument("--dropout", action="store_true", help="the model trains with dropout layers")
+    ac = "each block keeps its input and runs again in backward (torch.utils.checkpoint each)"
+    spec.add_argument("--checkpoint-blocks", action="store_true", help=ac)
 
 
 def _add_cluster_search_space(spec: Any) -> None:
@@ -385,7 +386,8 @@ def _cluster_header(
         f"step: {args.global_batch} sequences of {args.seq} tokens ({tokens:,} tokens); "
         f"memory limit {memory / GiB:.1f} GiB per GPU",
         f"assumed: matmuls at {args.efficiency or DEFAULT_EFFICIENCY:.0%} of peak, "
-        f"{args.attention} attention{', dropout' if args.dropout else ''}, "
+        f"{args.attention} attention{', dropout' if args.dropout else ''}"
+        f"{', every block checkpointed' if args.checkpoint_blocks else ''}, "
         + _state_text(args)
         + f", offload at {hw.host_bandwidth / 1e9:.0f} GB/s to host; {tensor}"
         + _context_text(args)
@@ -443,6 +445,7 @@ def _run_cluster(args: argparse.Namespace) -> tuple[list[str], Ranking, str]:
             shard_optimizer=args.shard_optimizer,
             attention=args.attention,
             dropout=args.dropout,
+            checkpoint_blocks=args.checkpoint_blocks,
             sequence_parallel=args.sequence_parallel,
             tp_across_nodes=args.tp_across_nodes,
             fsdp=args.fsdp,

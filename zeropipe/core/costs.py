@@ -39,6 +39,12 @@ the part W still needs after I, ``ckpt`` = kept by a checkpointed forward)::
     B  -act      I  -(act - act_w)          W  -act_w
     OFFLOAD(s,i) -what (s,i) holds then     RELOAD(s,i)  +the same
     OFFLOAD(s)   -weights[s]                RELOAD(s)    +weights[s]
+
+``workspace`` is what a backward of the stage holds only while it runs: the activations of
+one block whose forward kept only its input (a block checkpointed on its own, as
+``torch.utils.checkpoint`` around each block does), rebuilt for that block's backward and
+freed after it.  A rank computes one thing at a time, so it reserves the largest workspace of
+its stages for the whole step, beside its weights (:func:`zeropipe.core.memory.initial_memory`).
 """
 
 from __future__ import annotations
@@ -74,6 +80,7 @@ class StageCost:
     weights: float = 0.0
     boundary_bytes: float = 0.0  # size of this stage's output activation (= its input grad)
     grad_bytes: float | None = None  # weight-gradient bytes REDUCE_GRAD reduces; None: weights
+    workspace: float = 0.0  # held by a backward while it runs (the module docstring)
 
     def __post_init__(self) -> None:
         # Checked here, not where the numbers are read, so that every way of building
@@ -94,6 +101,8 @@ class StageCost:
         for f in fields(cls):
             if f.name == "boundary_bytes":
                 values[f.name] = group[-1].boundary_bytes  # the group's output is its last's
+            elif f.name == "workspace":  # one backward runs at a time: the largest one's
+                values[f.name] = max(c.workspace for c in group)
             elif f.name in ("B", "R"):  # None stands for a sum of others: add what each costs
                 values[f.name] = sum(c.time(Kind(f.name)) for c in group)
             elif f.name == "W_fused":  # priced for the group if for any of its stages
@@ -109,13 +118,14 @@ class StageCost:
     def scaled(self, factor: float) -> StageCost:
         """Every time and memory figure times ``factor`` (a stage cut into equal parts).
 
-        The boundary size is kept: each part still sends a whole activation.
+        The boundary size and the workspace are kept: each part still sends a whole
+        activation, and still rebuilds a whole block for its backward.
         """
         _check_number("scale factor", factor)
         values: dict[str, Any] = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            keep = f.name == "boundary_bytes" or value is None
+            keep = f.name in ("boundary_bytes", "workspace") or value is None
             values[f.name] = value if keep else value * factor
         return replace(self, **values)
 

@@ -59,14 +59,20 @@ def memory_deltas(
 
 
 def initial_memory(schedule: Schedule, costs: CostModel) -> list[float]:
-    """Memory each rank holds before its first action: the weights that start resident.
+    """Memory each rank holds before its first action: the weights that start resident, and
+    the largest ``workspace`` of its stages (a backward's, reserved for the whole step; for
+    the largest microbatch where microbatches have sizes of their own).
 
     A stage whose first weight action is a RELOAD starts offloaded.
     """
+    largest = max(costs.microbatch_scale, default=1.0)
     out = []
     for rank in range(schedule.num_ranks):
         away = offloaded_at_start(schedule, rank)
-        out.append(sum(costs.stages[s].weights for s in schedule.stages_of(rank) if s not in away))
+        mine = schedule.stages_of(rank)
+        weights = sum(costs.stages[s].weights for s in mine if s not in away)
+        workspace = max((costs.stages[s].workspace for s in mine), default=0.0)
+        out.append(weights + largest * workspace)
     return out
 
 

@@ -212,6 +212,7 @@ def spec_costs(
     grad_bytes: float = DEFAULT_GRAD_BYTES,
     fsdp: bool = False,
     kernels: Kernels | None = None,
+    checkpoint_blocks: bool = False,
 ) -> CostFactory:
     """The cost factory :func:`~zeropipe.planning.cluster.search` takes, from a model and an
     accelerator spec: :func:`zeropipe.planning.specs.costs_from_spec` for each configuration
@@ -236,6 +237,9 @@ def spec_costs(
     :mod:`zeropipe.planning.pricing.context_parallel`); gradients are reduced, and the
     optimizer or FSDP sharded, over the ``dp x cp`` ranks holding a stage.  ``kernels``: how
     attention, the linears and cp's ring run (:class:`~zeropipe.planning.pricing.transformer.Kernels`).
+    ``checkpoint_blocks``: every block checkpointed on its own inside its stage
+    (:mod:`zeropipe.planning.specs`); the planner's own recompute (R) still comes on top
+    where memory needs it.
     """
 
     def costs_for(config: Config) -> CostModel:
@@ -262,6 +266,7 @@ def spec_costs(
             expert_state_bytes=expert_state,
             cp=config.cp,
             kernels=kernels,
+            checkpoint_blocks=checkpoint_blocks,
         )
 
     return costs_for

@@ -190,7 +190,8 @@ def plan_memory(base: Schedule, natural: CostModel, ckpt: CostModel, limit: floa
         return MemoryPlan(base, "none", True, none)
     weights = max(initial_memory(base, ckpt))
     if weights > limit:
-        return MemoryPlan(base, f"over: weights alone {format_memory(weights, ckpt)}", False, none)
+        what = "weights and workspace" if any(c.workspace for c in ckpt.stages) else "weights"
+        return MemoryPlan(base, f"over: {what} alone {format_memory(weights, ckpt)}", False, none)
     if pairs <= FIT_PAIRS:
         try:
             fit = fit_memory(base, limit, ckpt)

@@ -18,13 +18,16 @@ How a stage is priced (``T`` = tokens per microbatch = microbatch size x sequenc
   the bytes their memory-bound work moves (at ``memory_efficiency`` x the memory
   bandwidth), with flash or unfused attention and dropout, and what each keeps for
   backward: :mod:`zeropipe.planning.pricing.transformer`.  A stage sums its layers; a
-  checkpointed stage keeps only its input.
+  checkpointed stage (an R before its backward) keeps only its input.
+* **Blocks checkpointed one by one** (``checkpoint_blocks``): each keeps its input and is
+  rebuilt inside its backward, one at a time (:func:`~zeropipe.planning.pricing.transformer.checkpoint_blocks`);
+  the embedding and the head are not checkpointed.
 * **Static memory** per parameter: ``state_bytes`` (default 18: bf16 weight, fp32
   gradient, fp32 master copy and two Adam moments, as mixed-precision training
   without a sharded optimizer keeps them).
 * **Copies to host** (offload, reload) at the ``host_bandwidth`` a pinned copy reaches.
 * **Wires**: a pipeline hop inside a node uses the node's link (NVLink), across
-  nodes the network; see :func:`pipeline_crosses_nodes`.  Ranks are laid out
+  nodes the network; see :mod:`zeropipe.planning.pricing.links`.  Ranks are laid out
   tensor-parallel innermost, then data-parallel, then pipeline (a ``("pp", "dp",
   "tp")`` mesh), so a replica group of at most one node's GPUs reduces inside it.
 * **Tensor parallelism** (``tp`` GPUs per block, optionally with sequence
@@ -60,6 +63,11 @@ from zeropipe.planning.catalog import (
     model_names,
 )
 from zeropipe.planning.pricing.context_parallel import check_cp, ring_steps
+from zeropipe.planning.pricing.links import (
+    pipeline_crosses_nodes,
+    replicas_cross_nodes,
+    ring_allreduce_latency,
+)
 from zeropipe.planning.pricing.moe import (
     all_to_all_time,
     block_kinds,
@@ -75,6 +83,7 @@ from zeropipe.planning.pricing.transformer import (
     LayerPrice,
     LayerRun,
     ModelSpec,
+    checkpoint_blocks,
     price_embedding,
     price_head,
 )
@@ -88,10 +97,7 @@ __all__ = [
     "load_hardware",
     "load_model",
     "model_names",
-    "pipeline_crosses_nodes",
     "price_stages",
-    "replicas_cross_nodes",
-    "ring_allreduce_latency",
 ]
 
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
@@ -124,6 +130,7 @@ class StagePrice:
     expert_params: int = 0  # this GPU's routed experts' weights (not in ``params``)
     all_to_all_f: float = 0.0  # of F, the MoE blocks' all-to-alls
     all_to_all_i: float = 0.0  # of I, the same
+    workspace: float = 0.0  # a checkpointed block's activations, rebuilt for its backward
 
 
 def _cut(layers: int, stages: int, block: float, first: float, last: float) -> list[int]:
@@ -173,6 +180,7 @@ class _PriceSettings:
     expert_state_bytes: float | None = None  # None: state_bytes
     expert_grad_bytes: float | None = None  # None: grad_bytes
     kernels: Kernels = field(default_factory=Kernels)  # attention's rate, float8, cp's ring
+    checkpoint_blocks: bool = False  # each block keeps only its input (the module docstring)
 
     def check(self, model: ModelSpec, hardware: HardwareSpec, stages: int) -> None:
         """Refuse settings, or a stage count, that cannot price ``model`` on ``hardware``."""
@@ -273,6 +281,7 @@ class _PriceSettings:
         """The settings a cost model records (``sequence_parallel`` only where tp > 1)."""
         wider: dict[str, Any] = {n: v for n, v in (("ep", self.ep), ("cp", self.cp)) if v > 1}
         wider |= {"kernels": self.kernels.describe()} if self.kernels != Kernels() else {}
+        wider |= {"checkpoint_blocks": True} if self.checkpoint_blocks else {}
         return {
             "seq": self.seq,
             "microbatch_size": self.microbatch_size,
@@ -307,6 +316,7 @@ def price_stages(
     ep: int = 1,
     cp: int = 1,
     kernels: Kernels | None = None,
+    checkpoint_blocks: bool = False,
 ) -> list[StagePrice]:
     """Each stage's F, I, W, R times and memory for one microbatch (see the module docstring).
 
@@ -318,7 +328,8 @@ def price_stages(
     ``tp_across_nodes`` (:mod:`zeropipe.planning.pricing.tensor_parallel`); figures are one GPU's.
     ``ep``: a mixture of experts' routed experts sharded over ep GPUs
     (:mod:`zeropipe.planning.pricing.moe`); ``cp``: each sequence over ``cp`` GPUs
-    (:mod:`zeropipe.planning.pricing.context_parallel`); ``kernels``: :class:`Kernels`.
+    (:mod:`zeropipe.planning.pricing.context_parallel`); ``kernels``: :class:`Kernels`;
+    ``checkpoint_blocks``: every block checkpointed on its own.
     """
     settings = _PriceSettings(
         seq=seq,
@@ -336,6 +347,7 @@ def price_stages(
         ep=ep,
         cp=cp,
         kernels=kernels or Kernels(),
+        checkpoint_blocks=checkpoint_blocks,
     )
     return _price(model, hardware, settings, stages, blocks)
 
@@ -394,6 +406,12 @@ def _stage_price(
     F, I, W = (sum(k * p.F for k, p in parts), sum(k * p.I for k, p in parts),
                sum(k * p.W for k, p in parts))  # fmt: skip
     act, act_w = sum(k * p.act for k, p in parts), sum(k * p.act_w for k, p in parts)
+    t, e, tp, sp = run.tokens, run.element_bytes, run.tp, run.sequence_parallel
+    block_input = split(t * hidden * e, 0.0, tp, sp)
+    workspace = 0.0
+    if settings.checkpoint_blocks:
+        recomputed, act, workspace = checkpoint_blocks(parts, block_input)
+        I += recomputed
     params = sum(k * p.params for k, p in parts)
     experts = sum(k * p.expert_params for k, p in parts)
     if embedding is not None:
@@ -404,9 +422,8 @@ def _stage_price(
         F, I, W = F + head.F, I + head.I, W + head.W
         act, act_w = act + head.act, act_w + head.act_w
         params += head.params
-    t, e, tp, sp = run.tokens, run.element_bytes, run.tp, run.sequence_parallel
     # What a checkpointed stage keeps: its input (the first stage's: 8-byte token ids).
-    ckpt = float(split(t * hidden * e, 0.0, tp, sp) if embedding is None else t * 8)
+    ckpt = float(block_input if embedding is None else t * 8)
     weights, grads = params * settings.state_bytes, params * settings.grad_bytes
     if experts:
         weights += experts * _or(settings.expert_state_bytes, settings.state_bytes)
@@ -427,30 +444,12 @@ def _stage_price(
         expert_params=experts,
         all_to_all_f=sum(k * p.all_to_all_f for k, p in parts),
         all_to_all_i=sum(k * p.all_to_all_i for k, p in parts),
+        workspace=workspace,
     )
 
 
 def _or(value: float | None, default: float) -> float:
     return default if value is None else value
-
-
-def pipeline_crosses_nodes(pp: int, dp: int, gpus_per_node: int, tp: int = 1) -> bool:
-    """Whether some pipeline hop leaves its node, ranks laid out tensor-parallel
-    innermost, then data-parallel (rank = (pipeline index x dp + replica) x tp + tp
-    index), as a DeviceMesh ("pp", "dp", "tp") lays them out.  Any crossing hop prices
-    every hop on the network: the slow hop holds the pipeline back."""
-    return pp > 1 and pp * dp * tp > gpus_per_node
-
-
-def replicas_cross_nodes(dp: int, gpus_per_node: int, tp: int = 1) -> bool:
-    """Whether a data-parallel group spans nodes (its ranks are ``tp`` apart, ``dp x tp``
-    contiguous ranks hold it: see above)."""
-    return dp * tp > gpus_per_node or gpus_per_node % (dp * tp) != 0
-
-
-def ring_allreduce_latency(dp: int, latency: float) -> float:
-    """A ring all-reduce's fixed cost: ``2 (dp - 1)`` messages in sequence."""
-    return 2 * (dp - 1) * latency if dp > 1 else 0.0
 
 
 def costs_from_spec(
@@ -478,6 +477,7 @@ def costs_from_spec(
     expert_state_bytes: float | None = None,
     cp: int = 1,
     kernels: Kernels | None = None,
+    checkpoint_blocks: bool = False,
 ) -> CostModel:
     """Price a decoder-only transformer on an accelerator from their specs (no profile).
 
@@ -485,16 +485,14 @@ def costs_from_spec(
     ``config.json``).  The model is cut into ``stages`` (``blocks``: transformer blocks per
     stage; default even) run by ``pp`` ranks (default ``stages``; zbv's ``2p`` stages run on
     ``p``), with ``dp`` replicas, each sequence over ``cp`` GPUs (gradients reduced over ``dp x
-    cp``).  Times are seconds, memory bytes (``unit="bytes"``), derived as this module's
-    docstring says; ``attention`` (``"flash"`` or ``"unfused"``), ``dropout`` and ``kernels``
-    say how the blocks run (:func:`price_stages`).  Each stage runs on ``tp`` GPUs (tensor
-    parallel, with ``sequence_parallel`` or not; inside a node unless ``tp_across_nodes``:
-    :mod:`zeropipe.planning.pricing.tensor_parallel`), and every figure is one GPU's; tp = 1 is
-    plain pipeline and data parallelism.  ``recompute`` makes R and ``ckpt`` available for
-    :func:`zeropipe.core.passes.fit.checkpoint`; it does not itself checkpoint anything.
-    ``meta`` records the inputs and ``flops_per_microbatch`` / ``peak_flops`` for MFU.  Routed
-    experts: sharded over ``ep`` of the ``dp`` replicas, ``expert_state_bytes`` a weight
-    (default ``state_bytes``), gradients reduced over ``dp / ep`` replicas (pricing.moe).
+    cp``).  Times are seconds, memory bytes (``unit="bytes"``), as this module's docstring
+    says; ``attention``, ``dropout``, ``kernels`` and ``checkpoint_blocks``: how the blocks run
+    (:func:`price_stages`).  Each stage runs on ``tp`` GPUs (with ``sequence_parallel`` or not;
+    inside a node unless ``tp_across_nodes``), every figure one GPU's.  ``recompute`` makes R
+    and ``ckpt`` available for :func:`zeropipe.core.passes.fit.checkpoint` (it checkpoints
+    nothing itself).  ``meta``: the inputs, and ``flops_per_microbatch`` / ``peak_flops`` for
+    MFU.  Routed experts: sharded over ``ep`` of the ``dp`` replicas, ``expert_state_bytes`` a
+    weight (default ``state_bytes``), gradients reduced over ``dp / ep`` replicas.
     """
     m = load_model(model) if isinstance(model, str) else model
     hw = load_hardware(hardware) if isinstance(hardware, str) else hardware
@@ -517,6 +515,7 @@ def costs_from_spec(
         expert_state_bytes=expert_state_bytes,
         expert_grad_bytes=_expert_reduce(grad_bytes, dp, ep),
         kernels=kernels or Kernels(),
+        checkpoint_blocks=checkpoint_blocks,
     )
     priced = _price(m, hw, settings, stages, blocks)
     group = dp * cp  # the ranks holding a stage: cp inside dp
@@ -569,6 +568,7 @@ def _stage_cost(price: StagePrice, host_bandwidth: float, recompute: bool) -> St
         OFFLOAD=price.act / host_bandwidth,
         RELOAD=price.act / host_bandwidth,
         weight_copy=price.weights / host_bandwidth,
+        workspace=price.workspace,
     )
 
 

@@ -55,6 +55,7 @@ No torch here, and nothing from :mod:`zeropipe.planning.specs` (which imports th
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,6 +77,7 @@ __all__ = [
     "LayerRun",
     "MLAShape",
     "ModelSpec",
+    "checkpoint_blocks",
     "price_block",
     "price_embedding",
     "price_head",
@@ -474,6 +476,25 @@ def price_block(
         act_w=min(block_act, split(t * e * 4.0 * h, t * e * linear_in_out, tp, sp)),
         params=n // tp + 2 * h,  # its slice of the linears, the norms whole
         time=block_f + block_i + block_w,
+    )
+
+
+def checkpoint_blocks(
+    parts: Sequence[tuple[int, LayerPrice]], block_input: float
+) -> tuple[float, float, float]:
+    """What checkpointing every block on its own (``torch.utils.checkpoint`` around each
+    block, Hugging Face's gradient checkpointing, torchtitan's full activation
+    checkpointing) does to a stage of ``parts`` (a count of each kind of block): the
+    seconds its I gains, the bytes it keeps, and its workspace.
+
+    Each block keeps only its input (``block_input`` bytes) and runs its forward again at
+    the start of its backward, once the gradient has arrived; it holds its whole
+    activations while that backward runs, one block at a time: the stage's workspace
+    (:class:`~zeropipe.core.costs.StageCost`).  W still needs what it always needs."""
+    return (
+        sum(k * p.F for k, p in parts),
+        sum(k for k, _ in parts) * block_input,
+        max((p.act for k, p in parts if k), default=0.0),
     )
 
 

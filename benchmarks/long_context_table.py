@@ -16,8 +16,9 @@ published: the rows keep the tokens a GPU holds (``seq / cp`` = 32,768) and a st
 tokens, and change only the attention span and the ring.  Each row is priced at its own
 layout, with nothing fitted to it: :func:`zeropipe.planning.cluster.spec_costs` on the
 shipped ``h100-sxm`` spec (bf16 matmuls at 60% of peak), FSDP over the ``dp x cp`` ranks
-(as torchtitan's ``dp_shard_cp`` mesh shards), every microbatch recomputed (full
-activation checkpointing), tp placed innermost and cp after it (Table 6: tp 8 fills a
+(as torchtitan's ``dp_shard_cp`` mesh shards), every block checkpointed on its own (full
+activation checkpointing: each block keeps its input and runs its forward again before its
+backward, ``checkpoint_blocks``), tp placed innermost and cp after it (Table 6: tp 8 fills a
 node, so its ring crosses the network; Table 2: inside the node); Table 6 runs 1F1B on 8
 ranks with torchtitan's default of as many microbatches as pipeline ranks (8 of one
 sequence); Table 2 one microbatch on one stage.  The kernels are the rows' own
@@ -62,7 +63,6 @@ from zeropipe.core.passes.build import build_schedule
 from zeropipe.core.schedules import generate
 from zeropipe.core.simulate import simulate
 from zeropipe.planning.cluster import Config, spec_costs
-from zeropipe.planning.plan_memory import recompute
 from zeropipe.planning.pricing.context_parallel import RingAttention
 from zeropipe.planning.pricing.transformer import FLASH_ATTENTION_2_EFFICIENCY, Kernels
 from zeropipe.planning.specs import load_hardware, load_model, price_stages
@@ -130,18 +130,19 @@ ROWS: tuple[Row, ...] = (
 
 
 def layout(row: Row) -> Config:
-    """The row's configuration: every microbatch recomputed."""
+    """The row's configuration."""
     size = row.local_batch // row.microbatches
-    return Config(
-        row.pp, row.fsdp, size, row.microbatches, row.pp, recompute=True, tp=row.tp, cp=row.cp
-    )
+    return Config(row.pp, row.fsdp, size, row.microbatches, row.pp, tp=row.tp, cp=row.cp)
 
 
 def costs(row: Row, kernels: Kernels = TORCHTITAN) -> CostModel:
     """The planner's cost model for the row's model and layout on H100s, FSDP over dp x cp,
-    with ``kernels``."""
+    every block checkpointed, with ``kernels``."""
     model, hardware = load_model(row.model), load_hardware(HARDWARE)
-    return spec_costs(model, hardware, seq=row.seq, fsdp=True, kernels=kernels)(layout(row))
+    factory = spec_costs(
+        model, hardware, seq=row.seq, fsdp=True, kernels=kernels, checkpoint_blocks=True
+    )
+    return factory(layout(row))
 
 
 def float8_check() -> dict[str, float]:
@@ -170,7 +171,7 @@ def float8_check() -> dict[str, float]:
 def predict(row: Row, kernels: Kernels = TORCHTITAN) -> tuple[float, float]:
     """Simulated seconds a step (1F1B, the gradients reduced over dp x cp) and peak memory
     (bytes, the fullest GPU), with ``kernels``."""
-    schedule = recompute(generate("1f1b", row.pp, row.microbatches))
+    schedule = generate("1f1b", row.pp, row.microbatches)
     reduced = build_schedule(schedule, reduce_grad=row.fsdp * row.cp > 1)
     timeline = simulate(reduced, costs(row, kernels))
     return timeline.makespan, max(timeline.peak_memory)
@@ -262,7 +263,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     print(
         f"{SOURCE}: tokens/s per GPU against zeropipe's prediction (spec_costs on {HARDWARE}, "
         f"the rows' kernels: FlashAttention-2, Float8 linears, keys and values all-gathered "
-        f"over cp after tp; FSDP over dp x cp, every microbatch recomputed, no per-row "
+        f"over cp after tp; FSDP over dp x cp, every block checkpointed, no per-row "
         f"factor); to "
         f"first: a row's tokens/s over its table's first row, predicted and published; error: "
         f"predicted ratio over published"

@@ -440,3 +440,14 @@ def test_blocks_checkpointed_one_by_one_keep_their_inputs_and_rebuild_one_at_a_t
         weights + 4 * block_input + head + block
     )
     assert rebuilt.meta["checkpoint_blocks"] is True and "checkpoint_blocks" not in kept.meta
+
+
+def test_checkpointed_mixture_of_experts_blocks_run_their_all_to_alls_again_in_i() -> None:
+    # The rebuilt forward dispatches and combines its tokens again: I's all-to-all share (what
+    # an overlapped pair can hide) gains the forward's.
+    model, gpu = load_model("qwen3-30b-a3b"), load_hardware("h100-sxm")
+    plain = price_stages(model, gpu, stages=2, seq=4096, ep=8)
+    ac = price_stages(model, gpu, stages=2, seq=4096, ep=8, checkpoint_blocks=True)
+    for p, c in zip(plain, ac, strict=True):
+        assert p.all_to_all_f > 0 and c.all_to_all_f == p.all_to_all_f
+        assert c.all_to_all_i == pytest.approx(p.all_to_all_i + p.all_to_all_f)

@@ -123,7 +123,7 @@ def _add_model_and_cluster(spec: Any) -> None:
         "matrices pass through memory and are kept for backward)",
     )
     spec.add_argument("--dropout", action="store_true", help="the model trains with dropout layers")
-    ac = "each block keeps its input and runs again in backward (torch.utils.checkpoint each)"
+    ac = "price every block checkpointed on its own (torch.utils.checkpoint around each)"
     spec.add_argument("--checkpoint-blocks", action="store_true", help=ac)
 
 

@@ -406,12 +406,13 @@ def _stage_price(
     F, I, W = (sum(k * p.F for k, p in parts), sum(k * p.I for k, p in parts),
                sum(k * p.W for k, p in parts))  # fmt: skip
     act, act_w = sum(k * p.act for k, p in parts), sum(k * p.act_w for k, p in parts)
+    a2a_f, a2a_i = (sum(k * p.all_to_all_f for k, p in parts),
+                    sum(k * p.all_to_all_i for k, p in parts))  # fmt: skip
     t, e, tp, sp = run.tokens, run.element_bytes, run.tp, run.sequence_parallel
-    block_input = split(t * hidden * e, 0.0, tp, sp)
-    workspace = 0.0
-    if settings.checkpoint_blocks:
+    block_input, workspace = split(t * hidden * e, 0.0, tp, sp), 0.0
+    if settings.checkpoint_blocks:  # the blocks' forwards (all-to-alls too) again in I
         recomputed, act, workspace = checkpoint_blocks(parts, block_input)
-        I += recomputed
+        I, a2a_i = I + recomputed, a2a_i + a2a_f
     params = sum(k * p.params for k, p in parts)
     experts = sum(k * p.expert_params for k, p in parts)
     if embedding is not None:
@@ -422,8 +423,7 @@ def _stage_price(
         F, I, W = F + head.F, I + head.I, W + head.W
         act, act_w = act + head.act, act_w + head.act_w
         params += head.params
-    # What a checkpointed stage keeps: its input (the first stage's: 8-byte token ids).
-    ckpt = float(block_input if embedding is None else t * 8)
+    ckpt = float(block_input if embedding is None else t * 8)  # what R keeps (or token ids)
     weights, grads = params * settings.state_bytes, params * settings.grad_bytes
     if experts:
         weights += experts * _or(settings.expert_state_bytes, settings.state_bytes)
@@ -442,8 +442,8 @@ def _stage_price(
         params=params,
         blocks=sum(k for k, _ in parts),
         expert_params=experts,
-        all_to_all_f=sum(k * p.all_to_all_f for k, p in parts),
-        all_to_all_i=sum(k * p.all_to_all_i for k, p in parts),
+        all_to_all_f=a2a_f,
+        all_to_all_i=a2a_i,
         workspace=workspace,
     )
 

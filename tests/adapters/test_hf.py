@@ -104,3 +104,33 @@ def test_two_processes_every_architecture_and_schedule() -> None:
         n = per_model_params[(arch, tied_s == "tied=True")]
         assert sum(w["checked"] for w in both) >= 2 * n, (key, both)
     assert len(results[0]) == len(hf_cases.ARCHS) * 2 * len(hf_cases.SCHEDULES)
+
+
+def test_the_models_own_gradient_checkpointing_runs_exactly_in_a_pipeline() -> None:
+    # What `zeropipe train --checkpoint-blocks` turns on for a Hugging Face model: each
+    # decoder layer keeps its input and runs again in its backward, under every kind of
+    # backward (full B, and I then W), with the model's own loss and gradients.
+    from zeropipe.apps.models.hf_presets import hf_checkpointing
+
+    model = hf_cases.build("llama", False)
+    refs = [hf_cases.reference(model, *hf_cases.batch(step, seq)) for step, seq in hf_cases.STEPS]
+    hf_checkpointing(model)
+    model.train()
+    runs = [0]
+    for layer in model.model.layers:
+        layer.mlp.register_forward_pre_hook(lambda *_: runs.__setitem__(0, runs[0] + 1))
+    for schedule, balance in (("1f1b", [2, 2]), ("zbv", [1, 1, 1, 1])):
+        stages = zeropipe.split(model, len(balance), balance=balance)
+        built = build_schedule(schedule, ranks=2, microbatches=3)
+        pipe = zeropipe.Pipeline(stages, built, loss_fn=zeropipe.causal_lm_loss)
+        for (step, seq), (ref_loss, ref_grads) in zip(hf_cases.STEPS, refs, strict=True):
+            model.zero_grad(set_to_none=True)
+            runs[0] = 0
+            loss = pipe.step(*hf_cases.batch(step, seq))
+            assert abs(loss.item() - ref_loss) <= hf_cases.TOL
+            for name, p in model.named_parameters():
+                assert p.grad is not None, name
+                assert (p.grad - ref_grads[name]).abs().max().item() <= hf_cases.TOL, name
+            assert runs[0] == 2 * 4 * 3  # 4 layers' MLPs, 3 microbatches, run twice
+    with pytest.raises(zeropipe.ZeropipeError, match="does not support gradient checkpointing"):
+        hf_checkpointing(torch.nn.Linear(2, 2))

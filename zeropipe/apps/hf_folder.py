@@ -170,14 +170,16 @@ def build_from_folder(
     device: str | torch.device = "cpu",
     seed: int = 0,
     tp_mesh: Any = None,
+    checkpoint: bool = False,
 ) -> tuple[list[nn.Module], nn.Module, list[str]]:
     """The stages of the HF folder's model cut by ``cut`` (decoder layers per stage), the
-    whole model, and the keys read: those of the stages ``mine`` only (see the module)."""
+    whole model, and the keys read: those of the stages ``mine`` only (see the module);
+    ``checkpoint``: the model's own gradient checkpointing on."""
     from zeropipe.adapters.split import split
 
     config = read_folder_config(folder)
     with torch.device("meta"):
-        model = build_hf(config, seed)
+        model = build_hf(config, seed, checkpoint=checkpoint)
     stages = split(model, num_stages, balance=list(cut))
     keys = load_stages(model, [stages[s] for s in mine], folder, device)
     if tp_mesh is not None:

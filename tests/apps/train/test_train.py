@@ -190,6 +190,25 @@ def test_memory_flags_change_the_peak_not_the_losses(tmp_path: Path) -> None:
     assert max(peaks) < max(full)
 
 
+def test_checkpointed_blocks_train_to_the_same_losses_holding_less(tmp_path: Path) -> None:
+    # Every attention and MLP layer keeps its input only and runs again in its backward,
+    # replaying its dropout masks: the same losses, fewer saved bytes.
+    runs = {}
+    for name, extra in (("plain", {}), ("blocks", {"checkpoint_blocks": True})):
+        out = tmp_path / name
+        cfg = TrainConfig(
+            **SMALL, ranks=1, schedule="gpipe", steps=2, dropout=0.1, out=str(out), **extra
+        )
+        runs[name] = (train(cfg), _peak_saved(out))
+    assert runs["plain"][0]["final_train_loss"] == runs["blocks"][0]["final_train_loss"]
+    assert runs["blocks"][1] < runs["plain"][1]
+
+
+def _peak_saved(out: Path) -> int:
+    rows = (out / "metrics.jsonl").read_text().splitlines()
+    return max(json.loads(line).get("peak_saved_bytes", 0) for line in rows)
+
+
 # -- training state is safe: corrupt files, non-finite losses, changed flags, bad devices ----
 def _cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, list[str]]:
     """Run ``zeropipe`` in this process: its exit code and its stderr lines."""

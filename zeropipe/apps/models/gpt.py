@@ -22,8 +22,17 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
-__all__ = ["LAYERS", "GPTConfig", "gpt", "gpt_layers", "lm_loss", "parallelize_gpt"]
+__all__ = [
+    "LAYERS",
+    "GPTConfig",
+    "checkpoint_layers",
+    "gpt",
+    "gpt_layers",
+    "lm_loss",
+    "parallelize_gpt",
+]
 
 #: What the layers (entries of the ``nn.Sequential``, the unit a cut counts) of
 #: :func:`gpt` are, for messages that count them: a block is two layers.
@@ -39,6 +48,7 @@ class GPTConfig:
     layers: int = 4  # blocks (attention + MLP); the Sequential has gpt_layers(layers) layers
     dropout: float = 0.1
     tied: bool = True  # the head's projection is the token embedding's weight
+    checkpoint: bool = False  # each attention and MLP layer checkpointed (checkpoint_layers)
 
 
 class Embed(nn.Module):
@@ -53,7 +63,32 @@ class Embed(nn.Module):
         return self.drop(self.token(tokens) + self.position(pos))
 
 
-class Attention(nn.Module):
+class Checkpointable(nn.Module):
+    """A layer that, with ``gradient_checkpointing`` set (:func:`checkpoint_layers`; the flag
+    Hugging Face's layers carry), keeps only its input and runs its forward again in its
+    backward (``torch.utils.checkpoint``, which replays the same dropout masks)."""
+
+    gradient_checkpointing = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.gradient_checkpointing and torch.is_grad_enabled():
+            out: Tensor = checkpoint(self.layer, x, use_reentrant=False)
+            return out
+        return self.layer(x)
+
+    def layer(self, x: Tensor) -> Tensor:
+        raise NotImplementedError
+
+
+def checkpoint_layers(model: nn.Module) -> int:
+    """Checkpoint each attention and MLP layer of ``model`` on its own; how many there are."""
+    layers = [m for m in model.modules() if isinstance(m, Checkpointable)]
+    for m in layers:
+        m.gradient_checkpointing = True
+    return len(layers)
+
+
+class Attention(Checkpointable):
     """The first half of a pre-LN block: ``x + Dropout(proj(attention(LN(x))))``."""
 
     def __init__(self, cfg: GPTConfig) -> None:
@@ -69,7 +104,7 @@ class Attention(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         self.p = cfg.dropout
 
-    def forward(self, x: Tensor) -> Tensor:
+    def layer(self, x: Tensor) -> Tensor:
         b, t, c = x.shape
         h = self.ln1(x)
         # -1 heads: under tensor parallelism a rank holds heads / tp of them, whole.
@@ -84,7 +119,7 @@ class Attention(nn.Module):
         return (self.q, self.k, self.v)
 
 
-class MLP(nn.Module):
+class MLP(Checkpointable):
     """The second half of a pre-LN block: ``x + Dropout(down(GELU(up(LN(x)))))``."""
 
     def __init__(self, cfg: GPTConfig) -> None:
@@ -94,7 +129,7 @@ class MLP(nn.Module):
         self.down = nn.Linear(4 * cfg.width, cfg.width)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def layer(self, x: Tensor) -> Tensor:
         return x + self.drop(self.down(F.gelu(self.up(self.ln2(x)))))
 
 
@@ -136,6 +171,8 @@ def gpt(cfg: GPTConfig | None = None, *, seed: int = 0) -> nn.Sequential:
                 nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.layers))
     finally:
         torch.random.set_rng_state(gen_state)
+    if cfg.checkpoint:
+        checkpoint_layers(model)
     return model
 
 

@@ -33,6 +33,7 @@ __all__ = [
     "ARCHITECTURES",
     "PRESETS",
     "build_hf",
+    "hf_checkpointing",
     "hf_class_name",
     "hf_config",
     "read_model_config",
@@ -218,8 +219,9 @@ def with_blocks(config: Any, blocks: int) -> Any:
     return small
 
 
-def build_hf(config: Any, seed: int) -> nn.Module:
-    """The model for ``config``, initialised from ``seed`` (the same on every rank)."""
+def build_hf(config: Any, seed: int, *, checkpoint: bool = False) -> nn.Module:
+    """The model for ``config``, initialised from ``seed`` (the same on every rank), with its
+    own gradient checkpointing on if ``checkpoint`` (:func:`hf_checkpointing`)."""
     import transformers
 
     state = torch.random.get_rng_state()
@@ -228,7 +230,25 @@ def build_hf(config: Any, seed: int) -> nn.Module:
         model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     finally:
         torch.random.set_rng_state(state)
+    if checkpoint:
+        hf_checkpointing(model)
     return model
+
+
+def hf_checkpointing(model: Any) -> None:
+    """Turn on ``model``'s own gradient checkpointing, non-reentrant: each decoder layer keeps
+    only its input and runs again in its backward (``activation_checkpointing_enable`` where
+    transformers has it, else ``gradient_checkpointing_enable``)."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ZeropipeError(
+            f"{type(model).__name__} does not support gradient checkpointing; leave out "
+            f"--checkpoint-blocks (or use --recompute, which recomputes whole stages)"
+        )
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers 5
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def hf_class_name(config: Any, seed: int) -> str:

@@ -253,6 +253,15 @@ class TrainConfig:
             group=_MEMORY,
         ),
     )
+    checkpoint_blocks: bool = field(
+        default=False,
+        metadata=flag(
+            "checkpoint every block on its own: it keeps only its input and runs its forward "
+            "again in its backward (torch.utils.checkpoint; a Hugging Face model's own "
+            "gradient checkpointing)",
+            group=_MEMORY,
+        ),
+    )
     out: str = field(
         default="zeropipe-out", metadata=flag("output folder (default {default})", group=_RUN)
     )
@@ -265,7 +274,7 @@ class TrainConfig:
             "unchanged), while --ranks, --dp, --tp and --schedule (the layout), --steps "
             "(above the checkpoint's step, to extend the run), --checkpoint-every, "
             "--eval-every, --timeout, --quiet, --profile, --device and the memory flags "
-            "(--group-w, --recompute, --offload, --memory-limit) may change",
+            "(--group-w, --recompute, --offload, --memory-limit, --checkpoint-blocks) may change",
             group=_RUN,
         ),
     )

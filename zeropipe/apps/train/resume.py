@@ -53,8 +53,8 @@ __all__ = [
 # another run (other data, other model, other optimisation), so --resume refuses.
 # The rest may change: --steps (extend a run), --checkpoint-every, --timeout, --quiet,
 # --out (a moved folder), --device, how a step is executed (--group-w, --recompute,
-# --offload, --memory-limit), which changes memory and time, not the losses beyond
-# float rounding, and the layout (--schedule, --ranks, --dp, --tp): a DCP checkpoint is
+# --offload, --memory-limit, --checkpoint-blocks), which changes memory and time, not the
+# losses beyond float rounding, and the layout (--schedule, --ranks, --dp, --tp): a DCP checkpoint is
 # keyed by the model's names and holds every tensor at its global shape (a tensor-parallel
 # weight as its shards), and each process reads what its stages now need, cut as it cuts them.
 _MUST_MATCH = (

@@ -14,11 +14,10 @@ The training loop of :mod:`zeropipe.apps.train.loop` asks this module for
     available_memory(), process_limit() what this machine can hold and start (check_model's)
     batch_bytes(cfg, vocab)             a floor under the memory a step's batch takes here
     build_model(cfg, vocab, stages,     the GPT of zeropipe.apps.models.gpt and its cut, or a
-                tp_mesh)                Hugging Face model (zeropipe.apps.models.hf_presets) cut into
-                                        stages by zeropipe.adapters.split; and the model;
-                                        tensor-parallel over tp_mesh (--tp) when given; with
-                                        --model-path built on meta, each rank loading only
-                                        its stages (zeropipe.apps.hf_folder)
+                tp_mesh)                Hugging Face model (zeropipe.apps.models.hf_presets) cut
+                                        by zeropipe.adapters.split; and the model; tensor-parallel
+                                        over tp_mesh (--tp); --model-path: built on meta, each
+                                        rank loading its stages (zeropipe.apps.hf_folder)
     loss_fn(cfg)                        the loss that model's outputs are scored with
     batch(corpus, cfg, step)            a step's inputs and targets, on --device
 
@@ -108,6 +107,7 @@ class ModelSettings(Protocol):
     microbatches: int  # per replica (--microbatches)
     recompute: str | None  # stages recomputed (--recompute)
     offload: str | None  # stages whose activations are offloaded (--offload)
+    checkpoint_blocks: bool  # every block recomputed in its backward (--checkpoint-blocks)
     memory_limit: float | None  # per-rank activation limit (--memory-limit)
     dp: int  # replicas of the pipeline (--dp)
     tp: int  # tensor-parallel processes per pipeline rank (--tp)
@@ -518,6 +518,7 @@ def build_model(
             heads=cfg.heads,
             layers=cfg.blocks,
             dropout=cfg.dropout,
+            checkpoint=cfg.checkpoint_blocks,
         )
         # The GPT's blocks are two layers each (attention, MLP).
         cut = _balance(cfg.blocks, num_stages, per_block=2)
@@ -542,10 +543,10 @@ def build_model(
 
         mine = _my_stages(cfg, num_stages)
         stages, model, _ = build_from_folder(
-            model_path, num_stages, cut, mine, cfg.device, cfg.seed, tp_mesh
+            model_path, num_stages, cut, mine, cfg.device, cfg.seed, tp_mesh, cfg.checkpoint_blocks
         )
         return stages, None, model
-    model = build_hf(config, cfg.seed).to(cfg.device)
+    model = build_hf(config, cfg.seed, checkpoint=cfg.checkpoint_blocks).to(cfg.device)
     if tp_mesh is not None:
         # The whole model, before it is cut: the stages hold its own (now parallel) layers.
         _parallelize(parallelize, model, tp_mesh, cfg)

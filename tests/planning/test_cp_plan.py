@@ -292,7 +292,8 @@ def test_zeropipe_plan_searches_cp(capsys: pytest.CaptureFixture[str]) -> None:
     ])  # fmt: skip
     out = capsys.readouterr().out
     assert code == 0
-    assert "context parallel cp in {1,2,4}: ring attention" in out
+    assert "context parallel cp in {1,2,4}: ring attention as Megatron-LM runs it" in out
+    assert "zeropipe's own cp gathers keys and values whole" in out
     header = next(line for line in out.splitlines() if line.startswith("#"))
     assert header.split()[:5] == ["#", "pp", "dp", "tp", "cp"]
 

@@ -57,8 +57,7 @@ from zeropipe.planning.specs import (
 
 __all__ = ["add_arguments", "run_cli"]
 
-#: looped-bfs holds every microbatch's activations of a chunk at once: never a contender
-_SKIPPED_BY_DEFAULT = ("looped-bfs",)
+_SKIPPED_BY_DEFAULT = ("looped-bfs",)  # all of a chunk's activations at once: never a contender
 
 
 def _default_schedules() -> list[str]:
@@ -399,8 +398,9 @@ def _context_text(args: argparse.Namespace) -> str:
     """What the header says of context parallelism (nothing without --cp)."""
     if not args.cp:
         return ""
+    cps, own = ",".join(map(str, args.cp)), "zeropipe's own cp gathers keys and values whole"
     return (
-        f"; context parallel cp in {{{','.join(map(str, args.cp))}}}: ring attention, "
+        f"; context parallel cp in {{{cps}}}: ring attention as Megatron-LM runs it ({own}), "
         f"causal load balancing, gradients reduced over dp x cp"
     )
 

@@ -26,6 +26,7 @@ from zeropipe.planning.pricing.context_parallel import (
     OUTPUT_MERGE_BYTES,
     RingAttention,
     gather_exposed,
+    gathered_bytes,
     ring_crosses_nodes,
     ring_exposed,
     ring_step_time,
@@ -150,7 +151,7 @@ def test_keys_and_values_as_wide_as_the_queries_move_heads_over_kv_heads_the_byt
     assert expanded["ring_f"] == pytest.approx(4 * own["ring_f"])  # 32 heads over 8
     gathered = ring_steps(2, 1, key_values=wide, ring=RingAttention("allgather"), **shard)
     assert gathered["ring_i"] == pytest.approx(expanded["ring_f"] * GRADIENT_BYTES / 2)
-    assert gathered["rotation"] == "allgather" and "rotation" not in own
+    assert gathered["rotation"] == "allgather" and own["rotation"] == "ring"
 
 
 def test_torchs_merges_after_each_sub_attention_are_priced_by_their_bytes() -> None:
@@ -179,6 +180,31 @@ def test_torchs_merges_after_each_sub_attention_are_priced_by_their_bytes() -> N
     assert pytest.approx(3 * one["merge_i"] / rate + last, rel=1e-9) == gather.I - ring.I
 
 
+def test_zeropipes_own_cp_prices_the_whole_rectangle_its_exposed_transfers_and_its_mask() -> None:
+    # Rotation "gather", as zeropipe.adapters.context_parallel runs it: the keys and values
+    # gathered whole (their own width) and waited on, one attention under a dense mask (no
+    # causal block skipped), the gradients summed back after it; the other ranks' keys and
+    # values and the mask (a byte per local x whole pair) kept for backward.
+    ring, own = _block(4), _block(4, kernels=Kernels(ring=RingAttention("gather")))
+    local = SEQ // 4
+    rate = H100.peak("bf16") * 0.6
+    attention = 2.0 * local * SEQ * LLAMA_8B.dim / rate  # the causal half's seconds forward
+    shard = ring_step_time(2.0 * local * LLAMA_8B.kv_dim * 2, 450e9, 10e-6)  # bf16 keys, values
+    ring_f = ring_exposed(4, shard, attention)  # what the ring leaves exposed
+    assert pytest.approx(attention + 3 * shard - ring_f, rel=1e-9) == own.F - ring.F
+    ring_i = ring_exposed(4, ring_step_time(2 * shard_bytes(local), 450e9, 10e-6), 2.5 * attention)
+    assert pytest.approx(2.5 * attention + 3 * shard - ring_i, rel=1e-9) == own.I - ring.I
+    assert own.W == ring.W
+    kept = 3 * local * 2.0 * LLAMA_8B.kv_dim * 2 + local * SEQ
+    assert pytest.approx(kept, rel=1e-12) == own.act - ring.act
+    assert gathered_bytes(1, tokens=local, seq=SEQ, key_values=1.0) == 0.0
+
+
+def shard_bytes(tokens: int) -> float:
+    """Bytes of one GPU's keys and values of ``tokens`` tokens (Llama 3 8B, bf16)."""
+    return 2.0 * tokens * LLAMA_8B.kv_dim * 2
+
+
 def test_attention_runs_at_its_own_efficiency_and_float8_speeds_the_blocks_linears() -> None:
     plain = _block(1)
     flash = _block(1, kernels=Kernels(attention_efficiency=0.3))
@@ -203,7 +229,9 @@ def test_kernels_record_themselves_and_what_they_cannot_price_is_refused() -> No
         "cp_rotation": "allgather",
         "cp_expanded_kv": False,
     }
-    with pytest.raises(ScheduleError, match="cp rotation 'p2p': give one of ring, allgather"):
+    with pytest.raises(
+        ScheduleError, match="cp rotation 'p2p': give one of ring, allgather, gather"
+    ):
         RingAttention("p2p")
     with pytest.raises(ScheduleError, match=r"attention_efficiency = 1\.5 must be in"):
         Kernels(1.5)
@@ -293,9 +321,29 @@ def test_zeropipe_plan_searches_cp(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert code == 0
     assert "context parallel cp in {1,2,4}: ring attention as Megatron-LM runs it" in out
-    assert "zeropipe's own cp gathers keys and values whole" in out
+    assert "(zeropipe's own cp: --cp-attention gather)" in out
     header = next(line for line in out.splitlines() if line.startswith("#"))
     assert header.split()[:5] == ["#", "pp", "dp", "tp", "cp"]
+
+
+def test_zeropipe_plan_prices_zeropipes_own_cp_when_asked(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    base = [
+        "plan", "--model", "llama-3-8b", "--gpus", "8", "--gpu", "h100-sxm", "--seq", "16384",
+        "--global-batch", "4", "--tp", "1", "--pp", "1", "--fsdp",
+        "--schedules", "1f1b", "--microbatch-sizes", "1", "--top", "1", "--quiet",
+    ]  # fmt: skip
+    steps = {}
+    for how in ("ring", "gather"):
+        assert cli.main([*base, "--cp", "4", "--cp-attention", how]) == 0
+        out = capsys.readouterr().out
+        row = next(line for line in out.splitlines() if line.startswith("1 "))
+        steps[how] = float(row.split()[10])
+    assert "keys and values gathered whole as zeropipe's own cp does, under a dense mask" in out
+    assert steps["gather"] > steps["ring"]  # the whole rectangle, nothing hidden
+    assert cli.main([*base, "--cp-attention", "gather"]) != 0  # no --cp to apply it to
+    assert "--cp-attention gather needs --cp" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

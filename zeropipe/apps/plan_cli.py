@@ -27,7 +27,7 @@ from typing import Any
 
 from zeropipe.apps import plan_size
 from zeropipe.apps.cli_args import int_at_least, positive_float, share
-from zeropipe.apps.plan_output import footer, format_table, to_json
+from zeropipe.apps.plan_output import cluster_header, footer, format_table, to_json
 from zeropipe.core import render
 from zeropipe.core.costs import CostModel
 from zeropipe.core.errors import ScheduleError, ZeropipeError
@@ -41,13 +41,13 @@ from zeropipe.planning.cluster import (
     search,
 )
 from zeropipe.planning.cluster import spec_costs as spec_cost_factory
-from zeropipe.planning.pricing.context_parallel import check_cp
+from zeropipe.planning.pricing.context_parallel import ROTATIONS, RingAttention, check_cp
 from zeropipe.planning.pricing.moe import check_ep, check_sequence_parallel
 from zeropipe.planning.pricing.tensor_parallel import check_tp
+from zeropipe.planning.pricing.transformer import Kernels
 from zeropipe.planning.specs import (
     ATTENTION_KINDS,
     DEFAULT_EFFICIENCY,
-    DEFAULT_STATE_BYTES,
     HardwareSpec,
     ModelSpec,
     hardware_names,
@@ -165,6 +165,15 @@ def _add_cluster_search_space(spec: Any) -> None:
                 flag, "; pp x dp x tp (x cp) = --gpus"
             ),
         )
+    spec.add_argument(
+        "--cp-attention",
+        choices=ROTATIONS,
+        default="ring",
+        help="how cp's attention moves keys and values: ring (default: Megatron-LM's ring, "
+        "each step hidden under the attention in hand), allgather (torch's context_parallel, "
+        "hidden under the first sub-attention only) or gather (zeropipe's own: gathered whole "
+        "under a dense mask, nothing overlapped, the mask kept: local x whole bytes a layer)",
+    )
     spec.add_argument(
         "--sequence-parallel",
         action=argparse.BooleanOptionalAction,
@@ -346,78 +355,8 @@ def _check_cluster_flags(args: argparse.Namespace, model: Any, hw: Any) -> None:
             f"--pp {max(args.pp)}: deeper than the model's {model.layers} blocks; give at "
             f"most {model.layers}"
         )
-
-
-def _cluster_header(
-    args: argparse.Namespace,
-    model: Any,
-    hw: Any,
-    memory: float,
-    tp_options: list[int],
-    ep_options: list[int],
-) -> list[str]:
-    """The lines above the table: model, cluster, step and what the prices assume."""
-    peak = hw.peak(args.dtype)
-    tokens = args.global_batch * args.seq
-    tp_text = "1" if tp_options == [1] else ",".join(map(str, tp_options))
-    tensor = (
-        f"tensor parallel tp in {{{tp_text}}}"
-        + ("" if args.tp_across_nodes else " inside a node")
-        + (", sequence parallel" if args.sequence_parallel else ", no sequence parallelism")
-    )
-    experts = ""
-    if model.is_moe:
-        experts = (
-            f"; a mixture of experts: {model.active_params() / 1e9:.1f}B active, "
-            f"{model.experts_per_token} of {model.experts} experts"
-            + (f" + {model.shared_experts} shared" if model.shared_experts else "")
-            + f", {model.layers - len(set(model.dense_blocks))} MoE blocks"
-            + (", latent attention" if model.mla is not None else "")
-            + f"; expert parallel ep in {{{','.join(map(str, ep_options))}}} inside dp"
-        )
-    return [
-        f"model: {model.name}, {model.params() / 1e9:.1f}B parameters, {model.layers} blocks, "
-        f"hidden {model.hidden}{experts}",
-        f"cluster: {args.gpus} x {hw.name} ({peak / 1e12:.0f} TFLOP/s {args.dtype}, "
-        f"{hw.memory / GiB:.1f} GiB, {hw.gpus_per_node} per node; "
-        f"{hw.intra_bandwidth / 1e9:.0f} GB/s in a node, {hw.inter_bandwidth / 1e9:.0f} GB/s "
-        f"across nodes)",
-        f"step: {args.global_batch} sequences of {args.seq} tokens ({tokens:,} tokens); "
-        f"memory limit {memory / GiB:.1f} GiB per GPU",
-        f"assumed: matmuls at {args.efficiency or DEFAULT_EFFICIENCY:.0%} of peak, "
-        f"{args.attention} attention{', dropout' if args.dropout else ''}"
-        f"{', every block checkpointed' if args.checkpoint_blocks else ''}, "
-        + _state_text(args)
-        + f", offload at {hw.host_bandwidth / 1e9:.0f} GB/s to host; {tensor}"
-        + _context_text(args)
-        + f"; ranks laid out tp innermost, then{' cp, then' if args.cp else ''} dp",
-    ]
-
-
-def _context_text(args: argparse.Namespace) -> str:
-    """What the header says of context parallelism (nothing without --cp)."""
-    if not args.cp:
-        return ""
-    cps, own = ",".join(map(str, args.cp)), "zeropipe's own cp gathers keys and values whole"
-    return (
-        f"; context parallel cp in {{{cps}}}: ring attention as Megatron-LM runs it ({own}), "
-        f"causal load balancing, gradients reduced over dp x cp"
-    )
-
-
-def _state_text(args: argparse.Namespace) -> str:
-    """What the header says a parameter's weight, gradient and Adam state cost."""
-    if args.fsdp:
-        return "18/dp bytes of weight/gradient/Adam state per parameter (FSDP over dp)"
-    if args.shard_optimizer:
-        return (
-            "6 + 12/dp bytes of weight/gradient/Adam state per parameter (optimizer sharded "
-            "over dp)"
-        )
-    return (
-        f"{DEFAULT_STATE_BYTES:g} bytes of weight/gradient/Adam state per parameter "
-        f"(no optimizer sharding)"
-    )
+    if args.cp_attention != "ring" and not args.cp:
+        raise ZeropipeError(f"--cp-attention {args.cp_attention} needs --cp (e.g. --cp 1,2,4)")
 
 
 def _run_cluster(args: argparse.Namespace) -> tuple[list[str], Ranking, str]:
@@ -428,7 +367,7 @@ def _run_cluster(args: argparse.Namespace) -> tuple[list[str], Ranking, str]:
     memory = args.memory * GiB if args.memory else hw.memory
     tp_options = _tp_options(args, model, hw)
     ep_options = _ep_options(args, model)
-    header = _cluster_header(args, model, hw, memory, tp_options, ep_options)
+    header = cluster_header(args, model, hw, memory, tp_options, ep_options)
     schedules = _schedules(args)
     cp_options = _cp_options(args, model)
     plan_size.refuse_largest(args, model, tp_options, schedules, cp_options)
@@ -449,6 +388,7 @@ def _run_cluster(args: argparse.Namespace) -> tuple[list[str], Ranking, str]:
             sequence_parallel=args.sequence_parallel,
             tp_across_nodes=args.tp_across_nodes,
             fsdp=args.fsdp,
+            kernels=Kernels(ring=RingAttention(args.cp_attention)) if args.cp else None,
         ),
         memory=memory,
         schedules=schedules,

@@ -1,16 +1,19 @@
-"""What ``zeropipe plan`` shows and writes: the ranking as an aligned table, its footer,
-and its JSON form (and the candidates read back from it)."""
+"""What ``zeropipe plan`` shows and writes: the lines above the table (what a cluster plan
+assumes), the ranking as an aligned table, its footer, and its JSON form (and the
+candidates read back from it)."""
 
 from __future__ import annotations
 
+import argparse
 import math
 from collections.abc import Sequence
 from typing import Any
 
 from zeropipe.core.errors import ZeropipeError
 from zeropipe.planning.cluster import Candidate, GiB, Ranking
+from zeropipe.planning.specs import DEFAULT_EFFICIENCY, DEFAULT_STATE_BYTES
 
-__all__ = ["candidates_from_json", "footer", "format_table", "to_json"]
+__all__ = ["candidates_from_json", "cluster_header", "footer", "format_table", "to_json"]
 
 
 def _num(value: float, fmt: str) -> str:
@@ -91,3 +94,80 @@ def candidates_from_json(data: dict[str, Any]) -> list[Candidate]:
         Candidate.from_dict({k: math.nan if v is None else v for k, v in row.items()})
         for row in data.get("candidates", [])
     ]
+
+
+def cluster_header(
+    args: argparse.Namespace,
+    model: Any,
+    hw: Any,
+    memory: float,
+    tp_options: list[int],
+    ep_options: list[int],
+) -> list[str]:
+    """The lines above the table: model, cluster, step and what the prices assume."""
+    peak = hw.peak(args.dtype)
+    tokens = args.global_batch * args.seq
+    tp_text = "1" if tp_options == [1] else ",".join(map(str, tp_options))
+    tensor = (
+        f"tensor parallel tp in {{{tp_text}}}"
+        + ("" if args.tp_across_nodes else " inside a node")
+        + (", sequence parallel" if args.sequence_parallel else ", no sequence parallelism")
+    )
+    experts = ""
+    if model.is_moe:
+        experts = (
+            f"; a mixture of experts: {model.active_params() / 1e9:.1f}B active, "
+            f"{model.experts_per_token} of {model.experts} experts"
+            + (f" + {model.shared_experts} shared" if model.shared_experts else "")
+            + f", {model.layers - len(set(model.dense_blocks))} MoE blocks"
+            + (", latent attention" if model.mla is not None else "")
+            + f"; expert parallel ep in {{{','.join(map(str, ep_options))}}} inside dp"
+        )
+    return [
+        f"model: {model.name}, {model.params() / 1e9:.1f}B parameters, {model.layers} blocks, "
+        f"hidden {model.hidden}{experts}",
+        f"cluster: {args.gpus} x {hw.name} ({peak / 1e12:.0f} TFLOP/s {args.dtype}, "
+        f"{hw.memory / GiB:.1f} GiB, {hw.gpus_per_node} per node; "
+        f"{hw.intra_bandwidth / 1e9:.0f} GB/s in a node, {hw.inter_bandwidth / 1e9:.0f} GB/s "
+        f"across nodes)",
+        f"step: {args.global_batch} sequences of {args.seq} tokens ({tokens:,} tokens); "
+        f"memory limit {memory / GiB:.1f} GiB per GPU",
+        f"assumed: matmuls at {args.efficiency or DEFAULT_EFFICIENCY:.0%} of peak, "
+        f"{args.attention} attention{', dropout' if args.dropout else ''}"
+        f"{', every block checkpointed' if args.checkpoint_blocks else ''}, "
+        + _state_text(args)
+        + f", offload at {hw.host_bandwidth / 1e9:.0f} GB/s to host; {tensor}"
+        + _context_text(args)
+        + f"; ranks laid out tp innermost, then{' cp, then' if args.cp else ''} dp",
+    ]
+
+
+def _context_text(args: argparse.Namespace) -> str:
+    """What the header says of context parallelism (nothing without --cp)."""
+    if not args.cp:
+        return ""
+    how = {
+        "ring": "ring attention as Megatron-LM runs it (zeropipe's own cp: --cp-attention gather)",
+        "allgather": "keys and values all-gathered as torch's context_parallel does",
+        "gather": "keys and values gathered whole as zeropipe's own cp does, under a dense "
+        "mask, nothing overlapped",
+    }[args.cp_attention]
+    return (
+        f"; context parallel cp in {{{','.join(map(str, args.cp))}}}: {how}, causal load "
+        f"balancing, gradients reduced over dp x cp"
+    )
+
+
+def _state_text(args: argparse.Namespace) -> str:
+    """What the header says a parameter's weight, gradient and Adam state cost."""
+    if args.fsdp:
+        return "18/dp bytes of weight/gradient/Adam state per parameter (FSDP over dp)"
+    if args.shard_optimizer:
+        return (
+            "6 + 12/dp bytes of weight/gradient/Adam state per parameter (optimizer sharded "
+            "over dp)"
+        )
+    return (
+        f"{DEFAULT_STATE_BYTES:g} bytes of weight/gradient/Adam state per parameter "
+        f"(no optimizer sharding)"
+    )

@@ -37,6 +37,13 @@ microbatch, one GPU's:
   and copies the keys and values on; backward, it accumulates the gradients in float32
   and copies them into one buffer for the ring: memory-bound work priced by its bytes
   (:data:`OUTPUT_MERGE_BYTES`, :data:`KEY_VALUE_COPY_BYTES`).
+* **zeropipe's own** (rotation ``"gather"``, :mod:`zeropipe.adapters.context_parallel`): the
+  keys and values all-gathered whole at their own width and waited on before attention,
+  one attention over them under a dense mask (no causal block skipped: the whole local x
+  whole rectangle, ``4 (T / cp) s d`` FLOPs forward), their gradients summed back to their
+  owners after it (a reduce-scatter in the compute dtype): nothing overlapped.  Kept for
+  backward beside the block's own: the other ranks' keys and values, and the mask, one
+  byte per local x whole pair of a sequence (:func:`gathered_bytes`).
 * **The link**: ranks are laid out tensor-parallel innermost, then context-parallel, then
   data-parallel, then pipeline (a ``("pp", "dp", "cp", "tp")`` mesh): a cp group is ``cp``
   ranks ``tp`` apart, inside a node while ``tp x cp`` GPUs fit one evenly, else its ring
@@ -74,13 +81,14 @@ __all__ = [
     "check_cp",
     "forward_exposed",
     "gather_exposed",
+    "gathered_bytes",
     "ring_crosses_nodes",
     "ring_exposed",
     "ring_step_time",
     "ring_steps",
 ]
 
-ROTATIONS = ("ring", "allgather")  # how the keys and values reach every cp rank (docstring)
+ROTATIONS = ("ring", "allgather", "gather")  # how keys and values reach each cp rank (docstring)
 # Bytes of a key/value gradient element the all-gather rotation's backward ring passes:
 # torch's ring attention accumulates them in float32 (``_cp_options.convert_to_f32``).
 GRADIENT_BYTES = 4
@@ -168,9 +176,21 @@ def gather_exposed(cp: int, transfer: float, attention: float) -> float:
 def forward_exposed(cp: int, rotation: str, ring_f: float, attention: float) -> float:
     """Seconds the keys' and values' travel adds to a block's forward (``attention``: its
     seconds of attention on this GPU), by ``rotation`` (:data:`ROTATIONS`)."""
+    if rotation == "gather":
+        return max(0, cp - 1) * ring_f
     if rotation == "allgather":
         return gather_exposed(cp, ring_f, attention)
     return ring_exposed(cp, ring_f, attention)
+
+
+def gathered_bytes(cp: int, *, tokens: int, seq: int, key_values: float) -> float:
+    """What zeropipe's own cp (rotation ``"gather"``) keeps for a block's backward beyond
+    the block's own activations, for a GPU of ``tokens`` tokens of sequences of ``seq``:
+    the other ranks' keys and values (``key_values`` bytes a token) and the dense mask, one
+    byte per (local, whole) pair of a sequence, which every row of a microbatch shares."""
+    if cp <= 1:
+        return 0.0
+    return (cp - 1) * tokens * key_values + (seq // cp) * seq
 
 
 def backward_exposed(
@@ -179,6 +199,8 @@ def backward_exposed(
     """Seconds the travel adds to a block's backward (``attention``: its seconds of
     attention backward): the ring's steps; or the all-gather again, the gradients' ring
     steps, and the last gradient step, waited on after the last sub-attention."""
+    if rotation == "gather":
+        return max(0, cp - 1) * ring_i
     if rotation != "allgather":
         return ring_exposed(cp, ring_i, attention)
     if cp <= 1:
@@ -217,9 +239,12 @@ def ring_steps(
     width, heads = key_values
     elements = 2.0 * tokens * (width // kv_split(heads, tp))
     keys_values = elements * element_bytes
-    backward = 2 * keys_values if ring.rotation == "ring" else elements * GRADIENT_BYTES
+    backward = {"ring": 2 * keys_values, "gather": keys_values}.get(
+        ring.rotation, elements * GRADIENT_BYTES
+    )
     out: dict[str, Any] = {
         "cp": cp,
+        "rotation": ring.rotation,
         "ring_f": ring_step_time(keys_values, bandwidth, latency),
         "ring_i": ring_step_time(backward, bandwidth, latency),
     }
@@ -227,5 +252,5 @@ def ring_steps(
         output = tokens * (queries[0] // kv_split(queries[1], tp))
         merged = zip(OUTPUT_MERGE_BYTES, KEY_VALUE_COPY_BYTES, strict=True)
         merge_f, merge_i = (o * output + k * elements for o, k in merged)
-        out |= {"rotation": ring.rotation, "merge_f": merge_f, "merge_i": merge_i}
+        out |= {"merge_f": merge_f, "merge_i": merge_i}
     return out

@@ -65,6 +65,7 @@ from zeropipe.planning.pricing.context_parallel import (
     RingAttention,
     backward_exposed,
     forward_exposed,
+    gathered_bytes,
 )
 from zeropipe.planning.pricing.tensor_parallel import kv_split, split
 
@@ -440,8 +441,11 @@ def price_block(
     # Saved for backward: norm inputs and outputs (4 h) outside; q k v (d + 2 kv),
     # attention output (h-wide), FFN gate/up/product (3 f) or pre/post activation (2 f).
     act_out, act_in = t * e * 4.0 * h, t * e * (h + d + 2.0 * kv_t + ffn_act)
+    gathered = run.rotation == "gather" and run.cp > 1  # zeropipe's own cp: a dense mask
     if attention == "flash":
-        attention_f, attention_i = 2.0 * t * seq * d, 5.0 * t * seq * d
+        # (causal: half of the full square; under zeropipe's cp's dense mask, all of it)
+        attention_f, attention_i = (4.0, 10.0) if gathered else (2.0, 5.0)
+        attention_f, attention_i = attention_f * t * seq * d, attention_i * t * seq * d
     else:  # the full square; the score matrices' passes through memory (docstring)
         attention_f, attention_i = 4.0 * t * seq * d, 8.0 * t * seq * d
         scores = t * seq * model.heads  # elements of one microbatch's score matrices
@@ -456,6 +460,8 @@ def price_block(
     elementwise_f = split(ew_out, ew_in, tp, sp)
     elementwise_i = split(ew_out_i, ew_in_i, tp, sp)
     block_act = split(act_out, act_in, tp, sp)
+    if gathered:  # the other ranks' keys and values (at their width, over tp) and the mask
+        block_act += gathered_bytes(run.cp, tokens=t, seq=seq, key_values=2.0 * kv_t * e / tp)
     mem, allreduce = run.byte_rate, run.allreduce
     block_f = run.matmul_seconds(2.0 * t * n, attention_f) + elementwise_f / mem + 2 * allreduce
     block_i = run.matmul_seconds(2.0 * t * n, attention_i) + elementwise_i / mem + 2 * allreduce

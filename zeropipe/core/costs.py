@@ -176,6 +176,14 @@ class StageCost:
 _OPTIONAL = frozenset({"B", "R", "W_fused", "grad_bytes"})  # None stands for a sum of other figures
 
 
+def _ring_all_reduce(ranks: int, nbytes: float, latency: float, bandwidth: float) -> float:
+    """A ring all-reduce of ``nbytes`` over ``ranks``: ``latency + 2 (ranks - 1) / ranks x
+    nbytes / bandwidth``; nothing for one rank."""
+    if ranks == 1:
+        return 0.0
+    return latency + 2 * (ranks - 1) / ranks * nbytes / bandwidth
+
+
 def _is_number(value: object) -> bool:
     # bool is an int to Python but never a cost; numbers.Real would admit Decimal etc.
     return isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -427,19 +435,15 @@ class CostModel:
         every copied model stage's gradients (``reduced_bytes``) over all the pipeline's
         ranks on its link, ``latency + 2 (ranks - 1) / ranks * bytes / bandwidth``.
         """
-        copied = {of for _, of in schedule.copies}
-        ranks = schedule.num_ranks
-        moved = sum(self.stages[s].reduced_bytes for s in copied)
-        if ranks == 1 or moved == 0:
+        moved = sum(self.stages[s].reduced_bytes for s in {of for _, of in schedule.copies})
+        if moved == 0:
             return 0.0
-        return self.latency + 2 * (ranks - 1) / ranks * moved / self.bandwidth
+        return _ring_all_reduce(schedule.num_ranks, moved, self.latency, self.bandwidth)
 
     def reduce_time(self, stage: int) -> float:
         """Ring all-reduce of ``stage``'s weight gradients over ``dp`` replicas (0 for one)."""
-        if self.dp == 1:
-            return 0.0
-        moved = 2 * (self.dp - 1) / self.dp * self.stages[stage].reduced_bytes
-        return self.dp_latency + moved / self.dp_bandwidth
+        moved = self.stages[stage].reduced_bytes
+        return _ring_all_reduce(self.dp, moved, self.dp_latency, self.dp_bandwidth)
 
     def overlapped_time(self, first: Action, second: Action) -> float:
         """What an overlapped pair takes on the compute lane: both, less the hidden share."""

@@ -80,12 +80,11 @@ class Checkpointable(nn.Module):
         raise NotImplementedError
 
 
-def checkpoint_layers(model: nn.Module) -> int:
-    """Checkpoint each attention and MLP layer of ``model`` on its own; how many there are."""
-    layers = [m for m in model.modules() if isinstance(m, Checkpointable)]
-    for m in layers:
-        m.gradient_checkpointing = True
-    return len(layers)
+def checkpoint_layers(model: nn.Module) -> None:
+    """Checkpoint each attention and MLP layer of ``model`` on its own."""
+    for m in model.modules():
+        if isinstance(m, Checkpointable):
+            m.gradient_checkpointing = True
 
 
 class Attention(Checkpointable):

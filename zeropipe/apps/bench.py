@@ -64,7 +64,9 @@ __all__ = [
     "format_table",
     "run_bench",
     "run_cli",
+    "torch_step",
     "workload",
+    "zeropipe_step",
 ]
 
 # zeropipe generator -> torch.distributed.pipelining schedule class name
@@ -247,8 +249,8 @@ def _rank_main(rank: int, world: int, cfg: BenchConfig) -> list[dict[str, Any]]:
         sequential, whole_batch = _sequential_time(rank, cfg, work)
         cuts = _cuts(rank, world, cfg, work, group_w)
         for name in cfg.schedules:
-            ours = _zeropipe_step(name, world, cfg, work, cuts[name])
-            theirs = _torch_step(name, rank, world, cfg, work, cuts[name])
+            ours = zeropipe_step(name, world, cfg, work, cuts[name])
+            theirs = torch_step(name, rank, world, cfg, work, cuts[name])
             for _ in range(cfg.warmup):
                 ours()
                 theirs()
@@ -352,9 +354,11 @@ def _cuts(
     return cuts
 
 
-def _zeropipe_step(
+def zeropipe_step(
     name: str, world: int, cfg: BenchConfig, work: Workload, cut: list[int]
 ) -> Callable[[], None]:
+    """One step of schedule ``name`` by zeropipe's ``Pipeline`` on this process's ranks of
+    ``world``, the model cut as ``cut``; the gradients cleared after it."""
     # Every setting the comparison does not fix is Pipeline's default.
     group_w = default_group_w() if cfg.group_w is None else cfg.group_w
     pipe = Pipeline(
@@ -374,9 +378,10 @@ def _zeropipe_step(
     return step
 
 
-def _torch_step(
+def torch_step(
     name: str, rank: int, world: int, cfg: BenchConfig, work: Workload, cut: list[int]
 ) -> Callable[[], None]:
+    """The same step by torch.distributed.pipelining's schedule for ``name`` on ``rank``."""
     from torch.distributed import pipelining
 
     schedule = generate(name, world, cfg.microbatches)  # same placement as zeropipe's

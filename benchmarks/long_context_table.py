@@ -52,7 +52,7 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import pairwise
 from typing import Any
 
@@ -65,7 +65,7 @@ from zeropipe.core.simulate import simulate
 from zeropipe.planning.cluster import Config, spec_costs
 from zeropipe.planning.pricing.context_parallel import RingAttention
 from zeropipe.planning.pricing.transformer import FLASH_ATTENTION_2_EFFICIENCY, Kernels
-from zeropipe.planning.specs import load_hardware, load_model, price_stages
+from zeropipe.planning.specs import HardwareSpec, load_hardware, load_model, price_stages
 
 SOURCE = (
     "pytorch/torchtitan, benchmarks/llama3_h100_202412_torchtitan.md (2024-12), Tables 2 "
@@ -135,10 +135,21 @@ def layout(row: Row) -> Config:
     return Config(row.pp, row.fsdp, size, row.microbatches, row.pp, tp=row.tp, cp=row.cp)
 
 
-def costs(row: Row, kernels: Kernels = TORCHTITAN) -> CostModel:
-    """The planner's cost model for the row's model and layout on H100s, FSDP over dp x cp,
-    every block checkpointed, with ``kernels``."""
-    model, hardware = load_model(row.model), load_hardware(HARDWARE)
+def rows_hardware() -> HardwareSpec:
+    """The H100s the rows ran on, as far as published: 96 GB of HBM2e at 2.4 TB/s, and at a
+    500 W limit a peak between the NVL's and the SXM's, taken here at the NVL's (835 of
+    989 TFLOP/s bf16, every dtype scaled alike)."""
+    sxm = load_hardware(HARDWARE)
+    flops = {k: v * 835 / 989 for k, v in sxm.flops.items()}
+    return replace(sxm, name="h100-hbm2e-500w", memory=96e9, memory_bandwidth=2.4e12, flops=flops)
+
+
+def costs(
+    row: Row, kernels: Kernels = TORCHTITAN, hardware: HardwareSpec | None = None
+) -> CostModel:
+    """The planner's cost model for the row's model and layout on ``hardware`` (default the
+    shipped H100 SXM), FSDP over dp x cp, every block checkpointed, with ``kernels``."""
+    model, hardware = load_model(row.model), hardware or load_hardware(HARDWARE)
     factory = spec_costs(
         model, hardware, seq=row.seq, fsdp=True, kernels=kernels, checkpoint_blocks=True
     )
@@ -168,21 +179,26 @@ def float8_check() -> dict[str, float]:
     }
 
 
-def predict(row: Row, kernels: Kernels = TORCHTITAN) -> tuple[float, float]:
+def predict(
+    row: Row, kernels: Kernels = TORCHTITAN, hardware: HardwareSpec | None = None
+) -> tuple[float, float]:
     """Simulated seconds a step (1F1B, the gradients reduced over dp x cp) and peak memory
-    (bytes, the fullest GPU), with ``kernels``."""
+    (bytes, the fullest GPU), with ``kernels`` on ``hardware``."""
     schedule = generate("1f1b", row.pp, row.microbatches)
     reduced = build_schedule(schedule, reduce_grad=row.fsdp * row.cp > 1)
-    timeline = simulate(reduced, costs(row, kernels))
+    timeline = simulate(reduced, costs(row, kernels, hardware))
     return timeline.makespan, max(timeline.peak_memory)
 
 
-def run(rows: Sequence[Row], kernels: Kernels = TORCHTITAN) -> list[dict[str, Any]]:
-    """Each row predicted with ``kernels``, with its ratio to the first row of its table."""
+def run(
+    rows: Sequence[Row], kernels: Kernels = TORCHTITAN, hardware: HardwareSpec | None = None
+) -> list[dict[str, Any]]:
+    """Each row predicted with ``kernels`` on ``hardware``, with its ratio to the first row
+    of its table."""
     out: list[dict[str, Any]] = []
     first: dict[int, dict[str, Any]] = {}
     for row in rows:
-        step, peak = predict(row, kernels)
+        step, peak = predict(row, kernels, hardware)
         entry: dict[str, Any] = {
             "row": row.name,
             "table": row.table,
@@ -253,15 +269,32 @@ def summary(rows: Sequence[dict[str, Any]]) -> str:
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    p.add_argument(
+        "--attention-efficiency",
+        type=float,
+        metavar="E",
+        help="what if: attention at E of the peak instead of FlashAttention-2's measured "
+        f"{FLASH_ATTENTION_2_EFFICIENCY}",
+    )
+    p.add_argument(
+        "--rows-hardware",
+        action="store_true",
+        help="what if: priced on the rows' own H100s (rows_hardware) instead of the SXM spec",
+    )
     return p.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     args = _parse(argv)
     t0 = time.perf_counter()
-    out = run(ROWS)
+    kernels = TORCHTITAN
+    if args.attention_efficiency is not None:
+        kernels = replace(kernels, attention_efficiency=args.attention_efficiency)
+    hardware = rows_hardware() if args.rows_hardware else load_hardware(HARDWARE)
+    out = run(ROWS, kernels, hardware)
     print(
-        f"{SOURCE}: tokens/s per GPU against zeropipe's prediction (spec_costs on {HARDWARE}, "
+        f"{SOURCE}: tokens/s per GPU against zeropipe's prediction (spec_costs on "
+        f"{hardware.name}, attention at {kernels.attention_efficiency} of the peak, "
         f"the rows' kernels: FlashAttention-2, Float8 linears, keys and values all-gathered "
         f"over cp after tp; FSDP over dp x cp, every block checkpointed, no per-row "
         f"factor); to "
@@ -276,7 +309,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         f"Table 1, Float8 over bf16 at 8,192 tokens (where FLOAT8_LINEAR_SPEEDUP comes from): "
         f"predicted {check['predicted']:.3f}, published {check['published']:.3f}",
     ]
-    finish(out, lines, source=SOURCE, hardware=HARDWARE, json_path=args.json, started=t0)
+    finish(out, lines, source=SOURCE, hardware=hardware.name, json_path=args.json, started=t0)
     return out
 
 

@@ -177,6 +177,27 @@ def _same_seed(rank: int, world: int) -> dict[str, Any]:
     return {"loss": loss.item(), "grads": _owned_grads(model)}
 
 
+def _handovers(rank: int, world: int) -> dict[str, int]:
+    """Hand-overs to a pool thread in one later step: one per receive, one per barrier round."""
+    model = mlp()
+    x, y = batch_for(model, batch=8)
+    pipe = Pipeline(model, "1f1b", microbatches=4, loss_fn=F.mse_loss, options=OPTIONS)
+    pipe.step(x, y)  # the first step also waits for each transfer's shape header
+    pool = pipe.parts.transport._endpoint.pool  # type: ignore[attr-defined]
+    count = 0
+    submit = pool.submit
+
+    def counted(job: Callable[[], None]) -> None:
+        nonlocal count
+        count += 1
+        submit(job)
+
+    pool.submit = counted
+    pipe.step(x, y)
+    receives = sum(a.kind in (Kind.RECV_F, Kind.RECV_B) for a in pipe.schedule.actions[rank])
+    return {"handovers": count, "receives": receives}
+
+
 def same_seed_local(ranks: int) -> dict[str, Any]:
     """The same run as ``_same_seed`` on the local executor (in the test process)."""
     model = mlp(dropout=0.5)
@@ -423,6 +444,7 @@ def main_cases(rank: int, world: int) -> dict[str, Any]:
     out["store"] = guard(lambda: _store_check(rank, world))
     out["grads"] = _grad_cases(rank, world)
     out["same_seed"] = guard(lambda: _same_seed(rank, world))
+    out["handovers"] = guard(lambda: _handovers(rank, world))
     out["grouped"] = guard(lambda: _grouped_weights(rank, world))
     out["tuple"] = guard(lambda: _tuple_case(rank, world))
     out["eval_rebatch"] = guard(lambda: _eval_and_rebatch(rank, world))

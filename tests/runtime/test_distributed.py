@@ -163,6 +163,18 @@ def test_transport_moves_ints_bools_tuples_and_relearns_after_reset(world: int) 
 
 
 @pytest.mark.parametrize("world", WORLDS)
+def test_a_step_hands_each_wait_to_a_pool_thread_once(world: int) -> None:
+    # A hand-over and back costs two thread wake-ups on the step's critical path: the
+    # step's end awaits its sends and its barrier round together (one per round).
+    rounds = (world - 1).bit_length()
+    for rank, out in enumerate(dist_cases.main_results(world)):
+        case = out["handovers"]
+        no_crash(case, f"hand-overs on rank {rank}")
+        assert case["receives"] > 0
+        assert case["handovers"] == case["receives"] + rounds, (rank, case)
+
+
+@pytest.mark.parametrize("world", WORLDS)
 def test_launcher_store_is_the_store_the_ranks_poll(world: int) -> None:
     assert [out["store"] for out in dist_cases.main_results(world)] == [True] * world
 

@@ -412,8 +412,10 @@ def connect(rank: int, group: Any | None, timeout: float, *, agree: bool = False
 # for failed peers):
 #
 #     start_step:   the barrier's receives posted (gloo; NCCL posts them in the barrier)
-#     finish_step:  sends done -> barrier (carries the loss to every rank, and each rank's
-#                   step number and batch fingerprint, checked by every rank that hears them)
+#     finish_step:  barrier (carries the loss to every rank, and each rank's step number
+#                   and batch fingerprint, checked by every rank that hears them); over gloo
+#                   the step's sends are awaited with its first round, its tokens with its
+#                   last: one hand-over to a pool thread per round
 #     after it:     all_reduce of the gradients of parameters shared across ranks
 
 Heard = list[tuple[Tensor, Any, Label]]
@@ -449,6 +451,7 @@ def barrier(
     *,
     batched: bool = False,
     heard: Heard | None = None,
+    sent: tuple[list[Any], list[Label]] = ([], []),
 ) -> Tensor | None:
     """Every rank finished this step's schedule (so the collectives after it will be joined).
 
@@ -473,7 +476,11 @@ def barrier(
     issued only after the round before completed, for backends that match
     messages in issue order and let a posted receive hold back later
     operations (NCCL); otherwise every round's receive is posted up front:
-    ``heard``, if :func:`post_barrier` posted them already, or here.
+    ``heard``, if :func:`post_barrier` posted them already, or here.  ``sent``:
+    works this rank posted earlier in the step (its sends, with their labels),
+    awaited together with the first round's receive.  Each wait hands over to a
+    pool thread and back, on the step's critical path; the step's end makes one
+    per round.
     """
     rank, w = endpoint.rank, endpoint.world
     rounds = (w - 1).bit_length()
@@ -504,19 +511,28 @@ def barrier(
         return _shared_loss(loss, known)
     if heard is None:
         heard = post_barrier(endpoint, tag, device)
+    # One wait per round, each handed to a pool thread: the sends still in flight join the
+    # first round's, this rank's tokens the last round's.
+    works, labels = list(sent[0]), list(sent[1])
     told: list[Any] = []
-    labels: list[Label] = []
+    told_labels: list[Label] = []
     for k, (buf, work, label) in enumerate(heard):
         dst = (rank + (1 << k)) % w
         what = f"the end-of-step barrier (round {k}) to rank {dst}"
         token = known.clone()  # in flight while ``known`` may still change
         told.append(endpoint.send(token, dst, tag(k), what))
-        labels.append((what, dst))
-        endpoint.wait(endpoint.pending([work], [label]))
+        told_labels.append((what, dst))
+        works.append(work)
+        labels.append(label)
+        if k == len(heard) - 1:
+            works += told
+            labels += told_labels
+        endpoint.wait(endpoint.pending(works, labels))
+        works, labels = [], []
         if _heard_from(endpoint, int(label[1] or 0), buf) and not have:
             known, have = buf, True
-    if told:
-        endpoint.wait(endpoint.pending(told, labels))
+    if works:  # no rounds (one rank): only the sends
+        endpoint.wait(endpoint.pending(works, labels))
     return _shared_loss(loss, known)
 
 

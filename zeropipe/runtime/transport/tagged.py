@@ -206,7 +206,8 @@ class DistributedTransport:
             works.append(self._endpoint.send(x, peer, self._tag(t, k + 1), what))
             labels.append((what, peer))
         # Not waited on here: handing each send to a waiter thread costs more
-        # than the send; all of a step's sends are awaited together in finish_step.
+        # than the send; all of a step's sends are awaited together at the end-of-step
+        # barrier, with its first receive.
         self._sends.append(_Sent(works, labels, tuple(keep)))
 
     def post_recv(self, action: Action) -> None:
@@ -253,14 +254,18 @@ class DistributedTransport:
             raise PipelineError(
                 f"rank {self.rank}: step ended with receives never consumed: {left}"
             )
-        sends, self._sends = self._sends, []
-        if sends:
-            works = [w for sent in sends for w in sent.works]
-            labels = [lab for sent in sends for lab in sent.labels]
-            self._endpoint.wait(self._endpoint.pending(works, labels))
-        # Kept until the barrier returns: a failed step's receives stay alive (see fail).
-        loss = barrier(self._endpoint, loss, self._barrier_tag, self._device, heard=self._heard)
-        self._heard = None
+        works = [w for sent in self._sends for w in sent.works]
+        labels = [lab for sent in self._sends for lab in sent.labels]
+        # Kept until the barrier returns: a failed step's transfers stay alive (see fail).
+        loss = barrier(
+            self._endpoint,
+            loss,
+            self._barrier_tag,
+            self._device,
+            heard=self._heard,
+            sent=(works, labels),
+        )
+        self._sends, self._heard = [], None
         return loss
 
     def reset(self) -> None:

@@ -3,10 +3,11 @@
 The tiny MLP ``zeropipe bench --blocks 4 --width 64 --hidden 128`` runs (8 microbatches of
 8 rows, cut [2, 2]), stepped ``--steps`` times by zeropipe's ``Pipeline`` or by
 torch.distributed.pipelining (``--library``), after 20 warm-up steps; each rank prints its
-median step and its process id.  ``--profile`` runs the timed steps under ``cProfile`` and
-prints each rank's costliest calls (wall time, so torch's ops show what they cost inside a
-rank that shares the cores).  ``--ready FILE`` writes rank 0's process id to FILE when the
-timed steps start, so that a tool started then sees only them::
+median step, its process id, and what the timed steps cost it per step: CPU time by thread
+(its main thread's apart) and context switches.  ``--profile`` runs the timed steps under
+``cProfile`` and prints each rank's costliest calls (wall time, so torch's ops show what they
+cost inside a rank that shares the cores).  ``--ready FILE`` writes rank 0's process id to
+FILE when the timed steps start, so that a tool started then sees only them::
 
     python benchmarks/step_loop.py --library zeropipe
     python benchmarks/step_loop.py --library torch --profile
@@ -22,6 +23,7 @@ import cProfile
 import io
 import os
 import pstats
+import resource
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -51,21 +53,66 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
             fh.write(str(os.getpid()))
     profile = cProfile.Profile() if args.profile else None
     times = []
+    usage, threads, main_cpu = resource.getrusage(resource.RUSAGE_SELF), _thread_cpu(), 0.0
     for _ in range(args.steps):
         dist.barrier()
         start = time.perf_counter()
         if profile is not None:
             profile.enable()
+        cpu = time.thread_time()
         step()
+        main_cpu += time.thread_time() - cpu
         if profile is not None:
             profile.disable()
         times.append(time.perf_counter() - start)
     out: dict[str, Any] = {"pid": os.getpid(), "median_ms": statistics.median(times) * 1e3}
+    out["cpu"] = _cpu_per_step(usage, threads, main_cpu, args.steps)
     if profile is not None:
         text = io.StringIO()
         pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(12)
         out["profile"] = text.getvalue()
     return out
+
+
+def _thread_cpu() -> dict[str, tuple[str, float]]:
+    """Each thread's CPU seconds so far, by thread id: (its name, seconds); Linux only."""
+    out = {}
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    for tid in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else []:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as fh:
+                stat = fh.read()
+        except OSError:  # the thread ended
+            continue
+        name, fields = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :]
+        utime, stime = fields.split()[11:13]
+        out[tid] = (name, (int(utime) + int(stime)) / tick)
+    return out
+
+
+def _cpu_per_step(
+    usage: resource.struct_rusage, threads: dict[str, tuple[str, float]], main: float, steps: int
+) -> str:
+    """What the timed steps cost the process per step: CPU by thread and context switches.
+
+    The steps include the barrier before each.  Threads are grouped by name: the main
+    thread and zeropipe's waiter threads are both "python" (the name Linux sees), gloo's
+    I/O thread is "gloo_tcp_loop"; clock ticks make these figures coarse (10 ms each).
+    """
+    now = resource.getrusage(resource.RUSAGE_SELF)
+    total = now.ru_utime + now.ru_stime - usage.ru_utime - usage.ru_stime
+    names: dict[str, float] = {}
+    for tid, (name, seconds) in _thread_cpu().items():
+        names[name] = names.get(name, 0.0) + seconds - threads.get(tid, (name, 0.0))[1]
+    by_thread = ", ".join(
+        f"{name} {seconds / steps * 1e3:.2f}" for name, seconds in sorted(names.items()) if seconds
+    )
+    return (
+        f"CPU per step {total / steps * 1e3:.2f} ms (main thread {main / steps * 1e3:.2f}; by "
+        f"thread name: {by_thread or 'not on this OS'}), context switches per step "
+        f"{(now.ru_nvcsw - usage.ru_nvcsw) / steps:.0f} voluntary, "
+        f"{(now.ru_nivcsw - usage.ru_nivcsw) / steps:.0f} involuntary"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
@@ -79,7 +126,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     results: list[dict[str, Any]] = launch(_rank, 2, args, timeout=600, threads=1)
     for rank, r in enumerate(results):
         print(f"rank {rank} (pid {r['pid']}): {args.library} {args.schedule}, median step "
-              f"{r['median_ms']:.2f} ms over {args.steps} steps")  # fmt: skip
+              f"{r['median_ms']:.2f} ms over {args.steps} steps\n  {r['cpu']}")  # fmt: skip
         if "profile" in r:
             print(r["profile"])
     return results

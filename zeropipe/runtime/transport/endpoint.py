@@ -413,9 +413,7 @@ def connect(rank: int, group: Any | None, timeout: float, *, agree: bool = False
 #
 #     start_step:   the barrier's receives posted (gloo; NCCL posts them in the barrier)
 #     finish_step:  barrier (carries the loss to every rank, and each rank's step number
-#                   and batch fingerprint, checked by every rank that hears them); over gloo
-#                   the step's sends are awaited with its first round, its tokens with its
-#                   last: one hand-over to a pool thread per round
+#                   and batch fingerprint, checked by every rank that hears them)
 #     after it:     all_reduce of the gradients of parameters shared across ranks
 
 Heard = list[tuple[Tensor, Any, Label]]
@@ -476,14 +474,9 @@ def barrier(
     issued only after the round before completed, for backends that match
     messages in issue order and let a posted receive hold back later
     operations (NCCL); otherwise every round's receive is posted up front:
-    ``heard``, if :func:`post_barrier` posted them already, or here.  ``sent``:
-    works this rank posted earlier in the step (its sends, with their labels),
-    awaited together with the first round's receive.  Each wait hands over to a
-    pool thread and back, on the step's critical path; the step's end makes one
-    per round.
+    ``heard``, if :func:`post_barrier` posted them already, or here, and
+    ``sent`` (the step's sends, with their labels) awaited with the first round.
     """
-    rank, w = endpoint.rank, endpoint.world
-    rounds = (w - 1).bit_length()
     agreement = endpoint.agreement
     stamp = (0, 0) if agreement is None else (agreement.stamp.step, agreement.stamp.fingerprint)
     # The loss as float64 is exact for every floating dtype; the fingerprint has 48 bits.
@@ -494,30 +487,52 @@ def barrier(
         assert code is not None  # the caller checked
         known[0], known[1], known[2] = (1.0, loss.detach().double().reshape(()), code)
     if batched:
-        for k in range(rounds):
-            src, dst = (rank - (1 << k)) % w, (rank + (1 << k)) % w
-            buf = torch.empty(_TOKEN, dtype=torch.float64, device=device)
-            ops = [
-                dist.P2POp(
-                    dist.isend, known.clone(), endpoint.global_rank(dst), endpoint.group, tag(k)
-                ),
-                dist.P2POp(dist.irecv, buf, endpoint.global_rank(src), endpoint.group, tag(k)),
-            ]
-            what = f"the end-of-step barrier (round {k}) with ranks {dst} and {src}"
-            works = endpoint.call(partial(dist.batch_isend_irecv, ops), what, src)
-            endpoint.wait(endpoint.pending(works, [(what, src)] * len(works)))
-            if _heard_from(endpoint, src, buf) and not have:
-                known, have = buf, True
-        return _shared_loss(loss, known)
-    if heard is None:
-        heard = post_barrier(endpoint, tag, device)
-    # One wait per round, each handed to a pool thread: the sends still in flight join the
-    # first round's, this rank's tokens the last round's.
+        known = _batched_rounds(endpoint, known, have, tag, device)
+    else:
+        heard = post_barrier(endpoint, tag, device) if heard is None else heard
+        known = _posted_rounds(endpoint, known, have, tag, heard, sent)
+    return _shared_loss(loss, known)
+
+
+def _batched_rounds(
+    endpoint: Endpoint, known: Tensor, have: bool, tag: Callable[[int], int], device: torch.device
+) -> Tensor:
+    """The barrier's rounds one ``batch_isend_irecv`` each, a round after the one before (NCCL);
+    returns what this rank knows at the end (the loss's token, if a rank had one)."""
+    rank, w = endpoint.rank, endpoint.world
+    for k in range((w - 1).bit_length()):
+        src, dst = (rank - (1 << k)) % w, (rank + (1 << k)) % w
+        buf = torch.empty(_TOKEN, dtype=torch.float64, device=device)
+        ops = [
+            dist.P2POp(
+                dist.isend, known.clone(), endpoint.global_rank(dst), endpoint.group, tag(k)
+            ),
+            dist.P2POp(dist.irecv, buf, endpoint.global_rank(src), endpoint.group, tag(k)),
+        ]
+        what = f"the end-of-step barrier (round {k}) with ranks {dst} and {src}"
+        works = endpoint.call(partial(dist.batch_isend_irecv, ops), what, src)
+        endpoint.wait(endpoint.pending(works, [(what, src)] * len(works)))
+        if _heard_from(endpoint, src, buf) and not have:
+            known, have = buf, True
+    return known
+
+
+def _posted_rounds(
+    endpoint: Endpoint,
+    known: Tensor,
+    have: bool,
+    tag: Callable[[int], int],
+    heard: Heard,
+    sent: tuple[list[Any], list[Label]],
+) -> Tensor:
+    """The barrier's rounds over receives posted earlier (``heard``), one wait per round, each
+    handed to a pool thread: ``sent`` (the step's sends still in flight) joins the first
+    round's, this rank's tokens the last round's; returns what this rank knows at the end."""
     works, labels = list(sent[0]), list(sent[1])
     told: list[Any] = []
     told_labels: list[Label] = []
     for k, (buf, work, label) in enumerate(heard):
-        dst = (rank + (1 << k)) % w
+        dst = (endpoint.rank + (1 << k)) % endpoint.world
         what = f"the end-of-step barrier (round {k}) to rank {dst}"
         token = known.clone()  # in flight while ``known`` may still change
         told.append(endpoint.send(token, dst, tag(k), what))
@@ -533,7 +548,7 @@ def barrier(
             known, have = buf, True
     if works:  # no rounds (one rank): only the sends
         endpoint.wait(endpoint.pending(works, labels))
-    return _shared_loss(loss, known)
+    return known
 
 
 def _heard_from(endpoint: Endpoint, src: int, buf: Tensor) -> bool:

@@ -40,6 +40,7 @@ from tests.gradcheck import (
 )
 from tests.runtime.transport import agreement_cases, failure_cases
 from zeropipe import build_schedule
+from zeropipe.base import _compat
 from zeropipe.core.costs import CostModel
 from zeropipe.core.errors import PipelineError, ScheduleError
 from zeropipe.core.ir import Action, Kind
@@ -193,9 +194,43 @@ def _handovers(rank: int, world: int) -> dict[str, int]:
         submit(job)
 
     pool.submit = counted
+    endpoint = pipe.parts.transport._endpoint  # type: ignore[attr-defined]
+    wait, landed_count = endpoint.wait, 0
+
+    def waited(pending: Any, *, landed: bool = False) -> None:
+        nonlocal landed_count
+        landed_count += landed
+        wait(pending, landed=landed)
+
+    endpoint.wait = waited
     pipe.step(x, y)
     receives = sum(a.kind in (Kind.RECV_F, Kind.RECV_B) for a in pipe.schedule.actions[rank])
-    return {"handovers": count, "receives": receives}
+    return {"handovers": count, "landed": landed_count, "receives": receives}
+
+
+def _landing(rank: int, world: int) -> dict[str, Any]:
+    """``_compat.landed`` on a receive buffer: not before its message, once it has come, and
+    never when the message's last bytes are the mark itself (then waited on as usual)."""
+    group, tag, seen = dist.group.WORLD, 999_983, []
+    for ordinary in (True, False):
+        payload = torch.arange(4, dtype=torch.float64)
+        if not ordinary:  # the mark as the last 8 bytes: indistinguishable, so "not landed"
+            payload[-1:].view(torch.uint64).fill_(_compat._LANDING_MARK)
+        buf = torch.empty(4, dtype=torch.float64)
+        address = _compat.mark_landing(buf) if rank == 1 else None
+        work = _compat.p2p_recv(group, buf, 0, tag) if rank == 1 else None
+        before = address is not None and _compat.landed(address)  # rank 0 sends after this
+        dist.barrier()
+        if rank == 0:
+            _compat.p2p_send(group, payload, 1, tag).wait()
+        dist.barrier()  # after the payload on the same connection: it has been read
+        if rank == 1:
+            assert address is not None and work is not None
+            after = _compat.landed(address)
+            work.wait()
+            seen.append({"before": before, "landed": after, "equal": torch.equal(buf, payload)})
+    small = _compat.mark_landing(torch.empty(1, dtype=torch.float32))
+    return {"seen": seen, "small": small}
 
 
 def same_seed_local(ranks: int) -> dict[str, Any]:
@@ -445,6 +480,7 @@ def main_cases(rank: int, world: int) -> dict[str, Any]:
     out["grads"] = _grad_cases(rank, world)
     out["same_seed"] = guard(lambda: _same_seed(rank, world))
     out["handovers"] = guard(lambda: _handovers(rank, world))
+    out["landing"] = guard(lambda: _landing(rank, world))
     out["grouped"] = guard(lambda: _grouped_weights(rank, world))
     out["tuple"] = guard(lambda: _tuple_case(rank, world))
     out["eval_rebatch"] = guard(lambda: _eval_and_rebatch(rank, world))

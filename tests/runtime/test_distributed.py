@@ -165,13 +165,26 @@ def test_transport_moves_ints_bools_tuples_and_relearns_after_reset(world: int) 
 @pytest.mark.parametrize("world", WORLDS)
 def test_a_step_hands_each_wait_to_a_pool_thread_once(world: int) -> None:
     # A hand-over and back costs two thread wake-ups on the step's critical path: the
-    # step's end awaits its sends and its barrier round together (one per round).
+    # step's end awaits its sends and its barrier round together (one per round), and a
+    # receive whose data has already landed needs none.
     rounds = (world - 1).bit_length()
     for rank, out in enumerate(dist_cases.main_results(world)):
         case = out["handovers"]
         no_crash(case, f"hand-overs on rank {rank}")
         assert case["receives"] > 0
-        assert case["handovers"] == case["receives"] + rounds, (rank, case)
+        # A receive whose data has landed is waited on without a hand-over.
+        assert case["handovers"] + case["landed"] == case["receives"] + rounds, (rank, case)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_a_receive_buffer_tells_when_its_data_landed(world: int) -> None:
+    case = dist_cases.main_results(world)[1]["landing"]
+    no_crash(case, "landing case on rank 1")
+    ordinary, like_the_mark = case["seen"]
+    assert ordinary == {"before": False, "landed": True, "equal": True}
+    # Data that ends in the mark's bytes reads as not landed: waited on as any other.
+    assert like_the_mark == {"before": False, "landed": False, "equal": True}
+    assert case["small"] is None  # under 8 bytes: not marked, always handed over
 
 
 @pytest.mark.parametrize("world", WORLDS)

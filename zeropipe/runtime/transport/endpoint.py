@@ -10,6 +10,9 @@ on that thread's event in slices, looking for failed peers in between::
     Endpoint.wait(pending)   -> slices of _CHECK_EVERY s; between them PeerFailures.check
                                 (and, once stalled, Agreement.stalled);
                                 past ``timeout`` s: PipelineError naming what and whom
+    Endpoint.wait(pending, landed=True)
+                             -> a receive whose data has arrived (``_compat.landed``):
+                                ``wait()`` on the calling thread, which returns at once
 
 :class:`Endpoint` is one rank's end of the process group, shared by the
 point-to-point transfers (:mod:`zeropipe.runtime.transport.tagged`), the
@@ -18,30 +21,13 @@ pipeline's ranks do together at the end of a step (below).  A pipeline's
 endpoint has an :class:`Agreement`: whether its peers are in its step, with
 its batch (see :mod:`zeropipe.runtime.transport.wire`).
 
-A failed step leaves pool threads blocked in ``Work.wait()`` on transfers a
-peer will never complete, and such a thread aborts the process ("terminate
-called without an active exception", seen with torch 2.13 on Python 3.11)
-if it wakes while the interpreter finalizes: on its way back from C++ it
-re-takes the GIL, and a finalizing interpreter ends the thread there by
-unwinding a stack that cannot be unwound.  It wakes when the peer's process
-ends and its connections close.  So at exit::
-
-    no wait blocked              -> a normal exit
-    this rank failed on its own  -> flush, os._exit(1) at once: its error is printed,
-                                    its peers learn of it from the store
-    it relays a peer's failure   -> wait (bounded) for the failed peer's process to end,
-                                    which fails the blocked waits, plus a moment, then
-                                    exit normally: a supervisor polling the processes
-                                    (torchrun) sees the cause end first and names it
+A pool thread still blocked in a wait when the process exits is handled by
+:func:`zeropipe.runtime.transport.failures.watch_at_exit`.
 """
 
 from __future__ import annotations
 
-import atexit
-import contextlib
-import os
 import queue
-import sys
 import threading
 import time
 import weakref
@@ -56,7 +42,7 @@ from torch import Tensor
 from zeropipe.base import _compat
 from zeropipe.base.storage import local_tensor
 from zeropipe.core.errors import PipelineError
-from zeropipe.runtime.transport.failures import PeerFailures, failure_origin
+from zeropipe.runtime.transport.failures import PeerFailures, failure_origin, watch_at_exit
 from zeropipe.runtime.transport.wire import ASK_AFTER_S, DTYPES, Agreement, dtype_code
 
 __all__ = [
@@ -77,11 +63,6 @@ __all__ = [
 _CHECK_EVERY = 0.02
 # How often the end of a step on an accelerator polls its operations for completion (seconds).
 _POLL_S = 0.0002
-# At exit, how long a rank relaying a peer's failure waits for that peer's process to
-# end (it ends its own blocked waits), and how long it then stays: longer than
-# torchrun's default 0.1 s poll, so that torchrun sees the cause end alone.
-_EXIT_WAIT_S = 5.0
-_EXIT_AFTER_PEER_S = 1.0
 # How long closing a pool waits for its idle threads to end: one still alive when the
 # interpreter finalizes aborts the process, so a loaded host's threads get time to end.
 _CLOSE_WAIT_S = 5.0
@@ -120,7 +101,7 @@ class WaitPool:
         self._busy = 0  # jobs submitted and not finished: waits possibly blocked in c10d
         self._threads: set[threading.Thread] = set()
         self._running: set[threading.Thread] = set()  # threads inside a job: a wait
-        _POOLS.add(self)
+        watch_at_exit(self)
 
     @property
     def busy(self) -> int:
@@ -183,33 +164,6 @@ class WaitPool:
                 thread.join(max(0.0, deadline - time.monotonic()))
 
 
-# Every pool alive, for the exit below; a pool lives as long as one of its threads.
-_POOLS: weakref.WeakSet[WaitPool] = weakref.WeakSet()
-
-
-def _exit_with_blocked_waits() -> None:
-    """At interpreter exit: make sure no pool thread wakes from a c10d wait during finalization."""
-    blocked = [pool for pool in list(_POOLS) if pool.busy]
-    if not blocked:
-        return
-    if all(pool.failures is not None and pool.failures.peer_failed for pool in blocked):
-        deadline = time.monotonic() + _EXIT_WAIT_S
-        while any(pool.busy for pool in blocked) and time.monotonic() < deadline:
-            time.sleep(_CHECK_EVERY)
-        if not any(pool.busy for pool in blocked):
-            time.sleep(_EXIT_AFTER_PEER_S)
-            return
-    # The error is already printed (an uncaught exception is, before atexit runs); the
-    # status cannot be read here, and waits left blocked mean a step failed: 1.
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(AttributeError, OSError, ValueError):  # none, closed, broken
-            stream.flush()
-    os._exit(1)
-
-
-atexit.register(_exit_with_blocked_waits)
-
-
 class Pending:
     """Works in flight, waited on without blocking the caller past a slice.
 
@@ -234,12 +188,12 @@ class Pending:
             self._done.acquire()
             self._pool = pool  # handed to a pool thread when first waited on
 
-    def _wait_all(self) -> None:
+    def _wait_all(self, catching: type[BaseException] = BaseException) -> None:
         try:
             for k, work in enumerate(self.works):
                 self.at = k
                 work.wait()
-        except BaseException as exc:  # handed to the waiting thread
+        except catching as exc:  # handed to the waiting thread
             self.error = exc
         finally:
             self._done.release()
@@ -256,6 +210,12 @@ class Pending:
 
     def label(self) -> Label:
         return self.labels[min(self.at, len(self.labels) - 1)]
+
+    def wait_here(self) -> None:
+        """Wait on the calling thread, for works whose data has arrived (``wait()`` returns at
+        once): no hand-over to a pool thread and back, two wake-ups off the critical path."""
+        self._pool = None
+        self._wait_all(Exception)  # Ctrl-C here is the caller's, not a peer's failure
 
 
 class Endpoint:
@@ -326,8 +286,11 @@ class Endpoint:
         """Start waiting on ``works`` in the pool (``labels``: one per work)."""
         return Pending(works, labels, self.pool)
 
-    def wait(self, pending: Pending) -> None:
-        """Wait for ``pending``, failing on a peer's error, a lost peer, or the timeout."""
+    def wait(self, pending: Pending, *, landed: bool = False) -> None:
+        """Wait for ``pending``, failing on a peer's error, a lost peer, or the timeout;
+        ``landed``: its data has arrived (see :meth:`Pending.wait_here`)."""
+        if landed:
+            pending.wait_here()
         start = time.monotonic()
         deadline = start + self.timeout
         next_check = start + _CHECK_EVERY

@@ -15,19 +15,41 @@ dead or raising child's message to the store under :data:`FAILED_KEY`.
 
 Errors relayed on a peer's behalf carry the rank the failure started on
 (:func:`failure_origin`), so the launcher names the cause, not an echo.
+
+A failed step leaves pool threads blocked in ``Work.wait()`` on transfers a
+peer will never complete, and such a thread aborts the process ("terminate
+called without an active exception", seen with torch 2.13 on Python 3.11)
+if it wakes while the interpreter finalizes: on its way back from C++ it
+re-takes the GIL, and a finalizing interpreter ends the thread there by
+unwinding a stack that cannot be unwound.  It wakes when the peer's process
+ends and its connections close.  So at exit (:func:`watch_at_exit`)::
+
+    no wait blocked              -> a normal exit
+    this rank failed on its own  -> flush, os._exit(1) at once: its error is printed,
+                                    its peers learn of it from the store
+    it relays a peer's failure   -> wait (bounded) for the failed peer's process to end,
+                                    which fails the blocked waits, plus a moment, then
+                                    exit normally: a supervisor polling the processes
+                                    (torchrun) sees the cause end first and names it
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
+import os
 import re
+import sys
+import time
+import weakref
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 from zeropipe.core.errors import PipelineError
 
-__all__ = ["FAILED_KEY", "PeerFailures", "failure_origin"]
+__all__ = ["FAILED_KEY", "PeerFailures", "failure_origin", "watch_at_exit"]
 
 # Written by zeropipe.launch (which hosts the store) when a process raises or dies.
 FAILED_KEY = "zeropipe/failed"
@@ -186,3 +208,52 @@ class PeerFailures:
                 f"rank {self.rank} lost the rendezvous store ({type(exc).__name__}: {exc}); the "
                 f"process hosting it (the launcher, or rank 0 under env://) may have died"
             ) from exc
+
+
+# At exit, how long a rank relaying a peer's failure waits for that peer's process to
+# end (it ends its own blocked waits), and how long it then stays: longer than
+# torchrun's default 0.1 s poll, so that torchrun sees the cause end alone.
+_EXIT_WAIT_S = 5.0
+_EXIT_AFTER_PEER_S = 1.0
+_EXIT_POLL_S = 0.02
+
+
+class _Waits(Protocol):
+    """What the exit asks of a pool of waiter threads (the endpoint's ``WaitPool``)."""
+
+    failures: PeerFailures | None
+
+    @property
+    def busy(self) -> int: ...
+
+
+# Every pool alive; a pool lives as long as one of its threads.
+_POOLS: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def watch_at_exit(pool: _Waits) -> None:
+    """Have the interpreter's exit look at ``pool``'s blocked waits (see the module's docstring)."""
+    _POOLS.add(pool)
+
+
+def _exit_with_blocked_waits() -> None:
+    """At interpreter exit: make sure no pool thread wakes from a c10d wait during finalization."""
+    blocked: list[_Waits] = [pool for pool in list(_POOLS) if pool.busy]
+    if not blocked:
+        return
+    if all(pool.failures is not None and pool.failures.peer_failed for pool in blocked):
+        deadline = time.monotonic() + _EXIT_WAIT_S
+        while any(pool.busy for pool in blocked) and time.monotonic() < deadline:
+            time.sleep(_EXIT_POLL_S)
+        if not any(pool.busy for pool in blocked):
+            time.sleep(_EXIT_AFTER_PEER_S)
+            return
+    # The error is already printed (an uncaught exception is, before atexit runs); the
+    # status cannot be read here, and waits left blocked mean a step failed: 1.
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(AttributeError, OSError, ValueError):  # none, closed, broken
+            stream.flush()
+    os._exit(1)
+
+
+atexit.register(_exit_with_blocked_waits)

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from zeropipe.base import _compat
 from zeropipe.core.deps import Dependencies
 from zeropipe.core.errors import PipelineError
 from zeropipe.core.ir import Action, Kind, Schedule
@@ -87,6 +88,7 @@ class _Recv:
     header_pending: Pending | None = None
     buffers: tuple[Tensor, ...] = ()
     payload: Pending | None = None
+    landing: int | None = None  # where the last buffer's arrival shows (_compat.landed)
 
 
 @dataclass
@@ -242,7 +244,8 @@ class DistributedTransport:
             self._meta_recv[action] = meta
             self._post_payload(rec, meta)
         assert rec.payload is not None
-        self._endpoint.wait(rec.payload)
+        landed = rec.landing is not None and _compat.landed(rec.landing)
+        self._endpoint.wait(rec.payload, landed=landed)
         return rec.buffers
 
     def finish_step(self, loss: Tensor | None = None) -> Tensor | None:
@@ -303,6 +306,8 @@ class DistributedTransport:
     def _post_payload(self, rec: _Recv, meta: Meta) -> None:
         t = self._transfer_of(rec.action)
         rec.buffers = tuple(torch.empty(s, dtype=d, device=self._device) for d, s in meta)
+        # Marked before it is posted; the transfer's tensors arrive in order, the last last.
+        rec.landing = _compat.mark_landing(rec.buffers[-1]) if rec.buffers else None
         what = f"{rec.action} from rank {rec.peer}"
         works = [
             self._endpoint.recv(b, rec.peer, self._tag(t, k + 1), what)

@@ -150,3 +150,15 @@ def test_tensor_grad_hooks_are_seen_and_their_removal_too() -> None:
     leaf = torch.zeros(2, requires_grad=True)
     leaf.register_post_accumulate_grad_hook(lambda p: None)
     assert _compat.tensor_has_grad_hooks(leaf)
+
+
+def test_a_marked_buffer_shows_when_its_last_bytes_are_written() -> None:
+    buf = torch.empty(3, dtype=torch.float32)  # 12 bytes: the mark spans the last two floats
+    address = _compat.mark_landing(buf)
+    assert address == buf.data_ptr() + 4 and not _compat.landed(address)
+    buf[:1] = 1.0  # the message's head: not landed yet
+    assert not _compat.landed(address)
+    buf[2:] = 2.0  # its tail: landed
+    assert _compat.landed(address)
+    for unmarked in (torch.empty(1, dtype=torch.float32), torch.empty(4, 4).t()[0]):
+        assert _compat.mark_landing(unmarked) is None  # under 8 bytes; not contiguous

@@ -197,10 +197,11 @@ def _handovers(rank: int, world: int) -> dict[str, int]:
     endpoint = pipe.parts.transport._endpoint  # type: ignore[attr-defined]
     wait, landed_count = endpoint.wait, 0
 
-    def waited(pending: Any, *, landed: bool = False) -> None:
+    def waited(pending: Any, *, landing: int | None = None) -> None:
         nonlocal landed_count
-        landed_count += landed
-        wait(pending, landed=landed)
+        before = count
+        wait(pending, landing=landing)
+        landed_count += landing is not None and count == before  # not handed over
 
     endpoint.wait = waited
     pipe.step(x, y)

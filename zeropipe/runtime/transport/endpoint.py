@@ -10,8 +10,8 @@ on that thread's event in slices, looking for failed peers in between::
     Endpoint.wait(pending)   -> slices of _CHECK_EVERY s; between them PeerFailures.check
                                 (and, once stalled, Agreement.stalled);
                                 past ``timeout`` s: PipelineError naming what and whom
-    Endpoint.wait(pending, landed=True)
-                             -> a receive whose data has arrived (``_compat.landed``):
+    Endpoint.wait(pending, landing=address)
+                             -> a receive whose data lands within 50 us (``_compat.landed``):
                                 ``wait()`` on the calling thread, which returns at once
 
 :class:`Endpoint` is one rank's end of the process group, shared by the
@@ -27,6 +27,7 @@ A pool thread still blocked in a wait when the process exits is handled by
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -66,6 +67,22 @@ _POLL_S = 0.0002
 # How long closing a pool waits for its idle threads to end: one still alive when the
 # interpreter finalizes aborts the process, so a loaded host's threads get time to end.
 _CLOSE_WAIT_S = 5.0
+
+# How long a wait for a receive looks for its data landing before it hands the wait to a
+# pool thread (whose wake-ups, there and back, cost more on a busy host; see
+# docs/benchmarks.md, seventh session).
+_LANDING_SPIN_S = 50e-6
+_yield: Callable[[], None] = getattr(os, "sched_yield", lambda: time.sleep(0))
+
+
+def _landed_soon(landing: int) -> bool:
+    end = time.perf_counter() + _LANDING_SPIN_S
+    while not _compat.landed(landing):
+        if time.perf_counter() >= end:
+            return False
+        _yield()
+    return True
+
 
 Label = tuple[str, int | None]
 """What a work is (for messages) and the peer rank it involves (None: a collective)."""
@@ -286,10 +303,15 @@ class Endpoint:
         """Start waiting on ``works`` in the pool (``labels``: one per work)."""
         return Pending(works, labels, self.pool)
 
-    def wait(self, pending: Pending, *, landed: bool = False) -> None:
-        """Wait for ``pending``, failing on a peer's error, a lost peer, or the timeout;
-        ``landed``: its data has arrived (see :meth:`Pending.wait_here`)."""
-        if landed:
+    def wait(self, pending: Pending, *, landing: int | None = None) -> None:
+        """Wait for ``pending``, failing on a peer's error, a lost peer, or the timeout.
+
+        ``landing``: where a receive's arrival shows (:func:`_compat.mark_landing`).  Data
+        that lands within ``_LANDING_SPIN_S`` (or already has) is waited on by this thread
+        (:meth:`Pending.wait_here`); each look yields the core, so the rank's own gloo I/O
+        thread, which reads the message in, runs meanwhile.
+        """
+        if landing is not None and _landed_soon(landing):
             pending.wait_here()
         start = time.monotonic()
         deadline = start + self.timeout

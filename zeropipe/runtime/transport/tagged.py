@@ -244,8 +244,7 @@ class DistributedTransport:
             self._meta_recv[action] = meta
             self._post_payload(rec, meta)
         assert rec.payload is not None
-        landed = rec.landing is not None and _compat.landed(rec.landing)
-        self._endpoint.wait(rec.payload, landed=landed)
+        self._endpoint.wait(rec.payload, landing=rec.landing)
         return rec.buffers
 
     def finish_step(self, loss: Tensor | None = None) -> Tensor | None:

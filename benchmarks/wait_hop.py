@@ -10,6 +10,10 @@ alternating blocks within one launch:
     zeropipe         the runtime's :class:`~zeropipe.runtime.transport.endpoint.Endpoint`: a
                      pool thread blocks in ``work.wait()`` and hands the result
                      over; the caller waits in slices, checking for failed peers
+    zeropipe, landing  as the runtime waits for a receive: its buffer marked
+                     before it is posted (``_compat.mark_landing``), the data
+                     looked for up to 50 us with the core yielded, then waited
+                     on here if it landed, else through the pool as above
 
 A round trip has a wait on each side's receive on its critical path, and
 each side then waits for its own send.  Medians of the round trip.
@@ -28,23 +32,25 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zeropipe.base import _compat
 from zeropipe.runtime.launch import launch
 from zeropipe.runtime.transport.endpoint import Endpoint, connect
 
-MODES = ("calling thread", "zeropipe")
+MODES = ("calling thread", "zeropipe", "zeropipe, landing")
 
 
-def _wait(mode: str, endpoint: Endpoint, work: Any, peer: int) -> None:
+def _wait(mode: str, endpoint: Endpoint, work: Any, peer: int, landing: int | None = None) -> None:
     if mode == "calling thread":
         work.wait()
     else:
-        endpoint.wait(endpoint.pending([work], [("the ping-pong", peer)]))
+        pending = endpoint.pending([work], [("the ping-pong", peer)])
+        endpoint.wait(pending, landing=landing if mode == "zeropipe, landing" else None)
 
 
 def _worker(rank: int, world: int, reps: int, numel: int) -> dict[str, list[float]]:
     endpoint = connect(rank, None, 60.0)
     peer = 1 - rank
-    x = torch.zeros(numel)
+    x, buf = torch.ones(numel), torch.zeros(numel)
     out: dict[str, list[float]] = {mode: [] for mode in MODES}
     for _block in range(3):
         for mode in MODES:
@@ -53,13 +59,14 @@ def _worker(rank: int, world: int, reps: int, numel: int) -> dict[str, list[floa
                 if k % 100 == 0:
                     dist.barrier()
                 t0 = time.perf_counter()
+                landing = _compat.mark_landing(buf)
                 if rank == 0:
                     sent = dist.isend(x, peer, tag=1)
-                    got = dist.irecv(x, peer, tag=2)
-                    _wait(mode, endpoint, got, peer)
+                    got = dist.irecv(buf, peer, tag=2)
+                    _wait(mode, endpoint, got, peer, landing)
                 else:
-                    got = dist.irecv(x, peer, tag=1)
-                    _wait(mode, endpoint, got, peer)
+                    got = dist.irecv(buf, peer, tag=1)
+                    _wait(mode, endpoint, got, peer, landing)
                     sent = dist.isend(x, peer, tag=2)
                 _wait(mode, endpoint, sent, peer)
                 times.append(time.perf_counter() - t0)
@@ -82,9 +89,10 @@ def main() -> None:
     for mode in MODES:
         blocks = " ".join(f"{t * 1e6:.1f}" for t in result[mode])
         print(f"{mode:16} {medians[mode] * 1e6:8.1f} us   (blocks: {blocks})")
-    extra = medians["zeropipe"] - medians["calling thread"]
-    ratio = medians["zeropipe"] / medians["calling thread"]
-    print(f"zeropipe / calling thread: {ratio:.2f} ({extra * 1e6:.1f} us more per round trip)")
+    for mode in MODES[1:]:
+        extra = medians[mode] - medians["calling thread"]
+        ratio = medians[mode] / medians["calling thread"]
+        print(f"{mode} / calling thread: {ratio:.2f} ({extra * 1e6:.1f} us more per round trip)")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ The tiny MLP ``zeropipe bench --blocks 4 --width 64 --hidden 128`` runs (8 micro
 8 rows, cut [2, 2]), stepped ``--steps`` times by zeropipe's ``Pipeline`` or by
 torch.distributed.pipelining (``--library``), after 20 warm-up steps; each rank prints its
 median step, its process id, and what the timed steps cost it per step: CPU time by thread
-(its main thread's apart) and context switches.  ``--profile`` runs the timed steps under
+(its main thread's apart), context switches and, under zeropipe, how many waits the calling
+thread made itself (their data had landed) and how many it handed to a pool thread.  ``--profile`` runs the timed steps under
 ``cProfile`` and prints each rank's costliest calls (wall time, so torch's ops show what they
 cost inside a rank that shares the cores).  ``--ready FILE`` writes rank 0's process id to
 FILE when the timed steps start, so that a tool started then sees only them::
@@ -51,6 +52,7 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     if rank == 0 and args.ready:
         with open(args.ready, "w") as fh:
             fh.write(str(os.getpid()))
+    waits = _count_waits() if args.library == "zeropipe" else None
     profile = cProfile.Profile() if args.profile else None
     times = []
     usage, threads, main_cpu = resource.getrusage(resource.RUSAGE_SELF), _thread_cpu(), 0.0
@@ -67,11 +69,37 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
         times.append(time.perf_counter() - start)
     out: dict[str, Any] = {"pid": os.getpid(), "median_ms": statistics.median(times) * 1e3}
     out["cpu"] = _cpu_per_step(usage, threads, main_cpu, args.steps)
+    if waits is not None:
+        out["cpu"] += (
+            f"\n  waits per step: {waits['here'] / args.steps:.1f} on the calling thread (their data "
+            f"had landed), {waits['pool'] / args.steps:.1f} handed to a pool thread"
+        )
     if profile is not None:
         text = io.StringIO()
         pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(12)
         out["profile"] = text.getvalue()
     return out
+
+
+def _count_waits() -> dict[str, int]:
+    """Count, from now on, the runtime's waits made on the calling thread and those handed
+    to a pool thread (``Pending.wait_here`` and ``WaitPool.submit``)."""
+    from zeropipe.runtime.transport.endpoint import Pending, WaitPool
+
+    counts = {"here": 0, "pool": 0}
+    here, submit = Pending.wait_here, WaitPool.submit
+
+    def counted_here(self: Pending) -> None:
+        counts["here"] += 1
+        here(self)
+
+    def counted_submit(self: WaitPool, job: Callable[[], None]) -> None:
+        counts["pool"] += 1
+        submit(self, job)
+
+    Pending.wait_here = counted_here  # type: ignore[method-assign]
+    WaitPool.submit = counted_submit  # type: ignore[method-assign]
+    return counts
 
 
 def _thread_cpu() -> dict[str, tuple[str, float]]:

@@ -224,11 +224,18 @@ def _landing(rank: int, world: int) -> dict[str, Any]:
         dist.barrier()
         if rank == 0:
             _compat.p2p_send(group, payload, 1, tag).wait()
-        dist.barrier()  # after the payload on the same connection: it has been read
+        dist.barrier()
         if rank == 1:
             assert address is not None and work is not None
-            after = _compat.landed(address)
-            work.wait()
+            if ordinary:  # sent: the I/O thread reads it in soon (looked for, bounded)
+                deadline = time.monotonic() + TIMEOUT
+                while not _compat.landed(address) and time.monotonic() < deadline:
+                    time.sleep(0.001)
+                after = _compat.landed(address)
+                work.wait()
+            else:  # read in whole, and still its last bytes are the mark's
+                work.wait()
+                after = _compat.landed(address)
             seen.append({"before": before, "landed": after, "equal": torch.equal(buf, payload)})
     small = _compat.mark_landing(torch.empty(1, dtype=torch.float32))
     return {"seen": seen, "small": small}

@@ -76,12 +76,14 @@ _yield: Callable[[], None] = getattr(os, "sched_yield", lambda: time.sleep(0))
 
 
 def _landed_soon(landing: int) -> bool:
+    if _compat.landed(landing):
+        return True  # the common case on a stage that waits least: no clock read
     end = time.perf_counter() + _LANDING_SPIN_S
-    while not _compat.landed(landing):
-        if time.perf_counter() >= end:
-            return False
+    while time.perf_counter() < end:
         _yield()
-    return True
+        if _compat.landed(landing):
+            return True
+    return False
 
 
 Label = tuple[str, int | None]

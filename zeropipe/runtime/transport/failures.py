@@ -228,7 +228,7 @@ class _Waits(Protocol):
 
 
 # Every pool alive; a pool lives as long as one of its threads.
-_POOLS: weakref.WeakSet[Any] = weakref.WeakSet()
+_POOLS: weakref.WeakSet[_Waits] = weakref.WeakSet()
 
 
 def watch_at_exit(pool: _Waits) -> None:
@@ -238,7 +238,7 @@ def watch_at_exit(pool: _Waits) -> None:
 
 def _exit_with_blocked_waits() -> None:
     """At interpreter exit: make sure no pool thread wakes from a c10d wait during finalization."""
-    blocked: list[_Waits] = [pool for pool in list(_POOLS) if pool.busy]
+    blocked = [pool for pool in list(_POOLS) if pool.busy]
     if not blocked:
         return
     if all(pool.failures is not None and pool.failures.peer_failed for pool in blocked):
